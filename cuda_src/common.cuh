@@ -1,0 +1,23 @@
+// Shared definitions for every kernel family. Keep this small: types, limits and tiny helpers only.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+// Tree limits (docs/CONTRACTS.md): root + up to 128 nodes per stream, ancestor mask of 5 x 32 bits per row.
+#define DDT_MAX_TREE_ROWS 129
+#define DDT_MASK_WORDS 5
+
+// Paged latent KV cache: tokens per page and values per token (c_kv 512 | k_pe 64).
+#define KV_PAGE_SIZE 64
+#define KV_LATENT_DIM 512
+#define KV_ROPE_DIM 64
+#define KV_ROW_DIM (KV_LATENT_DIM + KV_ROPE_DIM)
+
+typedef unsigned short bf16_bits;  // bf16 as stored by the host (numpy/CuPy uint16)
+
+__device__ __forceinline__ float bf16_to_f32(bf16_bits b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+__device__ __forceinline__ bf16_bits f32_to_bf16(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+}
