@@ -1,7 +1,16 @@
 // Shared definitions for every kernel family. Keep this small: types, limits and tiny helpers only.
 #pragma once
 #include <cuda_bf16.h>
+// NVRTC has no C library headers (no <stdint.h> on a pip-only install): define the fixed-width types
+// it would give (LP64: 64-bit is long) and only include the real header under a host compiler.
+#if defined(__CUDACC_RTC__)
+typedef signed char int8_t; typedef unsigned char uint8_t;
+typedef short int16_t; typedef unsigned short uint16_t;
+typedef int int32_t; typedef unsigned int uint32_t;
+typedef long int64_t; typedef unsigned long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
 // Tree limits (docs/CONTRACTS.md): root + up to 128 nodes per stream, ancestor mask of 5 x 32 bits per row.
 #define DDT_MAX_TREE_ROWS 129

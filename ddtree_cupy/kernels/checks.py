@@ -59,3 +59,37 @@ def check_range(name: str, value: int, lo: int, hi: int) -> int:
 def current_device() -> int:
     import cupy
     return cupy.cuda.Device().id
+
+
+def check_rows(name: str, a, dtype, shape: Sequence[Dim], dims: Optional[dict] = None, align: int = 16):
+    """Like ``check_array`` for a possibly strided view whose innermost dimension is contiguous.
+
+    Kernels take explicit row strides so a column slice (``q[:, :, 128:]``, ``kv[:, :512]``) can be read
+    or written in place. Every stride and the base address must be multiples of ``align`` bytes (16: the
+    kernels move 16-byte vectors). Returns the element strides.
+    """
+    check_array(name, a, dtype, shape, dims, contiguous=False)
+    item = a.dtype.itemsize
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != item:
+        raise ValueError(f"{name}: the last dimension must be contiguous (strides {a.strides})")
+    for i, s in enumerate(a.strides[:-1]):
+        if a.shape[i] > 1 and (s % align or s < 0):
+            raise ValueError(f"{name}: stride {s} B of dimension {i} must be a positive multiple of {align} B")
+    if a.data.ptr % align:
+        raise ValueError(f"{name}: base address must be {align}-byte aligned (a view starting mid-vector?)")
+    return tuple(s // item for s in a.strides)
+
+
+def check_multiple(name: str, value: int, multiple: int) -> int:
+    """value % multiple == 0, else ValueError naming ``name``."""
+    if int(value) % multiple:
+        raise ValueError(f"{name}: must be a multiple of {multiple}, got {value}")
+    return int(value)
+
+
+def check_out(name: str, out, dtype, shape: Tuple[int, ...]):
+    """Allocate ``out`` when None (outside graph capture); otherwise validate it. Returns the array."""
+    import cupy
+    if out is None:
+        return cupy.empty(shape, dtype=dtype)
+    return check_array(name, out, dtype, shape)

@@ -2,21 +2,35 @@
 
 Every kernel family registers a ``KernelSpec`` (source file, kernel names / template instantiations,
 whether it is hot). ``get_kernel`` compiles lazily for the current device; ``ddtree_cupy.build`` compiles
-every registered spec for any architecture without a GPU, through NVRTC directly, with the same options.
+every registered spec for any architecture without a GPU, through NVRTC directly, with the same options
+(``nvrtc_options``).
+
+Headers: ``<cuda_bf16.h>`` comes from the CUDA runtime headers. Without a toolkit they come from the pip
+wheel ``nvidia-cuda-runtime-cu12`` (``nvidia/cuda_runtime/include``) or, for CUDA 13, ``nvidia-cuda-runtime``
+(``nvidia/cu13/include``); ``cuda_include_dirs`` finds them the way CuPy does (cuda-pathfinder), then
+falls back to ``CUDA_PATH``/``CUDA_HOME`` and /usr/local/cuda. NVRTC has no C library headers, so sources
+must not include ``<stdint.h>`` & co. (``common.cuh`` defines the fixed-width types under NVRTC).
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 CUDA_SRC_DIR = Path(__file__).resolve().parents[2] / "cuda_src"
 
 # Options on top of CuPy's own. -lineinfo lets Nsight map SASS to source. Fast math is per spec: kernels
 # whose results must match the reference bit for bit (top-K, tree scores) leave it off.
 BASE_OPTIONS: Tuple[str, ...] = ("-std=c++17", "-lineinfo")
+
+# What CuPy's RawModule adds on its own (cupy/cuda/compiler.py, CuPy 14.2): the build CLI adds the same so
+# that a CPU-side build proves the GPU-side one. (CuPy also passes its own include dirs and, on NVRTC
+# >= 12.8, --pch, which only affects compile time.)
+CUPY_IMPLICIT_OPTIONS: Tuple[str, ...] = ("-ftz=true", "--device-as-default-execution-space")
 
 
 @dataclass(frozen=True)
@@ -42,7 +56,46 @@ class KernelSpec:
         path = CUDA_SRC_DIR / self.src
         if not path.exists():
             raise FileNotFoundError(f"CUDA source {path} not found")
-        return path.read_text()
+        # The #line directive makes NVRTC's diagnostics name cuda_src/<file> instead of CuPy's temp file.
+        return f'#line 1 "{path}"\n' + path.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dirs() -> Tuple[str, ...]:
+    """Directories holding the CUDA runtime headers (cuda_bf16.h), found without a GPU."""
+    dirs: List[str] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+        d = find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(d)
+    except Exception:          # pathfinder missing or too old: fall back to the usual places
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen and os.path.isfile(os.path.join(d, "cuda_bf16.h")):
+            seen.add(d)
+            out.append(d)
+    return tuple(out[:1])      # one tree only: mixing two CUDA versions' headers breaks
+
+
+def nvrtc_options(spec: KernelSpec, arch: str) -> Tuple[str, ...]:
+    """The full NVRTC option list for ``spec`` on ``arch`` (e.g. 'sm_120'), as CuPy would compile it."""
+    arch = normalize_arch(arch)
+    return (spec.options(None) + tuple(f"--include-path={d}" for d in cuda_include_dirs())
+            + CUPY_IMPLICIT_OPTIONS + (f"--gpu-architecture={arch}",))
+
+
+def normalize_arch(arch: str) -> str:
+    """'sm_120', '120', 'sm120' or 'compute_120' -> 'sm_120'."""
+    m = re.fullmatch(r"(?:sm_?|compute_)?(\d{2,3}a?)", str(arch).strip())
+    if not m:
+        raise ValueError(f"arch: expected something like 'sm_90' or 'sm_120', got {arch!r}")
+    return f"sm_{m.group(1)}"
 
 
 _REGISTRY: Dict[str, KernelSpec] = {}
@@ -65,6 +118,16 @@ class KernelCompileError(RuntimeError):
     pass
 
 
+def format_compile_error(spec: KernelSpec, arch: str, log: str) -> str:
+    """A message naming the file, the architecture and each error's line, followed by the full log."""
+    errors = [ln.strip() for ln in log.splitlines() if re.search(r"\(\d+\): (catastrophic )?error", ln)]
+    head = f"NVRTC failed to compile cuda_src/{spec.src} for {arch}"
+    if spec.defines:
+        head += " with " + " ".join(f"-D{k}={v}" for k, v in spec.defines)
+    summary = "".join(f"\n  {e}" for e in errors[:10])
+    return f"{head}:{summary}\n--- NVRTC log ---\n{log.strip()}"
+
+
 def device_arch() -> str:
     import cupy
     dev = cupy.cuda.Device()
@@ -82,21 +145,39 @@ def get_module(spec: KernelSpec):
     with _LOCK:
         mod = _MODULES.get(key)
         if mod is None:
-            # CuPy appends -arch=sm_XX for the current device itself; pass only our options.
-            mod = cupy.RawModule(code=spec.source(), options=spec.options(None),
+            # CuPy appends -arch=sm_XX for the current device and its own include dirs; ours are harmless
+            # duplicates where CuPy found the same headers.
+            opts = spec.options(None) + tuple(f"--include-path={d}" for d in cuda_include_dirs())
+            mod = cupy.RawModule(code=spec.source(), options=opts,
                                  name_expressions=list(spec.names) or None)
             try:
                 mod.compile()
             except cupy.cuda.compiler.CompileException as e:
-                raise KernelCompileError(f"NVRTC failed to compile cuda_src/{spec.src} for {arch}:\n"
-                                         f"{e.get_message() if hasattr(e, 'get_message') else e}") from None
+                log = e.get_message() if hasattr(e, "get_message") else str(e)
+                raise KernelCompileError(format_compile_error(spec, arch, log)) from None
             _MODULES[key] = mod
     return mod
 
 
+_FN_CACHE: Dict[Tuple, object] = {}
+
+
 def get_kernel(spec: KernelSpec, name: str, max_dynamic_smem: int = 0):
-    """The kernel ``name`` (an extern "C" name or one of ``spec.names``' template expressions)."""
-    fn = get_module(spec).get_function(name)
-    if max_dynamic_smem > 48 * 1024:
+    """The kernel ``name`` (an extern "C" name or one of ``spec.names``' template expressions).
+
+    ``max_dynamic_smem``: the most dynamic shared memory any launch will ask for; above the 48 KB default
+    the per-function limit is raised (sm_120 allows up to 99 KB per block, H200 227 KB).
+    """
+    import cupy
+    key = (spec, name, cupy.cuda.Device().id)
+    fn = _FN_CACHE.get(key)
+    if fn is None:
+        fn = get_module(spec).get_function(name)
+        _FN_CACHE[key] = fn
+    if max_dynamic_smem > 48 * 1024 and getattr(fn, "_ddt_smem", 0) < max_dynamic_smem:
         fn.max_dynamic_shared_size_bytes = max_dynamic_smem
+        try:
+            fn._ddt_smem = max_dynamic_smem
+        except AttributeError:     # a cython object without __dict__: set the attribute every time
+            pass
     return fn

@@ -1,0 +1,168 @@
+// Skinny bf16 GEMM for decode: y[T, N] = x[T, K] @ W[N, K]^T, fp32 accumulate, bf16 (or fp32) out.
+//
+// T (tokens) is small (1..160) and W is large, so the kernel is built to stream W exactly once:
+//  * the weight is the mma "A" operand (16 weight rows = 16 output features per m16 tile) and the tokens
+//    are "B" (8 tokens per n8 tile), so T = 1 wastes nothing on the weight side;
+//  * a block owns GEMM_BN = 64 weight rows (4 warps x 16) and one K-range (split-K), every token;
+//  * weight and token tiles go global -> shared with cp.async in a STAGES-deep ring, so many bytes are
+//    in flight per SM, and shared -> registers with ldmatrix from an XOR-swizzled layout (no bank
+//    conflicts);
+//  * split-K > 1 writes fp32 partials to a workspace [batch][split][T][N] and gemm_splitk_reduce sums
+//    them in a fixed order (deterministic, graph-capturable, no atomics).
+// A batch index (gridDim.z) with element strides serves per-head products (MLA absorbed W_UK / W_UV).
+#include "common.cuh"
+
+#define GEMM_BN 64          // weight rows (output features) per block
+#define GEMM_BK 64          // k per pipeline stage: 128 bytes per row = 8 chunks of 16 bytes
+#define GEMM_THREADS 128    // 4 warps, one m16 tile of weight rows each
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (rows past T or N).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Row r, 16-byte chunk c of a [rows][8 chunks] tile: chunk index XOR (r & 7), so the 8 rows an ldmatrix
+// phase reads at one logical chunk land in 8 different bank groups.
+__device__ __forceinline__ int swz(int r, int c) { return r * 8 + (c ^ (r & 7)); }
+
+template <int NT, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(GEMM_THREADS, (NT <= 8 ? 2 : 0))
+gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                 const bf16_bits* __restrict__ w, long long w_batch_stride,
+                 void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                 float* __restrict__ ws, int T, int N, int K, int k_tiles_per_split) {
+    extern __shared__ uint4 smem[];
+    uint4* w_s = smem;                                   // [STAGES][GEMM_BN * 8]
+    uint4* x_s = smem + STAGES * GEMM_BN * 8;            // [STAGES][NT * 8 * 8]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n0 = blockIdx.x * GEMM_BN;
+    const int split = gridDim.y, sidx = blockIdx.y, b = blockIdx.z;
+    const int k_tiles = K / GEMM_BK;
+    const int kt0 = sidx * k_tiles_per_split;
+    const int nkt = min(k_tiles_per_split, k_tiles - kt0);
+    x += b * x_batch_stride;
+    w += b * w_batch_stride;
+
+    auto load_stage = [&](int slot, int kt) {
+        uint4* ws_ = w_s + slot * GEMM_BN * 8;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < GEMM_BN * 8 / GEMM_THREADS; ++j) {
+            const int i = tid + j * GEMM_THREADS, r = i >> 3, c = i & 7;
+            const int n = n0 + r;
+            const bf16_bits* src = n < N ? w + (long long)n * K + k + c * 8 : w;
+            cp_async16(smem_addr(ws_ + swz(r, c)), src, n < N ? 16 : 0);
+        }
+        uint4* xs_ = x_s + slot * NT * 64;
+#pragma unroll
+        for (int j = 0; j < (NT * 64 + GEMM_THREADS - 1) / GEMM_THREADS; ++j) {
+            const int i = tid + j * GEMM_THREADS;
+            if (i < NT * 64) {
+                const int r = i >> 3, c = i & 7;
+                const bf16_bits* src = r < T ? x + (long long)r * x_row_stride + k + c * 8 : x;
+                cp_async16(smem_addr(xs_ + swz(r, c)), src, r < T ? 16 : 0);
+            }
+        }
+    };
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nkt) load_stage(s, kt0 + s);
+        cp_async_commit();                 // commit even when empty: the group count stays in step
+    }
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();       // stage `it` has landed (for this thread) ...
+        __syncthreads();                   // ... for every thread, and slot (it-1) % STAGES is free
+        const int nxt = it + STAGES - 1;
+        if (nxt < nkt) load_stage(nxt % STAGES, kt0 + nxt);
+        cp_async_commit();
+
+        const uint4* ws_ = w_s + (it % STAGES) * GEMM_BN * 8;
+        const uint4* xs_ = x_s + (it % STAGES) * NT * 64;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+            uint32_t a0, a1, a2, a3;
+            {   // A: 16 weight rows x 16 k; lanes 0-15 address rows at k 0-7, lanes 16-31 at k 8-15
+                const int r = warp * 16 + (lane & 15), c = kk * 2 + (lane >> 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(smem_addr(ws_ + swz(r, c))));
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                uint32_t b0, b1, b2 = 0, b3 = 0;
+                const int c = kk * 2 + ((lane >> 3) & 1);
+                if (j + 1 < NT) {   // two n8 token tiles at once: matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,..)
+                    const int r = j * 8 + (lane & 7) + ((lane >> 4) << 3);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+                } else {
+                    const int r = j * 8 + (lane & 7);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                                 : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+                }
+                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                if (j + 1 < NT) {
+                    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                                 : "+f"(acc[j + 1][0]), "+f"(acc[j + 1][1]), "+f"(acc[j + 1][2]),
+                                   "+f"(acc[j + 1][3])
+                                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // D fragment: c0,c1 = (feature lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = feature + 8.
+    const int nf = n0 + warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = nf + (e >> 1) * 8, t = j * 8 + 2 * (lane & 3) + (e & 1);
+            if (n < N && t < T) {
+                const float v = acc[j][e];
+                if (split > 1) {
+                    ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
+                } else if (OUT_F32) {
+                    ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
+                } else {
+                    ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
+                        f32_to_bf16(v);
+                }
+            }
+        }
+    }
+}
+
+// Sum the split-K partials in split order (deterministic) and write bf16 or fp32.
+template <bool OUT_F32>
+__global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int T, int N,
+                                   void* __restrict__ out, long long out_batch_stride, int out_row_stride) {
+    const int b = blockIdx.y;
+    const long long tn = (long long)T * N;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < tn; i += (long long)gridDim.x * blockDim.x) {
+        const float* p = ws + (long long)b * split * tn + i;
+        float s = 0.f;
+        for (int k = 0; k < split; ++k) s += p[k * tn];
+        const int t = (int)(i / N), n = (int)(i % N);
+        const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
+        if (OUT_F32) ((float*)out)[o] = s;
+        else ((bf16_bits*)out)[o] = f32_to_bf16(s);
+    }
+}

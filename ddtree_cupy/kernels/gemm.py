@@ -1,0 +1,132 @@
+"""Skinny bf16 GEMM (cuda_src/gemm_bf16.cu): y[T, N] = x[T, K] @ W[N, K]^T, fp32 accumulate.
+
+Decode shapes: T = 1..160 tokens, K 64..7168, N 16..20480. The weight is streamed once; split-K spreads a
+narrow weight over every SM. Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
+out [B, T, N]; x and out may be strided views (inner dimension contiguous, 16-byte aligned rows).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from .checks import check_array, check_multiple, check_range, check_rows
+from .compile import KernelSpec, get_kernel, register
+
+BN, BK, THREADS = 64, 64, 128
+MAX_T = 160
+NT_CHOICES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20)     # token tiles of 8 compiled; T rounds up to one
+SMEM_BUDGET = 96 * 1024                              # below sm_120's 99 KB per block
+
+
+def stages_for(nt: int) -> int:
+    """Pipeline depth: as many stages (<= 6) as fit the shared-memory budget."""
+    return min(6, SMEM_BUDGET // ((BN + nt * 8) * BK * 2))
+
+
+def smem_bytes(nt: int) -> int:
+    return stages_for(nt) * (BN + nt * 8) * BK * 2
+
+
+def _name(nt: int, out_f32: bool) -> str:
+    return f"gemm_bf16_kernel<{nt}, {stages_for(nt)}, {'true' if out_f32 else 'false'}>"
+
+
+SPEC = register(KernelSpec(
+    src="gemm_bf16.cu",
+    names=tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
+    + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
+    hot=True,
+    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K"))
+
+_SM_COUNT = {}
+_WORKSPACE = {}
+
+
+def _sm_count() -> int:
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return _SM_COUNT[dev]
+
+
+def choose_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
+    """Split-K factor: enough blocks for ~4 per SM, but fp32 partials at most ~25% of the weight bytes."""
+    k_tiles = K // BK
+    col_blocks = math.ceil(N / BN) * batch
+    want = math.ceil(4 * sm_count / col_blocks)
+    cap = max(1, min(k_tiles, K // (8 * T)))
+    split = max(1, min(want, cap))
+    per = math.ceil(k_tiles / split)
+    return math.ceil(k_tiles / per)       # no empty splits
+
+
+def _workspace(nbytes: int, workspace):
+    import cupy
+    if workspace is not None:
+        check_array("workspace", workspace, np.float32, (None,))
+        if workspace.nbytes < nbytes:
+            raise ValueError(f"workspace: needs {nbytes} bytes, got {workspace.nbytes}")
+        return workspace
+    dev = cupy.cuda.Device().id
+    ws = _WORKSPACE.get(dev)
+    if ws is None or ws.nbytes < nbytes:
+        stream = cupy.cuda.get_current_stream()
+        if getattr(stream, "is_capturing", lambda: False)():
+            raise ValueError("workspace: the shared split-K workspace must grow, which cannot happen during "
+                             "graph capture; run the same GEMM once before capturing or pass workspace=")
+        ws = cupy.empty(max(nbytes // 4, 1 << 20), dtype=np.float32)
+        _WORKSPACE[dev] = ws
+    return ws
+
+
+def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = None, workspace=None):
+    """y = x @ w^T. x [T, K] or [B, T, K] bf16 (uint16), w [N, K] or [B, N, K] bf16 (contiguous),
+    out [T, N] / [B, T, N] uint16 (bf16) or float32 (``out_dtype``). Returns ``out``.
+
+    Split-K partials go to ``workspace`` (float32, >= B*split*T*N) or a per-device shared buffer (one
+    stream at a time; call once before graph capture so it is large enough).
+    """
+    import cupy
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in (np.dtype(np.uint16), np.dtype(np.float32)):
+        raise ValueError(f"out_dtype: must be uint16 (bf16) or float32, got {out_dtype}")
+    batched = getattr(w, "ndim", 0) == 3
+    dims = {}
+    if batched:
+        xs = check_rows("x", x, np.uint16, ("B", "T", "K"), dims)
+        check_array("w", w, np.uint16, ("B", "N", "K"), dims)
+    else:
+        xs = (0,) + check_rows("x", x, np.uint16, ("T", "K"), dims)
+        check_array("w", w, np.uint16, ("N", "K"), dims)
+    B = dims.get("B", 1)
+    T, N, K = dims["T"], dims["N"], dims["K"]
+    check_range("x.shape[-2] (tokens T)", T, 1, MAX_T)
+    check_multiple("K (x.shape[-1])", K, BK)
+    check_multiple("N (w.shape[-2])", N, 16)
+    oshape = (B, T, N) if batched else (T, N)
+    if out is None:
+        out = cupy.empty(oshape, dtype=out_dtype)
+    os_ = check_rows("out", out, out_dtype, oshape, align=out_dtype.itemsize)
+    if not batched:
+        os_ = (0,) + os_
+    split = choose_split(T, N, K, B, _sm_count()) if split_k is None else check_range("split_k", split_k, 1, K // BK)
+    per = math.ceil(K // BK / split)
+    split = math.ceil(K // BK / per)
+    nt = next(c for c in NT_CHOICES if 8 * c >= T)
+    out_f32 = out_dtype == np.float32
+    ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
+    smem = smem_bytes(nt)
+    kern = get_kernel(SPEC, _name(nt, out_f32), max_dynamic_smem=smem)
+    w_bs = N * K if batched else 0
+    kern((math.ceil(N / BN), split, B), (THREADS,),
+         (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
+          ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)
+    if split > 1:
+        red = get_kernel(SPEC, f"gemm_splitk_reduce<{'true' if out_f32 else 'false'}>")
+        blocks = min(math.ceil(T * N / 256), 4 * _sm_count())
+        red((blocks, B), (256,), (ws, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
+                                  np.int32(os_[1])))
+    return out
