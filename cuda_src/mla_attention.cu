@@ -1,0 +1,396 @@
+// Absorbed MLA attention over the paged latent KV cache (docs/ATTENTION.md).
+//
+// One latent "head" (576 = c_kv 512 | k_pe 64) is shared by every query head, so the (query row, head)
+// pairs of one stream are packed into the MMA M dimension: packed row m = row * H + head, which is also
+// the memory order of q [total_rows, H, 576] and of the output o_lat [total_rows, H, 512]. Each K/V tile
+// is loaded once per block (cp.async from the paged pool) and serves all BM packed rows of the block.
+//
+// Block = MG x VG warps. Warp (mg, vg) owns packed rows mg*16..+16 and
+//   * in S = Q K^T: the tokens vg*BN/VG..+BN/VG of the tile (full 576-wide reduction),
+//   * in O += P V:  the output columns vg*512/VG..+512/VG (all BN tokens of the tile).
+// The VG warps of one row group exchange row maxima, row sums and P through shared memory, so every warp
+// of the group keeps the same online-softmax state (m, l) for its rows.
+//
+// Split-KV: blockIdx.y = split; each split covers a contiguous run of KV tiles of the stream and writes an
+// fp32 partial (normalised O and log2-sum-exp) that mla_attn_combine merges. With one split the block
+// writes bf16 o_lat directly.
+//
+// Visibility of KV position t for query row r of a stream with committed length s and n rows:
+//   t < s: visible;  t = s + j (0 <= j < n): tree mode bit j of mask[stream][r]; causal mode j <= r.
+#include "common.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define MLA_QK_DIM KV_ROW_DIM        // 576
+#define MLA_V_DIM KV_LATENT_DIM      // 512
+#define MLA_CHUNKS (MLA_QK_DIM / 8)  // 16-byte chunks per latent row
+// Shared-memory row stride (bf16 elements): 576 + 8 so that 8 consecutive rows start in 8 different
+// 16-byte bank groups (1168 B = 73 chunks, odd) and ldmatrix is conflict free.
+#define MLA_SROW (MLA_QK_DIM + 8)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    // src-size 0 zero-fills the 16 bytes: out-of-range tokens and padded query rows become exact zeros,
+    // so a poisoned pool slot never meets a zero probability (0 * NaN would poison the sum).
+    unsigned d = smem_u32(dst);
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x2(unsigned& r0, unsigned& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+}
+
+template <int MG, int VG, int BN, int STAGES>
+struct MlaCfg {
+    static constexpr int BM = MG * 16;
+    static constexpr int THREADS = MG * VG * 32;
+    static constexpr int TOK_W = BN / VG;          // tokens per warp in S
+    static constexpr int NT_S = TOK_W / 8;         // n-tiles per warp in S
+    static constexpr int COL_W = MLA_V_DIM / VG;   // output columns per warp
+    static constexpr int NT_O = COL_W / 8;         // n-tiles per warp in O
+    static constexpr int PSTR = BN + 8;            // P row stride (bf16): odd number of 16 B chunks
+    static constexpr int Q_ELEMS = BM * MLA_SROW;
+    static constexpr int K_ELEMS = BN * MLA_SROW;
+    static constexpr int P_ELEMS = BM * PSTR;
+    static constexpr int SMEM = (Q_ELEMS + STAGES * K_ELEMS + P_ELEMS) * 2 + 2 * VG * BM * 4;
+    static_assert(TOK_W % 8 == 0, "each warp needs whole 8-token n-tiles");
+    static_assert(BN % 16 == 0, "PV k-steps are 16 tokens");
+    static_assert(NT_O % 2 == 0, "V tiles are loaded in pairs");
+    static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
+};
+
+template <int MG, int VG, int BN, int STAGES>
+__global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
+    const bf16_bits* __restrict__ q,           // [total_rows, H, 576]
+    const bf16_bits* __restrict__ pool,        // [num_pages, 64, 576]
+    const int* __restrict__ block_table,       // [S, max_pages]
+    const int* __restrict__ prefix_len,        // [S] committed length s
+    const int* __restrict__ n_rows_arr,        // [S] query rows (tree rows, chunk rows, 1 for decode)
+    const int* __restrict__ row_start,         // [S] first row of the stream in q / out
+    const unsigned* __restrict__ mask,         // [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal)
+    bf16_bits* __restrict__ out,               // [total_rows, H, 512]            (num_splits == 1)
+    float* __restrict__ part_o,                // [num_splits, total_rows*H, 512] (num_splits > 1)
+    float* __restrict__ part_lse,              // [num_splits, total_rows*H]
+    int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {                        // softmax_scale * log2(e)
+    using C = MlaCfg<MG, VG, BN, STAGES>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_bits* Qs = reinterpret_cast<bf16_bits*>(smem_raw);
+    bf16_bits* Ks = Qs + C::Q_ELEMS;
+    bf16_bits* Ps = Ks + STAGES * C::K_ELEMS;
+    float* red_max = reinterpret_cast<float*>(Ps + C::P_ELEMS);   // [VG][BM]
+    float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
+
+    const int b = blockIdx.z;
+    const int split = blockIdx.y;
+    const int n = n_rows_arr[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
+    const int s = prefix_len[b];
+    const int rs = row_start[b];
+    const int* table = block_table + (size_t)b * max_pages;
+
+    // KV positions this row tile can see: causal rows stop at s + (last row) + 1.
+    int kv_len;
+    if (mask == nullptr) {
+        int r_last = min(n - 1, (m0 + C::BM - 1) / H);
+        kv_len = s + r_last + 1;
+    } else {
+        kv_len = s + n;
+    }
+    const int n_tiles = (kv_len + BN - 1) / BN;
+    const int per_split = (n_tiles + num_splits - 1) / num_splits;
+    const int tile_begin = split * per_split;
+    const int tile_end = min(n_tiles, tile_begin + per_split);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int mg = warp % MG, vg = warp / MG;
+    const int g = lane >> 2, q4 = lane & 3;
+
+    // ---- loads -----------------------------------------------------------------------------------
+    auto load_tile = [&](int tile, int buf) {
+        bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
+        const int t0 = tile * BN;
+        for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
+            int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
+            int t = t0 + tok;
+            bool ok = t < kv_len;
+            const bf16_bits* src = pool;
+            if (ok) {
+                int page = __ldg(table + t / KV_PAGE_SIZE);
+                src = pool + ((size_t)page * KV_PAGE_SIZE + (t % KV_PAGE_SIZE)) * MLA_QK_DIM + c * 8;
+            }
+            cp_async16(dst0 + tok * MLA_SROW + c * 8, src, ok);
+        }
+    };
+    {
+        const int valid_m = n * H - m0;
+        const bf16_bits* qb = q + ((size_t)rs * H + m0) * MLA_QK_DIM;
+        for (int i = tid; i < C::BM * MLA_CHUNKS; i += C::THREADS) {
+            int r = i / MLA_CHUNKS, c = i - r * MLA_CHUNKS;
+            bool ok = r < valid_m;
+            cp_async16(Qs + r * MLA_SROW + c * 8, ok ? qb + (size_t)r * MLA_QK_DIM + c * 8 : q, ok);
+        }
+    }
+    // Group 0 = Q + first tile; then one group per tile (possibly empty, so the wait count stays fixed).
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
+
+    // ---- per-thread row state: rows g and g+8 of the warp's 16 ---------------------------------------
+    int qrow[2];
+    const unsigned* mrow[2];
+    for (int i = 0; i < 2; ++i) {
+        int m = m0 + mg * 16 + g + 8 * i;
+        int r = min(m / H, n - 1);  // padded rows borrow the last row's mask; their output is dropped
+        qrow[i] = r;
+        mrow[i] = mask ? mask + ((size_t)b * mask_rows + r) * DDT_MASK_WORDS : nullptr;
+    }
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    float o[C::NT_O][4];
+#pragma unroll
+    for (int j = 0; j < C::NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int it = tile - tile_begin;
+        const int buf = it % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {   // refill the stage that was consumed in the previous iteration
+            int nt = tile + STAGES - 1;
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+            cp_async_commit();
+        }
+        const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
+
+        // ---- S = Q K^T for 16 rows x TOK_W tokens --------------------------------------------------
+        float sacc[C::NT_S][4];
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+        const bf16_bits* qa = Qs + (mg * 16 + (lane & 15)) * MLA_SROW + (lane >> 4) * 8;
+        const int tokw0 = vg * C::TOK_W;
+#pragma unroll 4
+        for (int ks = 0; ks < MLA_QK_DIM / 16; ++ks) {
+            unsigned a0, a1, a2, a3;
+            ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+#pragma unroll
+            for (int j = 0; j + 1 < C::NT_S; j += 2) {
+                const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7) + (lane >> 4) * 8) * MLA_SROW +
+                                      ks * 16 + ((lane >> 3) & 1) * 8;
+                unsigned b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, kp);
+                mma_bf16(sacc[j], a0, a1, a2, a3, b0, b1);
+                mma_bf16(sacc[j + 1], a0, a1, a2, a3, b2, b3);
+            }
+            if (C::NT_S & 1) {
+                const int j = C::NT_S - 1;
+                const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7)) * MLA_SROW + ks * 16 +
+                                      ((lane >> 3) & 1) * 8;
+                unsigned b0, b1;
+                ldsm_x2(b0, b1, kp);
+                mma_bf16(sacc[j], a0, a1, a2, a3, b0, b1);
+            }
+        }
+
+        // ---- mask, scale, tile row max ------------------------------------------------------------
+        const int t0 = tile * BN + tokw0;
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const int t = t0 + j * 8 + 2 * q4 + (e & 1);
+                bool vis = t < kv_len;
+                if (vis && t >= s) {
+                    int jj = t - s;
+                    vis = mrow[i] ? ((__ldg(mrow[i] + (jj >> 5)) >> (jj & 31)) & 1u) != 0 : jj <= qrow[i];
+                }
+                float x = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+                sacc[j][e] = x;
+                tmax[i] = fmaxf(tmax[i], x);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 1));
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 2));
+        }
+        if (VG > 1) {
+            if (q4 == 0) {
+                red_max[vg * C::BM + mg * 16 + g] = tmax[0];
+                red_max[vg * C::BM + mg * 16 + g + 8] = tmax[1];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int v = 0; v < VG; ++v) mx = fmaxf(mx, red_max[v * C::BM + mg * 16 + g + 8 * i]);
+                tmax[i] = mx;
+            }
+        }
+
+        // ---- probabilities, written to shared memory as the A operand of P V -------------------------
+        float alpha[2], m_use[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float m_new = fmaxf(m_run[i], tmax[i]);
+            m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: keep p = 0
+            alpha[i] = exp2f(m_run[i] - m_use[i]);
+            m_run[i] = m_new;
+        }
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j) {
+            float p0 = exp2f(sacc[j][0] - m_use[0]), p1 = exp2f(sacc[j][1] - m_use[0]);
+            float p2 = exp2f(sacc[j][2] - m_use[1]), p3 = exp2f(sacc[j][3] - m_use[1]);
+            psum[0] += p0 + p1;
+            psum[1] += p2 + p3;
+            const int col = tokw0 + j * 8 + 2 * q4;
+            *reinterpret_cast<unsigned*>(Ps + (mg * 16 + g) * C::PSTR + col) = pack_bf16x2(p0, p1);
+            *reinterpret_cast<unsigned*>(Ps + (mg * 16 + g + 8) * C::PSTR + col) = pack_bf16x2(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
+            psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
+        }
+        if (VG > 1 && q4 == 0) {
+            red_sum[vg * C::BM + mg * 16 + g] = psum[0];
+            red_sum[vg * C::BM + mg * 16 + g + 8] = psum[1];
+        }
+        __syncthreads();
+        if (VG > 1) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float sm = 0.f;
+#pragma unroll
+                for (int v = 0; v < VG; ++v) sm += red_sum[v * C::BM + mg * 16 + g + 8 * i];
+                psum[i] = sm;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + psum[i];
+#pragma unroll
+        for (int j = 0; j < C::NT_O; ++j) {
+            o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+        }
+
+        // ---- O += P V (V = the first 512 columns of the same latent rows) ---------------------------
+        const int col0 = vg * C::COL_W;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a0, a1, a2, a3;
+            ldsm_x4(a0, a1, a2, a3, Ps + (mg * 16 + (lane & 15)) * C::PSTR + kk * 16 + (lane >> 4) * 8);
+            const bf16_bits* vrow = Kb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * MLA_SROW + col0 +
+                                    (lane >> 4) * 8;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vrow + j * 8);
+                mma_bf16(o[j], a0, a1, a2, a3, b0, b1);
+                mma_bf16(o[j + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue -----------------------------------------------------------------------------------
+    const int valid_m = n * H - m0;
+    const int col0 = vg * C::COL_W;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int ml = mg * 16 + g + 8 * i;
+        if (ml >= valid_m) continue;
+        const size_t gm = (size_t)rs * H + m0 + ml;  // packed row in [total_rows * H]
+        const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+        if (num_splits == 1) {
+            bf16_bits* orow = out + gm * MLA_V_DIM + col0 + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; ++j)
+                *reinterpret_cast<unsigned*>(orow + j * 8) = pack_bf16x2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+        } else {
+            const size_t prow = (size_t)split * total_packed + gm;
+            float* orow = part_o + prow * MLA_V_DIM + col0 + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; ++j)
+                *reinterpret_cast<float2*>(orow + j * 8) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+            if (vg == 0 && q4 == 0)
+                part_lse[prow] = l_run[i] > 0.f ? m_run[i] + log2f(l_run[i]) : -INFINITY;
+        }
+    }
+}
+
+// Merge the splits: o = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max). One warp per packed row,
+// 16 columns per lane. grid (ceil(max_rows*H / 4), S), 128 threads.
+extern "C" __global__ void __launch_bounds__(128) mla_attn_combine(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
+    const int* __restrict__ row_start, int H, int total_packed, int num_splits, bf16_bits* __restrict__ out) {
+    const int b = blockIdx.y;
+    const int m = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (m >= n_rows[b] * H) return;
+    const size_t gm = (size_t)row_start[b] * H + m;
+    float mx = -INFINITY;
+    for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, part_lse[(size_t)sp * total_packed + gm]);
+    float acc[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+    float wsum = 0.f;
+    for (int sp = 0; sp < num_splits; ++sp) {
+        const float lse = part_lse[(size_t)sp * total_packed + gm];
+        if (lse == -INFINITY) continue;  // an empty split (no visible token) contributes nothing
+        const float w = exp2f(lse - mx);
+        wsum += w;
+        const float4* src = reinterpret_cast<const float4*>(part_o + ((size_t)sp * total_packed + gm) * MLA_V_DIM);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float4 v = src[lane + 32 * k];
+            acc[4 * k] += w * v.x; acc[4 * k + 1] += w * v.y; acc[4 * k + 2] += w * v.z; acc[4 * k + 3] += w * v.w;
+        }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    bf16_bits* dst = out + gm * MLA_V_DIM;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        uint2 pk;
+        pk.x = pack_bf16x2(acc[4 * k] * inv, acc[4 * k + 1] * inv);
+        pk.y = pack_bf16x2(acc[4 * k + 2] * inv, acc[4 * k + 3] * inv);
+        *reinterpret_cast<uint2*>(dst + 4 * (lane + 32 * k)) = pk;
+    }
+}
+
+// Instantiations (compile.py name expressions): the large-tile variant for GPUs with > 160 KB shared memory per block (H200),
+// the <= 99 KB variant for sm_120 (RTX PRO 6000). Both are valid on sm_90, so tests run both there.

@@ -1,0 +1,275 @@
+"""Launch wrappers for the attention kernels (cuda_src/mla_attention.cu, cuda_src/drafter_attention.cu).
+
+* ``mla_attention``: absorbed MLA over the paged latent KV cache, for tree verify (ancestor mask), decode,
+  chain and prefill chunks (causal), any number of streams with different prefix lengths in one launch.
+* ``drafter_attention``: the DFlash drafter's non-causal GQA attention over its context cache + the block.
+
+Both are graph friendly: the grid and the split count depend only on host-side sizes (the shape bucket:
+streams, max rows, max KV length); per-stream lengths, row offsets and masks are read on the device, and
+split partials live in a caller-owned workspace so a captured graph keeps valid pointers.
+See docs/ATTENTION.md for the design.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .checks import check_array, check_range, current_device
+from .compile import KernelSpec, get_kernel, register
+
+LATENT_DIM = 512
+ROPE_DIM = 64
+ROW_DIM = LATENT_DIM + ROPE_DIM
+PAGE_SIZE = 64
+MASK_WORDS = 5
+MAX_TREE_ROWS = 129
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class MlaTileConfig:
+    """One instantiation of mla_attn_fwd<MG, VG, BN, STAGES> (see the .cu header)."""
+    mg: int       # 16-row groups per block (BM = 16 * mg packed rows)
+    vg: int       # warps sharing a row group (split of the tile's tokens in S, of the 512 columns in O)
+    bn: int       # KV tokens per tile
+    stages: int   # cp.async pipeline depth
+
+    @property
+    def name(self) -> str:
+        return f"mla_attn_fwd<{self.mg}, {self.vg}, {self.bn}, {self.stages}>"
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.mg
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.mg * self.vg
+
+    @property
+    def smem(self) -> int:
+        srow = ROW_DIM + 8
+        return (self.bm * srow + self.stages * self.bn * srow + self.bm * (self.bn + 8)) * 2 + 2 * self.vg * self.bm * 4
+
+
+# "large": 152 KB of shared memory (H200 and other > 160 KB parts); "small": 93 KB, fits sm_120's 99 KB.
+MLA_CONFIGS = {
+    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),
+    "small": MlaTileConfig(mg=2, vg=2, bn=16, stages=3),
+}
+
+MLA_SPEC = register(KernelSpec(
+    src="mla_attention.cu",
+    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine",),
+    hot=True,
+    doc="absorbed MLA attention over the paged latent KV cache + split-KV combine"))
+
+DRAFTER_SPEC = register(KernelSpec(
+    src="drafter_attention.cu",
+    names=("drafter_attn_fwd", "drafter_attn_combine"),
+    hot=True,
+    doc="DFlash drafter GQA attention (context cache + block, non-causal) + split combine"))
+
+DRAFTER_HEAD_DIM = 128
+DRAFTER_TILE = 64
+DRAFTER_MAX_PACKED = 64
+DRAFTER_SMEM = (64 * 128 + 64 * 65 + 3 * 64) * 4 + (64 * 130 + 64 * 128) * 2
+
+
+def _device_attrs():
+    import cupy
+    dev = cupy.cuda.Device()
+    return dev.attributes["MultiProcessorCount"], dev.attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def choose_mla_config(max_smem_per_block: Optional[int] = None) -> MlaTileConfig:
+    """The largest tile configuration whose shared memory fits the device (or the given limit)."""
+    if max_smem_per_block is None:
+        max_smem_per_block = _device_attrs()[1]
+    for key in ("large", "small"):
+        if MLA_CONFIGS[key].smem <= max_smem_per_block:
+            return MLA_CONFIGS[key]
+    raise ValueError(f"no MLA tile configuration fits {max_smem_per_block} bytes of shared memory per block")
+
+
+def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, num_sms: int,
+                   config: MlaTileConfig) -> int:
+    """Split-KV count from sizes only (so a captured graph keeps it): enough blocks to cover every SM once,
+    but at least 4 KV tiles per split so the per-split fixed cost and the combine stay small."""
+    m_tiles = -(-max_rows * n_heads // config.bm)
+    blocks = n_streams * m_tiles
+    kv_tiles = -(-max_kv_len // config.bn)
+    want = -(-num_sms // blocks)
+    return max(1, min(want, kv_tiles // 4, MAX_SPLITS))
+
+
+class MlaWorkspace:
+    """fp32 split partials for one shape bucket: allocate once (outside graph capture) and reuse."""
+
+    def __init__(self, num_splits: int, total_rows: int, n_heads: int):
+        import cupy
+        self.num_splits = num_splits
+        self.total_packed = total_rows * n_heads
+        n = max(num_splits, 1)
+        self.part_o = cupy.empty((n, self.total_packed, LATENT_DIM), dtype=cupy.float32)
+        self.part_lse = cupy.empty((n, self.total_packed), dtype=cupy.float32)
+
+
+def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
+                  max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
+                  config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
+                  stream=None):
+    """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
+
+    q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
+    pool         uint16 [num_pages, 64, 576]  this layer's latent pool
+    block_table  int32 [S, max_pages]          page ids per stream
+    prefix_len   int32 [S]  committed length s: every row sees cache positions [0, s)
+    n_rows       int32 [S]  query rows of the stream (1..max_rows); their KV sits at positions s .. s+n-1
+    row_start    int32 [S]  first row of the stream in q / out
+    mask         uint32 [S, R, 5] ancestor mask (tree mode: row i sees s + j iff bit j of row i), or None
+                 for causal mode (row i sees s + j for j <= i: decode, chain, prefill chunks)
+    max_rows / max_kv_len: the shape bucket's bounds (>= every stream's n_rows / s + n_rows); they fix the
+                 grid and the split count, so a graph captured for the bucket serves any lengths inside it.
+    """
+    import cupy
+    dims: dict = {}
+    dev = current_device()
+    check_array("q", q, np.uint16, ("T", "H", ROW_DIM), dims, device=dev)
+    check_array("pool", pool, np.uint16, (None, PAGE_SIZE, ROW_DIM), dims, device=dev)
+    check_array("block_table", block_table, np.int32, ("S", None), dims, device=dev)
+    for name, arr in (("prefix_len", prefix_len), ("n_rows", n_rows), ("row_start", row_start)):
+        check_array(name, arr, np.int32, ("S",), dims, device=dev)
+    T, H, S = dims["T"], dims["H"], dims["S"]
+    check_range("max_rows", max_rows, 1, max(T, 1))
+    check_range("max_kv_len", max_kv_len, 1, block_table.shape[1] * PAGE_SIZE)
+    if mask is not None:
+        check_array("mask", mask, np.uint32, ("S", None, MASK_WORDS), dims, device=dev)
+        if max_rows > mask.shape[1] or max_rows > MAX_TREE_ROWS:
+            raise ValueError(f"max_rows: tree mode supports at most {min(mask.shape[1], MAX_TREE_ROWS)} rows "
+                             f"per stream (mask has {mask.shape[1]}), got {max_rows}")
+    if not (isinstance(softmax_scale, (float, int, np.floating)) and math.isfinite(softmax_scale)
+            and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: must be a positive finite number, got {softmax_scale!r}")
+    if out is None:
+        out = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
+    check_array("out", out, np.uint16, ("T", "H", LATENT_DIM), dims, device=dev)
+    num_sms, smem_limit = _device_attrs()
+    if config is None:
+        config = choose_mla_config(smem_limit)
+    elif config.smem > smem_limit:
+        raise ValueError(f"config: needs {config.smem} bytes of shared memory, the device allows {smem_limit}")
+    if num_splits is None:
+        num_splits = workspace.num_splits if workspace is not None else \
+            mla_num_splits(S, max_rows, H, max_kv_len, num_sms, config)
+    check_range("num_splits", num_splits, 1, MAX_SPLITS)
+    if num_splits > 1:
+        if workspace is None:
+            workspace = MlaWorkspace(num_splits, T, H)
+        if workspace.num_splits < num_splits or workspace.total_packed != T * H:
+            raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_packed} "
+                             f"packed rows, launch needs {num_splits} x {T * H}")
+        part_o, part_lse = workspace.part_o, workspace.part_lse
+    else:
+        part_o = part_lse = None
+    fwd = get_kernel(MLA_SPEC, config.name, config.smem)
+    m_tiles = -(-max_rows * H // config.bm)
+    null = np.uintp(0)
+    args = (q, pool, block_table, prefix_len, n_rows, row_start,
+            mask if mask is not None else null, out,
+            part_o if part_o is not None else null, part_lse if part_lse is not None else null,
+            np.int32(block_table.shape[1]), np.int32(mask.shape[1] if mask is not None else 0), np.int32(H),
+            np.int32(T * H), np.int32(num_splits), np.float32(float(softmax_scale) * LOG2E))
+    st = stream if stream is not None else cupy.cuda.get_current_stream()
+    with st:
+        fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
+        if num_splits > 1:
+            comb = get_kernel(MLA_SPEC, "mla_attn_combine")
+            comb((-(-max_rows * H // 4), S), (128,),
+                 (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
+    return out
+
+
+def drafter_num_splits(n_streams: int, kv_heads: int, max_ctx_len: int, block_rows: int, num_sms: int) -> int:
+    """Enough blocks for every SM, at least two 64-token tiles per split."""
+    tiles = -(-(max_ctx_len + block_rows) // DRAFTER_TILE)
+    want = -(-num_sms // (n_streams * kv_heads))
+    return max(1, min(want, tiles // 2, MAX_SPLITS))
+
+
+class DrafterWorkspace:
+    def __init__(self, num_splits: int, n_streams: int, block_rows: int, q_heads: int):
+        import cupy
+        self.num_splits = num_splits
+        self.total_rows = n_streams * block_rows * q_heads
+        n = max(num_splits, 1)
+        self.part_o = cupy.empty((n, self.total_rows, DRAFTER_HEAD_DIM), dtype=cupy.float32)
+        self.part_lse = cupy.empty((n, self.total_rows), dtype=cupy.float32)
+
+
+def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax_scale: float,
+                      max_ctx_len: int, window: int = 0, out=None, num_splits: Optional[int] = None,
+                      workspace: Optional[DrafterWorkspace] = None, stream=None):
+    """DFlash drafter attention; returns ``out`` uint16 bf16 [S, BR, Hq, 128].
+
+    q        uint16 [S, BR, Hq, 128]   block queries (normed, rotated)
+    k_block, v_block uint16 [S, BR, Hkv, 128]  the block's own K/V (seen by every block row)
+    k_cache, v_cache uint16 [S, C, Hkv, 128]   drafter context cache, position p in slot p % C
+    ctx_len  int32 [S]  committed context length; rows see positions [max(0, len - window), len) (all of
+             [0, len) when window == 0; then len must be <= C) plus the BR block rows, no causal mask
+    max_ctx_len: the bucket's bound on the context actually read (fixes the split count).
+    """
+    import cupy
+    dims: dict = {}
+    dev = current_device()
+    check_array("q", q, np.uint16, ("S", "BR", "Hq", DRAFTER_HEAD_DIM), dims, device=dev)
+    check_array("k_block", k_block, np.uint16, ("S", "BR", "Hkv", DRAFTER_HEAD_DIM), dims, device=dev)
+    check_array("v_block", v_block, np.uint16, ("S", "BR", "Hkv", DRAFTER_HEAD_DIM), dims, device=dev)
+    check_array("k_cache", k_cache, np.uint16, ("S", "C", "Hkv", DRAFTER_HEAD_DIM), dims, device=dev)
+    check_array("v_cache", v_cache, np.uint16, ("S", "C", "Hkv", DRAFTER_HEAD_DIM), dims, device=dev)
+    check_array("ctx_len", ctx_len, np.int32, ("S",), dims, device=dev)
+    S, BR, Hq, Hkv, C = dims["S"], dims["BR"], dims["Hq"], dims["Hkv"], dims["C"]
+    if Hq % Hkv:
+        raise ValueError(f"q: {Hq} query heads are not a multiple of the {Hkv} kv heads")
+    if BR * (Hq // Hkv) > DRAFTER_MAX_PACKED:
+        raise ValueError(f"q: block rows x heads per kv head = {BR} x {Hq // Hkv} exceeds "
+                         f"{DRAFTER_MAX_PACKED} (kernel limit)")
+    check_range("window", window, 0, C)
+    check_range("max_ctx_len", max_ctx_len, 0, 1 << 30)
+    if not (isinstance(softmax_scale, (float, int, np.floating)) and math.isfinite(softmax_scale)
+            and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: must be a positive finite number, got {softmax_scale!r}")
+    if out is None:
+        out = cupy.empty((S, BR, Hq, DRAFTER_HEAD_DIM), dtype=cupy.uint16)
+    check_array("out", out, np.uint16, ("S", "BR", "Hq", DRAFTER_HEAD_DIM), dims, device=dev)
+    read_len = min(max_ctx_len, window) if window else max_ctx_len
+    if num_splits is None:
+        num_splits = workspace.num_splits if workspace is not None else \
+            drafter_num_splits(S, Hkv, read_len, BR, _device_attrs()[0])
+    check_range("num_splits", num_splits, 1, MAX_SPLITS)
+    null = np.uintp(0)
+    part_o = part_lse = None
+    if num_splits > 1:
+        if workspace is None:
+            workspace = DrafterWorkspace(num_splits, S, BR, Hq)
+        if workspace.num_splits < num_splits or workspace.total_rows != S * BR * Hq:
+            raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_rows} rows, "
+                             f"launch needs {num_splits} x {S * BR * Hq}")
+        part_o, part_lse = workspace.part_o, workspace.part_lse
+    fwd = get_kernel(DRAFTER_SPEC, "drafter_attn_fwd", DRAFTER_SMEM)
+    st = stream if stream is not None else cupy.cuda.get_current_stream()
+    with st:
+        fwd((num_splits, Hkv, S), (256,),
+            (q, k_block, v_block, k_cache, v_cache, ctx_len, np.int32(C), np.int32(window), np.int32(BR),
+             np.int32(Hq), np.int32(Hkv), np.float32(float(softmax_scale) * LOG2E), np.int32(num_splits), out,
+             part_o if part_o is not None else null, part_lse if part_lse is not None else null),
+            shared_mem=DRAFTER_SMEM)
+        if num_splits > 1:
+            comb = get_kernel(DRAFTER_SPEC, "drafter_attn_combine")
+            rows = S * BR * Hq
+            comb((-(-rows // 4),), (128,), (part_o, part_lse, np.int32(rows), np.int32(num_splits), out))
+    return out
