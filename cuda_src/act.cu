@@ -1,0 +1,25 @@
+// SwiGLU activation: out[t, i] = bf16(silu(gate[t, i]) * up[t, i]) with in = [gate | up] ([T, 2I], the fused
+// gate+up GEMM output), fp32 math. 8 elements (16 bytes) per thread step.
+#include "common.cuh"
+
+extern "C" __global__ void silu_mul_kernel(const bf16_bits* __restrict__ in, long long in_stride,
+                                           bf16_bits* __restrict__ out, long long out_stride, int T, int I) {
+    const int nv = I / 8;
+    const long long total = (long long)T * nv;
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total;
+         g += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(g / nv), v = (int)(g % nv);
+        const uint4 gv = ((const uint4*)(in + t * in_stride))[v];
+        const uint4 uv = ((const uint4*)(in + t * in_stride + I))[v];
+        const bf16_bits* gh = (const bf16_bits*)&gv;
+        const bf16_bits* uh = (const bf16_bits*)&uv;
+        uint4 o;
+        bf16_bits* oh = (bf16_bits*)&o;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float gf = bf16_to_f32(gh[e]);
+            oh[e] = f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(uh[e]));
+        }
+        ((uint4*)(out + t * out_stride))[v] = o;
+    }
+}

@@ -1,0 +1,77 @@
+// RMSNorm over rows of bf16: y = bf16(w * x * rsqrt(mean(x^2) + eps)), fp32 math.
+// Optional fused residual add (the decoder's "h = h + residual; x = norm(h)"): the sum is rounded to
+// bf16 (the residual stream is bf16) and that rounded value is both written back as the new residual and
+// normalised. Rows may be strided views, and out_rows (optional) scatters row t to out row out_rows[t]
+// (the latent KV cache slot), so the kv_a norm can write straight into the paged cache.
+#include "common.cuh"
+
+#define NORM_THREADS 256
+#define NORM_MAXV 4          // 16-byte vectors per thread held in registers: H <= 8 * 4 * 256 = 8192
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < NORM_THREADS / 32; ++i) s += red[i];
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
+               const bf16_bits* __restrict__ res_in, long long res_in_stride,
+               bf16_bits* __restrict__ res_out, long long res_out_stride,
+               const bf16_bits* __restrict__ w, bf16_bits* __restrict__ out, long long out_stride,
+               const int* __restrict__ out_rows, int H, float eps) {
+    __shared__ float red[NORM_THREADS / 32];
+    const int t = blockIdx.x;
+    const int nv = H / 8;
+    const uint4* xr = (const uint4*)(x + t * x_stride);
+    const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
+    float v[NORM_MAXV][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) {
+            uint4 a = xr[i];
+            const bf16_bits* ah = (const bf16_bits*)&a;
+            if (rr) {
+                uint4 r = rr[i];
+                const bf16_bits* rh = (const bf16_bits*)&r;
+                uint4 s;
+                bf16_bits* sh = (bf16_bits*)&s;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
+                    v[j][e] = bf16_to_f32(sh[e]);
+                }
+                ((uint4*)(res_out + t * res_out_stride))[i] = s;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[j][e] = bf16_to_f32(ah[e]);
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+        }
+    }
+    const float rstd = rsqrtf(block_sum(ss, red) / (float)H + eps);
+    const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
+    uint4* outr = (uint4*)(out + orow * out_stride);
+    const uint4* wr = (const uint4*)w;
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) {
+            uint4 wv = wr[i], o;
+            const bf16_bits* wh = (const bf16_bits*)&wv;
+            bf16_bits* oh = (bf16_bits*)&o;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
+            outr[i] = o;
+        }
+    }
+}
