@@ -289,6 +289,7 @@ class Checkpoint:
                 continue
             self._infos[name[len(prefix):]] = info
         self._maps: Dict[str, np.memmap] = {}
+        self._int4_shapes: Dict[str, Tuple[int, int]] = {}
         self._progress = _Progress(progress, os.path.basename(os.path.normpath(path)) or path)
 
     @staticmethod
@@ -376,10 +377,14 @@ class Checkpoint:
     def int4_shape(self, base: str) -> Tuple[int, int]:
         """The logical [N, K] of INT4 linear ``base`` (``...experts.3.up_proj``) from its weight_shape,
         checked against the packed and scale tensors' shapes."""
+        key = self._key(base)
+        if key in self._int4_shapes:
+            return self._int4_shapes[key]
         sinfo = self.info(base + ".weight_shape")
         self._check_dtype(sinfo, ("I32", "I64"))
         where = f"tensor {sinfo.stored_name!r} in {sinfo.file}"
-        vals = np.asarray(self._view(sinfo)).reshape(-1)
+        vals = np.array(self._view(sinfo)).reshape(-1)
+        self._progress.add(vals.nbytes)
         if vals.shape != (2,) or (vals <= 0).any():
             raise CheckpointError(f"{where}: weight_shape must hold two positive ints [N, K], got {vals.tolist()}")
         n, k = int(vals[0]), int(vals[1])
@@ -392,6 +397,7 @@ class Checkpoint:
         if cinfo.shape != (n, k // GROUP):
             raise CheckpointError(f"tensor {cinfo.stored_name!r} in {cinfo.file}: shape {list(cinfo.shape)} does not "
                                   f"match weight_shape [{n}, {k}] (expected [{n}, {k // GROUP}])")
+        self._int4_shapes[key] = (n, k)
         return n, k
 
     def get_int4(self, base: str, tp_rank: int = 0, tp_size: int = 1) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int]]:
