@@ -1,0 +1,200 @@
+"""Benchmark of the fused INT4 MoE layer (ddtree_cupy/kernels/moe.py) against the read ceiling measured in
+the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for comparison.
+
+    PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
+
+E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
+(16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
+one expert) + x and out (bf16). Time = CUDA-graph replay of the whole layer (route + gate/up + down +
+combine). A stage breakdown (graph time of launch prefixes) is recorded at a few T.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from bench.ceilings import measure_mma_bf16_tflops, measure_read_bandwidth, time_graph
+from ddtree_cupy.kernels import moe
+
+E, K_TOP, H = 384, 8, 7168
+TS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+_HASH = r"""
+unsigned int h = (unsigned int)i * 0x9E3779B1u ^ seed;
+h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+"""
+
+
+def _random_words(shape, seed):
+    import cupy as cp
+    k = cp.ElementwiseKernel("uint32 seed", "int32 out", _HASH + "out = (int)h;", "moe_bench_words")
+    out = cp.empty(shape, dtype=cp.int32)
+    k(np.uint32(seed), out)
+    return out
+
+
+def _random_scales(shape, seed):
+    import cupy as cp
+    # bf16 in [2^-8, 2^-6): exponent fixed range, random mantissa
+    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x3B80u + (h & 0xFFu));",
+                             "moe_bench_scales")
+    out = cp.empty(shape, dtype=cp.uint16)
+    k(np.uint32(seed), out)
+    return out
+
+
+def _random_half(shape, seed):
+    import cupy as cp
+    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x2000u | (h & 0x83FFu));",
+                             "moe_bench_half")
+    out = cp.empty(shape, dtype=cp.uint16)
+    k(np.uint32(seed), out)
+    return out.view(cp.float16)
+
+
+def routing(rng, T, mode):
+    if mode == "uniform":
+        logp = np.zeros(E)
+    else:
+        p = np.full(E, 0.5 / (E - 16))
+        p[:16] = 0.5 / 16
+        logp = np.log(p)
+    gumbel = -np.log(-np.log(rng.random((T, E))))
+    ids = np.argsort(-(logp[None, :] + gumbel), axis=1)[:, :K_TOP].astype(np.int32)
+    wts = rng.uniform(0.05, 0.5, size=(T, K_TOP)).astype(np.float32)
+    return ids, wts
+
+
+def _event_us(fn, reps=5):
+    import cupy as cp
+    fn()
+    cp.cuda.Device().synchronize()
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
+    return float(np.median(times))
+
+
+def bench_width(I, read_gbs, rows, quick):
+    import cupy as cp
+    t0 = time.perf_counter()
+    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
+           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
+           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    cp.cuda.Device().synchronize()
+    t1 = time.perf_counter()
+    w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
+    cp.cuda.Device().synchronize()
+    repack_s = time.perf_counter() - t1
+    del src
+    cp.get_default_memory_pool().free_all_blocks()
+    per_expert = w.expert_bytes()
+    print(f"I={I}: weights generated in {t1 - t0:.2f} s, GPU repack of the layer {repack_s * 1e3:.1f} ms, "
+          f"{per_expert / 1e6:.3f} MB per expert", flush=True)
+    ws = moe.MoEWorkspace(max(TS), K_TOP, w)
+    # cuBLAS comparison: dense fp16 weights for the touched experts (the first n experts of a pool: contents
+    # do not change the time), stored [n, K, N] so cupy.matmul maps to one strided-batched GEMM.
+    w13t = _random_half((E, H, 2 * I), 7)
+    w2t = _random_half((E, I, H), 8)
+    silu_mul = cp.ElementwiseKernel("float16 g, float16 u", "float16 h",
+                                    "float gf = (float)g; h = (half)(gf / (1.f + expf(-gf)) * (float)u);",
+                                    "moe_bench_silu_mul")
+    rng = np.random.default_rng(I)
+    for mode in ("uniform", "skewed"):
+        for T in (TS if not quick else (1, 8, 64)):
+            ids, wts = routing(rng, T, mode)
+            x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32)).view(cp.uint32)
+            x = (x >> 16).astype(cp.uint16)
+            d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
+            out = cp.empty((T, H), cp.uint16)
+            plan = moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out)
+
+            def full():
+                for _, f in plan:
+                    f()
+            us = time_graph(full, iters=20, reps=5)
+            touched = np.unique(ids)
+            nbytes = len(touched) * per_expert + 2 * T * H * 2
+            gbs = nbytes / (us * 1e-6) / 1e9
+            stages = {}
+            if T in (1, 8, 64, 256):
+                for n in range(1, len(plan)):
+                    sub = plan[:n]
+                    stages[plan[n - 1][0]] = time_graph(lambda sub=sub: [f() for _, f in sub], iters=20, reps=5)
+                stages["combine"] = us
+            # cuBLAS: batched over the touched experts, each padded to the largest token count
+            n = len(touched)
+            m = int(max(np.sum(ids == e) for e in touched))
+            xp = _random_half((n, m, H), 9)
+
+            def cublas():
+                gu = cp.matmul(xp, w13t[:n])
+                h = silu_mul(gu[:, :, :I], gu[:, :, I:])
+                cp.matmul(h, w2t[:n])
+            cub_us = _event_us(cublas)
+            cub_bytes = n * (3 * H * I * 2)
+            row = dict(I=I, routing=mode, T=T, experts=int(n), max_tokens_per_expert=m, us=us, bytes=nbytes,
+                       gbs=gbs, frac_read_ceiling=gbs / read_gbs, cublas_fp16_us=cub_us,
+                       cublas_fp16_bytes=cub_bytes, cublas_fp16_frac=cub_bytes / (cub_us * 1e-6) / 1e9 / read_gbs,
+                       speedup_vs_cublas=cub_us / us, stages_us_cumulative=stages, tiles=str(moe.select_tiles(
+                           f"sm_{cp.cuda.Device().compute_capability}", T, I)))
+            rows.append(row)
+            print(f"I={I:5d} {mode:8s} T={T:4d} experts={n:3d} {us:9.1f} us {gbs:7.0f} GB/s "
+                  f"{100 * gbs / read_gbs:5.1f}% | cuBLAS fp16 {cub_us:9.1f} us ({cub_us / us:4.1f}x)", flush=True)
+    del w13t, w2t, w, ws
+    cp.get_default_memory_pool().free_all_blocks()
+    return repack_s
+
+
+def markdown(res):
+    lines = [f"Device: {res['device']}; read ceiling {res['read_ceiling_gbs']:.0f} GB/s, mma.sync bf16 "
+             f"{res['mma_bf16_tflops']:.0f} TFLOP/s (same run).", "",
+             "| I | routing | T | experts | time us | GB/s | % of read ceiling | cuBLAS fp16 us | MoE speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+                     f"{100 * r['frac_read_ceiling']:.1f} | {r['cublas_fp16_us']:.1f} | {r['speedup_vs_cublas']:.1f}x |")
+    return "\n".join(lines)
+
+
+def main():
+    import cupy as cp
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/moe_bench.json")
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    read_gbs = measure_read_bandwidth()
+    mma = measure_mma_bf16_tflops()
+    print(f"{device}: read ceiling {read_gbs:.0f} GB/s, mma.sync bf16 {mma:.0f} TFLOP/s", flush=True)
+    rows = []
+    repack = {}
+    for I in (256, 2048):
+        repack[I] = bench_width(I, read_gbs, rows, args.quick)
+    read_after = measure_read_bandwidth()
+    res = dict(device=device, arch=f"sm_{cp.cuda.Device().compute_capability}", read_ceiling_gbs=read_gbs,
+               read_ceiling_after_gbs=read_after, mma_bf16_tflops=mma, E=E, top_k=K_TOP, H=H,
+               repack_layer_s=repack, rows=rows)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+// Fused INT4 (W4A16) routed-expert MoE for one layer: routing sort -> gate/up grouped GEMM with
+// SiLU(gate)*up in the epilogue -> down grouped GEMM with the routing weight -> deterministic per-token sum.
+// Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
+// ddtree_cupy/kernels/moe.py (repack_numpy), checked by tests/test_moe_layout.py.
+//
+// mma.sync.m16n8k16 with the WEIGHT in the 16-row A slot and up to 8 tokens in the 8-wide B slot: at decode
+// sizes an expert sees 1..8 tokens, so the 16-row slot is always full of useful weight rows and only the
+// cheap activation operand is padded.
+#include "common.cuh"
+
+namespace moe {
+
+// ---------------------------------------------------------------------------------------------------------
+// Weight layout (per expert, per linear W[N, K], K padded to Kp = multiple of 64):
+//   wp[N/16][Kp/64][32 lanes] uint4: word w of lane (g = lane/4, t = lane%4) holds the 8 A-fragment nibbles
+//     of k16 sub-tile w of that 16x64 block; nibble position p (bits 4p..4p+3) holds fragment element
+//     idx = 2*(p%4) + p/4, so one lop3 of (word >> 4j) yields fragment register j (elements 2j, 2j+1).
+//   sp[N/16][Kp/64][8 g] uint2: the scales of rows g and g+8 for the two 32-groups of the 64-block:
+//     (g, grp0), (g+8, grp0), (g, grp1), (g+8, grp1).
+// MMA k-index kappa (0..15) of sub-tile w maps to the natural k inside the 64-block as
+//   nat(w, kappa) = 32*(w>>1) + 8*((kappa&7)>>1) + 4*(w&1) + 2*(kappa>>3) + (kappa&1)
+// which is what lets lane t load its B fragments as two plain 16-byte vectors x[k0+8t .. +7] and
+// x[k0+32+8t .. +7] from a natural row-major activation row (no activation permutation pass), and keeps
+// each mma inside one 32-group so the scale is applied once per group in fp32.
+// ---------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int nat_k(int w, int kappa) {
+    return 32 * (w >> 1) + 8 * ((kappa & 7) >> 1) + 4 * (w & 1) + 2 * (kappa >> 3) + (kappa & 1);
+}
+// A-fragment element idx (0..7) of lane (g, t): row and MMA column (PTX ISA, m16n8k16 .bf16 A layout).
+__device__ __forceinline__ int frag_row(int g, int idx) { return g + 8 * ((idx >> 1) & 1); }
+__device__ __forceinline__ int frag_col(int t, int idx) { return 2 * t + (idx & 1) + 8 * (idx >> 2); }
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));   // (a & b) | c
+    return d;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One repacked word -> four bf16x2 A registers holding q = nibble - 8 exactly. OR-ing a nibble into the
+// mantissa of 128.0 (0x4300) gives 128 + nib; one fma with -136 removes both the 128 and the -8 offset.
+__device__ __forceinline__ void dequant_word(uint32_t w, uint32_t (&r)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t v = lop3_and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u);
+        r[j] = bf16x2_fma(v, 0x3F803F80u, 0xC308C308u);
+    }
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Weights are read exactly once per unit by exactly one lane: bypass L1.
+__device__ __forceinline__ uint4 ld_stream_v4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_stream_v2(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+}  // namespace moe
+
+using namespace moe;
+
+// ---------------------------------------------------------------------------------------------------------
+// Load-time repack: compressed-tensors weight_packed [E][Nsrc][K/8] (+ optional second source interleaved by
+// 16-row tiles: fused tile 2r = src0 tile r, 2r+1 = src1 tile r) -> wp [E][Nf/16][Kp/64][32][4] uint32.
+// One thread per output word. Padding columns (k >= K) get nibble 8 (q = 0).
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void moe_repack_weights(const uint32_t* __restrict__ src0, const uint32_t* __restrict__ src1,
+                                              int E, int Nsrc, int K, int KS, int fused,
+                                              uint32_t* __restrict__ dst) {
+    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
+    const long long total = (long long)E * ntiles * KS * 128;
+    const int kw = K / 8;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int w = (int)(i & 3), lane = (int)((i >> 2) & 31);
+        long long rest = i >> 7;
+        const int step = (int)(rest % KS); rest /= KS;
+        const int tile = (int)(rest % ntiles);
+        const int e = (int)(rest / ntiles);
+        const uint32_t* src = (fused && (tile & 1)) ? src1 : src0;
+        const int stile = fused ? tile >> 1 : tile;
+        const int g = lane >> 2, t = lane & 3;
+        uint32_t out = 0;
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            const int idx = 2 * (p & 3) + (p >> 2);
+            const int n = stile * 16 + frag_row(g, idx);
+            const int k = step * 64 + nat_k(w, frag_col(t, idx));
+            uint32_t nib = 8u;
+            if (k < K) nib = (src[((long long)e * Nsrc + n) * kw + (k >> 3)] >> (4 * (k & 7))) & 0xFu;
+            out |= nib << (4 * p);
+        }
+        dst[i] = out;
+    }
+}
+
+// Scales: weight_scale [E][Nsrc][K/32] bf16 -> sp [E][Nf/16][Kp/64][8][4] bf16. Padding groups get 0.
+extern "C" __global__ void moe_repack_scales(const bf16_bits* __restrict__ src0, const bf16_bits* __restrict__ src1,
+                                             int E, int Nsrc, int K, int KS, int fused,
+                                             bf16_bits* __restrict__ dst) {
+    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
+    const long long total = (long long)E * ntiles * KS * 32;
+    const int kg = K / 32;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int q = (int)(i & 3), g = (int)((i >> 2) & 7);
+        long long rest = i >> 5;
+        const int step = (int)(rest % KS); rest /= KS;
+        const int tile = (int)(rest % ntiles);
+        const int e = (int)(rest / ntiles);
+        const bf16_bits* src = (fused && (tile & 1)) ? src1 : src0;
+        const int stile = fused ? tile >> 1 : tile;
+        const int n = stile * 16 + g + 8 * (q & 1);
+        const int grp = 2 * step + (q >> 1);
+        dst[i] = grp < kg ? src[((long long)e * Nsrc + n) * kg + grp] : (bf16_bits)0;
+    }
+}
+
+// Self-check: decode the repacked tensors through the GEMM's own data path (dequant_word + fp32 scale) into
+// dense fp32 W[E][Nf][Kp]; q * scale is exact in fp32, so the host compares bit for bit.
+extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const uint2* __restrict__ sp,
+                                             int E, int Nf, int KS, float* __restrict__ out) {
+    const int ntiles = Nf / 16, Kp = KS * 64;
+    const long long total = (long long)E * ntiles * KS * 32;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int lane = (int)(i & 31);
+        long long rest = i >> 5;
+        const int step = (int)(rest % KS); rest /= KS;
+        const int tile = (int)(rest % ntiles);
+        const int e = (int)(rest / ntiles);
+        const int g = lane >> 2, t = lane & 3;
+        const long long blk = ((long long)e * ntiles + tile) * KS + step;
+        const uint4 a = wp[blk * 32 + lane];
+        const uint2 s = sp[blk * 8 + g];
+        const float sc[4] = {bf_lo(s.x), bf_hi(s.x), bf_lo(s.y), bf_hi(s.y)};
+        const uint32_t words[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            uint32_t r[4];
+            dequant_word(words[w], r);
+#pragma unroll
+            for (int idx = 0; idx < 8; ++idx) {
+                const uint32_t reg = r[idx >> 1];
+                const float q = (idx & 1) ? bf_hi(reg) : bf_lo(reg);
+                const int row = frag_row(g, idx);
+                const float v = q * sc[(w >> 1) * 2 + ((idx >> 1) & 1)];
+                const int k = step * 64 + nat_k(w, frag_col(t, idx));
+                out[((long long)e * Nf + tile * 16 + row) * Kp + k] = v;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Routing: counting sort of the T*k (token, expert) pairs by expert into padded slots (every expert's run
+// starts at a multiple of 8 so 8-token B tiles never straddle experts), the chunk list (expert, first slot,
+// tokens <= chunk) the GEMMs stride over, and each pair's slot for the final per-token sum.
+// One block of 1024 threads; E <= 1024. meta[0] = number of chunks, meta[1] = number of bad expert ids.
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, int2* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int2 inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int a = __shfl_up_sync(0xFFFFFFFFu, inc.x, o), b = __shfl_up_sync(0xFFFFFFFFu, inc.y, o);
+        if (lane >= o) { inc.x += a; inc.y += b; }
+    }
+    if (lane == 31) warp_tot[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int2 wv = lane < nw ? warp_tot[lane] : make_int2(0, 0);
+        int2 wi = wv;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xFFFFFFFFu, wi.x, o), b = __shfl_up_sync(0xFFFFFFFFu, wi.y, o);
+            if (lane >= o) { wi.x += a; wi.y += b; }
+        }
+        if (lane < nw) warp_tot[lane] = make_int2(wi.x - wv.x, wi.y - wv.y);
+        if (lane == 31) *total = wi;
+    }
+    __syncthreads();
+    const int2 base = warp_tot[warp];
+    return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_route(
+        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int chunk,
+        int* __restrict__ slot_tok, float* __restrict__ slot_w, int* __restrict__ slot_of,
+        int* __restrict__ rank_tmp, int4* __restrict__ chunks, int* __restrict__ meta) {
+    __shared__ int cnt[1024];
+    __shared__ int poff[1024];
+    __shared__ int2 warp_tot[32];
+    __shared__ int2 total;
+    __shared__ int bad;
+    const int tid = threadIdx.x;
+    cnt[tid] = 0;
+    if (tid == 0) bad = 0;
+    __syncthreads();
+    const int n = T * k;
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        if (e < 0 || e >= E) { rank_tmp[i] = -1; atomicAdd(&bad, 1); }
+        else rank_tmp[i] = atomicAdd(&cnt[e], 1);   // order inside an expert is irrelevant: columns are independent
+    }
+    __syncthreads();
+    const int c = tid < E ? cnt[tid] : 0;
+    const int nch = (c + chunk - 1) / chunk;
+    const int2 ex = block_exclusive_scan2(make_int2((c + 7) & ~7, nch), warp_tot, &total);
+    if (tid < E) {
+        poff[tid] = ex.x;
+        for (int j = 0; j < nch; ++j)
+            chunks[ex.y + j] = make_int4(tid, ex.x + j * chunk, min(chunk, c - j * chunk), 0);
+    }
+    __syncthreads();
+    if (tid == 0) { meta[0] = total.y; meta[1] = bad; }
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int r = rank_tmp[i];
+        if (r < 0) { slot_of[i] = -1; continue; }
+        const int s = poff[ids[i]] + r;
+        slot_of[i] = s;
+        slot_tok[s] = i / k;
+        slot_w[s] = wts[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns the m32 unit
+// (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
+// MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16.
+// MODE 1 (down): y[slot][row] = routing_weight[slot] * acc, fp32.
+// Weights stream global -> registers through a U-stage register ring; partials over K meet in shared memory
+// in a fixed order (deterministic).
+// ---------------------------------------------------------------------------------------------------------
+template <int NT>
+struct Stage {
+    uint4 a[2];
+    uint2 s[2];
+    uint4 b[NT][2];
+};
+
+template <int MODE, int WM, int WK, int NT, int U>
+__global__ void __launch_bounds__(WM * WK * 32) moe_gemm(
+        const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
+        const bf16_bits* __restrict__ act, int act_stride, const int* __restrict__ slot_tok,
+        const int4* __restrict__ chunks, const int* __restrict__ meta,
+        bf16_bits* __restrict__ h_out, int h_stride,
+        const float* __restrict__ slot_w, float* __restrict__ y_out, int y_stride) {
+    constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
+    __shared__ float red[RED];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp % WM, kw = warp / WM;
+    const int g = lane >> 2, t = lane & 3;
+    const int ntiles = N / 16;
+    const int n_mg = (ntiles / 2 + WM - 1) / WM;
+    const int n_chunks = meta[0];
+    const int n_units = n_chunks * n_mg;
+    const int spw = (KS + WK - 1) / WK;
+    const int sb = kw * spw;
+    const int nsteps = max(0, min(KS, sb + spw) - sb);
+
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+        // Consecutive units are consecutive chunks of the same m-group: chunks of one expert run side by side
+        // and share its weight tiles through L2.
+        const int mg = u / n_chunks, cidx = u - mg * n_chunks;
+        const int4 ch = chunks[cidx];
+        const int e = ch.x, slot0 = ch.y, ntok = ch.z;
+        const int tile0 = (mg * WM + wm) * 2;
+        const bool wactive = tile0 < ntiles;
+
+        float acc[2][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
+
+        if (wactive && nsteps > 0) {
+            const size_t blk0 = ((size_t)e * ntiles + tile0) * KS + sb;
+            const uint4* pa0 = wp + blk0 * 32 + lane;
+            const uint4* pa1 = pa0 + (size_t)KS * 32;
+            const uint2* ps0 = sp + blk0 * 8 + g;
+            const uint2* ps1 = ps0 + (size_t)KS * 8;
+            const bf16_bits* pb[NT];
+            bool bval[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int j = nt * 8 + g;
+                bval[nt] = j < ntok;
+                const int row = bval[nt] ? (MODE == 0 ? slot_tok[slot0 + j] : slot0 + j) : 0;
+                pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
+            }
+            Stage<NT> st[U];
+            auto load = [&](Stage<NT>& s, int i) {
+                s.a[0] = ld_stream_v4(pa0 + (size_t)i * 32);
+                s.a[1] = ld_stream_v4(pa1 + (size_t)i * 32);
+                s.s[0] = ld_stream_v2(ps0 + (size_t)i * 8);
+                s.s[1] = ld_stream_v2(ps1 + (size_t)i * 8);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    if (bval[nt]) {
+                        const uint4* p = reinterpret_cast<const uint4*>(pb[nt] + (size_t)i * 64);
+                        s.b[nt][0] = __ldg(p);
+                        s.b[nt][1] = __ldg(p + 4);   // +32 bf16
+                    } else {
+                        s.b[nt][0] = make_uint4(0, 0, 0, 0);
+                        s.b[nt][1] = make_uint4(0, 0, 0, 0);
+                    }
+                }
+            };
+#pragma unroll
+            for (int i = 0; i < U; ++i)
+                if (i < nsteps) load(st[i], i);
+            for (int base = 0; base < nsteps; base += U) {
+#pragma unroll
+                for (int i = 0; i < U; ++i) {
+                    if (base + i < nsteps) {
+                        Stage<NT>& s = st[i];
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            uint32_t A[4][4];
+                            dequant_word(s.a[mt].x, A[0]);
+                            dequant_word(s.a[mt].y, A[1]);
+                            dequant_word(s.a[mt].z, A[2]);
+                            dequant_word(s.a[mt].w, A[3]);
+                            const float s00 = bf_lo(s.s[mt].x), s08 = bf_hi(s.s[mt].x);
+                            const float s10 = bf_lo(s.s[mt].y), s18 = bf_hi(s.s[mt].y);
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt) {
+                                if (nt * 8 < ntok) {
+                                    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+                                    mma_bf16(d0, A[0], s.b[nt][0].x, s.b[nt][0].y);
+                                    mma_bf16(d0, A[1], s.b[nt][0].z, s.b[nt][0].w);
+                                    mma_bf16(d1, A[2], s.b[nt][1].x, s.b[nt][1].y);
+                                    mma_bf16(d1, A[3], s.b[nt][1].z, s.b[nt][1].w);
+                                    acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
+                                    acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
+                                    acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
+                                    acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
+                                }
+                            }
+                        }
+                        if (base + i + U < nsteps) load(s, base + i + U);
+                    }
+                }
+            }
+        }
+
+        if (WK > 1) {
+            float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) mine[((mt * NT + nt) * 4 + q) * 32] = acc[mt][nt][q];
+            __syncthreads();
+            if (kw == 0) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            float sum = 0.f;
+                            for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
+                                sum += red[((size_t)((k2 * WM + wm) * 2 * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
+                            acc[mt][nt][q] = sum;
+                        }
+            }
+        }
+
+        if (kw == 0 && wactive) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int j = nt * 8 + 2 * t + (q & 1);
+                    if (j >= ntok) continue;
+                    const int slot = slot0 + j;
+                    if (MODE == 0) {
+                        const int row = (tile0 >> 1) * 16 + g + 8 * (q >> 1);
+                        const float gv = acc[0][nt][q], uv = acc[1][nt][q];
+                        const float hv = gv / (1.f + expf(-gv)) * uv;
+                        h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
+                    } else {
+                        const float wgt = slot_w[slot];
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            const int row = (tile0 + mt) * 16 + g + 8 * (q >> 1);
+                            y_out[(size_t)slot * y_stride + row] = wgt * acc[mt][nt][q];
+                        }
+                    }
+                }
+        }
+        if (WK > 1) __syncthreads();   // red[] is reused by the next unit
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// out[t][n] = bf16( sum_{j < k, in order} y[slot_of[t*k+j]][n] (+ residual[t][n]) ). Deterministic.
+// grid (ceil(H/1024), T), 256 threads x 4 columns.
+// ---------------------------------------------------------------------------------------------------------
+extern "C" __global__ void moe_combine(const float* __restrict__ y, int y_stride, const int* __restrict__ slot_of,
+                                       int k, int H, const bf16_bits* __restrict__ residual,
+                                       bf16_bits* __restrict__ out) {
+    const int t = blockIdx.y;
+    const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (n >= H) return;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < k; ++j) {
+        const int sl = slot_of[t * k + j];
+        if (sl < 0) continue;
+        const float4 v = *reinterpret_cast<const float4*>(y + (size_t)sl * y_stride + n);
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+    if (residual != nullptr) {
+        const uint2 r = *reinterpret_cast<const uint2*>(residual + (size_t)t * H + n);
+        s.x += bf_lo(r.x); s.y += bf_hi(r.x); s.z += bf_lo(r.y); s.w += bf_hi(r.y);
+    }
+    uint2 o;
+    o.x = (uint32_t)f32_to_bf16(s.x) | ((uint32_t)f32_to_bf16(s.y) << 16);
+    o.y = (uint32_t)f32_to_bf16(s.z) | ((uint32_t)f32_to_bf16(s.w) << 16);
+    *reinterpret_cast<uint2*>(out + (size_t)t * H + n) = o;
+}

@@ -1,0 +1,421 @@
+"""Fused INT4 (W4A16) routed-expert MoE for one layer (cuda_src/moe_int4.cu); docs/MOE.md explains it.
+
+    weights = pack_moe_weights(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
+    ws = MoEWorkspace(t_max, top_k, weights)
+    out = moe_forward(x, topk_ids, topk_weights, weights, ws, out=None, residual=None)
+
+Every step is a kernel on the current stream with sizes fixed by the shapes of the arguments (no host
+synchronisation, no allocation when ``out`` is given): the call can be captured into a CUDA graph.
+
+Also here: the numpy model of the repacked layout (``repack_numpy``, the oracle of the GPU repack and of
+tests/test_moe_layout.py), the tile-configuration table (``select_tiles``) and a float64 numpy reference MoE
+(``moe_reference``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .checks import check_array
+from .compile import KernelSpec, get_kernel, register
+
+GROUP = 32          # INT4 scale group along K
+KSTEP = 64          # K elements per repacked block (one 16-byte word per lane)
+MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
+
+
+# ------------------------------------------------------------------------------------------------------
+# Tile configurations. Block = wm x wk warps; each warp computes 32 weight rows (two m16 tiles) over 1/wk
+# of K for up to nt*8 tokens of one expert chunk. u = register pipeline depth (k64 steps in flight per warp).
+# ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tile:
+    wm: int
+    wk: int
+    u: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wk
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    nt: int        # token tiles of 8 per chunk (shared by both GEMMs: the routing sort cuts chunks of nt*8)
+    gateup: Tile
+    down: Tile
+
+
+def _nt_for(T: int) -> int:
+    # Uniform routing gives T*k/E tokens per expert (5.3 at T=256, E=384); wider token tiles only pay off
+    # when many tokens share an expert (prefill, skewed routing), so they are picked by T.
+    if T <= 32:
+        return 1
+    if T <= 128:
+        return 2
+    return 4
+
+
+def _u_for(nt: int) -> int:
+    return {1: 4, 2: 3, 4: 2}[nt]      # keep the register ring at ~80-90 registers
+
+
+def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
+    """The tile table, keyed by (architecture, T bucket, expert width I).
+
+    gate/up: K = H = 7168 is long and N = 2I short, so a block splits K over its warps (wk) and reduces in
+    shared memory; down: N = H is wide, K = I short, so a narrow expert (I <= 512, K <= 8 steps) gives each
+    warp its own rows over the whole K while a wide one (I = 2048) splits K four ways.
+    sm_90 and sm_120 currently share the entries (all fit sm_120's 99 KB: static shared memory is at most
+    wm*wk*nt KB); the key keeps them separable.
+    """
+    nt = _nt_for(T)
+    u = _u_for(nt)
+    family = "sm_120" if arch.startswith("sm_12") else "sm_90"
+    narrow = inter <= 512
+    table = {
+        ("sm_90", True): (Tile(1, 8, u), Tile(8, 1, u)),
+        ("sm_90", False): (Tile(2, 4, u), Tile(2, 4, u)),
+        ("sm_120", True): (Tile(1, 8, u), Tile(8, 1, u)),
+        ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
+    }
+    gu, dn = table[(family, narrow)]
+    if nt == 4 and gu.wm == 1:
+        # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
+        gu = Tile(2, 4, u)
+    return MoETiles(nt, gu, dn)
+
+
+def all_table_tiles() -> Tuple[MoETiles, ...]:
+    seen = []
+    for arch in ("sm_90", "sm_120"):
+        for T in (1, 64, 256):
+            for inter in (256, 2048):
+                t = select_tiles(arch, T, inter)
+                if t not in seen:
+                    seen.append(t)
+    return tuple(seen)
+
+
+def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}>"
+
+
+def _all_gemm_names() -> Tuple[str, ...]:
+    names = []
+    for t in all_table_tiles():
+        for mode, tile in ((0, t.gateup), (1, t.down)):
+            n = _gemm_name(mode, tile, t.nt)
+            if n not in names:
+                names.append(n)
+    return tuple(names)
+
+
+SPEC = register(KernelSpec(
+    src="moe_int4.cu",
+    names=_all_gemm_names() + ("moe_route", "moe_combine", "moe_repack_weights", "moe_repack_scales",
+                               "moe_dequant_check"),
+    hot=True,
+    doc="INT4 W4A16 fused MoE: routing sort, gate/up + SiLU, down + routing weight, per-token combine"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Layout model (numpy). Mirrors nat_k / frag_row / frag_col in the .cu file.
+# ------------------------------------------------------------------------------------------------------
+def nat_k(w, kappa):
+    """Natural k inside a 64-block of MMA column ``kappa`` (0..15) of k16 sub-tile ``w`` (0..3)."""
+    w, kappa = np.asarray(w), np.asarray(kappa)
+    return 32 * (w >> 1) + 8 * ((kappa & 7) >> 1) + 4 * (w & 1) + 2 * (kappa >> 3) + (kappa & 1)
+
+
+def frag_row(g, idx):
+    return np.asarray(g) + 8 * ((np.asarray(idx) >> 1) & 1)
+
+
+def frag_col(t, idx):
+    idx = np.asarray(idx)
+    return 2 * np.asarray(t) + (idx & 1) + 8 * (idx >> 2)
+
+
+def layout_tables():
+    """Index tables of one 16x64 block: for (lane, word w, nibble position p) the source (row, k)."""
+    lane = np.arange(32)[:, None, None]
+    w = np.arange(4)[None, :, None]
+    p = np.arange(8)[None, None, :]
+    idx = 2 * (p & 3) + (p >> 2)
+    row = frag_row(lane >> 2, idx)
+    k = nat_k(w, frag_col(lane & 3, idx))
+    return np.broadcast_to(row, (32, 4, 8)).copy(), np.broadcast_to(k, (32, 4, 8)).copy()
+
+
+def scale_tables():
+    """For (g, q) of one 16x64 block's scale record: (row, group inside the block)."""
+    g = np.arange(8)[:, None]
+    q = np.arange(4)[None, :]
+    return np.broadcast_to(g + 8 * (q & 1), (8, 4)).copy(), np.broadcast_to(q >> 1, (8, 4)).copy()
+
+
+def _padded_k(K: int) -> int:
+    return -(-K // KSTEP) * KSTEP
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """int32 [..., K/8] -> uint8 nibbles [..., K] (k-th value = nibble k % 8 of word k // 8)."""
+    u = np.ascontiguousarray(packed).view(np.uint32)
+    sh = (4 * np.arange(8, dtype=np.uint32))
+    return ((u[..., None] >> sh) & np.uint32(0xF)).astype(np.uint8).reshape(*u.shape[:-1], u.shape[-1] * 8)
+
+
+def repack_numpy(packed: np.ndarray, scale: np.ndarray, packed2: Optional[np.ndarray] = None,
+                 scale2: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Numpy model of the GPU repack. packed int32 [E, N, K/8], scale uint16 [E, N, K/32] (and a second
+    linear interleaved by 16-row tiles when given) -> (wp uint32 [E, Nf/16, Kp/64, 32, 4],
+    sp uint16 [E, Nf/16, Kp/64, 8, 4])."""
+    nib = unpack_nibbles(packed)
+    sc = np.ascontiguousarray(scale)
+    if packed2 is not None:
+        nib2, sc2 = unpack_nibbles(packed2), np.ascontiguousarray(scale2)
+        E, N, K = nib.shape
+        nib = np.stack([nib.reshape(E, N // 16, 16, K), nib2.reshape(E, N // 16, 16, K)], axis=2).reshape(E, 2 * N, K)
+        G = sc.shape[-1]
+        sc = np.stack([sc.reshape(E, N // 16, 16, G), sc2.reshape(E, N // 16, 16, G)], axis=2).reshape(E, 2 * N, G)
+    E, N, K = nib.shape
+    Kp = _padded_k(K)
+    KS = Kp // KSTEP
+    nibp = np.full((E, N, Kp), 8, np.uint8)
+    nibp[:, :, :K] = nib
+    scp = np.zeros((E, N, Kp // GROUP), np.uint16)
+    scp[:, :, :K // GROUP] = sc
+    row, k = layout_tables()
+    blocks = nibp.reshape(E, N // 16, 16, KS, KSTEP).transpose(0, 1, 3, 2, 4)     # [E, NT, KS, 16, 64]
+    sel = blocks[:, :, :, row, k].astype(np.uint32)                               # [E, NT, KS, 32, 4, 8]
+    wp = np.bitwise_or.reduce(sel << (4 * np.arange(8, dtype=np.uint32)), axis=-1)
+    srow, sgrp = scale_tables()
+    sblk = scp.reshape(E, N // 16, 16, KS, 2).transpose(0, 1, 3, 2, 4)            # [E, NT, KS, 16, 2]
+    sp = sblk[:, :, :, srow, sgrp]                                                # [E, NT, KS, 8, 4]
+    return np.ascontiguousarray(wp, dtype=np.uint32), np.ascontiguousarray(sp, dtype=np.uint16)
+
+
+def dequant_numpy(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """compressed-tensors int32 [..., N, K/8] + bf16 bits [..., N, K/32] -> float32 q * scale (exact)."""
+    q = unpack_nibbles(packed).astype(np.float32) - 8.0
+    s = (scale.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return q * np.repeat(s, GROUP, axis=-1)
+
+
+def moe_reference(x, ids, wts, gate, up, down, residual=None) -> np.ndarray:
+    """float64 reference: out[t] = sum_j w[t,j] * down_e(silu(gate_e x) * up_e x) (+ residual).
+    x [T, H]; ids/wts [T, k]; gate/up [E, I, H], down [E, H, I] dense (dequantised) weights."""
+    x = np.asarray(x, np.float64)
+    T, H = x.shape
+    out = np.zeros((T, H), np.float64) if residual is None else np.array(residual, np.float64)
+    ids = np.asarray(ids)
+    for e in np.unique(ids):
+        tok, j = np.nonzero(ids == e)
+        xe = x[tok]
+        g = xe @ np.asarray(gate[e], np.float64).T
+        u = xe @ np.asarray(up[e], np.float64).T
+        h = g / (1.0 + np.exp(-g)) * u
+        y = h @ np.asarray(down[e], np.float64).T
+        np.add.at(out, tok, np.asarray(wts, np.float64)[tok, j][:, None] * y)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU side
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class MoEWeights:
+    """One layer's routed experts in the kernel layout (see docs/MOE.md)."""
+    w13: object   # uint32 [E, 2I/16, H/64, 32, 4]   gate/up interleaved by 16-row tiles
+    s13: object   # uint16 [E, 2I/16, H/64, 8, 4]
+    w2: object    # uint32 [E, H/16, Ip/64, 32, 4]   down, K = I padded to Ip = ceil64(I)
+    s2: object    # uint16 [E, H/16, Ip/64, 8, 4]
+    n_experts: int
+    hidden: int
+    inter: int
+
+    @property
+    def inter_padded(self) -> int:
+        return _padded_k(self.inter)
+
+    def expert_bytes(self) -> int:
+        """Bytes one expert's weights + scales occupy in this layout (what a touched expert streams)."""
+        return sum(a.nbytes for a in (self.w13, self.s13, self.w2, self.s2)) // self.n_experts
+
+
+def _launch_1d(n: int, threads: int = 256) -> Tuple[Tuple[int], Tuple[int]]:
+    return (max(1, min(-(-n // threads), 65535 * 8)),), (threads,)
+
+
+def _repack(p0, s0, p1, s1, E, Nsrc, K):
+    import cupy
+    fused = p1 is not None
+    KS = _padded_k(K) // KSTEP
+    Nf = 2 * Nsrc if fused else Nsrc
+    wp = cupy.empty((E, Nf // 16, KS, 32, 4), dtype=cupy.uint32)
+    sp = cupy.empty((E, Nf // 16, KS, 8, 4), dtype=cupy.uint16)
+    kw = get_kernel(SPEC, "moe_repack_weights")
+    ks = get_kernel(SPEC, "moe_repack_scales")
+    i32 = np.int32
+    g, b = _launch_1d(wp.size)
+    kw(g, b, (p0, p1 if fused else p0, i32(E), i32(Nsrc), i32(K), i32(KS), i32(fused), wp))
+    g, b = _launch_1d(sp.size)
+    ks(g, b, (s0, s1 if fused else s0, i32(E), i32(Nsrc), i32(K), i32(KS), i32(fused), sp))
+    return wp, sp
+
+
+def pack_moe_weights(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale) -> MoEWeights:
+    """Load-time repack on the GPU of one layer's stacked experts (whole or a TP shard).
+
+    gate/up: weight_packed int32 [E, I, H/8], weight_scale uint16 (bf16) [E, I, H/32];
+    down: int32 [E, H, I/8], uint16 [E, H, I/32]. H % 64 == 0, I % 32 == 0."""
+    d = {}
+    check_array("gate_packed", gate_packed, np.int32, ("E", "I", "H8"), d)
+    check_array("gate_scale", gate_scale, np.uint16, ("E", "I", "H32"), d)
+    check_array("up_packed", up_packed, np.int32, ("E", "I", "H8"), d)
+    check_array("up_scale", up_scale, np.uint16, ("E", "I", "H32"), d)
+    E, I, H = d["E"], d["I"], d["H8"] * 8
+    if d["H32"] * 32 != H:
+        raise ValueError(f"gate_scale: last dimension {d['H32']} != H/32 = {H // 32}")
+    if H % KSTEP:
+        raise ValueError(f"gate_packed: hidden size H = {H} must be a multiple of {KSTEP}")
+    if I % GROUP:
+        raise ValueError(f"gate_packed: expert width I = {I} must be a multiple of {GROUP}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"gate_packed: {E} experts > {MAX_EXPERTS} supported by the routing sort")
+    check_array("down_packed", down_packed, np.int32, (E, H, I // 8))
+    check_array("down_scale", down_scale, np.uint16, (E, H, I // GROUP))
+    w13, s13 = _repack(gate_packed, gate_scale, up_packed, up_scale, E, I, H)
+    w2, s2 = _repack(down_packed, down_scale, None, None, E, H, I)
+    return MoEWeights(w13, s13, w2, s2, E, H, I)
+
+
+def dequant_packed(wp, sp, n_rows: int):
+    """GPU self-check path: decode repacked wp/sp through the GEMM's dequantiser -> float32 [E, N, Kp]."""
+    import cupy
+    E, nt, KS = wp.shape[:3]
+    if nt * 16 != n_rows:
+        raise ValueError(f"wp: {nt} row tiles do not match n_rows = {n_rows}")
+    out = cupy.empty((E, n_rows, KS * KSTEP), dtype=cupy.float32)
+    g, b = _launch_1d(E * nt * KS * 32)
+    get_kernel(SPEC, "moe_dequant_check")(g, b, (wp, sp, np.int32(E), np.int32(n_rows), np.int32(KS), out))
+    return out
+
+
+class MoEWorkspace:
+    """Fixed-size scratch for up to ``t_max`` tokens (allocate once, before graph capture)."""
+
+    def __init__(self, t_max: int, top_k: int, weights: MoEWeights):
+        import cupy
+        if t_max < 1 or top_k < 1 or top_k > weights.n_experts:
+            raise ValueError(f"MoEWorkspace: need t_max >= 1 and 1 <= top_k <= {weights.n_experts}, "
+                             f"got t_max={t_max}, top_k={top_k}")
+        self.t_max, self.top_k = t_max, top_k
+        self.n_experts, self.hidden, self.inter = weights.n_experts, weights.hidden, weights.inter
+        pairs = t_max * top_k
+        # Every expert's run of slots is padded to a multiple of 8.
+        self.slot_cap = pairs + 7 * min(weights.n_experts, pairs)
+        # h rows are Ip wide; the padding columns [I, Ip) stay zero forever (the down GEMM reads them as
+        # activations against q = 0, scale = 0 weights, so they must be finite).
+        self.h = cupy.zeros((self.slot_cap, weights.inter_padded), dtype=cupy.uint16)
+        self.y = cupy.empty((self.slot_cap, weights.hidden), dtype=cupy.float32)
+        self.slot_tok = cupy.zeros(self.slot_cap, dtype=cupy.int32)
+        self.slot_w = cupy.zeros(self.slot_cap, dtype=cupy.float32)
+        self.slot_of = cupy.empty(pairs, dtype=cupy.int32)
+        self.rank = cupy.empty(pairs, dtype=cupy.int32)
+        self.chunks = cupy.zeros((pairs + weights.n_experts, 4), dtype=cupy.int32)
+        self.meta = cupy.zeros(4, dtype=cupy.int32)
+
+    def bad_ids(self) -> int:
+        """Number of out-of-range expert ids seen by the last call (host sync: tests/debug only)."""
+        return int(self.meta[1].get())
+
+
+_SM = {}
+
+
+def _sm_count() -> int:
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _SM:
+        _SM[dev] = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return _SM[dev]
+
+
+def _grid(units_max: int, tile: Tile) -> int:
+    per_sm = 2     # ~128-195 registers x 256 threads: two blocks fit an SM at most
+    return max(1, min(units_max, _sm_count() * per_sm))
+
+
+def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
+                tiles: Optional[MoETiles] = None):
+    """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
+
+    x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
+    None. Out-of-range ids are skipped (counted in ws.meta[1]). Graph-capturable when ``out`` is given."""
+    import cupy
+    if out is None:
+        d = {}
+        check_array("x", x, np.uint16, ("T", weights.hidden), d)
+        out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
+    for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles):
+        launch()
+    return out
+
+
+def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
+                    tiles: Optional[MoETiles] = None):
+    """The four launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark
+    times prefixes of this list to attribute time to stages)."""
+    from .compile import device_arch
+    d = {}
+    check_array("x", x, np.uint16, ("T", weights.hidden), d)
+    check_array("topk_ids", topk_ids, np.int32, ("T", ws.top_k), d)
+    check_array("topk_weights", topk_weights, np.float32, ("T", ws.top_k), d)
+    T = d["T"]
+    if T < 1 or T > ws.t_max:
+        raise ValueError(f"x: {T} tokens outside 1..t_max = {ws.t_max} of the workspace")
+    if x.data.ptr % 16:
+        raise ValueError("x: base address must be 16-byte aligned (the kernel loads 16-byte vectors)")
+    if (ws.n_experts, ws.hidden, ws.inter) != (weights.n_experts, weights.hidden, weights.inter):
+        raise ValueError("ws: workspace was built for different weights "
+                         f"(E, H, I) = {(ws.n_experts, ws.hidden, ws.inter)}")
+    if residual is not None:
+        check_array("residual", residual, np.uint16, (T, weights.hidden))
+    check_array("out", out, np.uint16, (T, weights.hidden))
+    if tiles is None:
+        tiles = select_tiles(device_arch(), T, weights.inter)
+    H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
+    Ip = weights.inter_padded
+    chunk = 8 * tiles.nt
+    i32 = np.int32
+    pairs = T * k
+    chunks_max = min(pairs, min(pairs, E) + pairs // chunk)
+
+    k_route = get_kernel(SPEC, "moe_route")
+    route_args = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(chunk),
+                  ws.slot_tok, ws.slot_w, ws.slot_of, ws.rank, ws.chunks, ws.meta)
+    # gate/up: N = 2I fused rows, K = H
+    tg = tiles.gateup
+    k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt))
+    grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
+    gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H), ws.slot_tok, ws.chunks,
+               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H))
+    # down: N = H, K = Ip
+    td = tiles.down
+    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt))
+    grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
+    dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip), ws.slot_tok, ws.chunks,
+               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H))
+    k_cb = get_kernel(SPEC, "moe_combine")
+    cb_args = (ws.y, i32(H), ws.slot_of, i32(k), i32(H), residual, out)
+    return [
+        ("route", lambda: k_route((1,), (1024,), route_args)),
+        ("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args)),
+        ("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)),
+        ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)),
+    ]

@@ -1,0 +1,168 @@
+"""CPU checks of the INT4 MoE weight layout (ddtree_cupy/kernels/moe.py, cuda_src/moe_int4.cu).
+
+The decisive test emulates the GEMM's inner loop on the CPU: repacked words -> lop3/fma dequantisation ->
+A fragments, natural activation rows -> B fragments as the kernel loads them, mma.sync m16n8k16 assembled
+from the PTX ISA fragment tables (written out here independently of the module), per-group fp32 scales ->
+compared with the dense q * scale matmul. A wrong nibble position, row, column, k mapping or scale slot
+changes the result by O(1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddtree_cupy.bf16 import bf16_bits_to_f32, round_bf16
+from ddtree_cupy.kernels import moe
+
+# PTX ISA, mma.m16n8k16 with .bf16 operands (per lane l, groupID = l >> 2, threadID_in_group = l % 4):
+#   A element a_i: row = groupID + 8 * ((i >> 1) & 1), col = 2 * tig + (i & 1) + 8 * (i >> 2)
+#   B element b_i: row = 2 * tig + (i & 1) + 8 * (i >> 1), col = groupID
+#   C element c_i: row = groupID + 8 * (i >> 1), col = 2 * tig + (i & 1)
+PTX_A = [[((l >> 2) + 8 * ((i >> 1) & 1), 2 * (l & 3) + (i & 1) + 8 * (i >> 2)) for i in range(8)] for l in range(32)]
+PTX_B = [[(2 * (l & 3) + (i & 1) + 8 * (i >> 1), l >> 2) for i in range(4)] for l in range(32)]
+PTX_C = [[((l >> 2) + 8 * (i >> 1), 2 * (l & 3) + (i & 1)) for i in range(4)] for l in range(32)]
+
+
+def _bf16_halves(v: np.ndarray):
+    return bf16_bits_to_f32((v & 0xFFFF).astype(np.uint16)), bf16_bits_to_f32((v >> 16).astype(np.uint16))
+
+
+def _dequant_word(word: int):
+    """Emulates dequant_word: 4 registers of (low, high) values."""
+    regs = []
+    for j in range(4):
+        v = ((np.uint32(word) >> np.uint32(4 * j)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)
+        lo, hi = _bf16_halves(np.array([v], np.uint32))
+        regs.append((float(lo[0]) - 136.0, float(hi[0]) - 136.0))   # fma(v, 1, -136) is exact here
+    return regs
+
+
+def _random_linear(rng, N, K):
+    nib = rng.integers(0, 16, size=(1, N, K), dtype=np.uint32)
+    words = np.zeros((1, N, K // 8), np.uint32)
+    for p in range(8):
+        words |= nib[:, :, p::8] << np.uint32(4 * p)
+    scale = rng.uniform(0.002, 0.05, size=(1, N, K // 32)).astype(np.float32)
+    scale_bits = (round_bf16(scale).view(np.uint32) >> 16).astype(np.uint16)
+    return words.view(np.int32), scale_bits, nib[0].astype(np.float64) - 8.0
+
+
+def test_layout_tables_are_a_bijection():
+    row, k = moe.layout_tables()
+    cells = row * 64 + k
+    assert sorted(cells.ravel().tolist()) == list(range(16 * 64))
+    # nat_k is a bijection of (w, kappa) onto 0..63 and each mma (fixed w) stays inside one 32-group
+    w = np.arange(4)[:, None]
+    kap = np.arange(16)[None, :]
+    nk = moe.nat_k(w, kap)
+    assert sorted(nk.ravel().tolist()) == list(range(64))
+    assert np.all(nk // 32 == (w >> 1))
+    srow, sgrp = moe.scale_tables()
+    assert sorted((srow * 2 + sgrp).ravel().tolist()) == list(range(32))
+
+
+def test_module_fragment_formulas_match_ptx_tables():
+    for l in range(32):
+        for i in range(8):
+            assert (int(moe.frag_row(l >> 2, i)), int(moe.frag_col(l & 3, i))) == PTX_A[l][i]
+
+
+def test_lop3_dequant_gives_q_for_every_nibble():
+    for lo in range(16):
+        for hi in range(16):
+            word = lo | (hi << 16)
+            regs = _dequant_word(word)
+            assert regs[0] == (lo - 8.0, hi - 8.0)
+
+
+@pytest.mark.parametrize("N,K,fused", [(32, 128, False), (32, 64, True), (16, 32, False)])
+def test_emulated_mma_equals_dense_matmul(N, K, fused):
+    rng = np.random.default_rng(N * 1000 + K + fused)
+    p0, s0, q0 = _random_linear(rng, N, K)
+    if fused:
+        p1, s1, q1 = _random_linear(rng, N, K)
+        wp, sp = moe.repack_numpy(p0, s0, p1, s1)
+        dense = np.stack([moe.dequant_numpy(p0, s0)[0].reshape(N // 16, 16, K),
+                          moe.dequant_numpy(p1, s1)[0].reshape(N // 16, 16, K)], axis=1).reshape(2 * N, K)
+    else:
+        wp, sp = moe.repack_numpy(p0, s0)
+        dense = moe.dequant_numpy(p0, s0)[0]
+    Nf = dense.shape[0]
+    Kp = -(-K // 64) * 64
+    X = np.zeros((8, Kp))
+    X[:, :K] = round_bf16(rng.standard_normal((8, K)))
+    out = np.zeros((Nf, 8))
+    for tile in range(Nf // 16):
+        acc = np.zeros((16, 8))
+        for step in range(Kp // 64):
+            k0 = step * 64
+            for grp in range(2):
+                D = np.zeros((16, 8))
+                for w in (2 * grp, 2 * grp + 1):
+                    A = np.full((16, 16), np.nan)
+                    B = np.full((16, 8), np.nan)
+                    for l in range(32):
+                        g, t = l >> 2, l & 3
+                        regs = _dequant_word(int(wp[0, tile, step, l, w]))
+                        for i in range(8):
+                            r, c = PTX_A[l][i]
+                            A[r, c] = regs[i >> 1][i & 1]
+                        # the kernel's B loads: vector #(w>>1) = X[g, k0 + 32*(w>>1) + 8t : +8],
+                        # b0b1 = pair (w&1)*2, b2b3 = pair (w&1)*2 + 1
+                        vec = X[g, k0 + 32 * (w >> 1) + 8 * t: k0 + 32 * (w >> 1) + 8 * t + 8]
+                        bvals = [vec[2 * ((w & 1) * 2) + 0], vec[2 * ((w & 1) * 2) + 1],
+                                 vec[2 * ((w & 1) * 2 + 1) + 0], vec[2 * ((w & 1) * 2 + 1) + 1]]
+                        for i in range(4):
+                            r, c = PTX_B[l][i]
+                            B[r, c] = bvals[i]
+                    assert not np.isnan(A).any() and not np.isnan(B).any()
+                    D += A @ B
+                for l in range(32):
+                    g = l >> 2
+                    rec = bf16_bits_to_f32(sp[0, tile, step, g])      # (g,grp0), (g+8,grp0), (g,grp1), (g+8,grp1)
+                    for i in range(4):
+                        r, c = PTX_C[l][i]
+                        acc[r, c] += rec[2 * grp + (i >> 1)] * D[r, c]
+        out[tile * 16:(tile + 1) * 16] = acc
+    ref = dense.astype(np.float64) @ X[:, :K].T
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_padding_is_neutral():
+    rng = np.random.default_rng(5)
+    p, s, _ = _random_linear(rng, 16, 32)
+    wp, sp = moe.repack_numpy(p, s)
+    assert wp.shape == (1, 1, 1, 32, 4) and sp.shape == (1, 1, 1, 8, 4)
+    row, k = moe.layout_tables()
+    nib = (wp[0, 0, 0][:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    assert np.all(nib[k >= 32] == 8)                 # q = 0 in the padding columns
+    assert np.all(sp[0, 0, 0][:, 2:] == 0)           # scale 0 for the padding group
+
+
+def test_reference_moe_matches_per_token_loop():
+    rng = np.random.default_rng(7)
+    T, H, I, E, k = 5, 16, 8, 6, 3
+    x = rng.standard_normal((T, H))
+    gate, up = rng.standard_normal((E, I, H)), rng.standard_normal((E, I, H))
+    down = rng.standard_normal((E, H, I))
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+    wts = rng.random((T, k))
+    res = rng.standard_normal((T, H))
+    got = moe.moe_reference(x, ids, wts, gate, up, down, residual=res)
+    for t in range(T):
+        want = res[t].copy()
+        for j in range(k):
+            e = ids[t, j]
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            want += wts[t, j] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+        np.testing.assert_allclose(got[t], want, rtol=1e-12, atol=1e-12)
+
+
+def test_tile_table_fits_sm120_shared_memory():
+    for tiles in moe.all_table_tiles():
+        for tile in (tiles.gateup, tiles.down):
+            smem = tile.wm * tile.wk * 2 * tiles.nt * 4 * 32 * 4 if tile.wk > 1 else 0
+            assert smem <= 99 * 1024
+            assert tile.threads <= 1024
+    assert moe.select_tiles("sm_90", 1, 256).nt == 1
+    assert moe.select_tiles("sm_120", 256, 2048).nt == 4
