@@ -98,7 +98,7 @@ class TinySpec:
     embed_std: float = 1.0
     lm_head_gain: float = 3.0
     out_proj_gain: float = 0.7             # o_proj and down_proj: how much each block adds to the residual
-    router_bias_std: float = 0.1
+    router_bias_std: float = 0.05
     norm_weight_jitter: float = 0.1
 
     @property
