@@ -162,6 +162,11 @@ class ReferenceDrafter:
     def block_size(self) -> int:
         return self.cfg.block_size
 
+    @property
+    def target_layer_ids(self):
+        """Target layers whose outputs form the context features (what the decode loop captures)."""
+        return self.cfg.target_layer_ids
+
     def new_cache(self) -> DrafterCache:
         c = self.cfg
         z = lambda: np.empty((0, c.num_key_value_heads, c.head_dim), self.dtype)

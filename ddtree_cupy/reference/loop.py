@@ -1,0 +1,309 @@
+"""The decode loop in numpy: autoregressive, DFlash chain and DDTree decoding over several streams.
+
+This is the specification of what the GPU engine decides each step; it makes the same decisions in the
+same order, and reports the same statistics.
+
+Per stream, state = (target KV cache with s committed tokens, drafter context cache, pending bonus b).
+Prefill: the target runs the prompt (s = prompt length); the prompt's features become the drafter's
+context; b = the target's choice after the prompt's last token.
+One step, for every active stream:
+  1. draft    the drafter proposes a block after b (logits for depths 1..D, D = block_size - 1)
+  2. tree     per-depth top-K log-probs -> best-first tree of <= budget nodes -> flattened verify rows
+              (mode 'chain': the rank-0 chain of D nodes; mode 'ar': no nodes, the root alone)
+  3. verify   the target runs all rows in one pass (row 0 = b at position s, node rows at s + depth, each
+              row sees the committed prefix plus its ancestors and itself)
+  4. accept   post[i] = the target's argmax (temperature 0) or sample at row i; walk from the root while a
+              child carries post[current]; accepted = root + walked nodes (tau = 1..block_size tokens);
+              the target cache keeps the accepted rows at s..s+tau-1, their features join the drafter
+              context, s += tau, b = post[last accepted].
+
+Bonus-token policy: STREAM IMMEDIATELY. b is a final target choice (argmax or sample under its exact
+prefix) the moment it is known, so it is emitted then: the first token right after prefill, and each step
+emits the walked nodes plus the new bonus (tau tokens). Compared with emitting b only once it is committed
+as the next root, the token sequence is identical; the first token arrives one step earlier and a stream
+whose last token is the bonus (a stop id, or the max_new_tokens-th token) needs no extra verify pass.
+
+Sampling (temperature > 0) is lossless: every emitted token is a genuine target sample under its exact
+prefix. Randomness is Philox4x32-10 keyed by the request's seed with counter (row, step, stream, 0),
+``reference.ddtree.sample_tokens``; prefill draws with step 0, decode step k with step k.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .ddtree import (MAX_RANK, MAX_TREE_ROWS, argmax_lowest, build_tree, commit_plan, flatten, greedy_walk,
+                     sample_tokens, topk_logprobs)
+
+MODES = ("ddtree", "chain", "ar")
+MAX_BUDGET = MAX_TREE_ROWS - 1          # 128 tree nodes + the root
+PHASES = ("prefill", "draft", "tree", "verify", "accept")
+
+
+@dataclass
+class Request:
+    """One generation request. ``temperature <= 0`` is greedy; ``top_k = 0`` and ``top_p = 1`` disable those
+    filters. ``sample_stream`` is the stream field of the Philox counter (distinct streams sharing a seed
+    draw independent numbers)."""
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 128
+    stop_ids: Tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    sample_stream: int = 0
+
+    def validate(self, vocab_size: int, max_positions: int) -> None:
+        ids = list(self.prompt_ids)
+        if not ids:
+            raise ValueError("request: prompt is empty (need at least one token)")
+        bad = [i for i in ids if not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"request: prompt token ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= max_positions:
+            raise ValueError(f"request: prompt has {len(ids)} tokens, the context limit is {max_positions} "
+                             f"(max_position_embeddings) and at least one must remain for generation")
+        if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+            raise ValueError(f"request: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"request: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"request: top_k must be >= 0, got {self.top_k}")
+        if not np.isfinite(self.temperature):
+            raise ValueError(f"request: temperature must be finite, got {self.temperature}")
+        if not 0 <= int(self.seed) < 2 ** 64:
+            raise ValueError(f"request: seed must be in [0, 2^64), got {self.seed}")
+
+
+@dataclass
+class StreamState:
+    """A stream in flight: its caches, committed length s, pending bonus and output so far."""
+    index: int
+    request: Request
+    target_cache: object
+    drafter_cache: object
+    committed: int                      # s: tokens in the target cache (prompt + accepted)
+    bonus: int                          # pending: chosen by the target, not yet in its cache
+    output_ids: List[int] = field(default_factory=list)
+    accept_lens: List[int] = field(default_factory=list)
+    tree_sizes: List[int] = field(default_factory=list)
+    steps: int = 0
+    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'context'
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepRecord:
+    """What one step did: per active stream (index, accepted length, tree nodes, tokens emitted)."""
+    step: int
+    streams: List[Tuple[int, int, int, List[int]]]
+    phase_s: Dict[str, float]
+
+
+@dataclass
+class GenerationResult:
+    streams: List[StreamState]
+    steps: int
+    accept_lens: List[int]             # every (stream, step) accepted length, in step order
+    tree_sizes: List[int]
+    phase_s: Dict[str, float]          # seconds per phase, summed over the run
+    elapsed_s: float                   # wall time of the whole run, prefill included
+    decode_s: float                    # wall time of the decode steps (prefill excluded)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.streams)
+
+    @property
+    def mean_accept_len(self) -> float:
+        return float(np.mean(self.accept_lens)) if self.accept_lens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def stats_dict(self) -> dict:
+        return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_accept_len": self.mean_accept_len,
+                "tokens_per_s": self.tokens_per_s, "elapsed_s": self.elapsed_s, "decode_s": self.decode_s,
+                "accept_lens": list(self.accept_lens), "tree_sizes": list(self.tree_sizes),
+                "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()}}
+
+
+class DecodeLoop:
+    """Runs requests to completion on a target (``ReferenceTarget`` interface) and, for 'chain'/'ddtree',
+    a drafter with the interface: ``block_size``, ``target_layer_ids``, ``new_cache()``,
+    ``append_context(cache, feats [T, F, H], positions [T], tokens [T])``, ``draft(cache, bonus, s) ->
+    logits [block_size - 1, V]``."""
+
+    def __init__(self, target, drafter=None, mode: str = "ddtree", budget: int = 32,
+                 cap_k: Optional[int] = None, include_chain: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode: unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if mode != "ar" and drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter")
+        if not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
+            raise ValueError(f"budget: must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
+        if cap_k is not None and cap_k < 1:
+            raise ValueError(f"cap_k: must be >= 1, got {cap_k}")
+        self.target, self.drafter, self.mode = target, drafter, mode
+        self.budget, self.cap_k, self.include_chain = int(budget), cap_k, bool(include_chain)
+        self.vocab_size = target.cfg.vocab_size
+        self.max_positions = target.cfg.max_position_embeddings
+        if mode == "ar":
+            self.capture: Tuple[int, ...] = ()
+            self.depth = 0
+        else:
+            self.capture = tuple(drafter.target_layer_ids)
+            self.depth = drafter.block_size - 1
+        self.streams: List[StreamState] = []
+        self.phase_s = {p: 0.0 for p in PHASES}
+        self.step_count = 0
+        self.records: List[StepRecord] = []
+
+    # ---- decisions shared with the GPU engine -------------------------------------------------
+    def tree_for(self, draft_logits: np.ndarray):
+        """The draft tree of this mode from the drafter's logits [D, V]."""
+        if self.mode == "chain":
+            lp, ids = topk_logprobs(draft_logits, 1)
+            return build_tree(lp, ids, self.depth)
+        k = min(self.budget, self.vocab_size, MAX_RANK + 1)
+        if self.cap_k is not None:
+            k = min(k, self.cap_k)
+        lp, ids = topk_logprobs(draft_logits, k)
+        return build_tree(lp, ids, self.budget, cap_k=self.cap_k, include_chain=self.include_chain)
+
+    @staticmethod
+    def choose(logits: np.ndarray, req: Request, step: int) -> np.ndarray:
+        """The target's token at every row: argmax (ties -> lowest id) or a Philox-keyed sample."""
+        if req.temperature <= 0:
+            return argmax_lowest(logits)
+        return sample_tokens(logits, req.temperature, req.top_p, req.top_k, int(req.seed), req.sample_stream, step)
+
+    # ---- admission ----------------------------------------------------------------------------
+    def add(self, req: Request) -> StreamState:
+        """Validate and prefill one request; returns its stream (possibly already finished)."""
+        req.validate(self.vocab_size, self.max_positions)
+        t0 = time.perf_counter()
+        prompt = np.asarray(list(req.prompt_ids), np.int64)
+        P = prompt.shape[0]
+        tcache = self.target.new_cache()
+        logits, feats = self.target.forward(prompt, np.arange(P), tcache, capture_layers=self.capture)
+        dcache = None
+        if self.drafter is not None and self.mode != "ar":
+            dcache = self.drafter.new_cache()
+            self.drafter.append_context(dcache, feats, np.arange(P), prompt)
+        bonus = int(self.choose(logits[-1:], req, 0)[0])
+        st = StreamState(len(self.streams), req, tcache, dcache, committed=P, bonus=bonus)
+        self.streams.append(st)
+        self._emit(st, [bonus])
+        self.phase_s["prefill"] += time.perf_counter() - t0
+        return st
+
+    def _emit(self, st: StreamState, toks: List[int]) -> List[int]:
+        """Append tokens to the output, cutting at the first stop id or at max_new_tokens."""
+        out = []
+        for t in toks:
+            st.output_ids.append(int(t))
+            out.append(int(t))
+            if int(t) in st.request.stop_ids:
+                st.finish_reason = "stop"
+                break
+            if len(st.output_ids) >= st.request.max_new_tokens:
+                st.finish_reason = "length"
+                break
+        return out
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        """Advance every active stream by one draft-verify-accept round."""
+        self.step_count += 1
+        phase = {p: 0.0 for p in PHASES}
+        done: List[Tuple[int, int, int, List[int]]] = []
+        for st in self.streams:
+            if st.done:
+                continue
+            s = st.committed
+            # every verify row needs a RoPE position below the limit; a stream too close to it ends here
+            if s + self.depth >= self.max_positions:
+                st.finish_reason = "context"
+                continue
+            t0 = time.perf_counter()
+            if self.mode == "ar":
+                tokens, parents = np.array([st.bonus], np.int32), np.array([-1], np.int32)
+                depths = np.zeros(1, np.int32)
+                positions, visible, n_nodes = np.array([s]), None, 0
+                t1 = t0
+            else:
+                dl = self.drafter.draft(st.drafter_cache, st.bonus, s)
+                t1 = time.perf_counter()
+                phase["draft"] += t1 - t0
+                flat = flatten(self.tree_for(dl), st.bonus, s)
+                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
+                positions, visible, n_nodes = flat.positions.astype(np.int64), flat.mask, flat.n_rows - 1
+            t2 = time.perf_counter()
+            phase["tree"] += t2 - t1
+            logits, feats = self.target.forward(tokens.astype(np.int64), positions, st.target_cache,
+                                                visible=visible, capture_layers=self.capture)
+            t3 = time.perf_counter()
+            phase["verify"] += t3 - t2
+            st.steps += 1
+            post = self.choose(logits, st.request, st.steps)
+            rows, new_bonus = greedy_walk(tokens, parents, post)
+            plan = commit_plan(rows, depths, s)
+            st.target_cache.commit(s, plan.src_slots)
+            if st.drafter_cache is not None:
+                self.drafter.append_context(st.drafter_cache, feats[plan.feature_rows],
+                                            np.arange(s, plan.new_len), tokens[plan.feature_rows])
+            st.committed, st.bonus = plan.new_len, new_bonus
+            st.accept_lens.append(len(rows))
+            st.tree_sizes.append(n_nodes)
+            emitted = self._emit(st, [int(tokens[r]) for r in rows[1:]] + [new_bonus])
+            phase["accept"] += time.perf_counter() - t3
+            done.append((st.index, len(rows), n_nodes, emitted))
+        for k, v in phase.items():
+            self.phase_s[k] += v
+        rec = StepRecord(self.step_count, done, phase)
+        self.records.append(rec)
+        return rec
+
+    @property
+    def active(self) -> bool:
+        return any(not s.done for s in self.streams)
+
+    def run(self, requests: Sequence[Request],
+            on_tokens: Optional[Callable[[StreamState, List[int]], None]] = None) -> GenerationResult:
+        """Prefill every request, then step until all are finished. ``on_tokens(stream, ids)`` sees every
+        emitted token as soon as it exists (streaming output)."""
+        for r in requests:           # validate all before spending time on any
+            r.validate(self.vocab_size, self.max_positions)
+        t_start = time.perf_counter()
+        for r in requests:
+            st = self.add(r)
+            if on_tokens:
+                on_tokens(st, list(st.output_ids))
+        t_dec = time.perf_counter()
+        while self.active:
+            rec = self.step()
+            if on_tokens:
+                for idx, _, _, em in rec.streams:
+                    if em:
+                        on_tokens(self.streams[idx], em)
+        t_end = time.perf_counter()
+        acc = [a for rec in self.records for (_, a, _, _) in rec.streams]
+        sizes = [n for rec in self.records for (_, _, n, _) in rec.streams]
+        return GenerationResult(list(self.streams), self.step_count, acc, sizes, dict(self.phase_s),
+                                t_end - t_start, t_end - t_dec)
+
+
+def generate(target, drafter, requests: Sequence[Request], mode: str = "ddtree", budget: int = 32,
+             cap_k: Optional[int] = None, include_chain: bool = False,
+             on_tokens: Optional[Callable] = None) -> GenerationResult:
+    """One-call convenience: a fresh ``DecodeLoop`` run over ``requests``."""
+    return DecodeLoop(target, drafter, mode, budget, cap_k, include_chain).run(requests, on_tokens)
