@@ -200,7 +200,12 @@ def test_drafter_context_matches_fresh_prefill(ckpt_dir):
         [Request(p, 30) for p in prompts(2, 21)])
     for s in res.streams:
         assert max(s.accept_lens) > 1 and s.committed > len(s.request.prompt_ids)
-        seq = list(s.request.prompt_ids) + s.output_ids[:s.committed - len(s.request.prompt_ids)]
+        # committed = prompt + accepted tokens; the emitted output may stop earlier (max_new_tokens cut a
+        # round short) or run one token further (the pending bonus)
+        seq, P = s.drafter_cache.dc.tokens, len(s.request.prompt_ids)
+        assert len(seq) == s.committed and seq[:P] == list(s.request.prompt_ids)
+        k = min(len(seq) - P, len(s.output_ids))
+        assert seq[P:P + k] == s.output_ids[:k]
         _, feats = tgt.forward(np.array(seq), np.arange(len(seq)), tgt.new_cache(), capture_layers=dr.target_layer_ids)
         fresh = dr.new_cache()
         dr.append_context(fresh, feats, np.arange(len(seq)))
