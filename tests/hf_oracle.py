@@ -5,6 +5,7 @@ Test-only: imports torch and transformers. Also builds random tiny target weight
 """
 from __future__ import annotations
 
+import os
 from typing import Dict
 
 import numpy as np
@@ -78,8 +79,10 @@ def build_hf_model(cfg: TargetConfig, weights: Dict[str, np.ndarray]):
     layout: experts.gate_up_proj [E, 2I, H] = gate rows then up rows, experts.down_proj [E, H, I])."""
     import torch
     from transformers import DeepseekV3ForCausalLM
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(hf_config(cfg)).to(torch.float64).eval()
+    from transformers.initialization import no_init_weights
+    # skip HF's random init: every parameter is overwritten below (load_state_dict is strict)
+    with no_init_weights():
+        model = DeepseekV3ForCausalLM(hf_config(cfg)).to(torch.float64).eval()
     sd = model.state_dict()
     new = {}
     for name, a in weights.items():
@@ -177,3 +180,39 @@ def hf_cache_rows(cache, layer: int) -> np.ndarray:
     k_pe = np.empty_like(k_hf)
     k_pe[:, 0::2], k_pe[:, 1::2] = k_hf[:, :half], k_hf[:, half:]
     return np.concatenate([c_kv, k_pe], axis=1)
+
+
+def hf_weights_from_checkpoint(model_dir: str, group_size: int = 32) -> Dict[str, np.ndarray]:
+    """Read a (tiny) target checkpoint with third-party code only: safetensors' torch reader and
+    compressed-tensors' INT4 unpacker. Returns {unprefixed name: float64 array}, routed experts dequantized
+    as q * scale (exact in float64), so the HF oracle does not share our checkpoint loader."""
+    import glob
+    import json
+
+    import torch
+    from compressed_tensors.compressors import unpack_from_int32
+    from safetensors import safe_open
+
+    raw = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                raw[k] = sf.get_tensor(k)
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        prefix = "language_model." if "text_config" in json.load(fh) else ""
+    out = {}
+    for k, v in raw.items():
+        if not k.startswith(prefix) or k[len(prefix):].startswith(("vision_tower.", "mm_projector.")):
+            continue
+        name = k[len(prefix):]
+        if name.endswith(".weight_packed"):
+            base = name[:-len(".weight_packed")]
+            shape = tuple(int(s) for s in raw[prefix + base + ".weight_shape"].tolist())
+            q = unpack_from_int32(v, 4, torch.Size(shape)).to(torch.float64)
+            scale = raw[prefix + base + ".weight_scale"].to(torch.float64)
+            out[base + ".weight"] = (q * scale.repeat_interleave(group_size, dim=1)).numpy()
+        elif name.endswith((".weight_scale", ".weight_shape")):
+            continue
+        else:
+            out[name] = v.to(torch.float64).numpy()
+    return out

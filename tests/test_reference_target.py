@@ -158,6 +158,7 @@ def test_oracle_conventions(cfg, hf_model):
      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707},                # mscale != mscale_all_dim
     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 16.0,
      "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 1.0},
+    {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096},  # no mscale keys: amplitude 1.208
     None,                                                                       # plain RoPE
 ])
 def test_yarn_inv_freq_and_amplitude_match_hf(scaling):
@@ -549,3 +550,41 @@ def test_forward_validation(cfg, ref64):
     with pytest.raises(ValueError, match="cache"):
         ref64.forward(np.array([1]), np.array([0]), LatentKVCache(cfg.num_hidden_layers, 576, np.float32))
     assert c.length == 0    # failed calls leave the cache untouched
+
+
+# ==================================================================================================
+# the tiny checkpoint (real K2.6 file format, INT4 experts): our loader + reference vs third-party loader + HF
+
+@pytest.mark.oracle
+def test_oracle_tiny_checkpoint():
+    from ddtree_cupy.checkpoint import load_reference_weights
+    from ddtree_cupy.config import TargetConfig
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    from hf_oracle import hf_weights_from_checkpoint
+
+    target_dir, _ = ensure_tiny_checkpoints()
+    cfg = TargetConfig.load(target_dir)
+    assert cfg.weight_prefix == "language_model." and cfg.quant is not None
+    ref = ReferenceTarget(cfg, load_reference_weights(target_dir, dtype=np.float64))
+    model = build_hf_model(cfg, hf_weights_from_checkpoint(target_dir))
+    rng = np.random.default_rng(18)
+    s, steps = 16, 3
+    toks = rng.integers(0, cfg.vocab_size, s + steps)
+    parents, depths, vis = random_tree(rng, 9)
+    tree_toks = rng.integers(0, cfg.vocab_size, 9)
+    for mode, tol in HF_MODES:
+        with _hf_mode(mode, model, cfg) as m:
+            cache = ref.new_cache()
+            lg, _ = ref.forward(toks[:s], np.arange(s), cache)
+            hl, _, hc = hf_forward(m, toks[:s], np.arange(s))
+            assert rel(lg, hl) <= tol, mode
+            for t in range(s, s + steps):
+                lg, _ = ref.forward(toks[t:t + 1], np.array([t]), cache)
+                hl, _, hc = hf_forward(m, toks[t:t + 1], np.array([t]), cache=hc, past_len=t)
+                assert rel(lg, hl) <= tol, (mode, t)
+            n = s + steps
+            lg, _ = ref.forward(tree_toks, n + depths, cache, visible=vis)
+            hl, _, hc = hf_forward(m, tree_toks, n + depths, cache=hc, visible=vis, past_len=n)
+            assert rel(lg, hl) <= tol, mode
+            for layer in range(cfg.num_hidden_layers):
+                assert rel(cache.layer(layer), hf_cache_rows(hc, layer)) <= tol

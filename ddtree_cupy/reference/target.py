@@ -161,7 +161,11 @@ class ReferenceTarget:
 
     # ---- weights ------------------------------------------------------------------------------
     def _load(self, cfg: TargetConfig, weights: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """Check every needed tensor (present, shape, float, finite) and convert it to self.dtype.
+        Routed experts go straight into per-layer stacks [E, I, H] / [E, H, I] (what the math indexes);
+        they are not kept a second time by name."""
         w: Dict[str, np.ndarray] = {}
+        expert_stacks: Dict[Tuple[int, str], np.ndarray] = {}
         for name, shape in expected_weight_shapes(cfg).items():
             if name not in weights:
                 hint = ""
@@ -174,23 +178,26 @@ class ReferenceTarget:
             if a.dtype.kind != "f":
                 raise ValueError(f"ReferenceTarget: weight tensor '{name}' has dtype {a.dtype}, expected a float "
                                  f"type (decode bf16 bit patterns with bf16.bf16_bits_to_f32 first)")
-            a = a.astype(self.dtype)
             if not np.isfinite(a).all():
                 raise ValueError(f"ReferenceTarget: weight tensor '{name}' holds non-finite values")
-            w[name] = a
-        # per layer derived views: W_UK / W_UV split and stacked experts (what the math indexes)
+            if ".mlp.experts." in name:
+                # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+                parts = name.split(".")
+                layer, e, kind = int(parts[2]), int(parts[5]), parts[6][:-len("_proj")]
+                key = (layer, kind)
+                if key not in expert_stacks:
+                    expert_stacks[key] = np.empty((cfg.n_routed_experts,) + shape, self.dtype)
+                expert_stacks[key][e] = a
+            else:
+                w[name] = a.astype(self.dtype)     # a private copy: later edits of the caller's dict do not leak in
+        # per layer: the W_UK / W_UV split of kv_b_proj and the stacked experts (None for dense layers)
         self._uk_uv = []
         self._experts = []
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self._uk_uv.append(split_kv_b(w[p + "self_attn.kv_b_proj.weight"], cfg.num_attention_heads,
+            self._uk_uv.append(split_kv_b(w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], cfg.num_attention_heads,
                                           cfg.qk_nope_head_dim, cfg.v_head_dim))
-            if cfg.is_moe_layer(i):
-                self._experts.append(tuple(
-                    np.stack([w[f"{p}mlp.experts.{e}.{k}_proj.weight"] for e in range(cfg.n_routed_experts)])
-                    for k in ("gate", "up", "down")))
-            else:
-                self._experts.append(None)
+            self._experts.append(tuple(expert_stacks[(i, k)] for k in ("gate", "up", "down"))
+                                 if cfg.is_moe_layer(i) else None)
         return w
 
     # ---- cache --------------------------------------------------------------------------------
