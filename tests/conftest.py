@@ -7,6 +7,11 @@ import importlib.util
 import os
 import shutil
 
+# The numpy references run many tiny matrix products, for which OpenBLAS's thread pool costs more than it
+# saves (2-3x slower on the 2-core CI machines). One BLAS thread unless the caller chose otherwise; this
+# must happen before numpy is first imported, which is why it sits here.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 
 
