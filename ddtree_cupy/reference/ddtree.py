@@ -15,7 +15,8 @@ Exact arithmetic (what the GPU reproduces bit for bit)
 -----------------------------------------------------
 * A node's score is a float32 sum along its path, in depth order, each addition rounded to float32 and
   flushed to zero when subnormal (the GPU compiles with -ftz=true):
-  ``score(root) = 0``, ``score(node) = ftz(f32(score(parent) + top_lp[depth-1][rank]))``.
+  ``score(root) = 0``, ``score(node) = ftz(f32(score(parent) + top_lp[depth-1][rank]))``; subnormal
+  ``top_lp`` inputs are read as (signed) zero.
   A sibling's score is recomputed from the parent's score (never "score - lp[r] + lp[r+1]").
 * Total order of prefixes (smaller = popped earlier): score descending, then the **rank tuple** of the
   path (r_1, ..., r_d) lexicographically ascending, where a proper prefix sorts before its extensions.
@@ -176,6 +177,8 @@ def _check_top(top_lp, top_id):
         raise ValueError("top_lp: log-probabilities must be <= 0")
     if (np.diff(lp, axis=1) > 0).any():
         raise ValueError("top_lp: every depth's row must be sorted descending")
+    # subnormal inputs are read as zero, like the GPU under -ftz
+    lp = np.where(np.abs(lp) < _FLT_MIN, np.copysign(np.float32(0), lp), lp).astype(np.float32)
     return lp, top_id.astype(np.int32), D, K
 
 

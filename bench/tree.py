@@ -1,0 +1,121 @@
+"""DDTree stage timings on the GPU (CUDA-graph replay) next to the numpy reference's CPU heap builder.
+
+    PYTHONPATH=$PWD python3 bench/tree.py [--streams 1 4 10] [--budgets 8 16 32 64] [--json out.json]
+
+Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case), top-K = budget.
+Stages: top-K (chunked select + merge, 2 launches), build (1 launch), walk + commit (1 launch), and
+all of them in one graph. The top-K stage reads S*D*V logits: its time is also shown as a fraction of
+the read ceiling measured in the same run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at
+10 streams, budget 64. Prints a table; asserts nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.ceilings import measure_read_bandwidth, time_graph  # noqa: E402
+from ddtree_cupy.kernels.ddtree import MAX_TREE_ROWS, DDTreeWorkspace  # noqa: E402
+from ddtree_cupy.reference import ddtree as dd  # noqa: E402
+
+D, V = 7, 163840
+
+
+def _bf16_bits(x):
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _deep_post(tokens, parents, n1, rng):
+    """Target tokens that follow the tree's deepest path (the walk's worst case), junk elsewhere."""
+    post = rng.integers(0, V, size=MAX_TREE_ROWS).astype(np.int32)
+    depth = np.zeros(n1, int)
+    for i in range(1, n1):
+        depth[i] = depth[parents[i]] + 1
+    r = int(depth.argmax())
+    while r > 0:
+        post[parents[r]] = tokens[r]
+        r = int(parents[r])
+    return post
+
+
+def bench_case(S, B, dtype, rng, bw_gbs):
+    import cupy as cp
+    x = (rng.standard_normal((S, D, V)) * 2.0).astype(np.float32)
+    x[:, :, rng.integers(0, V, size=8)] += 10.0
+    logits = cp.asarray(_bf16_bits(x) if dtype == "bf16" else x)
+    ws = DDTreeWorkspace(S, D, V, B)
+    budgets = cp.full(S, B, cp.int32)
+    prefix = cp.asarray(rng.integers(100, 4000, size=S).astype(np.int32))
+    bonus = cp.asarray(rng.integers(0, V, size=S).astype(np.int32))
+    row_off = cp.asarray((np.arange(S) * MAX_TREE_ROWS).astype(np.int32))
+    ws.topk(logits)
+    ws.build(budgets, prefix, bonus)
+    cp.cuda.get_current_stream().synchronize()
+    tk, pa, nr = ws.tokens.get(), ws.parents.get(), ws.n_rows.get()
+    post = cp.asarray(np.stack([_deep_post(tk[s], pa[s], int(nr[s]), rng) for s in range(S)]))
+
+    t_topk = time_graph(lambda: ws.topk(logits))
+    t_build = time_graph(lambda: ws.build(budgets, prefix, bonus))
+    t_walk = time_graph(lambda: ws.walk_commit(post, prefix, row_off))
+
+    def step():
+        ws.topk(logits)
+        ws.build(budgets, prefix, bonus)
+        ws.walk_commit(post, prefix, row_off)
+    t_all = time_graph(step)
+    ws.walk_commit(post, prefix, row_off)
+    n_acc = ws.n_acc.get()
+
+    # the numpy reference's heap builder on the same top-K arrays (what a CPU-side DDTree would run)
+    top_lp, top_id = ws.top_lp.get(), ws.top_id.get()
+    t0 = time.perf_counter()
+    reps = 3
+    for _ in range(reps):
+        for s in range(S):
+            dd.build_tree(top_lp[s], top_id[s], B)
+    t_cpu = (time.perf_counter() - t0) / reps * 1e6
+    nbytes = logits.nbytes
+    return dict(streams=S, budget=B, dtype=dtype, topk_us=t_topk, build_us=t_build, walk_commit_us=t_walk,
+                total_us=t_all, cpu_heap_builder_us=t_cpu, mean_accepted=float(n_acc.mean()),
+                topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import cupy as cp
+    rng = np.random.default_rng(0)
+    bw = measure_read_bandwidth(1 << 30)
+    dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+    cases = [(S, B, "bf16") for S in args.streams for B in args.budgets]
+    cases.append((max(args.streams), max(args.budgets), "f32"))
+    rows = [bench_case(S, B, dt, rng, bw) for S, B, dt in cases]
+    print(f"\nDDTree stages on {dev}, depth {D}, V {V}; read ceiling {bw:.0f} GB/s (same run); "
+          f"CUDA-graph replay, us per step")
+    hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'top-K':>7} {'(%ceil)':>7} {'build':>7} "
+           f"{'walk+cm':>7} {'total':>7} {'CPU heap':>9} {'acc':>4}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['topk_us']:7.1f} "
+              f"{100 * r['topk_read_frac']:6.0f}% {r['build_us']:7.1f} {r['walk_commit_us']:7.1f} "
+              f"{r['total_us']:7.1f} {r['cpu_heap_builder_us']:9.0f} {r['mean_accepted']:4.1f}")
+    tgt = [r for r in rows if r["streams"] == 10 and r["budget"] == 64 and r["dtype"] == "bf16"]
+    if tgt:
+        print(f"target: 10 streams, budget 64: {tgt[0]['total_us']:.1f} us (target <= 30 us)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev, read_ceiling_gbs=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
