@@ -116,11 +116,19 @@ extern "C" __global__ void sample_pick(const float4* __restrict__ stats, int n_c
     // Serial over <= K candidates (K <= 256): cheap next to the stats pass, and exact in order.
     const int kk = tk > 0 ? min(tk, K) : K;
     const float inv_t = 1.f / temp;
+    // The nucleus is measured against the mass top-k kept (the whole row's, 1, when top_k is off), as in
+    // ddtree_cupy/reference/ddtree.py's sample_from_logits.
+    float kept = 0.f;
+    if (tk > 0)
+        for (int j = 0; j < kk && ci[j] >= 0; ++j) kept += expf(cv[j] * inv_t - M) / Z;
+    else
+        kept = 1.f;
+    const float thresh = tp * kept;
     float cum = 0.f;
     int n = 0;
     for (; n < kk && ci[n] >= 0; ++n) {
         cum += expf(cv[n] * inv_t - M) / Z;
-        if (cum >= tp) { ++n; break; }
+        if (cum >= thresh) { ++n; break; }
     }
     if (n == 0) { out[row] = ci[0]; return; }
     const unsigned long long step = (unsigned long long)steps[row];

@@ -68,7 +68,7 @@ def check_rows(name: str, a, dtype, shape: Sequence[Dim], dims: Optional[dict] =
     or written in place. Every stride and the base address must be multiples of ``align`` bytes (16: the
     kernels move 16-byte vectors). Returns the element strides.
     """
-    check_array(name, a, dtype, shape, dims, contiguous=False)
+    check_array(name, a, dtype, shape, {} if dims is None else dims, contiguous=False)
     item = a.dtype.itemsize
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != item:
         raise ValueError(f"{name}: the last dimension must be contiguous (strides {a.strides})")

@@ -25,6 +25,11 @@ EMBED_SPEC = register(KernelSpec("embed.cu", ("embed_gather_kernel",), doc="voca
 NORM_MAX_H = 8 * 4 * 256
 
 
+def _ptr(a):
+    """A pointer argument: the array, or a real NULL (CuPy turns None into 0xffffffff, cupy/cupy#9046)."""
+    return np.uint64(0) if a is None else a
+
+
 def _grid(total: int, threads: int = 256, cap: int = 65535) -> int:
     return max(1, min(cap, math.ceil(total / threads)))
 
@@ -63,8 +68,8 @@ def rms_norm(x, weight, eps: float, out=None, *, residual=None, residual_out=Non
     elif residual_out is not None:
         raise ValueError("residual_out: given without residual")
     k = get_kernel(NORM_SPEC, "rmsnorm_kernel")
-    k((T,), (256,), (x, np.int64(xs[0]), residual, np.int64(rs[0]), residual_out, np.int64(ros[0]),
-                     weight, out, np.int64(os_[0]), out_rows, np.int32(H), np.float32(eps)))
+    k((T,), (256,), (x, np.int64(xs[0]), _ptr(residual), np.int64(rs[0]), _ptr(residual_out), np.int64(ros[0]),
+                     weight, out, np.int64(os_[0]), _ptr(out_rows), np.int32(H), np.float32(eps)))
     return out
 
 
@@ -117,8 +122,8 @@ def rope(x, positions, out=None, *, style: str = "adjacent", cos=None, sin=None,
     k = get_kernel(ROPE_SPEC, name)
     total = T * heads * half
     k((_grid(total),), (256,), (x, np.int64(xs[0]), np.int32(xs[1]), out, np.int64(os_[0]), np.int32(os_[1]),
-                                out_rows, positions, np.int32(T), np.int32(heads), np.int32(half),
-                                cos, sin, np.int32(max_pos), inv_freq, np.float32(amplitude)))
+                                _ptr(out_rows), positions, np.int32(T), np.int32(heads), np.int32(half),
+                                _ptr(cos), _ptr(sin), np.int32(max_pos), _ptr(inv_freq), np.float32(amplitude)))
     return out[:, 0, :] if squeeze else out
 
 
