@@ -190,8 +190,6 @@ def tp_split(name: str) -> Optional[int]:
 
 
 def _shard_range(extent: int, tp_rank: int, tp_size: int, what: str, unit: int = 1) -> Tuple[int, int]:
-    if not (isinstance(tp_size, (int, np.integer)) and tp_size >= 1 and 0 <= tp_rank < tp_size):
-        raise CheckpointError(f"{what}: invalid tensor-parallel rank {tp_rank!r} of size {tp_size!r}")
     if extent % tp_size or (extent // tp_size) % unit:
         extra = f" in whole units of {unit}" if unit > 1 else ""
         raise CheckpointError(f"{what}: extent {extent} cannot be split evenly over {tp_size} ranks{extra}")
@@ -355,8 +353,10 @@ class Checkpoint:
         rows/columns is read. ``dtype``: expected safetensors dtype string(s), checked."""
         info = self.info(name)
         self._check_dtype(info, dtype)
-        view = self._view(info)
         where = f"tensor {info.stored_name!r} in {info.file}"
+        if not (isinstance(tp_size, (int, np.integer)) and tp_size >= 1 and 0 <= tp_rank < tp_size):
+            raise CheckpointError(f"{where}: invalid tensor-parallel rank {tp_rank!r} of size {tp_size!r}")
+        view = self._view(info)
         if dim is not None and tp_size > 1:
             if dim >= view.ndim:
                 raise CheckpointError(f"{where}: cannot split dim {dim} of a {view.ndim}-d tensor")

@@ -125,6 +125,10 @@ def test_int4_split_off_group_boundary(micro):
         ck.get_int4("model.layers.1.mlp.experts.0.down_proj", 0, 4)
     with pytest.raises(CheckpointError, match="cannot be split evenly"):
         ck.get_shard("model.layers.0.self_attn.q_b_proj.weight", 0, 5)
+    with pytest.raises(CheckpointError, match=r"q_b_proj\.weight.*invalid tensor-parallel rank 2 of size 2"):
+        ck.get_shard("model.layers.0.self_attn.q_b_proj.weight", 2, 2)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*invalid tensor-parallel rank -1"):
+        ck.get_shard("model.norm.weight", -1, 2)
 
 
 def test_progress_reports_bytes(micro):

@@ -99,13 +99,15 @@ def test_target_format(tiny):
 
 
 def test_int4_experts_are_our_quantizer_output(tiny):
-    """The stored INT4 equals quantize_groupwise of weights whose re-quantization is stable, and codes use the
-    whole -8..7 range."""
+    """The files hold exactly the generator's INT4 tensors, and they carry quantize_groupwise's signature:
+    every group's largest |q| is 7 or 8 (scale = max|w| / 7.5), and the codes span -8..7."""
     target_dir, _ = tiny
     ck = Checkpoint(target_dir)
     packed, scale, shape = ck.get_int4("model.layers.3.mlp.experts.31.up_proj")
     q = unpack_int4(packed, scale, shape)
     assert q.min() == -8 and q.max() == 7
+    gmax = np.abs(q.astype(np.int32)).reshape(shape[0], -1, 32).max(axis=2)
+    assert set(np.unique(gmax).tolist()) <= {7, 8}
     raw = target_tensors(0, TinySpec())
     np.testing.assert_array_equal(raw["model.layers.3.mlp.experts.31.up_proj.weight_packed"], packed)
     np.testing.assert_array_equal(raw["model.layers.3.mlp.experts.31.up_proj.weight_scale"][1], scale)
@@ -305,3 +307,40 @@ def test_activations_realistic(tiny):
     assert (std > 1.5).all() and (std < 6).all(), std
     assert len(set(logits.argmax(1).tolist())) > T // 3             # greedy does not collapse to one token
     assert bias_changed > 0                                         # the bias matters for the choice
+
+
+@pytest.mark.oracle
+def test_experts_decompress_with_compressed_tensors(tiny):
+    """compressed-tensors' own pack-quantized decompressor, fed with the stored tensors (read by safetensors'
+    torch reader, not our loader) and the scheme from config.json, gives our dequantize_bf16 bit for bit;
+    our exact product is within one bf16 rounding of it."""
+    import torch
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    from ddtree_cupy.int4 import dequantize, dequantize_bf16
+
+    target_dir, _ = tiny
+    cfg = json.load(open(os.path.join(target_dir, "config.json")))
+    wargs = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**wargs))
+    wmap = json.load(open(os.path.join(target_dir, INDEX_FILE)))["weight_map"]
+    files = {}
+    for layer, e, proj in ((1, 0, "gate_proj"), (2, 17, "up_proj"), (3, 31, "down_proj")):
+        base = f"language_model.model.layers.{layer}.mlp.experts.{e}.{proj}"
+        sd = {}
+        for part in ("weight_packed", "weight_scale", "weight_shape"):
+            f = wmap[f"{base}.{part}"]
+            files.setdefault(f, load_file(os.path.join(target_dir, f)))
+            sd[part] = files[f][f"{base}.{part}"]
+        theirs = PackedQuantizationCompressor.decompress(sd, scheme)["weight"]
+        assert theirs.dtype == torch.bfloat16
+        theirs = theirs.view(torch.int16).numpy().view(np.uint16)
+        packed = sd["weight_packed"].numpy()
+        scale = sd["weight_scale"].view(torch.int16).numpy().view(np.uint16)
+        shape = sd["weight_shape"].numpy()
+        np.testing.assert_array_equal(dequantize_bf16(packed, scale, shape), theirs)
+        exact = dequantize(packed, scale, shape, np.float64)
+        t = bf16_bits_to_f32(theirs).astype(np.float64)
+        assert (np.abs(t - exact) <= np.abs(exact) * 2.0 ** -8).all()
