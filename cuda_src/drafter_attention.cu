@@ -94,14 +94,17 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
             if (t0 + t < N) {
                 const float* qr = Qs + m * DR_D;
                 const unsigned* kr = reinterpret_cast<const unsigned*>(Ks + t * DR_KSTR);
-                float sacc = 0.f;
-#pragma unroll 8
-                for (int d2 = 0; d2 < DR_D / 2; ++d2) {
-                    const unsigned w = kr[d2];
-                    sacc += qr[2 * d2] * bf16_to_f32((bf16_bits)(w & 0xffffu)) +
-                            qr[2 * d2 + 1] * bf16_to_f32((bf16_bits)(w >> 16));
+                // four independent partial sums: a single FMA chain of 128 would be latency bound
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll 4
+                for (int d2 = 0; d2 < DR_D / 2; d2 += 2) {
+                    const unsigned w0 = kr[d2], w1 = kr[d2 + 1];
+                    s0 = fmaf(qr[2 * d2], __uint_as_float(w0 << 16), s0);
+                    s1 = fmaf(qr[2 * d2 + 1], __uint_as_float(w0 & 0xffff0000u), s1);
+                    s2 = fmaf(qr[2 * d2 + 2], __uint_as_float(w1 << 16), s2);
+                    s3 = fmaf(qr[2 * d2 + 3], __uint_as_float(w1 & 0xffff0000u), s3);
                 }
-                x = sacc;
+                x = (s0 + s1) + (s2 + s3);
             }
             Ss[m * DR_SSTR + t] = x;
         }

@@ -59,7 +59,9 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& 
 }
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    // Not volatile: a pure register operation, so the compiler may hoist the next step's ldmatrix above it.
+    // (ldmatrix stays volatile: it reads shared memory and must not move across __syncthreads.)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
                  "{%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -189,39 +191,56 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         __syncthreads();
         {   // refill the stage that was consumed in the previous iteration
             int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
             if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
             cp_async_commit();
         }
         const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
 
         // ---- S = Q K^T for 16 rows x TOK_W tokens --------------------------------------------------
-        float sacc[C::NT_S][4];
+        // Two accumulator sets (even / odd k-steps) halve the dependent mma chain: with one block of
+        // 4-8 warps per SM the S phase is bound by mma latency, not by tensor throughput.
+        float sacc[C::NT_S][4], sodd[C::NT_S][4];
 #pragma unroll
-        for (int j = 0; j < C::NT_S; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+        for (int j = 0; j < C::NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[j][e] = sodd[j][e] = 0.f;
         const bf16_bits* qa = Qs + (mg * 16 + (lane & 15)) * MLA_SROW + (lane >> 4) * 8;
         const int tokw0 = vg * C::TOK_W;
-#pragma unroll 4
-        for (int ks = 0; ks < MLA_QK_DIM / 16; ++ks) {
-            unsigned a0, a1, a2, a3;
-            ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+#ifndef MLA_PROBE_SKIP_S
+#pragma unroll 2
+        for (int ks2 = 0; ks2 < MLA_QK_DIM / 16; ks2 += 2) {
 #pragma unroll
-            for (int j = 0; j + 1 < C::NT_S; j += 2) {
-                const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7) + (lane >> 4) * 8) * MLA_SROW +
-                                      ks * 16 + ((lane >> 3) & 1) * 8;
-                unsigned b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3, kp);
-                mma_bf16(sacc[j], a0, a1, a2, a3, b0, b1);
-                mma_bf16(sacc[j + 1], a0, a1, a2, a3, b2, b3);
-            }
-            if (C::NT_S & 1) {
-                const int j = C::NT_S - 1;
-                const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7)) * MLA_SROW + ks * 16 +
-                                      ((lane >> 3) & 1) * 8;
-                unsigned b0, b1;
-                ldsm_x2(b0, b1, kp);
-                mma_bf16(sacc[j], a0, a1, a2, a3, b0, b1);
+            for (int par = 0; par < 2; ++par) {
+                const int ks = ks2 + par;
+                float (*acc)[4] = par ? sodd : sacc;
+                unsigned a0, a1, a2, a3;
+                ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+#pragma unroll
+                for (int j = 0; j + 1 < C::NT_S; j += 2) {
+                    const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7) + (lane >> 4) * 8) * MLA_SROW +
+                                          ks * 16 + ((lane >> 3) & 1) * 8;
+                    unsigned b0, b1, b2, b3;
+                    ldsm_x4(b0, b1, b2, b3, kp);
+                    mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+                }
+                if (C::NT_S & 1) {
+                    const int j = C::NT_S - 1;
+                    const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7)) * MLA_SROW + ks * 16 +
+                                          ((lane >> 3) & 1) * 8;
+                    unsigned b0, b1;
+                    ldsm_x2(b0, b1, kp);
+                    mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+                }
             }
         }
+#endif
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[j][e] += sodd[j][e];
 
         // ---- mask, scale, tile row max ------------------------------------------------------------
         const int t0 = tile * BN + tokw0;
@@ -310,6 +329,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
 
         // ---- O += P V (V = the first 512 columns of the same latent rows) ---------------------------
         const int col0 = vg * C::COL_W;
+#ifndef MLA_PROBE_SKIP_PV
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             unsigned a0, a1, a2, a3;
@@ -324,6 +344,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
                 mma_bf16(o[j + 1], a0, a1, a2, a3, b2, b3);
             }
         }
+#endif
     }
     cp_async_wait<0>();
 
@@ -392,5 +413,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_attn_combine(
     }
 }
 
-// Instantiations (compile.py name expressions): the large-tile variant for GPUs with > 160 KB shared memory per block (H200),
-// the <= 99 KB variant for sm_120 (RTX PRO 6000). Both are valid on sm_90, so tests run both there.
+// Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):
+// tiles of 64 / 32 / 16 packed rows, for > 160 KB (H200) and <= 99 KB (sm_120) of shared memory.
+// MLA_PROBE_SKIP_{S,PV,LOAD} drop one phase; bench/attention.py --probe times them to show where the
+// time goes (the results are wrong by construction; never set them elsewhere).

@@ -27,7 +27,7 @@ PAGE_SIZE = 64
 MASK_WORDS = 5
 MAX_TREE_ROWS = 129
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,17 @@ class MlaTileConfig:
         return (self.bm * srow + self.stages * self.bn * srow + self.bm * (self.bn + 8)) * 2 + 2 * self.vg * self.bm * 4
 
 
-# "large": 152 KB of shared memory (H200 and other > 160 KB parts); "small": 93 KB, fits sm_120's 99 KB.
+# Tiles of 64 / 32 / 16 packed (row, head) rows. sm_120 (99 KB per block) can use "small" and "narrow";
+# GPUs with > 160 KB per block (H200) all of them. plan_mla picks the smallest tile that holds a stream's
+# packed rows (less padding waste for decode and short trees), preferring the wider variant where it fits.
 MLA_CONFIGS = {
-    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),
-    "small": MlaTileConfig(mg=2, vg=2, bn=16, stages=3),
+    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),        # 152 KB
+    "mid": MlaTileConfig(mg=2, vg=4, bn=32, stages=2),          # 113 KB
+    "small": MlaTileConfig(mg=2, vg=2, bn=16, stages=3),        # 93 KB
+    "narrow_wide": MlaTileConfig(mg=1, vg=8, bn=64, stages=2),  # 168 KB
+    "narrow": MlaTileConfig(mg=1, vg=4, bn=32, stages=2),       # 93 KB
 }
+_PREFERENCE = {16: ("narrow_wide", "narrow"), 32: ("mid", "small"), 64: ("large",)}
 
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
@@ -86,25 +92,42 @@ def _device_attrs():
     return dev.attributes["MultiProcessorCount"], dev.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-def choose_mla_config(max_smem_per_block: Optional[int] = None) -> MlaTileConfig:
-    """The largest tile configuration whose shared memory fits the device (or the given limit)."""
+def _smem_per_sm() -> int:
+    import cupy
+    return cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
+def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int = 1 << 30) -> MlaTileConfig:
+    """The tile configuration for streams of up to ``packed_rows`` = rows x heads: the smallest row tile
+    that holds them (the largest one past 64), among those whose shared memory fits the device."""
     if max_smem_per_block is None:
         max_smem_per_block = _device_attrs()[1]
-    for key in ("large", "small"):
-        if MLA_CONFIGS[key].smem <= max_smem_per_block:
-            return MLA_CONFIGS[key]
+    order = [bm for bm in (16, 32, 64) if bm >= packed_rows] or [64]
+    order += [bm for bm in (64, 32, 16) if bm not in order]
+    for bm in order:
+        for key in _PREFERENCE[bm]:
+            if MLA_CONFIGS[key].smem <= max_smem_per_block:
+                return MLA_CONFIGS[key]
     raise ValueError(f"no MLA tile configuration fits {max_smem_per_block} bytes of shared memory per block")
 
 
 def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, num_sms: int,
-                   config: MlaTileConfig) -> int:
-    """Split-KV count from sizes only (so a captured graph keeps it): enough blocks to cover every SM once,
-    but at least 4 KV tiles per split so the per-split fixed cost and the combine stay small."""
+                   config: MlaTileConfig, blocks_per_sm: int = 1) -> int:
+    """Split-KV count from sizes only (so a captured graph keeps it): enough blocks to fill every SM
+    (``blocks_per_sm`` resident blocks each), but at least 2 KV tiles per split."""
     m_tiles = -(-max_rows * n_heads // config.bm)
     blocks = n_streams * m_tiles
     kv_tiles = -(-max_kv_len // config.bn)
-    want = -(-num_sms // blocks)
-    return max(1, min(want, kv_tiles // 4, MAX_SPLITS))
+    want = -(-num_sms * blocks_per_sm // blocks)
+    return max(1, min(want, kv_tiles // 2, MAX_SPLITS))
+
+
+def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
+    """(config, num_splits) for a shape bucket on the current device."""
+    num_sms, smem_block = _device_attrs()
+    cfg = choose_mla_config(smem_block, max_rows * n_heads)
+    bps = max(1, min(_smem_per_sm() // (cfg.smem + 1024), 2048 // cfg.threads))
+    return cfg, mla_num_splits(n_streams, max_rows, n_heads, max_kv_len, num_sms, cfg, bps)
 
 
 class MlaWorkspace:
@@ -122,7 +145,7 @@ class MlaWorkspace:
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
-                  stream=None):
+                  stream=None, spec: Optional[KernelSpec] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -135,6 +158,8 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  for causal mode (row i sees s + j for j <= i: decode, chain, prefill chunks)
     max_rows / max_kv_len: the shape bucket's bounds (>= every stream's n_rows / s + n_rows); they fix the
                  grid and the split count, so a graph captured for the bucket serves any lengths inside it.
+    config / num_splits: override the plan (tests, benchmarks); workspace: preallocated split partials
+                 (required for graph capture when the plan splits); spec: a profiling build of the kernel.
     """
     import cupy
     dims: dict = {}
@@ -159,13 +184,18 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         out = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
     check_array("out", out, np.uint16, ("T", "H", LATENT_DIM), dims, device=dev)
     num_sms, smem_limit = _device_attrs()
+    plan_cfg, plan_splits = plan_mla(S, max_rows, H, max_kv_len)
     if config is None:
-        config = choose_mla_config(smem_limit)
+        config = plan_cfg
     elif config.smem > smem_limit:
         raise ValueError(f"config: needs {config.smem} bytes of shared memory, the device allows {smem_limit}")
     if num_splits is None:
-        num_splits = workspace.num_splits if workspace is not None else \
-            mla_num_splits(S, max_rows, H, max_kv_len, num_sms, config)
+        if workspace is not None:
+            num_splits = workspace.num_splits
+        elif config == plan_cfg:
+            num_splits = plan_splits
+        else:
+            num_splits = mla_num_splits(S, max_rows, H, max_kv_len, num_sms, config)
     check_range("num_splits", num_splits, 1, MAX_SPLITS)
     if num_splits > 1:
         if workspace is None:
@@ -176,7 +206,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         part_o, part_lse = workspace.part_o, workspace.part_lse
     else:
         part_o = part_lse = None
-    fwd = get_kernel(MLA_SPEC, config.name, config.smem)
+    fwd = get_kernel(spec or MLA_SPEC, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
     null = np.uintp(0)
     args = (q, pool, block_table, prefix_len, n_rows, row_start,
@@ -195,10 +225,10 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
 
 
 def drafter_num_splits(n_streams: int, kv_heads: int, max_ctx_len: int, block_rows: int, num_sms: int) -> int:
-    """Enough blocks for every SM, at least two 64-token tiles per split."""
+    """Two blocks for every SM (83 KB of shared memory each), at least one 64-token tile per split."""
     tiles = -(-(max_ctx_len + block_rows) // DRAFTER_TILE)
-    want = -(-num_sms // (n_streams * kv_heads))
-    return max(1, min(want, tiles // 2, MAX_SPLITS))
+    want = -(-2 * num_sms // (n_streams * kv_heads))
+    return max(1, min(want, tiles, MAX_SPLITS))
 
 
 class DrafterWorkspace:

@@ -60,7 +60,7 @@ def kv_write_latent(pool, block_table, stream_ids, positions, latent, rope=None,
     fn = get_kernel(KV_SPEC, "kv_write_latent")
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
-        fn((T,), (96,), (latent, np.int64(lat_stride), np.uintp(rope_ptr), np.int64(rope_stride), stream_ids,
+        fn((T,), (96,), (np.uintp(latent.data.ptr), np.int64(lat_stride), np.uintp(rope_ptr), np.int64(rope_stride), stream_ids,
                          positions, pool, block_table, np.int32(block_table.shape[1])))
     return pool
 

@@ -110,13 +110,13 @@ def mla_attention_ref(q: np.ndarray, pool: np.ndarray, block_table: np.ndarray, 
         else:
             tree_vis = mask_visible(mask[b], n)
         vis = np.concatenate([np.ones((n, s), bool), tree_vis], axis=1)   # [n, s+n]
-        qs = qf[r0:r0 + n]                                            # [n, H, 576]
-        scores = np.einsum("nhd,td->nht", qs, kv) * softmax_scale
+        qs = qf[r0:r0 + n].reshape(n * H, D)                           # packed (row, head)
+        scores = (qs @ kv.T).reshape(n, H, s + n) * softmax_scale
         scores = np.where(vis[:, None, :], scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
-        out[r0:r0 + n] = np.einsum("nht,tv->nhv", p, kv[:, :LATENT_DIM])
+        out[r0:r0 + n] = (p.reshape(n * H, s + n) @ kv[:, :LATENT_DIM]).reshape(n, H, LATENT_DIM)
     return out
 
 

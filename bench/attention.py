@@ -1,0 +1,185 @@
+"""Benchmark: absorbed MLA tree-verify attention (8 local heads) vs the measured ceilings of the same run.
+
+    PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick]
+
+For streams x tree rows x context: time per call (CUDA-graph replay), bytes (latent KV read once + q +
+o_lat), FLOPs (2 x (576 + 512) per visible (row, head, key)), the floor max(bytes / read ceiling,
+FLOPs / mma.sync bf16 rate) with both ceilings measured here, the ratio to the floor, and the same rows
+as a chain (causal) at the same prefix. Also the DFlash drafter attention (8 q heads / 1 kv head).
+Prints tables; never asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.ceilings import measure_mma_bf16_tflops, measure_read_bandwidth, time_graph  # noqa: E402
+
+H = 8
+SCALE = 0.14467963
+
+
+def random_bf16(cp, shape, scale=1.0):
+    x = cp.random.standard_normal(shape, dtype=cp.float32) * scale
+    return (x.view(cp.uint32) >> 16).astype(cp.uint16)
+
+
+def tree_mask(rng, n):
+    from ddtree_cupy.reference.attention import ancestor_mask_bits
+    par = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])  # bushy but deep-ish
+    bits = ancestor_mask_bits(par, 129)
+    vis = int(sum(bin(int(w)).count("1") for w in bits[:n].ravel()))
+    return bits, vis
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
+    args = ap.parse_args()
+    import cupy as cp
+    from ddtree_cupy.kernels import attention as A
+
+    dev = cp.cuda.Device()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    num_sms = dev.attributes["MultiProcessorCount"]
+    t_start = time.time()
+    bw = measure_read_bandwidth(2 << 30, reps=9)          # GB/s
+    tflops = measure_mma_bf16_tflops()
+    print(f"# {name}: read ceiling {bw:.0f} GB/s, mma.sync bf16 {tflops:.0f} TFLOP/s, {num_sms} SMs")
+    print("# tile configs (plan_mla picks per shape): " +
+          ", ".join(f"{k} {c.name} {c.smem} B" for k, c in A.MLA_CONFIGS.items()))
+
+    ctxs = [1024, 4096, 32768, 65536]
+    streams = [1, 4, 10]
+    rows_list = [1, 8, 16, 32, 64]
+    if args.quick:
+        ctxs, streams, rows_list = [4096, 32768], [1, 10], [1, 16]
+    max_ctx = max(ctxs) + 128
+    pages_per_stream = -(-max_ctx // 64)
+    long_ctx = 262144
+    pages_long = -(-(long_ctx + 128) // 64)
+    num_pages = max(max(streams) * pages_per_stream, pages_long)
+    pool = random_bf16(cp, (num_pages, 64, 576))
+    perm = cp.asarray(np.random.default_rng(0).permutation(num_pages).astype(np.int32))
+    rng = np.random.default_rng(1)
+
+    results = []
+
+    def one(S, n, ctx, mode, config=None, spec=None):
+        max_p = pages_long if ctx > max_ctx else pages_per_stream
+        table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
+        T = S * n
+        q = random_bf16(cp, (T, H, 576), 0.5)
+        out = cp.empty((T, H, 512), cp.uint16)
+        prefix = cp.full((S,), ctx, cp.int32)
+        n_rows = cp.full((S,), n, cp.int32)
+        row_start = cp.arange(S, dtype=cp.int32) * n
+        vis_rows = n * (n + 1) // 2
+        mask = None
+        if mode == "tree":
+            bits, vis_rows = tree_mask(rng, n)
+            mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
+        cfg, splits = A.plan_mla(S, n, H, ctx + n)
+        if config is not None and config != cfg:
+            cfg, splits = config, A.mla_num_splits(S, n, H, ctx + n, num_sms, config)
+        ws = A.MlaWorkspace(splits, T, H) if splits > 1 else None
+
+        def call():
+            A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
+                            max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec)
+        work = (ctx + n) * n * H
+        iters = 20 if work * S > 64 * 65536 * H else 50
+        us = time_graph(call, iters=iters, reps=5)
+        nbytes = S * ((ctx + n) * 1152 + n * H * (576 + 512) * 2)
+        flops = S * 2 * 1088 * H * (n * ctx + vis_rows)
+        floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
+        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us, bytes=nbytes, flops=flops, floor_us=floor,
+                    ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
+
+    cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
+    if not args.quick:
+        cases += [(1, n, long_ctx) for n in rows_list]
+    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'floor':>7} {'ratio':>6} {'TB/s':>5} {'TF/s':>5} "
+          f"{'spl':>3} | {'chain us':>8} {'tree/chain':>10} | target")
+    for S, n, c in cases:
+        r = one(S, n, c, "tree")
+        ch = one(S, n, c, "chain") if n > 1 else None
+        r["chain_us"] = ch["us"] if ch else r["us"]
+        r["tree_over_chain"] = r["us"] / r["chain_us"]
+        r["meets_target"] = bool(r["us"] <= max(1.3 * r["floor_us"], 8.0)) and r["tree_over_chain"] <= 1.5
+        results.append(r)
+        print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
+              f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} | {r['chain_us']:>8.1f} "
+              f"{r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}", flush=True)
+
+    probe = []
+    if args.probe:
+        from ddtree_cupy.kernels.compile import KernelSpec
+        print("\n# probe: time per call by tile config, and with one phase removed (wrong results by design)")
+        shapes = ((1, 1, 65536), (1, 16, 32768), (10, 64, 4096), (10, 16, 32768))
+        used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))   # compile only these
+        variants = {k: KernelSpec(src="mla_attention.cu", names=used, defines=((f"MLA_PROBE_SKIP_{k}", "1"),))
+                    for k in ("S", "PV", "LOAD")}
+        for S, n, c in shapes:
+            row = dict(streams=S, rows=n, ctx=c)
+            for key, pc in A.MLA_CONFIGS.items():
+                if pc.smem > dev.attributes["MaxSharedMemoryPerBlockOptin"]:
+                    continue
+                row[key] = one(S, n, c, "tree", config=pc)["us"]
+            auto = A.plan_mla(S, n, H, c + n)[0]
+            for k, spec in variants.items():
+                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
+            row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
+            probe.append(row)
+            print("  " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+
+    # DFlash drafter attention, TP8 rank shape: 8 q heads / 1 kv head, block 8.
+    drafter = []
+    print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
+    print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6}")
+    for S in (1, 10):
+        for c in (4096, 32768):
+            q = random_bf16(cp, (S, 8, 8, 128))
+            kb = random_bf16(cp, (S, 8, 1, 128))
+            vb = random_bf16(cp, (S, 8, 1, 128))
+            kc = random_bf16(cp, (S, c, 1, 128))
+            vc = random_bf16(cp, (S, c, 1, 128))
+            ctx = cp.full((S,), c, cp.int32)
+            out = cp.empty((S, 8, 8, 128), cp.uint16)
+            sp = A.drafter_num_splits(S, 1, c, 8, num_sms)
+            ws = A.DrafterWorkspace(sp, S, 8, 8) if sp > 1 else None
+
+            def dcall():
+                A.drafter_attention(q, kb, vb, kc, vc, ctx, softmax_scale=128 ** -0.5, max_ctx_len=c, out=out,
+                                    workspace=ws)
+            us = time_graph(dcall, iters=20, reps=5)
+            nbytes = S * (c + 8) * 2 * 128 * 2
+            flops = S * 64 * (c + 8) * 4 * 128
+            floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))
+            drafter.append(dict(streams=S, ctx=c, us=us, bytes=nbytes, flops=flops, floor_us=floor))
+            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f}", flush=True)
+
+    summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
+                   mla=results, probe=probe, drafter=drafter, seconds=time.time() - t_start)
+    met = sum(r["meets_target"] for r in results)
+    print(f"\n# {met}/{len(results)} MLA cases meet (<= max(1.3 x floor, 8 us) and tree <= 1.5 x chain); "
+          f"bench took {summary['seconds']:.0f} s")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"# wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
