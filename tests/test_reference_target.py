@@ -27,6 +27,21 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_single_thread():
+    """HF runs on one thread here: on a shared 2-core box torch's thread pool oversubscribes the cores and
+    the oracle runs several times slower. Restored afterwards (other test modules keep their setting)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return tiny_target_config()
