@@ -411,6 +411,36 @@ class Checkpoint:
             n, k = (n // tp_size, k) if dim == 0 else (n, k // tp_size)
         return packed, scale, (n, k)
 
+    def get_int4_stack(self, bases: Sequence[str], tp_rank: int = 0, tp_size: int = 1
+                       ) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int]]:
+        """Shards of several INT4 linears of one shape (e.g. all experts' down_proj of a layer), stacked:
+        (packed int32 [len(bases), n, k/8], scale uint16 [len(bases), n, k/32], (n, k)). The GPU loader uploads
+        the two arrays as one contiguous buffer each."""
+        if not bases:
+            raise CheckpointError("get_int4_stack: no tensors given")
+        packed = scale = None
+        shape = None
+        for j, base in enumerate(bases):
+            p, s, sh = self.get_int4(base, tp_rank, tp_size)
+            if packed is None:
+                shape = sh
+                packed = np.empty((len(bases),) + p.shape, p.dtype)
+                scale = np.empty((len(bases),) + s.shape, s.dtype)
+            elif sh != shape:
+                info = self.info(base + ".weight_packed")
+                raise CheckpointError(f"tensor {info.stored_name!r} in {info.file}: shard shape {list(sh)} differs from "
+                                      f"{list(shape)} of {bases[0]!r} (cannot stack)")
+            packed[j], scale[j] = p, s
+        return packed, scale, shape
+
+    def get_experts_int4(self, layer: int, proj: str, n_experts: int, tp_rank: int = 0, tp_size: int = 1
+                         ) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int]]:
+        """``get_int4_stack`` over ``model.layers.{layer}.mlp.experts.{0..n_experts-1}.{proj}``."""
+        if proj not in ("gate_proj", "up_proj", "down_proj"):
+            raise CheckpointError(f"get_experts_int4: proj must be gate_proj, up_proj or down_proj, got {proj!r}")
+        return self.get_int4_stack([f"model.layers.{layer}.mlp.experts.{e}.{proj}" for e in range(n_experts)],
+                                   tp_rank, tp_size)
+
     # ---- validation -----------------------------------------------------------------------------
     def validate(self, expected: Mapping[str, Tuple[Tuple[int, ...], Tuple[str, ...]]]) -> None:
         """Check that every expected tensor exists with the expected shape and dtype, and that INT4

@@ -117,6 +117,24 @@ def test_get_int4_shards(tiny):
             np.testing.assert_array_equal(dequantize(*shards[r]), sl)
 
 
+def test_experts_int4_stack(micro):
+    target_dir, _ = micro
+    ck = Checkpoint(target_dir)
+    for tp, r in ((1, 0), (2, 1)):
+        for proj in ("up_proj", "down_proj"):
+            packed, scale, shape = ck.get_experts_int4(1, proj, MICRO.n_routed_experts, r, tp)
+            assert packed.shape[0] == scale.shape[0] == MICRO.n_routed_experts
+            for e in range(MICRO.n_routed_experts):
+                p, s, sh = ck.get_int4(f"model.layers.1.mlp.experts.{e}.{proj}", r, tp)
+                assert sh == shape
+                np.testing.assert_array_equal(packed[e], p)
+                np.testing.assert_array_equal(scale[e], s)
+    with pytest.raises(CheckpointError, match="cannot stack"):
+        ck.get_int4_stack(["model.layers.1.mlp.experts.0.up_proj", "model.layers.1.mlp.experts.0.down_proj"], 0, 2)
+    with pytest.raises(CheckpointError, match="proj must be"):
+        ck.get_experts_int4(1, "gate", 4)
+
+
 def test_int4_split_off_group_boundary(micro):
     target_dir, _ = micro
     ck = Checkpoint(target_dir)
