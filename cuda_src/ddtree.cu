@@ -259,6 +259,10 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
         float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
         lse_combine(m, s, m2, s2);
     }
+    // A butterfly reduction leaves every lane with its own rounding of (m, s): use lane 0's on all
+    // lanes, or log-probs of equal-ranked entries written by different lanes could be non-monotone.
+    m = __shfl_sync(FULL_MASK, m, 0);
+    s = __shfl_sync(FULL_MASK, s, 0);
     const float lse = m + logf(s);
     for (int i = lane; i < k; i += 32) {
         u64 key = s_buf[0][i];
