@@ -1,0 +1,96 @@
+"""Backend selection and the numpy engine behind the CLI.
+
+``auto`` picks the GPU engine (CuPy) where a GPU is usable and the engine exists, else numpy. The GPU
+engine is not built yet: ``--backend cupy`` refuses with a clear message and ``auto`` falls back to numpy
+with a one-line notice. Every engine offers the same ``generate(requests, ...) -> GenerationResult`` (the
+reference decode loop's result type), so the CLI does not care which one runs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .config import DrafterConfig, TargetConfig
+
+BACKENDS = ("auto", "cupy", "numpy")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here."""
+
+
+def gpu_status() -> Tuple[bool, str]:
+    """(usable, why): whether CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except Exception as e:           # not installed, or a broken CUDA install
+        return False, f"cupy not importable ({type(e).__name__})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:           # no driver / no device
+        return False, f"no usable CUDA device ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    if n < 1:
+        return False, "no CUDA device"
+    return True, f"{n} CUDA device(s)"
+
+
+def gpu_engine_available() -> bool:
+    """Whether the GPU engine exists in this build (not yet: models/ and engine/ are being written)."""
+    return False
+
+
+def select_backend(name: str, notice: Callable[[str], None]) -> str:
+    """Resolve ``name`` ('auto' | 'cupy' | 'numpy') to the backend that will run; ``notice`` gets one line
+    when 'auto' has to fall back."""
+    if name not in BACKENDS:
+        raise BackendError(f"--backend: unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name == "numpy":
+        return "numpy"
+    usable, why = gpu_status()
+    if name == "cupy":
+        if not gpu_engine_available():
+            raise BackendError("--backend cupy: the GPU engine is not built yet in this version of ddtree_cupy; "
+                               "use --backend numpy (the reference engine, for small models)")
+        if not usable:
+            raise BackendError(f"--backend cupy: {why}")
+        return "cupy"
+    if usable and gpu_engine_available():
+        return "cupy"
+    reason = "the GPU engine is not built yet" if usable else why
+    notice(f"note: backend auto -> numpy ({reason}); the numpy reference engine is only practical for small models")
+    return "numpy"
+
+
+class NumpyEngine:
+    """The numpy reference target + DFlash drafter, run by ``reference.loop.DecodeLoop``."""
+
+    name = "numpy"
+
+    def __init__(self, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig] = None,
+                 drafter_dir: Optional[str] = None, dtype=np.float32):
+        from .checkpoint import load_drafter_weights, load_reference_weights
+        from .reference.drafter import ReferenceDrafter
+        from .reference.target import ReferenceTarget
+
+        self.dtype = np.dtype(dtype)
+        self.tcfg, self.dcfg = tcfg, dcfg
+        tw = load_reference_weights(model_dir, self.dtype, cfg=tcfg)
+        self.target = ReferenceTarget(tcfg, tw, self.dtype)
+        self.drafter = None
+        if dcfg is not None:
+            dw = load_drafter_weights(drafter_dir, self.dtype, cfg=dcfg)
+            self.drafter = ReferenceDrafter(dcfg, dw, tw["model.embed_tokens.weight"], tw["lm_head.weight"],
+                                            self.dtype)
+
+    def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+                 include_chain: bool = False, on_tokens: Optional[Callable] = None):
+        from .reference.loop import DecodeLoop
+        return DecodeLoop(self.target, self.drafter, mode, budget, cap_k, include_chain).run(requests, on_tokens)
+
+
+def create_engine(backend: str, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig],
+                  drafter_dir: Optional[str], dtype=np.float32):
+    if backend == "numpy":
+        return NumpyEngine(tcfg, model_dir, dcfg, drafter_dir, dtype)
+    raise BackendError(f"backend {backend!r}: the GPU engine is not built yet")
