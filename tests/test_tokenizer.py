@@ -136,3 +136,21 @@ def test_file_errors(tmp_path):
         load_tokenizer(write_tok_dir(tmp_path / "f", config={"added_tokens_decoder": {"3": {"content": "x"}}}))
     with pytest.raises(TokenizerError, match="no 'content'"):
         load_tokenizer(write_tok_dir(tmp_path / "g", config={"added_tokens_decoder": {"266": {}}}))
+
+
+def test_tiny_checkpoint_tokenizer(tmp_path):
+    """The tokenizer files tinymodel writes (the demo's) load, name Kimi's specials, and round-trip text."""
+    from ddtree_cupy.tinymodel import SPECIAL_OFFSETS, TinySpec, write_tokenizer
+    spec = TinySpec()
+    write_tokenizer(str(tmp_path), spec)
+    t = load_tokenizer(str(tmp_path))
+    assert t.vocab_size == spec.vocab_size and t.n_base == spec.n_ranks
+    assert {off: name for name, off in KIMI_SPECIAL_OFFSETS.items()} == SPECIAL_OFFSETS
+    for off, name in SPECIAL_OFFSETS.items():
+        assert t.token_id(name) == spec.special_id(name)
+    text = "The river town woke slowly, and the baker opened his doors at six o'clock.\n  你好 123456"
+    ids = t.encode(text)
+    assert t.decode(ids) == text
+    assert len(ids) < len(text.encode())          # the BPE merges are used
+    chat = t.encode_chat([("user", "hello")], thinking=False)
+    assert t.decode(chat) == "<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
