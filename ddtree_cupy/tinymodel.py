@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 

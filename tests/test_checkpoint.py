@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 from ddtree_cupy.bf16 import bf16_bits_to_f32
-from ddtree_cupy.checkpoint import (INDEX_FILE, Checkpoint, CheckpointError, expected_drafter_tensors,
+from ddtree_cupy.checkpoint import (INDEX_FILE, ST_DTYPES, Checkpoint, CheckpointError, expected_drafter_tensors,
                                     expected_target_tensors, load_drafter_weights, load_reference_weights,
                                     read_safetensors_header, save_safetensors, tp_split)
 from ddtree_cupy.config import DrafterConfig, TargetConfig
@@ -301,7 +300,6 @@ def _rewrite_shard(path, change):
     """Re-save one shard with ``change(dict)`` applied to its {stored name: (dtype, array)}."""
     infos, meta = read_safetensors_header(path)
     raw = np.memmap(path, np.uint8, "r")
-    from ddtree_cupy.checkpoint import ST_DTYPES
     t = {n: (i.dtype, np.ndarray(i.shape, ST_DTYPES[i.dtype], raw, i.offset).copy()) for n, i in infos.items()}
     del raw
     change(t)
@@ -469,7 +467,6 @@ def test_single_file_checkpoint_and_drafter_errors(micro):
     assert sorted(ck.names()) == sorted(expected_drafter_tensors(DrafterConfig.load(drafter_dir)))
     cp = os.path.join(drafter_dir, "config.json")
     c = json.load(open(cp))
-    c["dflash_config"]["target_layer_ids"] = [0, 1, 1 + 0]   # duplicate -> ConfigError, not our concern
     c["dflash_config"]["target_layer_ids"] = [0]             # fc would be [64, 64]: files hold [64, 128]
     json.dump(c, open(cp, "w"))
     with pytest.raises(CheckpointError, match=r"'fc\.weight'.*model\.safetensors.*shape \[64, 128\], expected \[64, 64\]"):

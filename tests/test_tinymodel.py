@@ -12,9 +12,9 @@ import pytest
 
 from ddtree_cupy.bf16 import bf16_bits_to_f32
 from ddtree_cupy.checkpoint import (INDEX_FILE, Checkpoint, expected_drafter_tensors, expected_target_tensors,
-                                    load_drafter_weights, load_reference_weights, read_safetensors_header)
+                                    load_reference_weights, read_safetensors_header)
 from ddtree_cupy.config import DrafterConfig, TargetConfig
-from ddtree_cupy.int4 import quantize_groupwise, unpack_int4
+from ddtree_cupy.int4 import unpack_int4
 from ddtree_cupy.tinymodel import (SPECIAL_OFFSETS, TinySpec, bpe_ranks, ensure_tiny_checkpoints, main,
                                    target_tensors, write_tiny_drafter, write_tiny_target)
 
