@@ -214,6 +214,7 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                float* __restrict__ out_lp, int* __restrict__ out_id) {
     __shared__ u64 s_buf[DDT_MERGE_WARPS][DDT_SEL_CAP];
+    __shared__ u64 s_scr[DDT_MERGE_WARPS][DDT_MERGE_UNROLL * 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = blockIdx.x;
     // Level 1: every warp selects from batches of 32 * DDT_MERGE_UNROLL candidates (all loads issued
@@ -231,8 +232,13 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
                 c[u] = t < total ? in_keys[(parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)) * k + i]
                                  : 0ull;
             }
+            // stage through shared scratch so that only one copy of the select code is inlined
 #pragma unroll
-            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) sel.push(c[u], lane);
+            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) s_scr[warp][u * 32 + lane] = c[u];
+            __syncwarp();
+#pragma unroll 1
+            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) sel.push(s_scr[warp][u * 32 + lane], lane);
+            __syncwarp();
         }
         sel.flush(lane);   // s_buf[warp][0, k) = this warp's top-k, zero-padded
     }
