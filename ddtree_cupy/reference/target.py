@@ -200,6 +200,16 @@ class ReferenceTarget:
                                  if cfg.is_moe_layer(i) else None)
         return w
 
+    @property
+    def embed_tokens(self) -> np.ndarray:
+        """``model.embed_tokens.weight`` [V, H] in self.dtype (the drafter borrows it)."""
+        return self.w["model.embed_tokens.weight"]
+
+    @property
+    def lm_head(self) -> np.ndarray:
+        """``lm_head.weight`` [V, H] in self.dtype (the drafter borrows it)."""
+        return self.w["lm_head.weight"]
+
     # ---- cache --------------------------------------------------------------------------------
     def new_cache(self) -> LatentKVCache:
         return LatentKVCache(self.cfg.num_hidden_layers, self.cfg.kv_cache_dim, self.dtype)
