@@ -43,6 +43,31 @@ KIMI_SPECIAL_OFFSETS: Dict[str, int] = {
 
 STOP_TOKEN_NAMES = ("<|im_end|>", "[EOS]")
 
+# Kimi's encode cuts the text before pre-tokenization, so that tiktoken's byte-pair merge (quadratic in a
+# piece's length) never sees a huge piece: chunks of at most 400k characters, and inside them no run of more
+# than 25k consecutive whitespace or consecutive non-whitespace characters. Same limits here, so long
+# inputs tokenize as Kimi's reference does at the seams.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+
+
+def split_for_encoding(text: str, max_chars: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS) -> List[str]:
+    """Slices of ``text`` (concatenating to it) with at most ``max_chars`` characters each and no run of more
+    than ``max_run`` consecutive same-class (whitespace / non-whitespace) characters."""
+    out: List[str] = []
+    for i in range(0, len(text), max_chars):
+        chunk = text[i:i + max_chars]
+        start, run, prev = 0, 0, None
+        for j, ch in enumerate(chunk):
+            cls = ch.isspace()
+            run = run + 1 if cls == prev else 1
+            prev = cls
+            if run > max_run:
+                out.append(chunk[start:j])
+                start, run = j, 1
+        out.append(chunk[start:])
+    return [p for p in out if p]
+
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing or malformed, or an input cannot be tokenized."""
@@ -150,9 +175,13 @@ class KimiTokenizer:
         ``allow_special``; otherwise they are ordinary text (never an error)."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode: text must be str, got {type(text).__name__}")
-        if allow_special:
-            return self._enc.encode(text, allowed_special="all")
-        return self._enc.encode_ordinary(text)
+        ids: List[int] = []
+        for piece in split_for_encoding(text):
+            if allow_special:
+                ids.extend(self._enc.encode(piece, allowed_special="all"))
+            else:
+                ids.extend(self._enc.encode_ordinary(piece))
+        return ids
 
     def _check_ids(self, ids: Sequence[int]) -> List[int]:
         out = [int(i) for i in ids]

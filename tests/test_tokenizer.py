@@ -154,3 +154,18 @@ def test_tiny_checkpoint_tokenizer(tmp_path):
     assert len(ids) < len(text.encode())          # the BPE merges are used
     chat = t.encode_chat([("user", "hello")], thinking=False)
     assert t.decode(chat) == "<|im_user|>user<|im_middle|>hello<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
+
+
+def test_long_runs_are_cut_like_kimi(tok):
+    from ddtree_cupy.tokenizer import split_for_encoding
+    assert split_for_encoding("") == []
+    assert split_for_encoding("ab  cd", max_run=2) == ["ab  cd"]
+    assert split_for_encoding("abc  d", max_run=2) == ["ab", "c  d"]
+    assert split_for_encoding("a     b", max_run=2) == ["a  ", "  ", " b"]
+    assert split_for_encoding("abcdefg", max_chars=3, max_run=10) == ["abc", "def", "g"]
+    text = "he" * 20000 + " " + "x" * 30001          # runs of 40000 and 30001 non-space characters
+    pieces = split_for_encoding(text)
+    assert "".join(pieces) == text and [len(p) for p in pieces] == [25000, 15001 + 25000, 5001]
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids == [i for p in pieces for i in tok.encode(p)]
