@@ -31,9 +31,9 @@ def ckpt_dir(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def _models(cache_dir, seed, dtype_name="float64"):
+def _models(cache_dir, seed, dtype_name="float64", spec=SMALL):
     dtype = np.dtype(dtype_name)
-    td, dd = ensure_tiny_checkpoints(cache_dir, seed=seed, spec=SMALL)
+    td, dd = ensure_tiny_checkpoints(cache_dir, seed=seed, spec=spec)
     tw = load_reference_weights(td, dtype)
     tgt = ReferenceTarget(TargetConfig.load(td), tw, dtype)
     dr = ReferenceDrafter(DrafterConfig.load(dd), load_drafter_weights(dd, dtype), tw["model.embed_tokens.weight"],
@@ -379,3 +379,14 @@ def test_sampling_matches_target_distribution(ckpt_dir):
         stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
         p = chi2_sf(stat, len(obs) - 1)
         assert p > 1e-3, (mode, stat, p, obs, exp)
+
+
+@pytest.mark.slow
+def test_lossless_default_tiny_model_float32(tmp_path_factory):
+    """The demo's model (real kernel dims: kv_lora 512, rope 64, head_dim 128, 32 experts) in float32."""
+    d = str(tmp_path_factory.mktemp("tiny_default"))
+    tgt, dr = _models(d, 0, "float32", TinySpec())
+    ps = [[11, 12, 13], list(range(40, 70))]
+    ar = outputs(run(tgt, dr, ps, "ar", n_new=20))
+    assert outputs(run(tgt, dr, ps, "ddtree", 32, n_new=20)) == ar
+    assert outputs(run(tgt, OracleDrafter(tgt, kind="logits", noise=1.0), ps, "ddtree", 32, n_new=20)) == ar
