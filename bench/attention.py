@@ -171,6 +171,13 @@ def main():
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    mla=results, probe=probe, drafter=drafter, seconds=time.time() - t_start)
+    print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (floor us, ratio, tree/chain)")
+    for S, n, c in ((1, 1, 4096), (1, 16, 4096), (4, 16, 4096), (10, 16, 4096), (1, 16, 32768), (10, 16, 32768),
+                    (1, 1, 65536), (10, 64, 65536)):
+        for r in results:
+            if (r["streams"], r["rows"], r["ctx"]) == (S, n, c):
+                print(f"  {S:>2} x {n:>2} @ {c:>6}: {r['us']:8.1f} us  ({r['floor_us']:7.1f}, {r['ratio']:5.2f}x, "
+                      f"{r['tree_over_chain']:.2f})")
     met = sum(r["meets_target"] for r in results)
     print(f"\n# {met}/{len(results)} MLA cases meet (<= max(1.3 x floor, 8 us) and tree <= 1.5 x chain); "
           f"bench took {summary['seconds']:.0f} s")

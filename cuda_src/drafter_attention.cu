@@ -6,7 +6,8 @@
 // G = Hq / Hkv query heads sharing a kv head and the BR rows form M = BR * G packed rows (m = row*G + g),
 // so each K/V tile is read once for all of them. The work is small next to the MLA verify (one kv head
 // per rank at TP8, 8 rows), so the arithmetic runs on CUDA cores in fp32; split-KV keeps long contexts
-// spread over the SMs and drafter_attn_combine merges the splits by log-sum-exp.
+// spread over the SMs and drafter_attn_combine merges the splits by log-sum-exp. Register blocking
+// (4x4 score blocks, 8x4 output blocks per thread) keeps shared-memory loads below one per two FMAs.
 #include "common.cuh"
 
 #ifndef INFINITY
@@ -59,11 +60,10 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
         Qs[e] = bf16_to_f32(q[(((size_t)b * BR + r) * Hq + kvh * G + gi) * DR_D + d]) * scale_log2;
     }
     if (tid < DR_MAXM) { m_s[tid] = -INFINITY; l_s[tid] = 0.f; }
-    float acc[DR_MAXM / 2];
+    // P V ownership: warp w accumulates packed rows 8w .. 8w+7, lane l the columns 4l .. 4l+3.
+    float acc[8][4];
 #pragma unroll
-    for (int k = 0; k < DR_MAXM / 2; ++k) acc[k] = 0.f;
-    const int d_own = tid & (DR_D - 1);
-    const int r_off = tid >> 7;  // this thread accumulates packed rows r_off, r_off + 2, ...
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         __syncthreads();  // the previous tile's K/V/S are no longer read
@@ -87,26 +87,38 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
             reinterpret_cast<uint4*>(Vs + tok * DR_D)[c] = vv4;
         }
         __syncthreads();
-        // scores (already in log2 units: q was pre-scaled)
-        for (int e = tid; e < M * DR_BN; e += DR_THREADS) {
-            const int m = e >> 6, t = e & (DR_BN - 1);
-            float x = -INFINITY;
-            if (t0 + t < N) {
-                const float* qr = Qs + m * DR_D;
-                const unsigned* kr = reinterpret_cast<const unsigned*>(Ks + t * DR_KSTR);
-                // four independent partial sums: a single FMA chain of 128 would be latency bound
-                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        // Scores (log2 units: q was pre-scaled). Each thread computes a 4-row x 4-token block, tokens
+        // tb, tb+16, tb+32, tb+48, so the 16 lanes of a half warp read 16 different K rows (KSTR = 65
+        // words: different banks) while the row block's q values are broadcast.
+        {
+            const int rb = tid >> 4, tb = tid & 15;
+            if (rb * 4 < M) {
+                float sacc[4][4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.f;
+                const float* q0 = Qs + rb * 4 * DR_D;
+                const unsigned* kw = reinterpret_cast<const unsigned*>(Ks);
 #pragma unroll 4
-                for (int d2 = 0; d2 < DR_D / 2; d2 += 2) {
-                    const unsigned w0 = kr[d2], w1 = kr[d2 + 1];
-                    s0 = fmaf(qr[2 * d2], __uint_as_float(w0 << 16), s0);
-                    s1 = fmaf(qr[2 * d2 + 1], __uint_as_float(w0 & 0xffff0000u), s1);
-                    s2 = fmaf(qr[2 * d2 + 2], __uint_as_float(w1 << 16), s2);
-                    s3 = fmaf(qr[2 * d2 + 3], __uint_as_float(w1 & 0xffff0000u), s3);
+                for (int d2 = 0; d2 < DR_D / 2; ++d2) {
+                    float2 qv[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) qv[i] = *reinterpret_cast<const float2*>(q0 + i * DR_D + 2 * d2);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const unsigned w = kw[(tb + 16 * j) * (DR_KSTR / 2) + d2];
+                        const float k0 = __uint_as_float(w << 16), k1 = __uint_as_float(w & 0xffff0000u);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) sacc[i][j] = fmaf(qv[i].x, k0, fmaf(qv[i].y, k1, sacc[i][j]));
+                    }
                 }
-                x = (s0 + s1) + (s2 + s3);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int t = tb + 16 * j;
+                        Ss[(rb * 4 + i) * DR_SSTR + t] = t0 + t < N ? sacc[i][j] : -INFINITY;
+                    }
             }
-            Ss[m * DR_SSTR + t] = x;
         }
         __syncthreads();
         // online softmax: one warp per packed row, two tokens per lane
@@ -133,53 +145,76 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
             }
         }
         __syncthreads();
-        // O += P V
+        // O += P V: per token one 8-byte V load (4 columns) and 8 broadcast P loads feed 32 FMAs.
+        if (warp * 8 < M) {
 #pragma unroll
-        for (int k = 0; k < DR_MAXM / 2; ++k) {
-            const int m = r_off + 2 * k;
-            if (m < M) acc[k] *= a_s[m];
-        }
-        for (int t = 0; t < DR_BN; ++t) {
-            const float v = bf16_to_f32(Vs[t * DR_D + d_own]);
+            for (int i = 0; i < 8; ++i) {
+                const float al = a_s[warp * 8 + i];  // rows >= M hold garbage and are never written out
+                acc[i][0] *= al; acc[i][1] *= al; acc[i][2] *= al; acc[i][3] *= al;
+            }
+#pragma unroll 2
+            for (int t = 0; t < DR_BN; ++t) {
+                const uint2 vw = *reinterpret_cast<const uint2*>(Vs + t * DR_D + 4 * lane);
+                const float v0 = __uint_as_float(vw.x << 16), v1 = __uint_as_float(vw.x & 0xffff0000u);
+                const float v2 = __uint_as_float(vw.y << 16), v3 = __uint_as_float(vw.y & 0xffff0000u);
 #pragma unroll
-            for (int k = 0; k < DR_MAXM / 2; ++k) {
-                const int m = r_off + 2 * k;
-                if (m < M) acc[k] += Ss[m * DR_SSTR + t] * v;
+                for (int i = 0; i < 8; ++i) {
+                    const float pr = Ss[(warp * 8 + i) * DR_SSTR + t];
+                    acc[i][0] = fmaf(pr, v0, acc[i][0]); acc[i][1] = fmaf(pr, v1, acc[i][1]);
+                    acc[i][2] = fmaf(pr, v2, acc[i][2]); acc[i][3] = fmaf(pr, v3, acc[i][3]);
+                }
             }
         }
     }
     __syncthreads();
     const int total_rows = gridDim.z * BR * Hq;
 #pragma unroll
-    for (int k = 0; k < DR_MAXM / 2; ++k) {
-        const int m = r_off + 2 * k;
+    for (int i = 0; i < 8; ++i) {
+        const int m = warp * 8 + i;
         if (m >= M) continue;
         const int r = m / G, gi = m % G;
         const size_t gr = ((size_t)b * BR + r) * Hq + kvh * G + gi;
         const float l = l_s[m];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         if (num_splits == 1) {
-            out[gr * DR_D + d_own] = f32_to_bf16(acc[k] * inv);
+            uint2 pk;
+            pk.x = (unsigned)f32_to_bf16(acc[i][0] * inv) | ((unsigned)f32_to_bf16(acc[i][1] * inv) << 16);
+            pk.y = (unsigned)f32_to_bf16(acc[i][2] * inv) | ((unsigned)f32_to_bf16(acc[i][3] * inv) << 16);
+            *reinterpret_cast<uint2*>(out + gr * DR_D + 4 * lane) = pk;
         } else {
             const size_t pr = (size_t)split * total_rows + gr;
-            part_o[pr * DR_D + d_own] = acc[k] * inv;
-            if (d_own == 0) part_lse[pr] = l > 0.f ? m_s[m] + log2f(l) : -INFINITY;
+            *reinterpret_cast<float4*>(part_o + pr * DR_D + 4 * lane) =
+                make_float4(acc[i][0] * inv, acc[i][1] * inv, acc[i][2] * inv, acc[i][3] * inv);
+            if (lane == 0) part_lse[pr] = l > 0.f ? m_s[m] + log2f(l) : -INFINITY;
         }
     }
 }
 
-// Merge split partials: one warp per output row (128 columns, 4 per lane). grid ceil(rows / 4), 128 threads.
-extern "C" __global__ void __launch_bounds__(128) drafter_attn_combine(
+// Merge split partials: one block of 8 warps per output row; the warps share the splits, lanes hold 4 of the
+// 128 columns, the partial sums meet in shared memory. grid (rows), DR_COMBINE_THREADS threads.
+#define DR_COMBINE_THREADS 256
+extern "C" __global__ void __launch_bounds__(DR_COMBINE_THREADS) drafter_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, int total_rows, int num_splits,
     bf16_bits* __restrict__ out) {
-    const int row = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= total_rows) return;
+    constexpr int NW = DR_COMBINE_THREADS / 32;
+    __shared__ float red_max[NW];
+    __shared__ float red_w[NW];
+    __shared__ __align__(16) float acc_s[NW][DR_D];
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     float mx = -INFINITY;
-    for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, part_lse[(size_t)sp * total_rows + row]);
+    for (int sp = tid; sp < num_splits; sp += DR_COMBINE_THREADS)
+        mx = fmaxf(mx, part_lse[(size_t)sp * total_rows + row]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red_max[warp] = mx;
+    __syncthreads();
+    mx = red_max[0];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, red_max[w]);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wsum = 0.f;
-    for (int sp = 0; sp < num_splits; ++sp) {
+    for (int sp = warp; sp < num_splits; sp += NW) {
         const float lse = part_lse[(size_t)sp * total_rows + row];
         if (lse == -INFINITY) continue;
         const float w = exp2f(lse - mx);
@@ -187,8 +222,13 @@ extern "C" __global__ void __launch_bounds__(128) drafter_attn_combine(
         const float4 v = reinterpret_cast<const float4*>(part_o + ((size_t)sp * total_rows + row) * DR_D)[lane];
         acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    bf16_bits* dst = out + (size_t)row * DR_D + 4 * lane;
-    dst[0] = f32_to_bf16(acc.x * inv); dst[1] = f32_to_bf16(acc.y * inv);
-    dst[2] = f32_to_bf16(acc.z * inv); dst[3] = f32_to_bf16(acc.w * inv);
+    *reinterpret_cast<float4*>(&acc_s[warp][4 * lane]) = acc;
+    if (lane == 0) red_w[warp] = wsum;
+    __syncthreads();
+    if (tid < DR_D) {
+        float wt = 0.f, x = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) { wt += red_w[w]; x += acc_s[w][tid]; }
+        out[(size_t)row * DR_D + tid] = f32_to_bf16(wt > 0.f ? x / wt : 0.f);
+    }
 }

@@ -139,19 +139,17 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     const int g = lane >> 2, q4 = lane & 3;
 
     // ---- loads -----------------------------------------------------------------------------------
+    // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
+    static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
     auto load_tile = [&](int tile, int buf) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);  // t0 < kv_len: the tile holds a valid token
+        const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
-            int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
-            int t = t0 + tok;
-            bool ok = t < kv_len;
-            const bf16_bits* src = pool;
-            if (ok) {
-                int page = __ldg(table + t / KV_PAGE_SIZE);
-                src = pool + ((size_t)page * KV_PAGE_SIZE + (t % KV_PAGE_SIZE)) * MLA_QK_DIM + c * 8;
-            }
-            cp_async16(dst0 + tok * MLA_SROW + c * 8, src, ok);
+            const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
+            const bool ok = t0 + tok < kv_len;
+            cp_async16(dst0 + tok * MLA_SROW + c * 8, ok ? base + tok * MLA_QK_DIM + c * 8 : pool, ok);
         }
     };
     {
@@ -374,23 +372,40 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     }
 }
 
-// Merge the splits: o = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max). One warp per packed row,
-// 16 columns per lane. grid (ceil(max_rows*H / 4), S), 128 threads.
-extern "C" __global__ void __launch_bounds__(128) mla_attn_combine(
+// Merge the splits: o = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max). One block of 8 warps per packed
+// row: the warps share the splits (a single warp walking 100+ splits one after another is latency bound),
+// lanes hold 16 of the 512 columns, and the 8 partial sums meet in shared memory.
+// grid (max_rows * H, S), MLA_COMBINE_THREADS threads.
+#define MLA_COMBINE_THREADS 256
+extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
     const int* __restrict__ row_start, int H, int total_packed, int num_splits, bf16_bits* __restrict__ out) {
+    constexpr int NW = MLA_COMBINE_THREADS / 32;
+    __shared__ float red_max[NW];
+    __shared__ float red_w[NW];
+    __shared__ __align__(16) float acc_s[NW][MLA_V_DIM];
     const int b = blockIdx.y;
-    const int m = blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
+    const int m = blockIdx.x;
     if (m >= n_rows[b] * H) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t gm = (size_t)row_start[b] * H + m;
+
     float mx = -INFINITY;
-    for (int sp = 0; sp < num_splits; ++sp) mx = fmaxf(mx, part_lse[(size_t)sp * total_packed + gm]);
+    for (int sp = tid; sp < num_splits; sp += MLA_COMBINE_THREADS)
+        mx = fmaxf(mx, part_lse[(size_t)sp * total_packed + gm]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red_max[warp] = mx;
+    __syncthreads();
+    mx = red_max[0];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, red_max[w]);
+
     float acc[16];
 #pragma unroll
     for (int k = 0; k < 16; ++k) acc[k] = 0.f;
     float wsum = 0.f;
-    for (int sp = 0; sp < num_splits; ++sp) {
+    for (int sp = warp; sp < num_splits; sp += NW) {
         const float lse = part_lse[(size_t)sp * total_packed + gm];
         if (lse == -INFINITY) continue;  // an empty split (no visible token) contributes nothing
         const float w = exp2f(lse - mx);
@@ -398,18 +413,26 @@ extern "C" __global__ void __launch_bounds__(128) mla_attn_combine(
         const float4* src = reinterpret_cast<const float4*>(part_o + ((size_t)sp * total_packed + gm) * MLA_V_DIM);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            float4 v = src[lane + 32 * k];
+            const float4 v = src[lane + 32 * k];
             acc[4 * k] += w * v.x; acc[4 * k + 1] += w * v.y; acc[4 * k + 2] += w * v.z; acc[4 * k + 3] += w * v.w;
         }
     }
-    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    bf16_bits* dst = out + gm * MLA_V_DIM;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        uint2 pk;
-        pk.x = pack_bf16x2(acc[4 * k] * inv, acc[4 * k + 1] * inv);
-        pk.y = pack_bf16x2(acc[4 * k + 2] * inv, acc[4 * k + 3] * inv);
-        *reinterpret_cast<uint2*>(dst + 4 * (lane + 32 * k)) = pk;
+    for (int k = 0; k < 4; ++k)
+        *reinterpret_cast<float4*>(&acc_s[warp][4 * (lane + 32 * k)]) =
+            make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+    if (lane == 0) red_w[warp] = wsum;
+    __syncthreads();
+    float wt = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) wt += red_w[w];
+    const float inv = wt > 0.f ? 1.f / wt : 0.f;
+    bf16_bits* dst = out + gm * MLA_V_DIM;
+    for (int c = 2 * tid; c < MLA_V_DIM; c += 2 * MLA_COMBINE_THREADS) {
+        float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) { x0 += acc_s[w][c]; x1 += acc_s[w][c + 1]; }
+        *reinterpret_cast<unsigned*>(dst + c) = pack_bf16x2(x0 * inv, x1 * inv);
     }
 }
 

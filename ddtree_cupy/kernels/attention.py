@@ -11,6 +11,7 @@ See docs/ATTENTION.md for the design.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -60,11 +61,12 @@ class MlaTileConfig:
 # GPUs with > 160 KB per block (H200) all of them. plan_mla picks the smallest tile that holds a stream's
 # packed rows (less padding waste for decode and short trees), preferring the wider variant where it fits.
 MLA_CONFIGS = {
-    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),        # 152 KB
-    "mid": MlaTileConfig(mg=2, vg=4, bn=32, stages=2),          # 113 KB
+    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=3),        # 188 KB
+    "mid": MlaTileConfig(mg=2, vg=4, bn=32, stages=3),          # 150 KB
     "small": MlaTileConfig(mg=2, vg=2, bn=16, stages=3),        # 93 KB
     "narrow_wide": MlaTileConfig(mg=1, vg=8, bn=64, stages=2),  # 168 KB
     "narrow": MlaTileConfig(mg=1, vg=4, bn=32, stages=2),       # 93 KB
+    "large_2stage": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),  # 152 KB; not planned, kept for comparison
 }
 _PREFERENCE = {16: ("narrow_wide", "narrow"), 32: ("mid", "small"), 64: ("large",)}
 
@@ -86,15 +88,20 @@ DRAFTER_MAX_PACKED = 64
 DRAFTER_SMEM = (64 * 128 + 64 * 65 + 3 * 64) * 4 + (64 * 130 + 64 * 128) * 2
 
 
-def _device_attrs():
+@functools.lru_cache(maxsize=None)
+def _attrs_of(device_id: int):
     import cupy
-    dev = cupy.cuda.Device()
-    return dev.attributes["MultiProcessorCount"], dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    a = cupy.cuda.Device(device_id).attributes
+    return a["MultiProcessorCount"], a["MaxSharedMemoryPerBlockOptin"], a["MaxSharedMemoryPerMultiprocessor"]
+
+
+def _device_attrs():
+    """(SM count, shared memory per block opt-in) of the current device (cached: launches stay cheap)."""
+    return _attrs_of(current_device())[:2]
 
 
 def _smem_per_sm() -> int:
-    import cupy
-    return cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    return _attrs_of(current_device())[2]
 
 
 def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int = 1 << 30) -> MlaTileConfig:
@@ -219,7 +226,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
         if num_splits > 1:
             comb = get_kernel(MLA_SPEC, "mla_attn_combine")
-            comb((-(-max_rows * H // 4), S), (128,),
+            comb((max_rows * H, S), (256,),
                  (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
     return out
 
@@ -301,5 +308,5 @@ def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax
         if num_splits > 1:
             comb = get_kernel(DRAFTER_SPEC, "drafter_attn_combine")
             rows = S * BR * Hq
-            comb((-(-rows // 4),), (128,), (part_o, part_lse, np.int32(rows), np.int32(num_splits), out))
+            comb((rows,), (256,), (part_o, part_lse, np.int32(rows), np.int32(num_splits), out))
     return out

@@ -108,7 +108,7 @@ def check(c, got, label="", ref=None):
     return ref
 
 
-@pytest.mark.parametrize("config", ["large", "mid", "small", "narrow_wide", "narrow"])
+@pytest.mark.parametrize("config", ["large", "mid", "small", "narrow_wide", "narrow", "large_2stage"])
 @pytest.mark.parametrize("H", [1, 8, 64])
 def test_tree_verify_random(config, H):
     x = cp()
