@@ -5,85 +5,81 @@
 //   groups (ties: lower group), experts of other groups are out;
 //   ids = the k best choice values among the kept experts (ties: lower expert id), in descending order;
 //   weights = s[ids] / (sum s[ids] + 1e-20 when normalising) * routed_scaling_factor.
-// One block per token; E <= ROUTER_MAX_E.
+// One warp per token, no block-wide barriers: each candidate is a unique 64-bit key
+// (order-preserving bits of choice << 32 | ~id) in the warp's shared-memory slice; k rounds of a warp
+// max-reduction pick the experts (the winner's key is zeroed). E <= ROUTER_MAX_E, n_group <= 32.
 #include "common.cuh"
 
-#define ROUTER_THREADS 256
-#define ROUTER_MAX_E 1024
-#define ROUTER_MAX_GROUPS 64
+#define ROUTER_WARPS 4
+#define ROUTER_MAX_E 512
 typedef unsigned long long u64;
 
 __device__ __forceinline__ uint32_t ord_key(float f) {
     const uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+__device__ __forceinline__ float ord_val(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ u64 warp_max(u64 m) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
+}
 
-extern "C" __global__ void __launch_bounds__(ROUTER_THREADS)
-router_topk(const float* __restrict__ logits, int E, const float* __restrict__ bias, int n_group, int topk_group,
-            int k, int normalize, float scale, int* __restrict__ out_ids, float* __restrict__ out_w) {
-    __shared__ float s[ROUTER_MAX_E], choice[ROUTER_MAX_E];
-    __shared__ float gscore[ROUTER_MAX_GROUPS];
-    __shared__ int gkeep[ROUTER_MAX_GROUPS];
-    __shared__ u64 best[ROUTER_THREADS / 32];
-    __shared__ int picked[32];
-    const int t = blockIdx.x, tid = threadIdx.x;
-    for (int e = tid; e < E; e += ROUTER_THREADS) {
-        const float l = logits[(long long)t * E + e];
-        const float sg = 1.f / (1.f + expf(-l));
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk(const float* __restrict__ logits, int T, int E, const float* __restrict__ bias, int n_group,
+            int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids, float* __restrict__ out_w) {
+    __shared__ u64 keys_s[ROUTER_WARPS][ROUTER_MAX_E];
+    __shared__ float s_s[ROUTER_WARPS][ROUTER_MAX_E];
+    __shared__ int pick_s[ROUTER_WARPS][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
+    u64* keys = keys_s[warp];
+    float* s = s_s[warp];
+    for (int e = lane; e < E; e += 32) {
+        const float sg = 1.f / (1.f + expf(-logits[(long long)t * E + e]));
         s[e] = sg;
-        choice[e] = sg + bias[e];
+        keys[e] = ((u64)ord_key(sg + bias[e]) << 32) | (u64)(~(uint32_t)e);
     }
-    __syncthreads();
-    const int gsize = E / n_group;
-    if (tid < n_group) {           // top-2 sum per group
-        float a = -__int_as_float(0x7f800000), b = -__int_as_float(0x7f800000);
-        for (int e = tid * gsize; e < (tid + 1) * gsize; ++e) {
-            const float c = choice[e];
-            if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
+    __syncwarp();
+    if (topk_group < n_group) {
+        const int gsize = E / n_group;
+        u64 gkey = 0;
+        if (lane < n_group) {       // lane g scores group g: the sum of its two best choice values
+            float a = -__int_as_float(0x7f800000), b = a;
+            for (int e = lane * gsize; e < (lane + 1) * gsize; ++e) {
+                const float c = ord_val((uint32_t)(keys[e] >> 32));
+                if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
+            }
+            gkey = ((u64)ord_key(gsize >= 2 ? a + b : a) << 32) | (u64)(~(uint32_t)lane);
         }
-        gscore[tid] = gsize >= 2 ? a + b : a;
-        gkeep[tid] = 0;
-    }
-    __syncthreads();
-    if (tid == 0 && topk_group < n_group) {
+        bool kept = false;
         for (int r = 0; r < topk_group; ++r) {
-            int bi = -1;
-            for (int g = 0; g < n_group; ++g)
-                if (!gkeep[g] && (bi < 0 || gscore[g] > gscore[bi])) bi = g;
-            gkeep[bi] = 1;
+            const u64 m = warp_max(gkey);
+            if (lane == (int)(~(uint32_t)m)) { kept = true; gkey = 0; }
         }
-    } else if (tid == 0) {
-        for (int g = 0; g < n_group; ++g) gkeep[g] = 1;
+        const unsigned int kept_mask = __ballot_sync(0xffffffffu, kept);
+        for (int e = lane; e < E; e += 32)
+            if (!((kept_mask >> (e / gsize)) & 1u)) keys[e] = 0;
+        __syncwarp();
     }
-    __syncthreads();
-    // k rounds of a block argmax over unique keys (value bits << 32 | ~id): ties go to the lower id.
+    float sum = 0.f;
     for (int r = 0; r < k; ++r) {
         u64 m = 0;
-        for (int e = tid; e < E; e += ROUTER_THREADS) {
-            if (!gkeep[e / gsize]) continue;
-            bool taken = false;
-            for (int q = 0; q < r; ++q) taken |= picked[q] == e;
-            if (taken) continue;
-            m = max(m, ((u64)ord_key(choice[e]) << 32) | (u64)(~(uint32_t)e));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if ((tid & 31) == 0) best[tid >> 5] = m;
-        __syncthreads();
-        if (tid == 0) {
-            u64 mm = 0;
-            for (int w = 0; w < ROUTER_THREADS / 32; ++w) mm = max(mm, best[w]);
-            picked[r] = (int)(~(uint32_t)mm);
-        }
-        __syncthreads();
+        for (int e = lane; e < E; e += 32) m = max(m, keys[e]);
+        m = warp_max(m);
+        const int id = (int)(~(uint32_t)m);
+        if (lane == (id & 31)) keys[id] = 0;     // the owner lane retires the winner
+        if (lane == 0) pick_s[warp][r] = id;
+        sum += s[id];
+        __syncwarp();
     }
-    if (tid == 0) {
-        float sum = 0.f;
-        for (int r = 0; r < k; ++r) sum += s[picked[r]];
-        const float f = normalize ? scale / (sum + 1e-20f) : scale;
-        for (int r = 0; r < k; ++r) {
-            out_ids[(long long)t * k + r] = picked[r];
-            out_w[(long long)t * k + r] = s[picked[r]] * f;
-        }
+    const float f = normalize ? scale / (sum + 1e-20f) : scale;
+    if (lane < k) {
+        const int id = pick_s[warp][lane];
+        out_ids[(long long)t * k + lane] = id;
+        out_w[(long long)t * k + lane] = s[id] * f;
     }
 }

@@ -15,7 +15,8 @@ from .compile import KernelSpec, get_kernel, register
 from .gemm import gemm_bf16
 
 SPEC = register(KernelSpec("router.cu", ("router_topk",), hot=True, doc="noaux_tc group-limited top-k"))
-MAX_E = 1024
+MAX_E = 512
+WARPS = 4          # tokens per block (one warp each)
 
 
 def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
@@ -27,7 +28,7 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
     check_array("bias", bias, np.float32, ("E",), dims)
     T, E = dims["T"], dims["E"]
     check_range("E (logits.shape[1])", E, 1, MAX_E)
-    check_range("n_group", n_group, 1, min(64, E))
+    check_range("n_group", n_group, 1, min(32, E))
     if E % n_group:
         raise ValueError(f"n_group: {n_group} does not divide the expert count {E}")
     check_range("topk_group", topk_group, 1, n_group)
@@ -40,8 +41,9 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
     check_array("out_weights", out_weights, np.float32, (T, k))
     if T:
         kern = get_kernel(SPEC, "router_topk")
-        kern((T,), (256,), (logits, np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
-                            np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights))
+        kern(((T + WARPS - 1) // WARPS,), (32 * WARPS,),
+             (logits, np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
+              np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights))
     return out_ids, out_weights
 
 

@@ -30,18 +30,23 @@ def test_gemm_matches_float64(T, K, N):
     assert err_rows.max() < 4 * BF16_TOL
 
 
-@pytest.mark.parametrize("split", [1, 2, 7])
-def test_gemm_split_and_fp32_out(split):
+@pytest.mark.parametrize("T,split", [(13, 1), (13, 2), (13, 7), (40, 3), (1, 16)])
+def test_gemm_split_and_fp32_out(T, split):
+    """T <= 32: the last block of a tile reduces (fused); T > 32: the separate reduce kernel."""
     import cupy as cp
     from ddtree_cupy.kernels.gemm import gemm_bf16
-    rng = np.random.default_rng(split)
-    T, K, N = 13, 1024, 320
+    rng = np.random.default_rng(split + T)
+    K, N = 1024, 320
     xb, x = rand_bf16(rng, (T, K))
     wb, w = rand_bf16(rng, (N, K), 0.05)
-    out = poisoned(cp, (T, N), np.float32)
-    gemm_bf16(cp.asarray(xb), cp.asarray(wb), out, out_dtype=np.float32, split_k=split)
-    # fp32 output: only accumulation-order error remains
-    assert rel_err(out.get(), x @ w.T) < 1e-5
+    for _ in range(3):      # repeated launches: the fused reduction's counters must reset themselves
+        out = poisoned(cp, (T, N), np.float32)
+        gemm_bf16(cp.asarray(xb), cp.asarray(wb), out, out_dtype=np.float32, split_k=split)
+        # fp32 output: only accumulation-order error remains
+        assert rel_err(out.get(), x @ w.T) < 1e-5
+    again = cp.empty((T, N), np.float32)
+    gemm_bf16(cp.asarray(xb), cp.asarray(wb), again, out_dtype=np.float32, split_k=split)
+    assert cp.array_equal(again, out), "split-K reduction must be deterministic"
 
 
 def test_gemm_batched_strided_views():
@@ -91,7 +96,7 @@ def test_gemm_bad_args():
     from ddtree_cupy.kernels.gemm import gemm_bf16
     x = cp.zeros((4, 100), np.uint16)
     with pytest.raises(ValueError, match="K"):
-        gemm_bf16(x, cp.zeros((64, 100), np.uint16))
+        gemm_bf16(cp.zeros((4, 96), np.uint16), cp.zeros((64, 96), np.uint16))
     with pytest.raises(ValueError, match="w"):
         gemm_bf16(cp.zeros((4, 128), np.uint16), cp.zeros((64, 64), np.uint16))
     with pytest.raises(ValueError, match="tokens"):
