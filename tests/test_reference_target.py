@@ -481,6 +481,36 @@ def test_route_group_limited_against_brute_force():
     assert max(len(set((ids[t] // 8).tolist())) for t in range(T)) <= 2
 
 
+@pytest.mark.oracle
+def test_route_group_limited_against_hf_router():
+    """HF's DeepseekV3TopkRouter, run in float64 (hf_oracle._Float64Torch), as a second oracle for routing."""
+    import torch
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as mod
+    from hf_oracle import _Float64Torch, hf_config
+    cfg = tiny_target_config(n_group=4, topk_group=2, num_experts_per_tok=6)
+    rng = np.random.default_rng(19)
+    T, E, H = 40, cfg.n_routed_experts, cfg.hidden_size
+    x = rng.standard_normal((T, H))
+    gate_w = rng.standard_normal((E, H)) / math.sqrt(H)
+    bias = 0.05 * rng.standard_normal(E)
+    router = mod.DeepseekV3TopkRouter(hf_config(cfg))
+    router.weight.data = torch.from_numpy(gate_w)
+    router.e_score_correction_bias.data = torch.from_numpy(bias)
+    saved, mod.torch = mod.torch, _Float64Torch(torch)
+    try:
+        with torch.no_grad():
+            _, hw, hids = router(torch.from_numpy(x))
+    finally:
+        mod.torch = saved
+    ids, w = route(x, gate_w, bias, cfg)
+    # HF returns the top-k unsorted: compare as (id -> weight) maps per token
+    order = np.argsort(hids.numpy(), axis=1)
+    hids_s, hw_s = np.take_along_axis(hids.numpy(), order, 1), np.take_along_axis(hw.numpy(), order, 1)
+    o2 = np.argsort(ids, axis=1)
+    assert np.array_equal(np.take_along_axis(ids, o2, 1), hids_s)
+    assert rel(np.take_along_axis(w, o2, 1), hw_s) <= 1e-13
+
+
 def test_route_bias_chooses_but_weights_are_unbiased():
     cfg = tiny_target_config()
     rng = np.random.default_rng(16)
