@@ -240,3 +240,47 @@ def test_bad_inputs():
         d.append_context(c, np.ones((1, 3, cfg.hidden_size)), [1])
     with pytest.raises(ValueError, match="bonus token"):
         d.draft(c, cfg.vocab_size, 2)
+
+
+def _hf_block(cfg, w, embed, s, bonus, rope_params):
+    """HF transformers' Qwen3Model over the block alone with a non-causal mask: what the DFlash draft
+    computes when the context is empty (same layers, norms, RoPE, GQA, SwiGLU)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3Model
+    hf = Qwen3Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                     rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=4096, rope_parameters=rope_params,
+                     attn_implementation="eager")
+    m = Qwen3Model(hf).double().eval()
+    sd = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in w.items() if k.startswith("layers.") or k == "norm.weight"}
+    sd["embed_tokens.weight"] = torch.from_numpy(np.asarray(embed, np.float64))
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected
+    B = cfg.block_size
+    ids = torch.tensor([[bonus] + [cfg.mask_token_id] * (B - 1)])
+    with torch.no_grad():
+        out = m(input_ids=ids, position_ids=torch.arange(s, s + B)[None],
+                attention_mask=torch.zeros(1, 1, B, B, dtype=torch.float64))   # additive: all visible
+    return out.last_hidden_state[0].numpy()
+
+
+@pytest.mark.oracle
+def test_block_against_transformers_qwen3():
+    cfg = make_cfg()
+    w, embed, lm = make_weights(cfg, 5)
+    r = cfg.rope
+    yarn = {"rope_type": "yarn", "rope_theta": r.theta, "factor": r.factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+            "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
+    s, bonus = 9, 23
+    # HF computes RMSNorm and inv_freq in float32 even for a float64 model: agreement ~1e-7, not 1e-15
+    ref = _hf_block(cfg, w, embed, s, bonus, dict(yarn, mscale=1.0, mscale_all_dim=1.0))
+    d = ReferenceDrafter(cfg, w, embed, lm, dtype=np.float64)
+    got = d.draft_hidden(d.new_cache(), bonus, s)
+    assert rel(got, ref) < 1e-5
+    # HF without mscale fields uses attention factor 1 + 0.1 ln(factor): our rope_amplitude option reproduces it
+    ref_amp = _hf_block(cfg, w, embed, s, bonus, yarn)
+    assert rel(ref_amp, ref) > 1e-3
+    da = ReferenceDrafter(cfg.with_options(rope_amplitude=1 + 0.1 * math.log(r.factor)), w, embed, lm, dtype=np.float64)
+    assert rel(da.draft_hidden(da.new_cache(), bonus, s), ref_amp) < 1e-5
