@@ -116,6 +116,10 @@ def _load_configs(a):
         dcfg = DrafterConfig.load(a.drafter).with_options(rope_amplitude=a.rope_amplitude,
                                                           draft_window=a.draft_window)
         dcfg.check_matches(tcfg)
+        from .reference.ddtree import MAX_DEPTH
+        if dcfg.block_size - 1 > MAX_DEPTH:
+            raise UsageError(f"--drafter {a.drafter}: block_size {dcfg.block_size} is not supported (trees are built "
+                             f"for at most {MAX_DEPTH} draft depths, block_size <= {MAX_DEPTH + 1})")
     return tcfg, dcfg
 
 

@@ -150,7 +150,10 @@ def test_bad_input_errors(dirs, capsys, tmp_path):
     _edit_config(wide, hidden_size=128)
     deep = _copy(d, tmp_path / "deep_drafter")
     _edit_config(deep, dflash_config__target_layer_ids=[0, 1, 7])
+    big_block = _copy(d, tmp_path / "big_block")
+    _edit_config(big_block, block_size=16)
     cases = [
+        (["--model", t, "--drafter", big_block, "--prompt-ids", "1"], "block_size 16 is not supported"),
         (["--model", tmp_path / "nope", "--drafter", d, "--prompt-ids", "1"], "directory does not exist"),
         (["--model", broken_json, "--drafter", d, "--prompt-ids", "1"], "malformed JSON"),
         (["--model", no_weights, "--drafter", d, "--prompt-ids", "1"], "safetensors"),

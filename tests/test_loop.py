@@ -278,6 +278,8 @@ def test_bad_requests(ckpt_dir):
         DecodeLoop(tgt, dr, "beam", 8)
     with pytest.raises(ValueError, match="needs a drafter"):
         DecodeLoop(tgt, None, "chain", 8)
+    with pytest.raises(ValueError, match="block_size 16"):
+        DecodeLoop(tgt, OracleDrafter(tgt, block_size=16), "ddtree", 8)
 
 
 def test_statistics(ckpt_dir):

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .ddtree import (MAX_RANK, MAX_TREE_ROWS, argmax_lowest, build_tree, commit_plan, flatten, greedy_walk,
+from .ddtree import (MAX_DEPTH, MAX_RANK, MAX_TREE_ROWS, argmax_lowest, build_tree, commit_plan, flatten, greedy_walk,
                      sample_tokens, topk_logprobs)
 
 MODES = ("ddtree", "chain", "ar")
@@ -162,6 +162,9 @@ class DecodeLoop:
         else:
             self.capture = tuple(drafter.target_layer_ids)
             self.depth = drafter.block_size - 1
+            if not 1 <= self.depth <= MAX_DEPTH:
+                raise ValueError(f"drafter block_size {drafter.block_size}: trees are built for at most "
+                                 f"{MAX_DEPTH} draft depths (block_size <= {MAX_DEPTH + 1})")
         self.streams: List[StreamState] = []
         self.phase_s = {p: 0.0 for p in PHASES}
         self.step_count = 0
