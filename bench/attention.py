@@ -1,6 +1,7 @@
 """Benchmark: absorbed MLA tree-verify attention (8 local heads) vs the measured ceilings of the same run.
 
-    PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick]
+    PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
+    python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
 
 For streams x tree rows x context: time per call (CUDA-graph replay), bytes (latent KV read once + q +
 o_lat), FLOPs (2 x (576 + 512) per visible (row, head, key)), the floor max(bytes / read ceiling,
@@ -39,12 +40,56 @@ def tree_mask(rng, n):
     return bits, vis
 
 
+def write_svg(summary: dict, path: str) -> None:
+    """Measured time per call (solid) and the floor (dashed) against context, log-log, as a plain SVG
+    (no plotting library needed)."""
+    import math
+    series = [(1, 1), (1, 16), (4, 16), (10, 16), (10, 64)]
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    ctxs = sorted({r["ctx"] for r in summary["mla"] if r["ctx"] <= 65536})
+    pts = {k: sorted((r["ctx"], r["us"], r["floor_us"]) for r in summary["mla"]
+                     if (r["streams"], r["rows"]) == k and r["ctx"] <= 65536) for k in series}
+    ys = [v for p in pts.values() for _, a, b in p for v in (a, b)]
+    y0, y1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
+    W, Hh, L, B, R, T = 640, 420, 70, 50, 150, 30
+    X = lambda c: L + (math.log2(c) - math.log2(ctxs[0])) / (math.log2(ctxs[-1]) - math.log2(ctxs[0])) * (W - L - R)
+    Y = lambda v: Hh - B - (math.log10(v) - y0) / (y1 - y0) * (Hh - B - T)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{Hh}" font-family="sans-serif" '
+           f'font-size="12"><rect width="{W}" height="{Hh}" fill="white"/>',
+           f'<text x="{L}" y="18">MLA tree verify, 8 heads, {summary["device"]}: time per call (solid) vs floor '
+           f'(dashed)</text>']
+    for e in range(y0, y1 + 1):
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{Y(10 ** e):.1f}" y2="{Y(10 ** e):.1f}" stroke="#ddd"/>'
+                   f'<text x="{L - 8}" y="{Y(10 ** e) + 4:.1f}" text-anchor="end">{10 ** e:g} us</text>')
+    for c in ctxs:
+        out.append(f'<text x="{X(c):.1f}" y="{Hh - B + 18}" text-anchor="middle">{c // 1024}K</text>')
+    out.append(f'<text x="{(L + W - R) / 2}" y="{Hh - 10}" text-anchor="middle">context (tokens)</text>')
+    for (k, p), col in zip(pts.items(), colors):
+        meas = " ".join(f"{X(c):.1f},{Y(u):.1f}" for c, u, _ in p)
+        flo = " ".join(f"{X(c):.1f},{Y(f):.1f}" for c, _, f in p)
+        out.append(f'<polyline points="{meas}" fill="none" stroke="{col}" stroke-width="2"/>')
+        out.append(f'<polyline points="{flo}" fill="none" stroke="{col}" stroke-width="1.5" stroke-dasharray="5,4"/>')
+        i = series.index(k)
+        out.append(f'<line x1="{W - R + 10}" x2="{W - R + 35}" y1="{T + 20 + 18 * i}" y2="{T + 20 + 18 * i}" '
+                   f'stroke="{col}" stroke-width="2"/><text x="{W - R + 40}" y="{T + 24 + 18 * i}">'
+                   f'{k[0]} x {k[1]} rows</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--svg-from", default=None, help="only draw the SVG plot of an existing results JSON")
+    ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     args = ap.parse_args()
+    if args.svg_from:
+        with open(args.svg_from) as f:
+            write_svg(json.load(f), args.svg or os.path.splitext(args.svg_from)[0] + ".svg")
+        return
     import cupy as cp
     from ddtree_cupy.kernels import attention as A
 
@@ -186,6 +231,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
         print(f"# wrote {args.out}")
+        write_svg(summary, args.svg or os.path.splitext(args.out)[0] + ".svg")
 
 
 if __name__ == "__main__":
