@@ -194,26 +194,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:       # argparse already printed usage + the reason
         return int(e.code or 0)
     err = sys.stderr
+    from .backend import BackendError
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .tokenizer import TokenizerError
+    bad_input = (UsageError, ConfigError, CheckpointError, TokenizerError, BackendError, ValueError)
     try:
-        return _run(a, err)
+        # everything that depends on the user's input: options, files, prompts, weights
+        job = _prepare(a, err)
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
-    except Exception as e:
-        from .backend import BackendError
-        from .config import ConfigError
-        from .tokenizer import TokenizerError
-        try:
-            from .checkpoint import CheckpointError
-        except ImportError:           # pragma: no cover - checkpoint.py is always there in a full install
-            CheckpointError = ConfigError
-        if isinstance(e, (UsageError, ConfigError, CheckpointError, TokenizerError, BackendError, ValueError)):
-            print(f"error: {e}", file=err)
-            return EXIT_BAD_INPUT
-        raise
+    except bad_input as e:
+        print(f"error: {e}", file=err)
+        return EXIT_BAD_INPUT
+    try:
+        # from here on an exception is a bug in the engine: let its traceback show
+        return _generate(a, err, *job)
+    except KeyboardInterrupt:
+        print("interrupted", file=err)
+        return 130
 
 
-def _run(a, err) -> int:
+def _prepare(a, err):
     import numpy as np
 
     from .backend import create_engine, select_backend
@@ -253,6 +256,10 @@ def _run(a, err) -> int:
     t0 = time.perf_counter()
     engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype))
     load_s = time.perf_counter() - t0
+    return engine, reqs, tok, backend, load_s
+
+
+def _generate(a, err, engine, reqs, tok, backend, load_s) -> int:
     out = sys.stdout
     printer = None if a.json else _Printer(tok, len(reqs), out)
     if printer is not None:
