@@ -37,8 +37,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, (NT <= 8 ? 2 : 0))
 gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                  const bf16_bits* __restrict__ w, long long w_batch_stride,
                  void* __restrict__ out, long long out_batch_stride, int out_row_stride,
-                 float* __restrict__ ws, int* __restrict__ counters, int T, int N, int K,
-                 int k_tiles_per_split) {
+                 float* __restrict__ ws, int T, int N, int K, int k_tiles_per_split) {
     extern __shared__ uint4 smem[];
     uint4* w_s = smem;                                   // [STAGES][GEMM_BN * 8]
     uint4* x_s = smem + STAGES * GEMM_BN * 8;            // [STAGES][NT * 8 * 8]
@@ -149,29 +148,6 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
             }
         }
     }
-    if (split == 1 || counters == nullptr) return;
-    // Fused split-K reduction: the last block to finish a column tile sums every split's partials in
-    // split order (the result does not depend on which block is last) and resets the tile's counter, so
-    // the next launch (or graph replay) starts from zero. Saves the separate reduce launch.
-    __shared__ int last;
-    __threadfence();                      // publish this block's partials before counting it in
-    __syncthreads();
-    int* ctr = counters + (long long)b * gridDim.x + blockIdx.x;
-    if (tid == 0) last = atomicAdd(ctr, 1) == split - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();                      // acquire side: the other blocks' partials are visible
-    const float* p = ws + (long long)b * split * T * N;
-    for (int i = tid; i < T * GEMM_BN; i += GEMM_THREADS) {
-        const int t = i / GEMM_BN, n = n0 + i % GEMM_BN;
-        if (n >= N) continue;
-        float sum = 0.f;
-        for (int k = 0; k < split; ++k) sum += __ldcg(p + ((long long)k * T + t) * N + n);
-        const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
-        if (OUT_F32) ((float*)out)[o] = sum;
-        else ((bf16_bits*)out)[o] = f32_to_bf16(sum);
-    }
-    if (tid == 0) *ctr = 0;
 }
 
 // Sum the split-K partials in split order (deterministic) and write bf16 or fp32.

@@ -61,18 +61,9 @@ __device__ void block_topk(const u64* items, int n, int K, int kpad, u64* out, S
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int b = tid; b < 256; b += TOPK_THREADS) sh.hist[b] = 0;
         __syncthreads();
-        // Warp-aggregated histogram: float keys share their top bytes (sign, exponent), so plain shared
-        // atomics would serialise on a few bins; lanes with the same digit add once through their leader.
-        const int n_round = (n + TOPK_THREADS - 1) / TOPK_THREADS * TOPK_THREADS;
-        for (int i = tid; i < n_round; i += TOPK_THREADS) {
-            const u64 k = i < n ? items[i] : 0ull;
-            const bool active = i < n && (k & mask) == prefix;
-            const unsigned int d = (unsigned int)(k >> shift) & 255u;
-            const unsigned int act = __ballot_sync(0xffffffffu, active);
-            if (active) {
-                const unsigned int peers = __match_any_sync(act, d);
-                if ((tid & 31) == __ffs(peers) - 1) atomicAdd(&sh.hist[d], (unsigned int)__popc(peers));
-            }
+        for (int i = tid; i < n; i += TOPK_THREADS) {
+            const u64 k = items[i];
+            if ((k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 255], 1u);
         }
         __syncthreads();
         if (tid < 32) {   // one warp scans the 256 bins from the top: 8 bins per lane, then a lane scan

@@ -188,6 +188,6 @@ def test_choose_split_bounds():
         s = choose_split(T, N, K, 1, 188)
         per = -(-(K // BK) // s)
         assert 1 <= s <= K // BK and (s - 1) * per < K // BK      # no empty split
-        assert s == 1 or s * T * 4 <= K * 2 // 2                  # partials at most half the weight bytes
+        assert s == 1 or s * T * 4 <= K * 2 // 4                  # partials at most a quarter of the weight bytes
     for nt in NT_CHOICES:
         assert stages_for(nt) >= 3 and smem_bytes(nt) <= 99 * 1024

@@ -53,53 +53,31 @@ def _sm_count() -> int:
 
 
 def choose_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
-    """Split-K factor: enough blocks for ~4 per SM, but fp32 partials at most ~50% of the weight bytes."""
+    """Split-K factor: enough blocks for ~4 per SM, but fp32 partials at most ~25% of the weight bytes."""
     k_tiles = K // BK
     col_blocks = math.ceil(N / BN) * batch
     want = math.ceil(4 * sm_count / col_blocks)
-    cap = max(1, min(k_tiles, K // (4 * T)))
+    cap = max(1, min(k_tiles, K // (8 * T)))
     split = max(1, min(want, cap))
     per = math.ceil(k_tiles / split)
     return math.ceil(k_tiles / per)       # no empty splits
 
 
-FUSED_REDUCE_MAX_T = 32     # above this the last block's serial reduction costs more than a second launch
-COUNTERS = 1 << 14          # column-tile counters of the fused reduction (self-resetting, zeroed once)
-
-
-class GemmWorkspace:
-    """Split-K scratch: fp32 partials and the fused reduction's per-tile counters (must start at zero)."""
-
-    def __init__(self, partial_floats: int, counters: int = COUNTERS):
-        import cupy
-        self.partials = cupy.empty(max(int(partial_floats), 1), dtype=np.float32)
-        self.counters = cupy.zeros(counters, dtype=np.int32)
-
-
-def workspace_for(shapes, sm_count: Optional[int] = None) -> GemmWorkspace:
-    """A workspace large enough for every (T, N, K, batch) in ``shapes`` with the default split."""
-    sm = sm_count or _sm_count()
-    need = max(b * choose_split(t, n, k, b, sm) * t * n for t, n, k, b in shapes)
-    return GemmWorkspace(need)
-
-
-def _workspace(floats: int, tiles: int, workspace):
+def _workspace(nbytes: int, workspace):
     import cupy
     if workspace is not None:
-        if not isinstance(workspace, GemmWorkspace):
-            raise ValueError(f"workspace: expected a GemmWorkspace, got {type(workspace).__name__}")
-        if workspace.partials.size < floats or workspace.counters.size < tiles:
-            raise ValueError(f"workspace: needs {floats} partial floats and {tiles} counters, has "
-                             f"{workspace.partials.size} and {workspace.counters.size}")
+        check_array("workspace", workspace, np.float32, (None,))
+        if workspace.nbytes < nbytes:
+            raise ValueError(f"workspace: needs {nbytes} bytes, got {workspace.nbytes}")
         return workspace
     dev = cupy.cuda.Device().id
     ws = _WORKSPACE.get(dev)
-    if ws is None or ws.partials.size < floats or ws.counters.size < tiles:
+    if ws is None or ws.nbytes < nbytes:
         stream = cupy.cuda.get_current_stream()
         if getattr(stream, "is_capturing", lambda: False)():
             raise ValueError("workspace: the shared split-K workspace must grow, which cannot happen during "
                              "graph capture; run the same GEMM once before capturing or pass workspace=")
-        ws = GemmWorkspace(max(floats, 1 << 20), max(tiles, COUNTERS))
+        ws = cupy.empty(max(nbytes // 4, 1 << 20), dtype=np.float32)
         _WORKSPACE[dev] = ws
     return ws
 
@@ -108,9 +86,8 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     """y = x @ w^T. x [T, K] or [B, T, K] bf16 (uint16), w [N, K] or [B, N, K] bf16 (contiguous),
     out [T, N] / [B, T, N] uint16 (bf16) or float32 (``out_dtype``). Returns ``out``.
 
-    Split-K partials go to ``workspace`` (a ``GemmWorkspace``, see ``workspace_for``) or a per-device
-    shared one (one stream at a time; call once before graph capture so it is large enough). For T <= 32
-    the last block of each column tile reduces the partials itself (no second launch).
+    Split-K partials go to ``workspace`` (float32, >= B*split*T*N) or a per-device shared buffer (one
+    stream at a time; call once before graph capture so it is large enough).
     """
     import cupy
     out_dtype = np.dtype(out_dtype)
@@ -140,22 +117,16 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     split = math.ceil(K // BK / per)
     nt = next(c for c in NT_CHOICES if 8 * c >= T)
     out_f32 = out_dtype == np.float32
-    col_tiles = math.ceil(N / BN)
-    fused = split > 1 and T <= FUSED_REDUCE_MAX_T
-    if split > 1:
-        ws = _workspace(B * split * T * N, B * col_tiles if fused else 0, workspace)
-        partials, counters = ws.partials, (ws.counters if fused else np.uint64(0))
-    else:   # no scratch touched: pass real NULLs (CuPy turns None into 0xffffffff)
-        partials, counters = np.uint64(0), np.uint64(0)
+    ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
     smem = smem_bytes(nt)
     kern = get_kernel(SPEC, _name(nt, out_f32), max_dynamic_smem=smem)
     w_bs = N * K if batched else 0
-    kern((col_tiles, split, B), (THREADS,),
+    kern((math.ceil(N / BN), split, B), (THREADS,),
          (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
-          partials, counters, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)
-    if split > 1 and not fused:
+          ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)
+    if split > 1:
         red = get_kernel(SPEC, f"gemm_splitk_reduce<{'true' if out_f32 else 'false'}>")
         blocks = min(math.ceil(T * N / 256), 4 * _sm_count())
-        red((blocks, B), (256,), (partials, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
+        red((blocks, B), (256,), (ws, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
                                   np.int32(os_[1])))
     return out

@@ -23,7 +23,7 @@ from . import topk as _topk
 SPEC = register(KernelSpec("sample.cu", ("sample_stats<float>", "sample_stats<bf16_bits>", "sample_pick"),
                            hot=True, doc="temperature/top-k/top-p sampling, Philox4x32-10"))
 THREADS = 256
-CHUNK = 1024      # 160 blocks per 163840-row: one row alone fills the GPU
+CHUNK = 4096
 
 
 class SampleBuffers:

@@ -34,7 +34,7 @@ def plan(V: int, K: int) -> Tuple[int, int]:
     """(chunk, n_chunks) for rows of V items: chunks fit a block's shared memory and the merged
     candidate list (n_chunks * K) fits one block too."""
     max_chunks = max(1, MAX_ITEMS // K)
-    chunk = max(min(2048, V), math.ceil(V / max_chunks))   # 2048: 80 blocks per 163840-row, all SMs busy
+    chunk = max(min(4096, V), math.ceil(V / max_chunks))
     if chunk > MAX_ITEMS:
         raise ValueError(f"logits: V = {V} too long for K = {K} (V * K must stay below {MAX_ITEMS ** 2})")
     return chunk, math.ceil(V / chunk)
