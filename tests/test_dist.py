@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGS = Path(__file__).parent / "mpi_progs"
 
 
-def mpirun(np_, prog, timeout=60):
+def mpirun(np_, prog, *args, timeout=60):
     exe = shutil.which("mpirun") or shutil.which("mpiexec")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
-    p = subprocess.run([exe, "-np", str(np_), sys.executable, str(PROGS / prog)], env=env,
+    p = subprocess.run([exe, "-np", str(np_), sys.executable, str(PROGS / prog), *map(str, args)], env=env,
                        capture_output=True, text=True, timeout=timeout)
     return p, time.time() - t0
 
@@ -52,3 +52,13 @@ def test_failure_on_one_rank_ends_all_ranks_promptly():
     assert "rank 1/3" in p.stderr
     # The other ranks were blocked in a barrier: only the abort could end them this fast.
     assert dt < 30, f"took {dt:.1f}s"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_sharded_reference_target_equals_tp1(n, tmp_path):
+    """Each rank loads only its shard; prefill, decode and tree-verify logits, features and the latent
+    cache equal the whole model's (float64, rel 1e-12)."""
+    p, _ = mpirun(n, "tp_target.py", tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(re.findall(r"rank \d+/\d+ OK", p.stdout)) == [f"rank {r}/{n} OK" for r in range(n)]

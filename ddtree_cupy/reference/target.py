@@ -24,13 +24,16 @@ from .rope import apply_rope_adjacent, yarn_inv_freq
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def expected_weight_shapes(cfg: TargetConfig) -> Dict[str, Tuple[int, ...]]:
-    """Every tensor the reference needs (unprefixed HF names, routed experts dequantized) -> its shape."""
-    H, nh = cfg.hidden_size, cfg.num_attention_heads
+def expected_weight_shapes(cfg: TargetConfig, tp_size: int = 1) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor the reference needs (unprefixed HF names, routed experts dequantized) -> its shape,
+    for one rank's shard at tensor-parallel size ``tp_size`` (checkpoint.tp_split holds the plan: heads,
+    FFN widths and the vocabulary are split; everything else is replicated)."""
+    cfg.validate_tp(tp_size)
+    H, nh, V = cfg.hidden_size, cfg.num_attention_heads // tp_size, cfg.vocab_size // tp_size
     out: Dict[str, Tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, H),
+        "model.embed_tokens.weight": (V, H),
         "model.norm.weight": (H,),
-        "lm_head.weight": (cfg.vocab_size, H),
+        "lm_head.weight": (V, H),
     }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -46,7 +49,7 @@ def expected_weight_shapes(cfg: TargetConfig) -> Dict[str, Tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim),
         })
         if cfg.is_moe_layer(i):
-            I, E = cfg.moe_intermediate_size, cfg.n_routed_experts
+            I, E = cfg.moe_intermediate_size // tp_size, cfg.n_routed_experts
             out[p + "mlp.gate.weight"] = (E, H)
             out[p + "mlp.gate.e_score_correction_bias"] = (E,)
             for e in range(E):
@@ -59,7 +62,7 @@ def expected_weight_shapes(cfg: TargetConfig) -> Dict[str, Tuple[int, ...]]:
                             p + "mlp.shared_experts.up_proj.weight": (Is, H),
                             p + "mlp.shared_experts.down_proj.weight": (H, Is)})
         else:
-            F = cfg.intermediate_size
+            F = cfg.intermediate_size // tp_size
             out.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
                         p + "mlp.down_proj.weight": (H, F)})
     return out
@@ -142,10 +145,18 @@ class LatentKVCache:
 # --------------------------------------------------------------------------------------------------
 
 class ReferenceTarget:
-    """The target model in numpy. ``attention`` selects 'absorbed' (default) or 'naive' MLA."""
+    """The target model in numpy. ``attention`` selects 'absorbed' (default) or 'naive' MLA.
+
+    Tensor parallel: with ``comm`` of size > 1, ``weights`` is this rank's shard
+    (``checkpoint.load_reference_weights(..., tp_rank, tp_size)``): local heads, local FFN widths, a slice
+    of the vocabulary. The partial outputs of o_proj and of the MLP (routed + shared together) are summed
+    with one all-reduce each, the embedding is vocabulary-parallel (rows outside the shard give zeros,
+    then an all-reduce), and the logits are gathered, so ``forward`` returns the same full logits and the
+    same latent cache (replicated) on every rank as TP = 1 does, up to summation order.
+    """
 
     def __init__(self, cfg: TargetConfig, weights: Mapping[str, np.ndarray], dtype=np.float64,
-                 attention: str = "absorbed"):
+                 attention: str = "absorbed", comm=None):
         if not isinstance(cfg, TargetConfig):
             raise ValueError(f"ReferenceTarget: cfg must be a TargetConfig, got {type(cfg).__name__}")
         self.dtype = np.dtype(dtype)
@@ -155,6 +166,13 @@ class ReferenceTarget:
             raise ValueError(f"ReferenceTarget: attention must be 'absorbed' or 'naive', got {attention!r}")
         self.cfg = cfg
         self.attention = attention
+        from ..dist import SingleRank
+        self.comm = comm if comm is not None else SingleRank()
+        self.tp_rank, self.tp_size = self.comm.rank, self.comm.size
+        cfg.validate_tp(self.tp_size)
+        self.n_heads = cfg.num_attention_heads // self.tp_size          # local heads
+        self.vocab_start = self.tp_rank * (cfg.vocab_size // self.tp_size)
+        self.vocab_end = self.vocab_start + cfg.vocab_size // self.tp_size
         self.w = self._load(cfg, weights)
         self.inv_freq = yarn_inv_freq(cfg.rope, cfg.qk_rope_head_dim)
         self.amplitude = cfg.rope.amplitude
@@ -166,7 +184,7 @@ class ReferenceTarget:
         they are not kept a second time by name."""
         w: Dict[str, np.ndarray] = {}
         expert_stacks: Dict[Tuple[int, str], np.ndarray] = {}
-        for name, shape in expected_weight_shapes(cfg).items():
+        for name, shape in expected_weight_shapes(cfg, self.tp_size).items():
             if name not in weights:
                 hint = ""
                 if cfg.weight_prefix + name in weights or "language_model." + name in weights:
@@ -194,7 +212,7 @@ class ReferenceTarget:
         self._uk_uv = []
         self._experts = []
         for i in range(cfg.num_hidden_layers):
-            self._uk_uv.append(split_kv_b(w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], cfg.num_attention_heads,
+            self._uk_uv.append(split_kv_b(w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], self.n_heads,
                                           cfg.qk_nope_head_dim, cfg.v_head_dim))
             self._experts.append(tuple(expert_stacks[(i, k)] for k in ("gate", "up", "down"))
                                  if cfg.is_moe_layer(i) else None)
@@ -202,13 +220,22 @@ class ReferenceTarget:
 
     @property
     def embed_tokens(self) -> np.ndarray:
-        """``model.embed_tokens.weight`` [V, H] in self.dtype (the drafter borrows it)."""
+        """``model.embed_tokens.weight`` in self.dtype: [V, H], or this rank's [V/tp, H] vocabulary slice."""
         return self.w["model.embed_tokens.weight"]
 
     @property
     def lm_head(self) -> np.ndarray:
-        """``lm_head.weight`` [V, H] in self.dtype (the drafter borrows it)."""
+        """``lm_head.weight`` in self.dtype: [V, H], or this rank's [V/tp, H] vocabulary slice."""
         return self.w["lm_head.weight"]
+
+    def project_vocab(self, x: np.ndarray) -> np.ndarray:
+        """Full logits [T, V] = x @ lm_head^T (vocabulary-parallel: local slice, then gathered).
+        The drafter borrows this too: it has no lm_head of its own."""
+        local = x @ self.w["lm_head.weight"].T
+        if self.tp_size == 1:
+            return local
+        parts = self.comm.all_gather(np.ascontiguousarray(local))       # [tp, T, V/tp]
+        return np.concatenate(list(parts), axis=-1)
 
     # ---- cache --------------------------------------------------------------------------------
     def new_cache(self) -> LatentKVCache:
@@ -216,14 +243,21 @@ class ReferenceTarget:
 
     # ---- layers -------------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return self.w["model.embed_tokens.weight"][tokens]
+        """Embedding rows [T, H] (vocabulary-parallel: rows outside this rank's slice are zero, then summed)."""
+        tokens = np.asarray(tokens)
+        if self.tp_size == 1:
+            return self.w["model.embed_tokens.weight"][tokens]
+        mine = (tokens >= self.vocab_start) & (tokens < self.vocab_end)
+        local = np.where(mine, tokens - self.vocab_start, 0)
+        h = np.where(mine[:, None], self.w["model.embed_tokens.weight"][local], 0).astype(self.dtype)
+        return self.comm.all_reduce(np.ascontiguousarray(h))
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, past: np.ndarray,
                         allowed_new: np.ndarray):
         """Layer i's MLA on normed input x [T, H]. ``past``: cache rows [S0, 576] before this call;
         ``allowed_new`` bool [T, T]. Returns (output [T, H], the T new cache rows [T, 576])."""
         cfg, w, p = self.cfg, self.w, f"model.layers.{i}.self_attn."
-        T, nh, dn, dr, r = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        T, nh, dn, dr, r = x.shape[0], self.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         c_q = rms_norm(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], cfg.latent_norm_eps)
         q = (c_q @ w[p + "q_b_proj.weight"].T).reshape(T, nh, dn + dr)
         q_nope = q[:, :, :dn]
@@ -237,19 +271,24 @@ class ReferenceTarget:
         w_uk, w_uv = self._uk_uv[i]
         attn = mla_attention_absorbed if self.attention == "absorbed" else mla_attention_naive
         o = attn(q_nope, q_pe, latent, w_uk, w_uv, allowed, cfg.softmax_scale)   # [T, nh, dv]
-        return o.reshape(T, nh * cfg.v_head_dim) @ w[p + "o_proj.weight"].T, new_rows
+        # o_proj is split by input columns under TP: each rank holds a partial sum of the output.
+        out = self.comm.all_reduce(np.ascontiguousarray(o.reshape(T, nh * cfg.v_head_dim) @ w[p + "o_proj.weight"].T))
+        return out, new_rows
 
     def mlp_block(self, i: int, x: np.ndarray) -> np.ndarray:
         """Layer i's MLP on normed input x [T, H]: dense SwiGLU, or routed experts + shared expert."""
         cfg, w, p = self.cfg, self.w, f"model.layers.{i}.mlp."
+        # Under TP every FFN width is split, so y is this rank's partial sum: one all-reduce covers the
+        # routed experts and the shared expert together.
         if not cfg.is_moe_layer(i):
-            return swiglu_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+            y = swiglu_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+            return self.comm.all_reduce(np.ascontiguousarray(y))
         ids, rw = route(x, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"], cfg)
         y = moe_experts(x, ids, rw, *self._experts[i])
         if cfg.n_shared_experts:
             y = y + swiglu_mlp(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
                                w[p + "shared_experts.down_proj.weight"])
-        return y
+        return self.comm.all_reduce(np.ascontiguousarray(y))
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, tokens, positions, cache: LatentKVCache, visible=None, capture_layers: Sequence[int] = ()):
@@ -305,5 +344,5 @@ class ReferenceTarget:
                 if layer == i:
                     feats[:, c] = h
         cache.append(np.stack(new_rows))
-        logits = rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps) @ self.w["lm_head.weight"].T
+        logits = self.project_vocab(rms_norm(h, self.w["model.norm.weight"], cfg.rms_norm_eps))
         return logits, feats
