@@ -258,6 +258,7 @@ def test_context_limit(ckpt_dir):
         assert st.finish_reason == "context"
         # every verify row stayed below the limit, and no room was left for another round
         assert st.committed + depth >= limit and st.committed <= limit
+        assert res.steps == st.steps          # the round that found no room is not counted
     assert outputs(tree)[0] == outputs(ar)[0][:len(outputs(tree)[0])]
 
 

@@ -226,17 +226,18 @@ class DecodeLoop:
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> StepRecord:
         """Advance every active stream by one draft-verify-accept round."""
-        self.step_count += 1
+        for st in self.streams:
+            # every verify row needs a RoPE position below the limit; a stream too close to it ends here
+            if not st.done and st.committed + self.depth >= self.max_positions:
+                st.finish_reason = "context"
         phase = {p: 0.0 for p in PHASES}
         done: List[Tuple[int, int, int, List[int]]] = []
-        for st in self.streams:
-            if st.done:
-                continue
+        active = [st for st in self.streams if not st.done]
+        if not active:
+            return StepRecord(self.step_count, done, phase)    # nothing ran: not counted as a step
+        self.step_count += 1
+        for st in active:
             s = st.committed
-            # every verify row needs a RoPE position below the limit; a stream too close to it ends here
-            if s + self.depth >= self.max_positions:
-                st.finish_reason = "context"
-                continue
             t0 = time.perf_counter()
             if self.mode == "ar":
                 tokens, parents = np.array([st.bonus], np.int32), np.array([-1], np.int32)
