@@ -37,21 +37,56 @@ __device__ __forceinline__ u64 make_key(float v, uint32_t id) {
 __device__ __forceinline__ float key_value(u64 k) { return ordered_to_f32((uint32_t)(k >> 32)); }
 __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint32_t)k); }
 
-// Warp-wide bitonic sort of buf[0, n) descending (n a power of two, 64 <= n <= DDT_SEL_CAP).
-__device__ __forceinline__ void warp_sort_desc(u64* buf, int n, int lane) {
-    for (int k = 2; k <= n; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = lane; i < n; i += 32) {
-                int l = i ^ j;
-                if (l > i) {
-                    u64 a = buf[i], b = buf[l];
-                    bool desc = (i & k) == 0;
-                    if (desc ? (a < b) : (a > b)) { buf[i] = b; buf[l] = a; }
+// Warp-wide bitonic sort, descending, of 32 * E keys held in registers: element i = e * 32 + lane is
+// r[e] of lane `lane`. Partners i ^ j with j >= 32 are in the same lane (register compare-swap), with
+// j < 32 in lane ^ j (shuffle; each side keeps the max or the min). Fully unrolled: E is a template
+// parameter and the loops run over log2 sizes.
+template <int E, int LOG2N>
+__device__ __forceinline__ void warp_sort_regs(u64 (&r)[E], int lane) {
+#pragma unroll
+    for (int a = 1; a <= LOG2N; ++a) {
+        const int kk = 1 << a;
+#pragma unroll
+        for (int b = a - 1; b >= 0; --b) {
+            const int j = 1 << b;
+            if (j >= 32) {
+                const int je = j >> 5;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    if (e & je) continue;
+                    const bool desc = (((e << 5) + lane) & kk) == 0;
+                    const u64 x = r[e], y = r[e | je];
+                    const bool sw = desc ? (x < y) : (x > y);
+                    r[e] = sw ? y : x;
+                    r[e | je] = sw ? x : y;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const u64 o = __shfl_xor_sync(FULL_MASK, r[e], j);
+                    const bool desc = (((e << 5) + lane) & kk) == 0;
+                    const bool lower = (lane & j) == 0;
+                    const bool keep_max = desc == lower;
+                    r[e] = keep_max ? (r[e] > o ? r[e] : o) : (r[e] < o ? r[e] : o);
                 }
             }
-            __syncwarp();
         }
     }
+}
+
+// Sort buf[0, 32 * E) descending through registers (entries at index >= cnt read as the empty key 0).
+template <int E, int LOG2N>
+__device__ __forceinline__ void warp_sort_buf(u64* buf, int cnt, int lane) {
+    u64 r[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int i = (e << 5) + lane;
+        r[e] = i < cnt ? buf[i] : 0ull;
+    }
+    warp_sort_regs<E, LOG2N>(r, lane);
+#pragma unroll
+    for (int e = 0; e < E; ++e) buf[(e << 5) + lane] = r[e];
+    __syncwarp();
 }
 
 // A warp's running top-k: unsorted candidates in buf[0, cnt), all > thr. When a batch would not fit,
@@ -68,9 +103,10 @@ struct WarpSelect {
         while (cap < k + 32) cap <<= 1;
     }
     __device__ void flush(int lane) {
-        for (int i = cnt + lane; i < cap; i += 32) buf[i] = 0ull;
-        __syncwarp();
-        warp_sort_desc(buf, cap, lane);
+        __syncwarp();   // every lane's candidate stores are visible
+        if (cap == 64) warp_sort_buf<2, 6>(buf, cnt, lane);
+        else if (cap == 128) warp_sort_buf<4, 7>(buf, cnt, lane);
+        else warp_sort_buf<8, 8>(buf, cnt, lane);
         if (cnt >= k) { cnt = k; thr = buf[k - 1]; }
     }
     // every lane calls with its candidate (0 = none)
@@ -171,11 +207,23 @@ __device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local
         for (int u = 0; u < DDT_TOPK_UNROLL; ++u) {
             if (!(need >> u & 1)) continue;
             const int i0 = base + u * 256 + lane * 8;
-            const bool in = i0 < end;
-#pragma unroll 1
-            for (int i = 0; i < 8; ++i)
-                sel.push(in ? make_key(scr[(u * 8 + i) * 32 + lane], (uint32_t)(id_offset + i0 + i)) : 0ull,
-                         lane);
+            const float* sv = scr + u * 8 * 32 + lane;
+            // each lane offers one of its passing values per push: pushes = the busiest lane's count
+            unsigned bits = 0;
+            if (i0 < end) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (make_key(sv[i * 32], (uint32_t)(id_offset + i0 + i)) > sel.thr) bits |= 1u << i;
+            }
+            while (__any_sync(FULL_MASK, bits != 0)) {
+                u64 c = 0ull;
+                if (bits) {
+                    const int i = __ffs(bits) - 1;
+                    bits &= bits - 1;
+                    c = make_key(sv[i * 32], (uint32_t)(id_offset + i0 + i));
+                }
+                sel.push(c, lane);
+            }
         }
         __syncwarp();   // scratch is read by every lane before the next batch overwrites it
     }
@@ -190,12 +238,13 @@ __device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local
     if (lane == 0) part_ms[(size_t)r * P + c] = make_float2(m, s);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS)
+// min 4 blocks per SM: without it ptxas (sm_90) caps registers low and spills around the select code
+extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
                      u64* part_keys, float2* part_ms) {
     topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
-extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
                       u64* part_keys, float2* part_ms) {
     topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
@@ -310,6 +359,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
                int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
                int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
     __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
+    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
     __shared__ float f_score[DDT_FRONTIER], f_pscore[DDT_FRONTIER];
     __shared__ u64 f_tup[DDT_FRONTIER];
     __shared__ int f_info[DDT_FRONTIER];
@@ -321,14 +371,14 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     const int kf = cap_k > 0 ? min(K, cap_k) : K;
     const float* lp = top_lp + (size_t)st * D * K;
     const int* ids = top_id + (size_t)st * D * K;
-    for (int i = lane; i < D * K; i += 32) s_lp[i] = ftz_in(lp[i]);
+    for (int i = lane; i < D * K; i += 32) { s_lp[i] = ftz_in(lp[i]); s_id[i] = ids[i]; }
     if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
     __syncwarp();
 
     // forced top-1 chain: rows 1..nc, row d = depth d
     const int nc = include_chain ? min(D, budget) : 0;
     for (int d = 1; d <= nc; ++d) {
-        if (lane == 0) { t_tok[d] = ids[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
+        if (lane == 0) { t_tok[d] = s_id[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
     }
 
     int nodes = nc, fsize = 0;
@@ -341,19 +391,25 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     }
     __syncwarp();
     while (fsize > 0 && nodes < budget) {
-        // warp argmax over the frontier under the total order
+        // warp argmax over the frontier under the total order: each lane's best, then the warp's via
+        // three reductions (max ordered score; among those, min tuple high word; then low word).
         int bi = -1; float bs = 0.f; u64 bt = 0ull;
         for (int i = lane; i < fsize; i += 32) {
             float sc = f_score[i]; u64 tp = f_tup[i];
             if (bi < 0 || sc > bs || (sc == bs && tp < bt)) { bi = i; bs = sc; bt = tp; }
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            float os = __shfl_xor_sync(FULL_MASK, bs, off);
-            u64 ot = __shfl_xor_sync(FULL_MASK, bt, off);
-            if (oi >= 0 && (bi < 0 || os > bs || (os == bs && ot < bt))) { bi = oi; bs = os; bt = ot; }
-        }
+        const uint32_t os = bi >= 0 ? f32_to_ordered(bs) : 0u;   // 0 is below every real score
+        const uint32_t ms = __reduce_max_sync(FULL_MASK, os);
+        const bool c1 = bi >= 0 && os == ms;
+        const uint32_t th = c1 ? (uint32_t)(bt >> 32) : 0xffffffffu;
+        const uint32_t mh = __reduce_min_sync(FULL_MASK, th);
+        const bool c2 = c1 && th == mh;
+        const uint32_t tl = c2 ? (uint32_t)bt : 0xffffffffu;
+        const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
+        const unsigned who = __ballot_sync(FULL_MASK, c2 && tl == ml);   // exactly one: tuples are unique
+        bi = __shfl_sync(FULL_MASK, bi, __ffs(who) - 1);
+        bs = f_score[bi];     // exact bits (the ordered form folds -0 into +0)
+        bt = ((u64)mh << 32) | ml;
         const float psc = f_pscore[bi];
         const int info = f_info[bi];
         const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
@@ -363,7 +419,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
             row = depth;                          // already emitted by the chain prologue
         } else {
             row = ++nodes;
-            if (lane == 0) { t_tok[row] = ids[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
+            if (lane == 0) { t_tok[row] = s_id[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
         }
         __syncwarp();   // every lane has read entry bi before lane 0 overwrites it
         if (rank + 1 < kf) {   // next sibling takes the popped slot
