@@ -161,6 +161,10 @@ def test_topk_sample_router_reject_bad_args():
         topk.topk(_fake((2, 1000), np.float64), 4)
     with pytest.raises(ValueError, match=r"^out_ids: expected dtype int32"):
         topk.topk(_fake((2, 1000), np.float32), 4, _fake((2, 4), np.float32), _fake((2, 4), np.int64))
+    with pytest.raises(ValueError, match=r"^out: dimension 0 must be 2"):
+        topk.argmax(_fake((2, 1000), np.float32), _fake((3,), np.int32))
+    with pytest.raises(ValueError, match=r"^logits: expected 2 dimensions"):
+        topk.argmax(_fake((1000,), np.float32))
     with pytest.raises(ValueError, match=r"^cand_ids: dimension 1 \(n\)"):
         topk.topk_merge(_fake((2, 64), np.float32), _fake((2, 32), np.int32), 4)
     T = 2

@@ -120,14 +120,17 @@ def topk_merge(cand_vals, cand_ids, K: int, out_vals=None, out_ids=None):
 
 def argmax(logits, out=None, *, id_offset: int = 0, workspace=None, out_vals=None):
     """Index of the largest value per row (lowest index on ties), int32 [T] (+ id_offset).
-    ``out_vals`` (float32 [T, 1]) receives the maximum itself (useful for a cross-shard merge)."""
+    ``out_vals`` (float32 [T, 1]) receives the maximum itself (useful for a cross-shard merge);
+    ``workspace`` is ``topk_workspace(T, V, 1)``."""
     import cupy
-    T = logits.shape[0] if hasattr(logits, "shape") and len(logits.shape) == 2 else None
-    if out is None and T is not None:
+    dims = {}
+    check_array("logits", logits, np.uint16 if getattr(logits, "dtype", None) == np.uint16 else np.float32,
+                ("T", "V"), dims)
+    T = dims["T"]
+    if out is None:
         out = cupy.empty((T,), dtype=np.int32)
-    if out is not None:
-        check_array("out", out, np.int32, (T,) if T is not None else (None,))
-    if out_vals is None and T is not None:
+    check_array("out", out, np.int32, (T,))
+    if out_vals is None:
         out_vals = cupy.empty((T, 1), dtype=np.float32)
-    topk(logits, 1, out_vals, out[:, None] if out is not None else None, id_offset=id_offset, workspace=workspace)
+    topk(logits, 1, out_vals, out.reshape(T, 1), id_offset=id_offset, workspace=workspace)
     return out
