@@ -109,6 +109,7 @@ def bench_width(I, read_gbs, rows, quick):
                                     "float gf = (float)g; h = (half)(gf / (1.f + expf(-gf)) * (float)u);",
                                     "moe_bench_silu_mul")
     rng = np.random.default_rng(I)
+    arch = f"sm_{cp.cuda.Device().compute_capability}"
     for mode in ("uniform", "skewed"):
         for T in (TS if not quick else (1, 8, 64)):
             ids, wts = routing(rng, T, mode)
@@ -131,6 +132,16 @@ def bench_width(I, read_gbs, rows, quick):
                     sub = plan[:n]
                     stages[plan[n - 1][0]] = time_graph(lambda sub=sub: [f() for _, f in sub], iters=20, reps=5)
                 stages["combine"] = us
+                # variants, to attribute time to the prefetch paths and to the token-tile choice
+                variants = {"route_l2_prefetch_off": dict(l2_prefetch=False),
+                            "route_l2_prefetch_on": dict(l2_prefetch=True),
+                            "pf_steps_0": dict(pf_steps=0), "pf_steps_16": dict(pf_steps=16)}
+                variants["cp_async_ring8"] = dict(tiles=moe.with_stages(moe.select_tiles(arch, T, I), 8))
+                if T == 256:
+                    variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
+                for name, kw in variants.items():
+                    vplan = moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw)
+                    stages["variant_" + name] = time_graph(lambda vp=vplan: [f() for _, f in vp], iters=20, reps=5)
             # cuBLAS: batched over the touched experts, each padded to the largest token count
             n = len(touched)
             m = int(max(np.sum(ids == e) for e in touched))
@@ -166,13 +177,55 @@ def markdown(res):
     return "\n".join(lines)
 
 
+def plot_svg(res, path):
+    """% of the read ceiling vs T, one line per (I, routing), as a dependency-free SVG (matplotlib is not
+    installed everywhere this runs)."""
+    import math
+    W, Hh, L, B, R, Tp = 640, 360, 60, 40, 150, 20
+    xs = lambda T: L + (W - L - R) * math.log2(T) / math.log2(max(TS))
+    ys = lambda f: Tp + (Hh - Tp - B) * (1 - f)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{Hh}" font-family="sans-serif" '
+           f'font-size="11"><rect width="{W}" height="{Hh}" fill="white"/>']
+    for f in (0, 0.2, 0.4, 0.6, 0.8, 1.0):
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{ys(f):.1f}" y2="{ys(f):.1f}" stroke="#ddd"/>'
+                   f'<text x="{L - 6}" y="{ys(f) + 4:.1f}" text-anchor="end">{int(f * 100)}%</text>')
+    for T in TS:
+        out.append(f'<text x="{xs(T):.1f}" y="{Hh - B + 16}" text-anchor="middle">{T}</text>')
+    out.append(f'<text x="{(L + W - R) / 2}" y="{Hh - 6}" text-anchor="middle">tokens T (E=384, top-8, H=7168)</text>')
+    out.append(f'<text x="{L}" y="14">fused INT4 MoE: fraction of the read ceiling ({res["read_ceiling_gbs"]:.0f} GB/s, '
+               f'{res["device"]})</text>')
+    colors = {(256, "uniform"): "#1f77b4", (256, "skewed"): "#9ecae1", (2048, "uniform"): "#d62728",
+              (2048, "skewed"): "#fc9272"}
+    for i, (key, col) in enumerate(colors.items()):
+        pts = [(r["T"], r["frac_read_ceiling"]) for r in res["rows"] if (r["I"], r["routing"]) == key]
+        if not pts:
+            continue
+        d = " ".join(f"{xs(T):.1f},{ys(f):.1f}" for T, f in pts)
+        out.append(f'<polyline points="{d}" fill="none" stroke="{col}" stroke-width="2"/>')
+        y = Tp + 20 + 18 * i
+        out.append(f'<line x1="{W - R + 10}" x2="{W - R + 30}" y1="{y}" y2="{y}" stroke="{col}" stroke-width="2"/>'
+                   f'<text x="{W - R + 35}" y="{y + 4}">I={key[0]} {key[1]}</text>')
+    for f, lab in ((0.8, "target T>=8"), (0.6, "target T=1")):
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{ys(f):.1f}" y2="{ys(f):.1f}" stroke="#888" '
+                   f'stroke-dasharray="4,3"/><text x="{W - R - 4}" y="{ys(f) - 3:.1f}" text-anchor="end" '
+                   f'fill="#666">{lab}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
 def main():
-    import cupy as cp
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/moe_bench.json")
     ap.add_argument("--md", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     args = ap.parse_args()
+    if args.plot:
+        with open(args.plot[0]) as f:
+            plot_svg(json.load(f), args.plot[1])
+        return
+    import cupy as cp
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     read_gbs = measure_read_bandwidth()

@@ -73,6 +73,20 @@ __device__ __forceinline__ uint2 ld_stream_v2(const uint2* p) {
     return v;
 }
 
+// Fire-and-forget L2 fill: costs no registers, so a warp can have many more bytes requested than its
+// register ring holds (the ring then waits on L2 latency instead of DRAM latency).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
 __device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
@@ -205,15 +219,81 @@ __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, in
     return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
 }
 
+// Weight regions one expert streams, for the L2 prefetch blocks of moe_route.
+struct ExpertRegions {
+    const char* base[4];          // w13, s13, w2, s2 of expert 0
+    long long bytes[4];           // per expert
+};
+
+// Blocks 1..: build the set of touched experts from the ids (order irrelevant) and prefetch their weights
+// into L2 while block 0 sorts, so DRAM streaming starts at the first kernel of the layer. gate/up first
+// (whole experts, or the same leading fraction of each: the GEMM visits tiles in that order), then down if
+// what remains of ``budget`` holds all of it.
+__device__ void route_prefetch(const int* __restrict__ ids, int n, int E, const ExpertRegions& rg,
+                               long long budget, int* flag, int* list, int* count) {
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E; e += blockDim.x) flag[e] = 0;
+    if (tid == 0) *count = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && e < E) flag[e] = 1;
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x)
+        if (flag[e]) list[atomicAdd(count, 1)] = e;
+    __syncthreads();
+    const int nt = *count;
+    if (nt == 0 || budget <= 0) return;
+    long long take[4];
+    const long long gu = (long long)nt * (rg.bytes[0] + rg.bytes[1]);
+    const long long dn = (long long)nt * (rg.bytes[2] + rg.bytes[3]);
+    if (gu <= budget) {
+        take[0] = rg.bytes[0]; take[1] = rg.bytes[1];
+        const bool all_down = dn <= budget - gu;
+        take[2] = all_down ? rg.bytes[2] : 0; take[3] = all_down ? rg.bytes[3] : 0;
+    } else {
+        const double f = (double)budget / (double)gu;
+        take[0] = (long long)(f * rg.bytes[0]); take[1] = (long long)(f * rg.bytes[1]);
+        take[2] = 0; take[3] = 0;
+    }
+    long long lines[4], per = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) { lines[r] = (take[r] + 127) / 128; per += lines[r]; }
+    const long long total = per * nt;
+    const long long stride = (long long)(gridDim.x - 1) * blockDim.x;
+    for (long long L = (long long)(blockIdx.x - 1) * blockDim.x + tid; L < total; L += stride) {
+        const int e = list[L / per];
+        long long off = L % per;
+        // unrolled region select (a dynamic index would put the arrays in local memory)
+        const char* p;
+        if (off < lines[0]) p = rg.base[0] + (long long)e * rg.bytes[0] + off * 128;
+        else if ((off -= lines[0]) < lines[1]) p = rg.base[1] + (long long)e * rg.bytes[1] + off * 128;
+        else if ((off -= lines[1]) < lines[2]) p = rg.base[2] + (long long)e * rg.bytes[2] + off * 128;
+        else p = rg.base[3] + (long long)e * rg.bytes[3] + (off - lines[2]) * 128;
+        prefetch_l2(p);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) moe_route(
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int chunk,
         int* __restrict__ slot_tok, float* __restrict__ slot_w, int* __restrict__ slot_of,
-        int* __restrict__ rank_tmp, int4* __restrict__ chunks, int* __restrict__ meta) {
+        int* __restrict__ rank_tmp, int4* __restrict__ chunks, int* __restrict__ meta,
+        const void* w13, const void* s13, const void* w2, const void* s2,
+        long long w13_eb, long long s13_eb, long long w2_eb, long long s2_eb, long long l2_budget) {
     __shared__ int cnt[1024];
     __shared__ int poff[1024];
     __shared__ int2 warp_tot[32];
     __shared__ int2 total;
     __shared__ int bad;
+    if (blockIdx.x > 0) {
+        ExpertRegions rg;
+        rg.base[0] = (const char*)w13; rg.base[1] = (const char*)s13;
+        rg.base[2] = (const char*)w2;  rg.base[3] = (const char*)s2;
+        rg.bytes[0] = w13_eb; rg.bytes[1] = s13_eb; rg.bytes[2] = w2_eb; rg.bytes[3] = s2_eb;
+        route_prefetch(ids, T * k, E, rg, l2_budget, cnt, poff, &bad);
+        return;
+    }
     const int tid = threadIdx.x;
     cnt[tid] = 0;
     if (tid == 0) bad = 0;
@@ -253,20 +333,20 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // Weights stream global -> registers through a U-stage register ring; partials over K meet in shared memory
 // in a fixed order (deterministic).
 // ---------------------------------------------------------------------------------------------------------
-template <int NT>
-struct Stage {
-    uint4 a[2];
-    uint2 s[2];
-    uint4 b[NT][2];
-};
-
-template <int MODE, int WM, int WK, int NT, int U>
-__global__ void __launch_bounds__(WM * WK * 32) moe_gemm(
+// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations: the register
+// ring is what keeps bytes in flight, and 16 warps x U steps is what the bandwidth needs.
+// S == 0: weights and scales stream global -> registers through the U-deep register ring.
+// S >= 2 (power of two): they stream through an S-deep per-warp cp.async ring in dynamic shared memory
+// (S * 1152 bytes per warp; no register cost, so many more bytes in flight per warp); activations keep
+// the U-deep register ring (they are L2 hits).
+template <int MODE, int WM, int WK, int NT, int U, int S>
+__global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride, const int* __restrict__ slot_tok,
         const int4* __restrict__ chunks, const int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
-        const float* __restrict__ slot_w, float* __restrict__ y_out, int y_stride) {
+        const float* __restrict__ slot_w, float* __restrict__ y_out, int y_stride, int pf_steps) {
+    // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -312,59 +392,122 @@ __global__ void __launch_bounds__(WM * WK * 32) moe_gemm(
                 const int row = bval[nt] ? (MODE == 0 ? slot_tok[slot0 + j] : slot0 + j) : 0;
                 pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
             }
-            Stage<NT> st[U];
-            auto load = [&](Stage<NT>& s, int i) {
-                s.a[0] = ld_stream_v4(pa0 + (size_t)i * 32);
-                s.a[1] = ld_stream_v4(pa1 + (size_t)i * 32);
-                s.s[0] = ld_stream_v2(ps0 + (size_t)i * 8);
-                s.s[1] = ld_stream_v2(ps1 + (size_t)i * 8);
+            // Group prefetch of 4 k64 steps with one instruction per warp for the weights (lane l: step
+            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7).
+            const uint4* pt0 = wp + blk0 * 32;
+            const uint2* st0 = sp + blk0 * 8;
+            auto prefetch_group = [&](int j0) {
+                const int sw = j0 + (lane >> 3);
+                if (sw < nsteps)
+                    prefetch_l2(pt0 + (size_t)((lane >> 2) & 1) * KS * 32 + (size_t)sw * 32 + (lane & 3) * 8);
+                const int ss = j0 + (lane >> 1);
+                if (lane < 8 && ss < nsteps) prefetch_l2(st0 + (size_t)(lane & 1) * KS * 8 + (size_t)ss * 8);
+            };
+            for (int j = 0; j < pf_steps; j += 4) prefetch_group(j);
+            auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    uint32_t A[4][4];
+                    dequant_word(a[mt].x, A[0]);
+                    dequant_word(a[mt].y, A[1]);
+                    dequant_word(a[mt].z, A[2]);
+                    dequant_word(a[mt].w, A[3]);
+                    const float s00 = bf_lo(sc[mt].x), s08 = bf_hi(sc[mt].x);
+                    const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (nt * 8 < ntok) {
+                            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+                            mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
+                            mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
+                            mma_bf16(d1, A[2], b[nt][1].x, b[nt][1].y);
+                            mma_bf16(d1, A[3], b[nt][1].z, b[nt][1].w);
+                            acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
+                            acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
+                            acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
+                            acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
+                        }
+                    }
+                }
+            };
+            auto load_b = [&](uint4 (&b)[NT][2], int i) {
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     if (bval[nt]) {
                         const uint4* p = reinterpret_cast<const uint4*>(pb[nt] + (size_t)i * 64);
-                        s.b[nt][0] = __ldg(p);
-                        s.b[nt][1] = __ldg(p + 4);   // +32 bf16
+                        b[nt][0] = __ldg(p);
+                        b[nt][1] = __ldg(p + 4);   // +32 bf16
                     } else {
-                        s.b[nt][0] = make_uint4(0, 0, 0, 0);
-                        s.b[nt][1] = make_uint4(0, 0, 0, 0);
+                        b[nt][0] = make_uint4(0, 0, 0, 0);
+                        b[nt][1] = make_uint4(0, 0, 0, 0);
                     }
                 }
             };
+            uint4 rb[U][NT][2];
 #pragma unroll
             for (int i = 0; i < U; ++i)
-                if (i < nsteps) load(st[i], i);
-            for (int base = 0; base < nsteps; base += U) {
+                if (i < nsteps) load_b(rb[i], i);
+            if constexpr (S == 0) {
+                uint4 ra[U][2];
+                uint2 rs[U][2];
+                auto load_a = [&](int r, int i) {
+                    ra[r][0] = ld_stream_v4(pa0 + (size_t)i * 32);
+                    ra[r][1] = ld_stream_v4(pa1 + (size_t)i * 32);
+                    rs[r][0] = ld_stream_v2(ps0 + (size_t)i * 8);
+                    rs[r][1] = ld_stream_v2(ps1 + (size_t)i * 8);
+                };
 #pragma unroll
-                for (int i = 0; i < U; ++i) {
-                    if (base + i < nsteps) {
-                        Stage<NT>& s = st[i];
+                for (int i = 0; i < U; ++i)
+                    if (i < nsteps) load_a(i, i);
+                for (int base = 0; base < nsteps; base += U) {
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) {
-                            uint32_t A[4][4];
-                            dequant_word(s.a[mt].x, A[0]);
-                            dequant_word(s.a[mt].y, A[1]);
-                            dequant_word(s.a[mt].z, A[2]);
-                            dequant_word(s.a[mt].w, A[3]);
-                            const float s00 = bf_lo(s.s[mt].x), s08 = bf_hi(s.s[mt].x);
-                            const float s10 = bf_lo(s.s[mt].y), s18 = bf_hi(s.s[mt].y);
-#pragma unroll
-                            for (int nt = 0; nt < NT; ++nt) {
-                                if (nt * 8 < ntok) {
-                                    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-                                    mma_bf16(d0, A[0], s.b[nt][0].x, s.b[nt][0].y);
-                                    mma_bf16(d0, A[1], s.b[nt][0].z, s.b[nt][0].w);
-                                    mma_bf16(d1, A[2], s.b[nt][1].x, s.b[nt][1].y);
-                                    mma_bf16(d1, A[3], s.b[nt][1].z, s.b[nt][1].w);
-                                    acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
-                                    acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
-                                    acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
-                                    acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
-                                }
-                            }
+                    for (int i = 0; i < U; ++i) {
+                        if (base + i < nsteps) {
+                            compute(ra[i], rs[i], rb[i]);
+                            if (base + i + U < nsteps) { load_a(i, base + i + U); load_b(rb[i], base + i + U); }
+                            if (pf_steps > 0 && ((base + i) & 3) == 0) prefetch_group(base + i + pf_steps);
                         }
-                        if (base + i + U < nsteps) load(s, base + i + U);
                     }
                 }
+            } else {
+                // slot = 64 uint4 of weights (tile 0 lanes, tile 1 lanes) + 8 uint4 of scales (4 per tile)
+                extern __shared__ __align__(16) uint4 moe_ring[];
+                uint4* ring = moe_ring + (size_t)warp * S * 72;
+                auto issue = [&](int j) {
+                    uint4* slot = ring + (j & (S - 1)) * 72;
+                    cp_async16(slot + lane, pa0 + (size_t)j * 32);
+                    cp_async16(slot + 32 + lane, pa1 + (size_t)j * 32);
+                    if (lane < 8) {
+                        const uint2* src = (lane < 4 ? st0 : st0 + (size_t)KS * 8) + (size_t)j * 8 + 2 * (lane & 3);
+                        cp_async16(slot + 64 + lane, src);
+                    }
+                };
+#pragma unroll
+                for (int j = 0; j < S - 1; ++j) {
+                    if (j < nsteps) issue(j);
+                    cp_async_commit();
+                }
+                for (int base = 0; base < nsteps; base += U) {
+#pragma unroll
+                    for (int i = 0; i < U; ++i) {
+                        const int idx = base + i;
+                        if (idx < nsteps) {
+                            if (idx + S - 1 < nsteps) issue(idx + S - 1);
+                            cp_async_commit();
+                            cp_async_wait<S - 1>();
+                            __syncwarp();
+                            const uint4* slot = ring + (idx & (S - 1)) * 72;
+                            const uint4 a[2] = {slot[lane], slot[32 + lane]};
+                            const uint2 sc[2] = {reinterpret_cast<const uint2*>(slot + 64)[g],
+                                                 reinterpret_cast<const uint2*>(slot + 68)[g]};
+                            compute(a, sc, rb[i]);
+                            __syncwarp();   // every lane has read the slot before it is refilled
+                            if (idx + U < nsteps) load_b(rb[i], idx + U);
+                            if (pf_steps > 0 && (idx & 3) == 0) prefetch_group(idx + pf_steps);
+                        }
+                    }
+                }
+                cp_async_wait<0>();
             }
         }
 

@@ -25,6 +25,9 @@ from .compile import KernelSpec, get_kernel, register
 GROUP = 32          # INT4 scale group along K
 KSTEP = 64          # K elements per repacked block (one 16-byte word per lane)
 MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
+PF_STEPS = 8        # GEMM L2 prefetch distance in k64 steps (~1.1 KB each per warp)
+RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
+SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -36,10 +39,18 @@ class Tile:
     wm: int
     wk: int
     u: int
+    stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
 
     @property
     def threads(self) -> int:
         return 32 * self.wm * self.wk
+
+    @property
+    def smem_dynamic(self) -> int:
+        return self.wm * self.wk * self.stages * RING_SLOT_BYTES
+
+    def smem_static(self, nt: int) -> int:
+        return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
 
 
 @dataclass(frozen=True)
@@ -52,15 +63,15 @@ class MoETiles:
 def _nt_for(T: int) -> int:
     # Uniform routing gives T*k/E tokens per expert (5.3 at T=256, E=384); wider token tiles only pay off
     # when many tokens share an expert (prefill, skewed routing), so they are picked by T.
-    if T <= 32:
+    if T <= 256:
         return 1
-    if T <= 128:
+    if T <= 400:
         return 2
     return 4
 
 
 def _u_for(nt: int) -> int:
-    return {1: 4, 2: 3, 4: 2}[nt]      # keep the register ring at ~80-90 registers
+    return {1: 3, 2: 3, 4: 2}[nt]      # ring of 60-90 registers; the L2 prefetch covers DRAM latency
 
 
 def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
@@ -77,6 +88,7 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     family = "sm_120" if arch.startswith("sm_12") else "sm_90"
     narrow = inter <= 512
     table = {
+        # (1x16 would give T=1 twice the warps per SM but spills when built for sm_120 at 128 registers)
         ("sm_90", True): (Tile(1, 8, u), Tile(8, 1, u)),
         ("sm_90", False): (Tile(2, 4, u), Tile(2, 4, u)),
         ("sm_120", True): (Tile(1, 8, u), Tile(8, 1, u)),
@@ -89,19 +101,29 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     return MoETiles(nt, gu, dn)
 
 
+def with_stages(t: MoETiles, stages: int) -> MoETiles:
+    """The same tiles with the weights through an S-deep cp.async shared-memory ring (stages = S) or the
+    register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
+    measured 3-15% slower (bench/results/moe_h200_variants.json); it stays compiled and tested as the
+    candidate to re-measure on sm_120."""
+    return MoETiles(t.nt, Tile(t.gateup.wm, t.gateup.wk, t.gateup.u, stages),
+                    Tile(t.down.wm, t.down.wk, t.down.u, stages))
+
+
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
-        for T in (1, 64, 256):
+        for T in (1, 300, 650):
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
-                if t not in seen:
-                    seen.append(t)
+                for v in (t, with_stages(t, 8)) if t.nt == 1 else (t,):
+                    if v not in seen:
+                        seen.append(v)
     return tuple(seen)
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
-    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}>"
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}>"
 
 
 def _all_gemm_names() -> Tuple[str, ...]:
@@ -346,13 +368,23 @@ def _sm_count() -> int:
     return _SM[dev]
 
 
+def _l2_budget() -> int:
+    """Bytes the routing kernel may prefetch: a third of L2 (H200 50 MB -> 16 MB; RTX PRO 6000 128 MB)."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    key = ("l2", dev)
+    if key not in _SM:
+        _SM[key] = int(cupy.cuda.Device().attributes["L2CacheSize"]) // 3
+    return _SM[key]
+
+
 def _grid(units_max: int, tile: Tile) -> int:
-    per_sm = 2     # ~128-195 registers x 256 threads: two blocks fit an SM at most
+    per_sm = max(1, 512 // tile.threads)   # ~128-195 registers: 512 threads per SM at most
     return max(1, min(units_max, _sm_count() * per_sm))
 
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
-                tiles: Optional[MoETiles] = None):
+                tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -362,15 +394,22 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         d = {}
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
-    for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles):
+    for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
+                                     pf_steps):
         launch()
     return out
 
 
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
-                    tiles: Optional[MoETiles] = None):
+                    tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
+                    pf_steps: int = PF_STEPS):
     """The four launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark
-    times prefixes of this list to attribute time to stages)."""
+    times prefixes of this list to attribute time to stages). ``l2_prefetch``: extra blocks of the routing
+    kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
+    only for T >= 64, where it measured up to 5% faster; below, its extra ~1 us in the routing kernel is a loss);
+    ``pf_steps``: how many k64 steps each GEMM warp prefetches into L2 ahead of its register ring."""
+    if pf_steps < 0 or pf_steps % 4:
+        raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
     d = {}
     check_array("x", x, np.uint16, ("T", weights.hidden), d)
@@ -389,33 +428,44 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     check_array("out", out, np.uint16, (T, weights.hidden))
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
+    for tl in (tiles.gateup, tiles.down):
+        if tl.smem_dynamic + tl.smem_static(tiles.nt) > SMEM_LIMIT:
+            raise ValueError(f"tiles: {tl} needs {tl.smem_dynamic + tl.smem_static(tiles.nt)} B of shared memory "
+                             f"> {SMEM_LIMIT}")
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     Ip = weights.inter_padded
+    if l2_prefetch is None:
+        l2_prefetch = T >= 64
     chunk = 8 * tiles.nt
     i32 = np.int32
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // chunk)
 
     k_route = get_kernel(SPEC, "moe_route")
+    i64 = np.int64
+    eb = [a.nbytes // E for a in (weights.w13, weights.s13, weights.w2, weights.s2)]
     route_args = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(chunk),
-                  ws.slot_tok, ws.slot_w, ws.slot_of, ws.rank, ws.chunks, ws.meta)
+                  ws.slot_tok, ws.slot_w, ws.slot_of, ws.rank, ws.chunks, ws.meta,
+                  weights.w13, weights.s13, weights.w2, weights.s2, *(i64(b) for b in eb),
+                  i64(_l2_budget() if l2_prefetch else 0))
+    route_grid = 1 + (_sm_count() if l2_prefetch else 0)
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
-    k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt))
+    k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=tg.smem_dynamic)
     grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
     gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H), ws.slot_tok, ws.chunks,
-               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H))
+               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H), i32(pf_steps))
     # down: N = H, K = Ip
     td = tiles.down
-    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt))
+    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip), ws.slot_tok, ws.chunks,
-               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H))
+               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H), i32(pf_steps))
     k_cb = get_kernel(SPEC, "moe_combine")
     cb_args = (ws.y, i32(H), ws.slot_of, i32(k), i32(H), residual, out)
     return [
-        ("route", lambda: k_route((1,), (1024,), route_args)),
-        ("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args)),
-        ("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)),
+        ("route", lambda: k_route((route_grid,), (1024,), route_args)),
+        ("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=tg.smem_dynamic)),
+        ("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)),
         ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)),
     ]

@@ -59,7 +59,7 @@ def _routing(rng, T, E, k, mode="uniform"):
     return ids, wts
 
 
-def _run(layer, T, k, seed, mode="uniform", residual=False, t_max=None, tiles=None):
+def _run(layer, T, k, seed, mode="uniform", residual=False, t_max=None, tiles=None, **kw):
     import cupy as cp
     rng = np.random.default_rng(seed)
     x = to_bf16_bits(rng.standard_normal((T, layer.H)))
@@ -69,7 +69,7 @@ def _run(layer, T, k, seed, mode="uniform", residual=False, t_max=None, tiles=No
     ws.y.fill(np.nan)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
-                    residual=None if res is None else cp.asarray(res), tiles=tiles)
+                    residual=None if res is None else cp.asarray(res), tiles=tiles, **kw)
     got = bf16_bits_to_f32(out.get()).astype(np.float64)
     ref = layer.reference(x, ids, wts, res)
     assert np.isfinite(got).all()
@@ -150,6 +150,18 @@ def test_all_tokens_share_one_expert(narrow, T):
 def test_every_table_configuration(tiny256):
     for tiles in moe.all_table_tiles():
         assert _run(tiny256, 70, 8, seed=400, mode="one_expert", tiles=tiles) < TOL, tiles
+
+
+@pytest.mark.parametrize("l2_prefetch,pf_steps", [(False, 0), (True, 16), (True, 8)])
+def test_prefetch_settings_do_not_change_results(narrow, l2_prefetch, pf_steps):
+    assert _run(narrow, 48, 8, seed=800, l2_prefetch=l2_prefetch, pf_steps=pf_steps) < TOL
+
+
+@pytest.mark.parametrize("T", [1, 33])
+def test_cp_async_ring_variant_h7168(narrow, T):
+    # K = 7168 gives each warp more k64 steps than the 8-deep ring holds: the ring wraps
+    tiles = moe.with_stages(moe.select_tiles("sm_90", T, narrow.I), 8)
+    assert _run(narrow, T, 8, seed=900 + T, tiles=tiles) < TOL
 
 
 def test_small_t_in_large_workspace(narrow):
