@@ -13,6 +13,12 @@
 #define DDT_MERGE_WARPS 8      // warps per block (one row per block) in the merge kernel
 #define DDT_MERGE_UNROLL 8     // candidate keys in flight per lane in the merge
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
+// DDT_FAST=0: the variant verified on the H200 (shared-memory bitonic sort, one push per value slot,
+// butterfly argmax). DDT_FAST=1: register bitonic sort, one push per passing value, argmax by warp
+// reductions, top-K ids staged in shared memory. Same results by construction; see docs/DDTREE.md.
+#ifndef DDT_FAST
+#define DDT_FAST 0
+#endif
 
 typedef unsigned long long u64;
 #define DDT_NEG_INF (__int_as_float(0xff800000))   // NVRTC has no <math.h> INFINITY
@@ -37,6 +43,26 @@ __device__ __forceinline__ u64 make_key(float v, uint32_t id) {
 __device__ __forceinline__ float key_value(u64 k) { return ordered_to_f32((uint32_t)(k >> 32)); }
 __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint32_t)k); }
 
+#if !DDT_FAST
+// Warp-wide bitonic sort of buf[0, n) descending (n a power of two, 64 <= n <= DDT_SEL_CAP).
+__device__ __forceinline__ void warp_sort_desc(u64* buf, int n, int lane) {
+    for (int k = 2; k <= n; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = lane; i < n; i += 32) {
+                int l = i ^ j;
+                if (l > i) {
+                    u64 a = buf[i], b = buf[l];
+                    bool desc = (i & k) == 0;
+                    if (desc ? (a < b) : (a > b)) { buf[i] = b; buf[l] = a; }
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+#endif
+
+#if DDT_FAST
 // Warp-wide bitonic sort, descending, of 32 * E keys held in registers: element i = e * 32 + lane is
 // r[e] of lane `lane`. Partners i ^ j with j >= 32 are in the same lane (register compare-swap), with
 // j < 32 in lane ^ j (shuffle; each side keeps the max or the min). Fully unrolled: E is a template
@@ -88,6 +114,7 @@ __device__ __forceinline__ void warp_sort_buf(u64* buf, int cnt, int lane) {
     for (int e = 0; e < E; ++e) buf[(e << 5) + lane] = r[e];
     __syncwarp();
 }
+#endif
 
 // A warp's running top-k: unsorted candidates in buf[0, cnt), all > thr. When a batch would not fit,
 // sort, keep the k best, and raise thr to the k-th key (keys are unique, so anything <= it cannot
@@ -103,10 +130,16 @@ struct WarpSelect {
         while (cap < k + 32) cap <<= 1;
     }
     __device__ void flush(int lane) {
+#if DDT_FAST
         __syncwarp();   // every lane's candidate stores are visible
         if (cap == 64) warp_sort_buf<2, 6>(buf, cnt, lane);
         else if (cap == 128) warp_sort_buf<4, 7>(buf, cnt, lane);
         else warp_sort_buf<8, 8>(buf, cnt, lane);
+#else
+        for (int i = cnt + lane; i < cap; i += 32) buf[i] = 0ull;
+        __syncwarp();
+        warp_sort_desc(buf, cap, lane);
+#endif
         if (cnt >= k) { cnt = k; thr = buf[k - 1]; }
     }
     // every lane calls with its candidate (0 = none)
@@ -207,6 +240,7 @@ __device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local
         for (int u = 0; u < DDT_TOPK_UNROLL; ++u) {
             if (!(need >> u & 1)) continue;
             const int i0 = base + u * 256 + lane * 8;
+#if DDT_FAST
             const float* sv = scr + u * 8 * 32 + lane;
             // each lane offers one of its passing values per push: pushes = the busiest lane's count
             unsigned bits = 0;
@@ -224,6 +258,13 @@ __device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local
                 }
                 sel.push(c, lane);
             }
+#else
+            const bool in = i0 < end;
+#pragma unroll 1
+            for (int i = 0; i < 8; ++i)
+                sel.push(in ? make_key(scr[(u * 8 + i) * 32 + lane], (uint32_t)(id_offset + i0 + i)) : 0ull,
+                         lane);
+#endif
         }
         __syncwarp();   // scratch is read by every lane before the next batch overwrites it
     }
@@ -238,13 +279,18 @@ __device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local
     if (lane == 0) part_ms[(size_t)r * P + c] = make_float2(m, s);
 }
 
-// min 4 blocks per SM: without it ptxas (sm_90) caps registers low and spills around the select code
-extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
+// DDT_FAST: min 4 blocks per SM, without which ptxas (sm_90) caps registers low and spills
+#if DDT_FAST
+#define DDT_PARTIAL_BOUNDS __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
+#else
+#define DDT_PARTIAL_BOUNDS __launch_bounds__(32 * DDT_TOPK_WARPS)
+#endif
+extern "C" __global__ void DDT_PARTIAL_BOUNDS
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
                      u64* part_keys, float2* part_ms) {
     topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
-extern "C" __global__ void __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
+extern "C" __global__ void DDT_PARTIAL_BOUNDS
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
                       u64* part_keys, float2* part_ms) {
     topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
@@ -359,7 +405,9 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
                int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
                int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
     __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
+#if DDT_FAST
     __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
+#endif
     __shared__ float f_score[DDT_FRONTIER], f_pscore[DDT_FRONTIER];
     __shared__ u64 f_tup[DDT_FRONTIER];
     __shared__ int f_info[DDT_FRONTIER];
@@ -371,14 +419,20 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     const int kf = cap_k > 0 ? min(K, cap_k) : K;
     const float* lp = top_lp + (size_t)st * D * K;
     const int* ids = top_id + (size_t)st * D * K;
+#if DDT_FAST
     for (int i = lane; i < D * K; i += 32) { s_lp[i] = ftz_in(lp[i]); s_id[i] = ids[i]; }
+#define DDT_TOP_ID s_id
+#else
+    for (int i = lane; i < D * K; i += 32) s_lp[i] = ftz_in(lp[i]);
+#define DDT_TOP_ID ids
+#endif
     if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
     __syncwarp();
 
     // forced top-1 chain: rows 1..nc, row d = depth d
     const int nc = include_chain ? min(D, budget) : 0;
     for (int d = 1; d <= nc; ++d) {
-        if (lane == 0) { t_tok[d] = s_id[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
+        if (lane == 0) { t_tok[d] = DDT_TOP_ID[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
     }
 
     int nodes = nc, fsize = 0;
@@ -391,13 +445,14 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     }
     __syncwarp();
     while (fsize > 0 && nodes < budget) {
-        // warp argmax over the frontier under the total order: each lane's best, then the warp's via
-        // three reductions (max ordered score; among those, min tuple high word; then low word).
+        // warp argmax over the frontier under the total order: each lane's best, then the warp's (a
+        // butterfly; DDT_FAST: three reductions: max ordered score, then min tuple high, low word).
         int bi = -1; float bs = 0.f; u64 bt = 0ull;
         for (int i = lane; i < fsize; i += 32) {
             float sc = f_score[i]; u64 tp = f_tup[i];
             if (bi < 0 || sc > bs || (sc == bs && tp < bt)) { bi = i; bs = sc; bt = tp; }
         }
+#if DDT_FAST
         const uint32_t os = bi >= 0 ? f32_to_ordered(bs) : 0u;   // 0 is below every real score
         const uint32_t ms = __reduce_max_sync(FULL_MASK, os);
         const bool c1 = bi >= 0 && os == ms;
@@ -410,6 +465,15 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
         bi = __shfl_sync(FULL_MASK, bi, __ffs(who) - 1);
         bs = f_score[bi];     // exact bits (the ordered form folds -0 into +0)
         bt = ((u64)mh << 32) | ml;
+#else
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+            float os = __shfl_xor_sync(FULL_MASK, bs, off);
+            u64 ot = __shfl_xor_sync(FULL_MASK, bt, off);
+            if (oi >= 0 && (bi < 0 || os > bs || (os == bs && ot < bt))) { bi = oi; bs = os; bt = ot; }
+        }
+#endif
         const float psc = f_pscore[bi];
         const int info = f_info[bi];
         const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
@@ -419,7 +483,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
             row = depth;                          // already emitted by the chain prologue
         } else {
             row = ++nodes;
-            if (lane == 0) { t_tok[row] = s_id[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
+            if (lane == 0) { t_tok[row] = DDT_TOP_ID[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
         }
         __syncwarp();   // every lane has read entry bi before lane 0 overwrites it
         if (rank + 1 < kf) {   // next sibling takes the popped slot

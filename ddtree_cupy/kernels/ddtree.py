@@ -31,17 +31,21 @@ TOPK_WARPS = 4          # DDT_TOPK_WARPS in ddtree.cu
 MERGE_WARPS = 8         # DDT_MERGE_WARPS in ddtree.cu
 DEFAULT_CHUNK = 4096    # logits per warp in the first top-K stage
 
+_NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
+          "ddt_walk_commit")
+# Two variants of the same kernels (cuda_src/ddtree.cu, DDT_FAST): 0 = the one verified on the H200,
+# 1 = register sorts / fewer pushes / reduction argmax (same results by construction; its GPU tests are
+# parametrised the same way). fast_math stays off: tree scores reproduce the reference bit for bit.
 DDTREE_SPEC = register(KernelSpec(
-    src="ddtree.cu",
-    names=("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
-           "ddt_walk_commit"),
-    hot=True,
-    fast_math=False,   # tree scores must reproduce the reference's float32 sums bit for bit
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False,
     doc="DDTree per-depth top-K (chunked + merge), best-first builder, acceptance walk + commit"))
+DDTREE_FAST_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "1"),), hot=True, fast_math=False,
+    doc="DDTree kernels, faster select/argmax variant"))
 
 
-def _fn(name):
-    return get_kernel(DDTREE_SPEC, name)
+def _fn(name, fast: bool = False):
+    return get_kernel(DDTREE_FAST_SPEC if fast else DDTREE_SPEC, name)
 
 
 def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
@@ -51,7 +55,8 @@ def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
 # ----------------------------------------------------------------------------------------------------
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
-def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK):
+def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
+                 fast: bool = False):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits: the chunk's top-``k`` keys -> ``part_keys`` uint64 [rows, P, k] and its log-sum-exp partial
     (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
@@ -79,11 +84,12 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
     grid = ((P + TOPK_WARPS - 1) // TOPK_WARPS, rows)
-    _fn(name)(grid, (32 * TOPK_WARPS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
+    _fn(name, fast)(grid, (32 * TOPK_WARPS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
                                           np.int32(k), np.int32(chunk), part_keys, part_ms))
 
 
-def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False):
+def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
+               fast: bool = False):
     """Merge P partial top-k lists per row. ``keys`` uint64 [rows, P, k] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather over shards). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
@@ -102,13 +108,13 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
-    _fn("ddt_topk_merge")((rows,), (32 * MERGE_WARPS,), (keys, ms, np.int32(rows), np.int32(P), np.int32(k),
+    _fn("ddt_topk_merge", fast)((rows,), (32 * MERGE_WARPS,), (keys, ms, np.int32(rows), np.int32(P), np.int32(k),
                                                      np.int32(1 if parts_major else 0), out_keys, out_ms,
                                                      out_lp, out_id))
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
-               mask, cap_k: int = 0, include_chain: bool = False):
+               mask, cap_k: int = 0, include_chain: bool = False, fast: bool = False):
     """The best-first tree of every stream: ``top_lp`` float32 / ``top_id`` int32 [S, D, K] (sorted
     descending per depth), ``budgets``/``prefix_len``/``bonus`` int32 [S] (read on the device; budgets
     clamp to [0, 128]). Outputs int32 [S, 129] tokens/parents/depths/positions, n_rows int32 [S] (= nodes
@@ -125,13 +131,13 @@ def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, dept
         check_array(nm, a, np.int32, ("S", MAX_TREE_ROWS), dims, device=dev)
     check_array("mask", mask, np.uint32, ("S", MAX_TREE_ROWS, MASK_WORDS), dims, device=dev)
     check_range("cap_k", cap_k, 0, 1 << 30)
-    _fn("ddt_build_tree")((dims["S"],), (32,), (
+    _fn("ddt_build_tree", fast)((dims["S"],), (32,), (
         top_lp, top_id, np.int32(dims["D"]), np.int32(dims["K"]), budgets, prefix_len, bonus,
         np.int32(cap_k), np.int32(1 if include_chain else 0), tokens, parents, depths, positions, n_rows, mask))
 
 
 def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows, n_acc, kv_src, kv_dst,
-                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None):
+                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast: bool = False):
     """Accept a path per stream and plan its commit. ``post`` int32 [S, 129]: the target's token at each
     tree row (argmax, or a sample). Outputs [S, A] int32 (A = max accepted, D + 1), padded with -1:
     acc_rows, kv_src (= prefix + row), kv_dst (= prefix + j), feat_rows (= row_offset + row); out_tokens
@@ -155,7 +161,7 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
             upd.append(np.uint64(0))    # null pointer
         else:
             upd.append(check_array(nm, a, np.int32, ("S",), dims, device=dev))
-    _fn("ddt_walk_commit")((dims["S"],), (32,), (
+    _fn("ddt_walk_commit", fast)((dims["S"],), (32,), (
         tokens, parents, n_rows, post, prefix_len, row_offset, np.int32(dims["A"]), acc_rows, n_acc, kv_src,
         kv_dst, feat_rows, out_tokens, new_len, new_bonus, upd[0], upd[1]))
 
@@ -168,8 +174,10 @@ class DDTreeWorkspace:
     top-``k`` per depth (k >= the largest budget, or the cap). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
-    def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
+                 fast: bool = False):
         import cupy
+        self.fast = bool(fast)
         check_range("streams", streams, 1, 1 << 16)
         check_range("depth", depth, 1, MAX_DEPTH)
         check_range("k", k, 1, MAX_K)
@@ -199,18 +207,19 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk)
+        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.fast)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
-                   self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k))
+                   self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
+                   fast=self.fast)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,
-                   self.depths, self.positions, self.n_rows, self.mask, cap_k, include_chain)
+                   self.depths, self.positions, self.n_rows, self.mask, cap_k, include_chain, fast=self.fast)
 
     def walk_commit(self, post, prefix_len, row_offset, update_len=None, update_bonus=None):
         walk_commit(self.tokens, self.parents, self.n_rows, post, prefix_len, row_offset, self.acc_rows,
                     self.n_acc, self.kv_src, self.kv_dst, self.feat_rows, self.out_tokens, self.new_len,
-                    self.new_bonus, update_len, update_bonus)
+                    self.new_bonus, update_len, update_bonus, fast=self.fast)
 
     def outputs(self):
         """Every output buffer by name (tests poison them before launches)."""

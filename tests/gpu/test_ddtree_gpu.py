@@ -14,6 +14,12 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
+@pytest.fixture(params=[False, True], ids=["verified", "fast"])
+def fast(request):
+    """Both kernel variants (DDT_FAST=0/1) must equal the reference."""
+    return request.param
+
+
 def _cp():
     import cupy
     return cupy
@@ -84,7 +90,7 @@ def _check_tree(ws, top_lp, top_id, budgets, prefix, bonus, cap_k, chain):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("V,k,kind", [(163840, 64, "normal"), (163840, 128, "ties"), (10000, 8, "ties"),
                                       (2048, 1, "normal"), (4096 + 264, 33, "normal")])
-def test_topk_matches_reference(dtype, V, k, kind):
+def test_topk_matches_reference(dtype, V, k, kind, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(V + k)
@@ -96,7 +102,7 @@ def test_topk_matches_reference(dtype, V, k, kind):
         dev = cp.asarray(bits)
     else:
         dev = cp.asarray(x)
-    ws = DDTreeWorkspace(S, D, V, k)
+    ws = DDTreeWorkspace(S, D, V, k, fast=fast)
     _poison(ws)
     ws.topk(dev)
     lp, ids = ws.top_lp.get(), ws.top_id.get()
@@ -116,7 +122,7 @@ def test_topk_matches_reference(dtype, V, k, kind):
 
 @pytest.mark.parametrize("shards", [2, 4, 8])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_topk_vocab_shards_merge(shards, dtype):
+def test_topk_vocab_shards_merge(shards, dtype, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace, topk_merge
     rng = np.random.default_rng(shards)
@@ -132,7 +138,7 @@ def test_topk_vocab_shards_merge(shards, dtype):
     keys = cp.empty((shards, S * D, k), cp.uint64)
     ms = cp.empty((shards, S * D, 2), cp.float32)
     for r in range(shards):
-        ws = DDTreeWorkspace(S, D, Vl, k)
+        ws = DDTreeWorkspace(S, D, Vl, k, fast=fast)
         _poison(ws)
         ws.topk(cp.ascontiguousarray(full[:, :, r * Vl:(r + 1) * Vl]), id_offset=r * Vl)
         keys[r] = ws.keys
@@ -141,8 +147,8 @@ def test_topk_vocab_shards_merge(shards, dtype):
     out_ms = cp.empty((S * D, 2), cp.float32)
     out_lp = cp.full((S * D, k), np.nan, cp.float32)
     out_id = cp.full((S * D, k), -7, cp.int32)
-    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True)
-    whole = DDTreeWorkspace(S, D, V, k)
+    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True, fast=fast)
+    whole = DDTreeWorkspace(S, D, V, k, fast=fast)
     _poison(whole)
     whole.topk(full)
     np.testing.assert_array_equal(out_keys.get(), whole.keys.get())
@@ -163,13 +169,13 @@ def _tie_top(rng, S, D, K):
 
 @pytest.mark.parametrize("source", ["logits", "ties"])
 @pytest.mark.parametrize("cap_k,chain", [(0, False), (0, True), (8, False), (3, True), (1, False)])
-def test_build_tree_matches_reference(source, cap_k, chain):
+def test_build_tree_matches_reference(source, cap_k, chain, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(11 + cap_k + 100 * chain)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100], np.int32)
     S, D, K = budgets.shape[0], 7, 128
-    ws = DDTreeWorkspace(S, D, 8192, K)
+    ws = DDTreeWorkspace(S, D, 8192, K, fast=fast)
     _poison(ws)
     if source == "logits":
         ws.topk(cp.asarray(_random_logits(rng, S, D, 8192, "normal")))
@@ -222,13 +228,13 @@ def _check_walk(ws, tokens, parents, n_rows, post, prefix, row_off, D):
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_walk_commit_matches_reference(sampled):
+def test_walk_commit_matches_reference(sampled, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(5 + sampled)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7], np.int32)
     S, D, K = budgets.shape[0], 7, 128
-    ws = DDTreeWorkspace(S, D, 4096, K)
+    ws = DDTreeWorkspace(S, D, 4096, K, fast=fast)
     _poison(ws)
     x = _random_logits(rng, S, D, 4096, "normal")
     x_dev = cp.asarray(x)
@@ -265,12 +271,12 @@ def test_walk_commit_matches_reference(sampled):
     np.testing.assert_array_equal(bonus_dev.get(), ws.new_bonus.get())
 
 
-def test_graph_replay_equals_eager():
+def test_graph_replay_equals_eager(fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(99)
     S, D, V, K = 10, 7, 163840, 64
-    ws = DDTreeWorkspace(S, D, V, K)
+    ws = DDTreeWorkspace(S, D, V, K, fast=fast)
     logits = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
     budgets = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
     prefix = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
