@@ -85,8 +85,9 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast):
     t_cpu = (time.perf_counter() - t0) / reps * 1e6
     nbytes = logits.nbytes
     return snap, dict(streams=S, budget=B, dtype=dtype, variant="fast" if fast else "verified",
-                      topk_us=t_topk, build_us=t_build, walk_commit_us=t_walk, total_us=t_all, cpu_heap_builder_us=t_cpu, mean_accepted=float(n_acc.mean()),
-                topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
+                      topk_us=t_topk, build_us=t_build, walk_commit_us=t_walk, total_us=t_all,
+                      cpu_heap_builder_us=t_cpu, mean_accepted=float(n_acc.mean()),
+                      topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
 
 
 def main(argv=None):
