@@ -41,8 +41,9 @@ summation order, so top-K ids must match exactly while log-probs match the float
 (top_lp, top_id) input: GPU trees are compared with ``build_tree`` run on the GPU's own top-K arrays.
 
 Sampling (``sample_tokens``): Philox4x32-10 keyed by the 64-bit seed, counter (row, step, stream, 0); see
-``philox4x32``. Emission policy: a round emits the accepted rows' tokens (the root is the previous bonus,
-committed now); the new bonus is pending and emitted when it is committed as the next round's root.
+``philox4x32``. Emission: a round commits the accepted rows (the root is the previous bonus) and chooses a
+new bonus; the GPU's ``out_tokens`` holds both (accepted tokens, then the bonus), so either policy works.
+The decode loop (reference/loop.py, docs/CONTRACTS.md) emits the bonus as soon as it is chosen.
 """
 from __future__ import annotations
 
