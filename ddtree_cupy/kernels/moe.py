@@ -13,7 +13,6 @@ tests/test_moe_layout.py), the tile-configuration table (``select_tiles``) and a
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -80,8 +79,8 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     gate/up: K = H = 7168 is long and N = 2I short, so a block splits K over its warps (wk) and reduces in
     shared memory; down: N = H is wide, K = I short, so a narrow expert (I <= 512, K <= 8 steps) gives each
     warp its own rows over the whole K while a wide one (I = 2048) splits K four ways.
-    sm_90 and sm_120 currently share the entries (all fit sm_120's 99 KB: static shared memory is at most
-    wm*wk*nt KB); the key keeps them separable.
+    sm_90 and sm_120 currently share the entries (all fit sm_120's 99 KB per block); the key keeps them
+    separable. Measured on the H200: docs/MOE.md.
     """
     nt = _nt_for(T)
     u = _u_for(nt)
