@@ -68,20 +68,24 @@ class NumpyEngine:
     name = "numpy"
 
     def __init__(self, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig] = None,
-                 drafter_dir: Optional[str] = None, dtype=np.float32):
+                 drafter_dir: Optional[str] = None, dtype=np.float32, comm=None):
+        """``comm``: a communicator (dist.py). Under mpirun each rank loads only its tensor-parallel shard."""
         from .checkpoint import load_drafter_weights, load_reference_weights
         from .reference.drafter import ReferenceDrafter
         from .reference.target import ReferenceTarget
 
+        from .dist import SingleRank
+        self.comm = comm if comm is not None else SingleRank()
+        rank, size = self.comm.rank, self.comm.size
         self.dtype = np.dtype(dtype)
         self.tcfg, self.dcfg = tcfg, dcfg
-        tw = load_reference_weights(model_dir, self.dtype, cfg=tcfg)
-        self.target = ReferenceTarget(tcfg, tw, self.dtype)
+        tw = load_reference_weights(model_dir, self.dtype, tp_rank=rank, tp_size=size, cfg=tcfg)
+        self.target = ReferenceTarget(tcfg, tw, self.dtype, comm=self.comm)
         self.drafter = None
         if dcfg is not None:
-            dw = load_drafter_weights(drafter_dir, self.dtype, cfg=dcfg)
-            self.drafter = ReferenceDrafter(dcfg, dw, tw["model.embed_tokens.weight"], tw["lm_head.weight"],
-                                            self.dtype)
+            dw = load_drafter_weights(drafter_dir, self.dtype, tp_rank=rank, tp_size=size, cfg=dcfg)
+            self.drafter = ReferenceDrafter(dcfg, dw, self.target.embed_tokens, self.target.lm_head,
+                                            self.dtype, comm=self.comm)
 
     def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
                  include_chain: bool = False, on_tokens: Optional[Callable] = None):
@@ -90,7 +94,7 @@ class NumpyEngine:
 
 
 def create_engine(backend: str, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig],
-                  drafter_dir: Optional[str], dtype=np.float32):
+                  drafter_dir: Optional[str], dtype=np.float32, comm=None):
     if backend == "numpy":
-        return NumpyEngine(tcfg, model_dir, dcfg, drafter_dir, dtype)
+        return NumpyEngine(tcfg, model_dir, dcfg, drafter_dir, dtype, comm)
     raise BackendError(f"backend {backend!r}: the GPU engine is not built yet")

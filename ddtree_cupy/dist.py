@@ -48,6 +48,10 @@ class Communicator:
         """A picklable host object from ``root`` to every rank (requests, decisions, errors)."""
         raise NotImplementedError
 
+    def all_gather_obj(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, in rank order, on every rank (e.g. per-rank error reports)."""
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -73,6 +77,9 @@ class SingleRank(Communicator):
 
     def broadcast_obj(self, obj, root=0):
         return obj
+
+    def all_gather_obj(self, obj):
+        return [obj]
 
     def barrier(self):
         return None
@@ -109,6 +116,9 @@ class MPIComm(Communicator):
 
     def broadcast_obj(self, obj, root=0):
         return self.comm.bcast(obj, root=root)
+
+    def all_gather_obj(self, obj):
+        return self.comm.allgather(obj)
 
     def barrier(self):
         self.comm.Barrier()
@@ -159,6 +169,9 @@ class NcclComm(Communicator):
 
     def broadcast_obj(self, obj, root=0):
         return self.mpi.broadcast_obj(obj, root)
+
+    def all_gather_obj(self, obj):
+        return self.mpi.all_gather_obj(obj)
 
     def barrier(self):
         self._cp.cuda.get_current_stream().synchronize()

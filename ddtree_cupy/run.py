@@ -193,30 +193,59 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a = ap.parse_args(argv)
     except SystemExit as e:       # argparse already printed usage + the reason
         return int(e.code or 0)
+    from .dist import guarded, init_communicator
+    # Under mpirun every rank runs this same function on its own tensor-parallel shard; rank 0 alone
+    # talks to the user. Outside mpirun the communicator is a group of one.
+    comm = init_communicator("numpy" if a.backend == "numpy" else "auto")
+    if comm.size == 1:
+        return _main(a, comm)
+    return guarded(lambda: _main(a, comm), comm)
+
+
+def _main(a, comm) -> int:
     err = sys.stderr
     from .backend import BackendError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .tokenizer import TokenizerError
     bad_input = (UsageError, ConfigError, CheckpointError, TokenizerError, BackendError, ValueError)
+    quiet = _Quiet() if not comm.is_root else err      # only rank 0 speaks to the user
+    problem, job = None, None
     try:
         # everything that depends on the user's input: options, files, prompts, weights
-        job = _prepare(a, err)
+        job = _prepare(a, quiet, comm)
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
     except bad_input as e:
-        print(f"error: {e}", file=err)
+        problem = f"error: {e}"
+    # Every rank learns whether any rank failed, so all exit together and the error is reported once
+    # (by rank 0 when it saw it too, else by the first rank that did) instead of a hang in a collective.
+    problems = comm.all_gather_obj(problem)
+    if any(problems):
+        first = next(i for i, p in enumerate(problems) if p)
+        if comm.rank == (0 if problems[0] else first):
+            print(problems[first] if first == 0 else f"{problems[first]} (on rank {first})", file=err)
         return EXIT_BAD_INPUT
     try:
         # from here on an exception is a bug in the engine: let its traceback show
-        return _generate(a, err, *job)
+        return _generate(a, quiet, *job, root=comm.is_root)
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
 
 
-def _prepare(a, err):
+class _Quiet:
+    """A sink for the messages non-root ranks would otherwise print a second time."""
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def _prepare(a, err, comm):
     import numpy as np
 
     from .backend import create_engine, select_backend
@@ -253,15 +282,19 @@ def _prepare(a, err):
             raise UsageError(f"stream {i}: {e}") from None
 
     backend = select_backend(a.backend, lambda line: print(line, file=err))
+    if comm.size > 1:
+        tcfg.validate_tp(comm.size)
+        if dcfg is not None:
+            dcfg.validate_tp(comm.size)
     t0 = time.perf_counter()
-    engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype))
+    engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype), comm)
     load_s = time.perf_counter() - t0
     return engine, reqs, tok, backend, load_s
 
 
-def _generate(a, err, engine, reqs, tok, backend, load_s) -> int:
-    out = sys.stdout
-    printer = None if a.json else _Printer(tok, len(reqs), out)
+def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> int:
+    out = sys.stdout if root else _Quiet()
+    printer = None if (a.json or not root) else _Printer(tok, len(reqs), out)
     if printer is not None:
         print(f"loaded in {load_s:.1f} s ({backend}, {a.dtype}); mode {a.mode}"
               + (f", budget {a.budget}" if a.mode == "ddtree" else ""), file=err)
@@ -269,7 +302,7 @@ def _generate(a, err, engine, reqs, tok, backend, load_s) -> int:
 
     stats = res.stats_dict()
     stats.update({"mode": a.mode, "budget": a.budget if a.mode == "ddtree" else None, "backend": backend,
-                  "dtype": a.dtype, "load_s": load_s})
+                  "dtype": a.dtype, "load_s": load_s, "tp": engine.comm.size})
     streams = [{"prompt_ids": [int(t) for t in s.request.prompt_ids], "output_ids": [int(t) for t in s.output_ids],
                 "text": _text(tok, s.output_ids, s.request.stop_ids), "finish_reason": s.finish_reason}
                for s in res.streams]

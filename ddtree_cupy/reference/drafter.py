@@ -27,50 +27,17 @@ import math
 
 import numpy as np
 
-from ..config import DrafterConfig, RopeConfig
+from ..config import DrafterConfig
+from .norm import rms_norm
+from .rope import apply_rope_rotate_half, yarn_inv_freq
+from .vocab import vocab_embed, vocab_project
+
+# The drafter's RoPE frequencies are the target's YaRN formula over head_dim (one implementation).
+rope_inv_freq = yarn_inv_freq
 
 
 # --------------------------------------------------------------------------------------------------
 # math helpers (small on purpose: the tests recompute each one another way)
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """Qwen3 RMSNorm over the last axis: w * x / sqrt(mean(x^2) + eps)."""
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return (x / np.sqrt(var + eps)) * w
-
-
-def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
-    """inv_freq [dim/2] (float64) for plain RoPE or YaRN over a rotary dimension ``dim``."""
-    half = dim // 2
-    extra = rope.theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-    if rope.kind != "yarn":
-        return extra
-    inter = extra / rope.factor
-
-    def corr(n_rot: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low = max(math.floor(corr(rope.beta_fast)), 0)
-    high = min(math.ceil(corr(rope.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # the ramp would divide by zero
-    ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-    return inter * ramp + extra * (1.0 - ramp)
-
-
-def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, amplitude: float, dtype) -> tuple:
-    """cos, sin [T, dim] for rotate-half RoPE (the dim/2 angles repeated twice), scaled by ``amplitude``."""
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    ang = np.concatenate([ang, ang], axis=-1)
-    return (np.cos(ang) * amplitude).astype(dtype), (np.sin(ang) * amplitude).astype(dtype)
-
-
-def apply_rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [T, heads, dim]; out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)."""
-    half = x.shape[-1] // 2
-    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
-
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
@@ -89,9 +56,12 @@ LAYER_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn
                  "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
-def drafter_weight_shapes(cfg: DrafterConfig) -> Dict[str, tuple]:
-    """Every tensor the drafter needs, by its (unprefixed) name, with its HF shape [out, in]."""
-    H, hd, nh, kvh, F = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+def drafter_weight_shapes(cfg: DrafterConfig, tp_size: int = 1) -> Dict[str, tuple]:
+    """Every tensor the drafter needs, by its (unprefixed) name, with its HF shape [out, in], for one rank's
+    shard at tensor-parallel size ``tp_size`` (heads and the MLP width split; norms and fc replicated)."""
+    cfg.validate_tp(tp_size)
+    H, hd, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp_size
+    nh, kvh = cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size
     per = {"input_layernorm.weight": (H,), "self_attn.q_proj.weight": (nh * hd, H),
            "self_attn.k_proj.weight": (kvh * hd, H), "self_attn.v_proj.weight": (kvh * hd, H),
            "self_attn.o_proj.weight": (H, nh * hd), "self_attn.q_norm.weight": (hd,),
@@ -130,25 +100,36 @@ class DrafterCache:
 
 
 class ReferenceDrafter:
-    """numpy DFlash drafter. ``embed_tokens`` [V, H] and ``lm_head`` [V, H] are the TARGET's tensors."""
+    """numpy DFlash drafter. ``embed_tokens`` and ``lm_head`` are the TARGET's tensors ([V, H], or this
+    rank's [V/tp, H] vocabulary slice under tensor parallelism, as ReferenceTarget holds them).
+
+    Tensor parallel with ``comm`` of size > 1: ``weights`` is this rank's shard (local query and KV heads,
+    local MLP width); o_proj and down_proj partial sums are all-reduced; the embedding and the logits are
+    vocabulary-parallel (reference.vocab), so ``draft`` returns the same full logits on every rank.
+    """
 
     def __init__(self, cfg: DrafterConfig, weights: Mapping[str, np.ndarray], embed_tokens: np.ndarray,
-                 lm_head: np.ndarray, dtype=np.float32):
+                 lm_head: np.ndarray, dtype=np.float32, comm=None):
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise ValueError(f"ReferenceDrafter: dtype must be float32 or float64, got {dtype}")
         self.cfg, self.dtype = cfg, dtype
+        from ..dist import SingleRank
+        self.comm = comm if comm is not None else SingleRank()
+        tp = self.comm.size
+        cfg.validate_tp(tp)
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         # Checkpoints may carry a "model." prefix on the stack's tensors; the math does not care.
         w = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in weights.items()}
         self.w: Dict[str, np.ndarray] = {}
-        for name, shape in drafter_weight_shapes(cfg).items():
+        for name, shape in drafter_weight_shapes(cfg, tp).items():
             if name not in w:
                 raise ValueError(f"drafter weights: missing tensor '{name}' (shape {shape})")
             a = np.asarray(w[name])
             if tuple(a.shape) != shape:
                 raise ValueError(f"drafter weights: '{name}' has shape {tuple(a.shape)}, expected {shape}")
             self.w[name] = a.astype(dtype)
-        V, H = cfg.vocab_size, cfg.hidden_size
+        V, H = cfg.vocab_size // tp, cfg.hidden_size
         for nm, a in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(np.shape(a)) != (V, H):
                 raise ValueError(f"ReferenceDrafter: target {nm} has shape {tuple(np.shape(a))}, expected {(V, H)}")
@@ -169,7 +150,7 @@ class ReferenceDrafter:
 
     def new_cache(self) -> DrafterCache:
         c = self.cfg
-        z = lambda: np.empty((0, c.num_key_value_heads, c.head_dim), self.dtype)
+        z = lambda: np.empty((0, self.n_kv_heads, c.head_dim), self.dtype)
         return DrafterCache(k=[z() for _ in range(c.num_hidden_layers)], v=[z() for _ in range(c.num_hidden_layers)],
                             positions=np.empty(0, np.int64))
 
@@ -187,11 +168,10 @@ class ReferenceDrafter:
     def _kv(self, layer: int, x: np.ndarray, positions: np.ndarray):
         c = self.cfg
         p = f"layers.{layer}.self_attn."
-        k = (x @ self.w[p + "k_proj.weight"].T).reshape(-1, c.num_key_value_heads, c.head_dim)
-        v = (x @ self.w[p + "v_proj.weight"].T).reshape(-1, c.num_key_value_heads, c.head_dim)
+        k = (x @ self.w[p + "k_proj.weight"].T).reshape(-1, self.n_kv_heads, c.head_dim)
+        v = (x @ self.w[p + "v_proj.weight"].T).reshape(-1, self.n_kv_heads, c.head_dim)
         k = rms_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.amplitude, self.dtype)
-        return apply_rope_neox(k, cos, sin), v
+        return apply_rope_rotate_half(k, positions, self.inv_freq, self.amplitude).astype(self.dtype), v
 
     def append_context(self, cache: DrafterCache, feats: np.ndarray, positions: Sequence[int],
                        tokens: Optional[Sequence[int]] = None) -> None:
@@ -226,21 +206,21 @@ class ReferenceDrafter:
     def draft_hidden(self, cache: DrafterCache, bonus: int, start_pos: int) -> np.ndarray:
         """Final-normed hidden states of the whole block [block_size, H] (row 0 = the bonus row)."""
         c = self.cfg
-        bs, nh, kvh, hd = c.block_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bs, nh, kvh, hd = c.block_size, self.n_heads, self.n_kv_heads, c.head_dim
         if not 0 <= int(bonus) < c.vocab_size:
             raise ValueError(f"draft: bonus token {bonus} outside [0, {c.vocab_size})")
         ids = np.full(bs, c.mask_token_id, np.int64)
         ids[0] = int(bonus)
         pos = np.arange(start_pos, start_pos + bs, dtype=np.int64)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.amplitude, self.dtype)
         vis = self.visible_rows(cache)
         g = nh // kvh
-        h = self.embed[ids]
+        h = vocab_embed(self.embed, ids, self.comm)
         for l in range(c.num_hidden_layers):
             p = f"layers.{l}."
             x = rms_norm(h, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
             q = (x @ self.w[p + "self_attn.q_proj.weight"].T).reshape(bs, nh, hd)
-            q = apply_rope_neox(rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), cos, sin)
+            q = apply_rope_rotate_half(rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps), pos,
+                                       self.inv_freq, self.amplitude).astype(self.dtype)
             kb, vb = self._kv(l, x, pos)
             K = np.concatenate([cache.k[l][vis], kb], axis=0)          # [N, kvh, hd]
             V = np.concatenate([cache.v[l][vis], vb], axis=0)
@@ -249,12 +229,12 @@ class ReferenceDrafter:
             s = np.einsum("kqd,nkd->kqn", qg, K) * self.scale
             o = np.einsum("kqn,nkd->kqd", softmax(s, -1), V)           # no mask: the block is non-causal
             o = o.reshape(kvh, g, bs, hd).transpose(2, 0, 1, 3).reshape(bs, nh * hd)
-            h = h + o @ self.w[p + "self_attn.o_proj.weight"].T
+            h = h + self.comm.all_reduce(np.ascontiguousarray(o @ self.w[p + "self_attn.o_proj.weight"].T))
             x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             m = silu(x @ self.w[p + "mlp.gate_proj.weight"].T) * (x @ self.w[p + "mlp.up_proj.weight"].T)
-            h = h + m @ self.w[p + "mlp.down_proj.weight"].T
+            h = h + self.comm.all_reduce(np.ascontiguousarray(m @ self.w[p + "mlp.down_proj.weight"].T))
         return rms_norm(h, self.w["norm.weight"], c.rms_norm_eps)
 
     def draft(self, cache: DrafterCache, bonus: int, start_pos: int) -> np.ndarray:
         """Logits [block_size - 1, V]: row d-1 predicts the token at position start_pos + d (depth d)."""
-        return self.draft_hidden(cache, bonus, start_pos)[1:] @ self.lm_head.T
+        return vocab_project(self.draft_hidden(cache, bonus, start_pos)[1:], self.lm_head, self.comm)

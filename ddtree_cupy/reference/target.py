@@ -20,6 +20,7 @@ from .mla import mla_attention_absorbed, mla_attention_naive, split_kv_b
 from .moe import moe_experts, route, swiglu_mlp
 from .norm import rms_norm
 from .rope import apply_rope_adjacent, yarn_inv_freq
+from .vocab import vocab_embed, vocab_project
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -171,8 +172,6 @@ class ReferenceTarget:
         self.tp_rank, self.tp_size = self.comm.rank, self.comm.size
         cfg.validate_tp(self.tp_size)
         self.n_heads = cfg.num_attention_heads // self.tp_size          # local heads
-        self.vocab_start = self.tp_rank * (cfg.vocab_size // self.tp_size)
-        self.vocab_end = self.vocab_start + cfg.vocab_size // self.tp_size
         self.w = self._load(cfg, weights)
         self.inv_freq = yarn_inv_freq(cfg.rope, cfg.qk_rope_head_dim)
         self.amplitude = cfg.rope.amplitude
@@ -229,13 +228,8 @@ class ReferenceTarget:
         return self.w["lm_head.weight"]
 
     def project_vocab(self, x: np.ndarray) -> np.ndarray:
-        """Full logits [T, V] = x @ lm_head^T (vocabulary-parallel: local slice, then gathered).
-        The drafter borrows this too: it has no lm_head of its own."""
-        local = x @ self.w["lm_head.weight"].T
-        if self.tp_size == 1:
-            return local
-        parts = self.comm.all_gather(np.ascontiguousarray(local))       # [tp, T, V/tp]
-        return np.concatenate(list(parts), axis=-1)
+        """Full logits [T, V] = x @ lm_head^T (vocabulary-parallel: local slice, then gathered)."""
+        return vocab_project(x, self.w["lm_head.weight"], self.comm)
 
     # ---- cache --------------------------------------------------------------------------------
     def new_cache(self) -> LatentKVCache:
@@ -244,13 +238,7 @@ class ReferenceTarget:
     # ---- layers -------------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Embedding rows [T, H] (vocabulary-parallel: rows outside this rank's slice are zero, then summed)."""
-        tokens = np.asarray(tokens)
-        if self.tp_size == 1:
-            return self.w["model.embed_tokens.weight"][tokens]
-        mine = (tokens >= self.vocab_start) & (tokens < self.vocab_end)
-        local = np.where(mine, tokens - self.vocab_start, 0)
-        h = np.where(mine[:, None], self.w["model.embed_tokens.weight"][local], 0).astype(self.dtype)
-        return self.comm.all_reduce(np.ascontiguousarray(h))
+        return vocab_embed(self.w["model.embed_tokens.weight"], tokens, self.comm)
 
     def attention_block(self, i: int, x: np.ndarray, positions: np.ndarray, past: np.ndarray,
                         allowed_new: np.ndarray):
