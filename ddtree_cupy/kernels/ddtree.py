@@ -44,7 +44,7 @@ DDTREE_FAST_SPEC = register(KernelSpec(
     doc="DDTree kernels, faster select/argmax variant"))
 
 
-def _fn(name, fast: bool = False):
+def _fn(name, fast: bool = True):
     return get_kernel(DDTREE_FAST_SPEC if fast else DDTREE_SPEC, name)
 
 
@@ -56,7 +56,7 @@ def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
-                 fast: bool = False):
+                 fast: bool = True):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits: the chunk's top-``k`` keys -> ``part_keys`` uint64 [rows, P, k] and its log-sum-exp partial
     (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
@@ -89,7 +89,7 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
-               fast: bool = False):
+               fast: bool = True):
     """Merge P partial top-k lists per row. ``keys`` uint64 [rows, P, k] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather over shards). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
@@ -114,7 +114,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
-               mask, cap_k: int = 0, include_chain: bool = False, fast: bool = False):
+               mask, cap_k: int = 0, include_chain: bool = False, fast: bool = True):
     """The best-first tree of every stream: ``top_lp`` float32 / ``top_id`` int32 [S, D, K] (sorted
     descending per depth), ``budgets``/``prefix_len``/``bonus`` int32 [S] (read on the device; budgets
     clamp to [0, 128]). Outputs int32 [S, 129] tokens/parents/depths/positions, n_rows int32 [S] (= nodes
@@ -137,7 +137,7 @@ def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, dept
 
 
 def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows, n_acc, kv_src, kv_dst,
-                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast: bool = False):
+                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast: bool = True):
     """Accept a path per stream and plan its commit. ``post`` int32 [S, 129]: the target's token at each
     tree row (argmax, or a sample). Outputs [S, A] int32 (A = max accepted, D + 1), padded with -1:
     acc_rows, kv_src (= prefix + row), kv_dst (= prefix + j), feat_rows (= row_offset + row); out_tokens
@@ -175,7 +175,7 @@ class DDTreeWorkspace:
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
-                 fast: bool = False):
+                 fast: bool = True):
         import cupy
         self.fast = bool(fast)
         check_range("streams", streams, 1, 1 << 16)
