@@ -1,0 +1,280 @@
+"""Host-side scheduling for the GPU engine: admission, continuous batching, slots, stop handling.
+
+Everything here is plain Python over numpy (no GPU), so it is tested on any machine
+(tests/test_scheduler.py). The GPU engine asks it, between decode steps:
+
+* ``admit()``        which waiting requests get a stream slot now (they are then prefilled). A request
+                     whose KV reservation can never fit (longer than one stream may hold, or than the
+                     whole pool) is finished at once with ``finish_reason = 'error'`` and KVPoolFull's
+                     message in ``stream.error``; the others keep running. A request that only has to
+                     wait (pool or slots busy) stays queued, first come first served.
+* ``end_context()``  which running streams must stop because the next round's deepest verify row would
+                     reach ``max_position_embeddings`` (the reference loop's 'context' rule).
+* ``running()``      the running streams, by slot; ``bucket_for`` the graph's stream bucket.
+* ``after_prefill`` / ``after_step``  record what the GPU produced: emit tokens (cut at a stop id or
+                     ``max_new_tokens``, exactly like ``reference.loop.DecodeLoop``), advance the committed
+                     length and the pending bonus, and release the slot's pages when the stream ends.
+
+Slots are the KV pool's: the lowest free slot is handed out first, so with ``b`` running streams the
+slots in use are usually ``0 .. b-1`` and the smallest graph bucket covering the highest slot in use is
+small. The engine's stream index of the KV pool, the drafter cache and the graph's batch row are all this
+one slot number.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..reference.loop import Request, StreamState
+from .kv_pool import KVPool, KVPoolFull
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 10)
+
+
+@dataclass
+class EngineStream(StreamState):
+    """A reference ``StreamState`` plus where it lives on the GPU. ``target_cache``/``drafter_cache`` stay
+    None (the caches are the engine's pools, indexed by ``slot``)."""
+    slot: int = -1
+    error: Optional[str] = None
+    prompt_len: int = 0
+
+
+def emit_tokens(st: StreamState, toks: Sequence[int]) -> List[int]:
+    """Append tokens to ``st.output_ids``, cutting at the first stop id (kept) or at max_new_tokens; sets
+    ``st.finish_reason``. The same rule as ``DecodeLoop._emit`` (tests/test_scheduler.py checks that the two
+    agree on random inputs)."""
+    out: List[int] = []
+    for t in toks:
+        st.output_ids.append(int(t))
+        out.append(int(t))
+        if int(t) in st.request.stop_ids:
+            st.finish_reason = "stop"
+            break
+        if len(st.output_ids) >= st.request.max_new_tokens:
+            st.finish_reason = "length"
+            break
+    return out
+
+
+def bucket_for(max_slot: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket holding slots 0..max_slot."""
+    for b in sorted(buckets):
+        if b > max_slot:
+            return b
+    raise ValueError(f"slot {max_slot}: no stream bucket is large enough (buckets {tuple(buckets)})")
+
+
+def make_buckets(max_streams: int, base: Sequence[int] = DEFAULT_BUCKETS) -> tuple:
+    """Bucket sizes up to max_streams (max_streams itself is always one)."""
+    if max_streams < 1:
+        raise ValueError(f"max_streams: must be >= 1, got {max_streams}")
+    return tuple(sorted({b for b in base if b < max_streams} | {max_streams}))
+
+
+class Scheduler:
+    """Admission and per-stream bookkeeping for one ``generate`` call.
+
+    ``depth``: the draft depth D of the mode (0 for 'ar'): a round writes rows up to s + depth positions.
+    """
+
+    def __init__(self, pool: KVPool, vocab_size: int, max_positions: int, depth: int):
+        self.pool = pool
+        self.vocab_size, self.max_positions, self.depth = vocab_size, max_positions, depth
+        self.streams: List[EngineStream] = []
+        self.waiting: Deque[EngineStream] = deque()
+        self.by_slot: Dict[int, EngineStream] = {}
+        self.accept_lens: List[int] = []
+        self.tree_sizes: List[int] = []
+        self.steps = 0
+        self.table_dirty = True          # the device block table needs a refresh
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> List[EngineStream]:
+        """Validate every request (ValueError before anything runs, like the reference loop), then queue."""
+        for r in requests:
+            r.validate(self.vocab_size, self.max_positions)
+        new = []
+        for r in requests:
+            st = EngineStream(len(self.streams), r, None, None, committed=0, bonus=-1,
+                              prompt_len=len(list(r.prompt_ids)))
+            self.streams.append(st)
+            self.waiting.append(st)
+            new.append(st)
+        return new
+
+    def _never_fits(self, st: EngineStream) -> Optional[str]:
+        need = self.pool.pages_needed(st.prompt_len, st.request.max_new_tokens)
+        if need > self.pool.max_pages_per_stream or need > self.pool.num_pages:
+            try:                           # KVPoolFull's own message (it changes nothing when it raises)
+                self.pool.admit(("probe", st.index), st.prompt_len, st.request.max_new_tokens)
+            except KVPoolFull as e:
+                if need > self.pool.num_pages and need <= self.pool.max_pages_per_stream:
+                    return (f"{e}; the whole pool holds {self.pool.num_pages} pages, so this request can never "
+                            f"be admitted")
+                return str(e)
+            raise AssertionError("KV pool admitted a request larger than its limits")
+        return None
+
+    def admit(self) -> List[EngineStream]:
+        """Move waiting requests into free slots (first come first served). Returns the admitted streams,
+        in order; refused ones are finished with 'error' and not returned."""
+        admitted = []
+        while self.waiting:
+            st = self.waiting[0]
+            why = self._never_fits(st)
+            if why is not None:
+                self.waiting.popleft()
+                st.finish_reason, st.error = "error", why
+                continue
+            try:
+                slot = self.pool.admit(st.index, st.prompt_len, st.request.max_new_tokens)
+            except KVPoolFull:
+                if not self.by_slot:       # nothing will ever free pages: cannot happen after _never_fits
+                    raise
+                break                      # wait for a running stream to finish
+            self.waiting.popleft()
+            st.slot = slot
+            self.by_slot[slot] = st
+            self.table_dirty = True
+            admitted.append(st)
+        return admitted
+
+    # ---- per round -----------------------------------------------------------------------------
+    def end_context(self) -> List[EngineStream]:
+        """Finish running streams whose next round would reach the position limit ('context')."""
+        ended = []
+        for slot in sorted(self.by_slot):
+            st = self.by_slot[slot]
+            if st.committed + self.depth >= self.max_positions:
+                st.finish_reason = "context"
+                ended.append(st)
+        for st in ended:
+            self._release(st)
+        return ended
+
+    def running(self) -> List[EngineStream]:
+        return [self.by_slot[s] for s in sorted(self.by_slot)]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.by_slot) or bool(self.waiting)
+
+    def after_prefill(self, st: EngineStream, bonus: int) -> List[int]:
+        """The prompt is in the caches and the target chose ``bonus``: emit it (it may end the stream)."""
+        st.committed, st.bonus = st.prompt_len, int(bonus)
+        em = emit_tokens(st, [int(bonus)])
+        if st.done:
+            self._release(st)
+        return em
+
+    def begin_step(self) -> None:
+        self.steps += 1
+
+    def after_step(self, st: EngineStream, n_acc: int, tokens: Sequence[int], n_nodes: int) -> List[int]:
+        """A round accepted ``n_acc`` rows; ``tokens`` = the accepted tokens (root = the old bonus first),
+        then the new bonus at index n_acc (walk_commit's out_tokens). Returns the emitted tokens."""
+        if not 1 <= n_acc <= len(tokens) - 1:
+            raise ValueError(f"stream {st.index}: accepted length {n_acc} outside [1, {len(tokens) - 1}]")
+        if int(tokens[0]) != st.bonus:
+            raise AssertionError(f"stream {st.index}: the round's root token {int(tokens[0])} is not the "
+                                 f"pending bonus {st.bonus}")
+        st.steps += 1
+        st.committed += int(n_acc)
+        st.bonus = int(tokens[n_acc])
+        st.accept_lens.append(int(n_acc))
+        st.tree_sizes.append(int(n_nodes))
+        self.accept_lens.append(int(n_acc))
+        self.tree_sizes.append(int(n_nodes))
+        em = emit_tokens(st, [int(t) for t in tokens[1:n_acc]] + [st.bonus])
+        if st.done:
+            self._release(st)
+        return em
+
+    def _release(self, st: EngineStream) -> None:
+        if st.slot in self.by_slot and self.by_slot[st.slot] is st:
+            del self.by_slot[st.slot]
+            self.pool.release(st.slot)
+            self.table_dirty = True
+
+
+def pack_control(running: Sequence[EngineStream], bucket: int, budget: int) -> np.ndarray:
+    """The per-step control block the host uploads before a replay: int32 [CTRL_FIELDS, bucket] rows
+    (prefix_len, bonus, active, budget, step). Idle slots: active 0, budget 0, prefix 0, bonus 0."""
+    ctrl = np.zeros((CTRL_FIELDS, bucket), np.int32)
+    for st in running:
+        if st.slot >= bucket:
+            raise ValueError(f"stream {st.index}: slot {st.slot} outside the bucket of {bucket}")
+        ctrl[CTRL_PREFIX, st.slot] = st.committed
+        ctrl[CTRL_BONUS, st.slot] = st.bonus
+        ctrl[CTRL_ACTIVE, st.slot] = 1
+        ctrl[CTRL_BUDGET, st.slot] = budget
+        ctrl[CTRL_STEP, st.slot] = st.steps + 1      # the round about to run (sampling counter)
+    return ctrl
+
+
+CTRL_PREFIX, CTRL_BONUS, CTRL_ACTIVE, CTRL_BUDGET, CTRL_STEP = range(5)
+CTRL_FIELDS = 5
+
+
+# ---- the host loop ---------------------------------------------------------------------------------
+def unpack_row(row: np.ndarray):
+    """One slot's row of the step's packed output (``OUT_*`` layout): (n_acc, n_rows, out_tokens)."""
+    return int(row[OUT_NACC]), int(row[OUT_NROWS]), row[OUT_TOKENS:]
+
+
+OUT_NACC, OUT_NROWS, OUT_TOKENS = 0, 1, 2
+
+
+def run_generation(executor, sched: Scheduler, requests: Sequence[Request], buckets: Sequence[int],
+                   on_tokens=None):
+    """Drive ``executor`` (the GPU step, or a numpy stand-in in the CPU tests) until every request is done.
+
+    The executor provides ``write_block_table(table)``, ``prefill(stream) -> bonus`` and
+    ``step(running, bucket) -> int32 [bucket, 2 + A + 1]`` (per slot: n_acc, n_rows, out_tokens; idle slots
+    are ignored) and a ``phase_s`` dict. Between steps, finished streams leave, waiting ones join
+    (continuous batching) and the device block table is refreshed if the pool changed.
+    Returns a ``reference.loop.GenerationResult``."""
+    import time
+
+    from ..reference.loop import GenerationResult
+
+    sched.submit(requests)
+    t_start = time.perf_counter()
+    decode_s = 0.0
+    while sched.busy:
+        for st in sched.admit():
+            if sched.table_dirty:
+                executor.write_block_table(sched.pool.block_table)
+                sched.table_dirty = False
+            t0 = time.perf_counter()
+            bonus = executor.prefill(st)
+            executor.phase_s["prefill"] = executor.phase_s.get("prefill", 0.0) + time.perf_counter() - t0
+            em = sched.after_prefill(st, bonus)
+            if on_tokens:
+                on_tokens(st, em)
+        sched.end_context()
+        running = sched.running()
+        if not running:
+            if sched.waiting:
+                continue          # the pool is empty now: admit() takes or refuses the next request
+            break
+        if sched.table_dirty:
+            executor.write_block_table(sched.pool.block_table)
+            sched.table_dirty = False
+        bucket = bucket_for(running[-1].slot, buckets)
+        sched.begin_step()
+        t0 = time.perf_counter()
+        out = executor.step(running, bucket)
+        for st in running:
+            n_acc, n_rows, toks = unpack_row(out[st.slot])
+            em = sched.after_step(st, n_acc, toks, n_rows - 1)
+            if on_tokens and em:
+                on_tokens(st, em)
+        decode_s += time.perf_counter() - t0
+    t_end = time.perf_counter()
+    return GenerationResult(list(sched.streams), sched.steps, list(sched.accept_lens), list(sched.tree_sizes),
+                            dict(executor.phase_s), t_end - t_start, decode_s)

@@ -1,0 +1,237 @@
+"""The GPU engine's host side without a GPU: admission, continuous batching, slot reuse, stop conditions,
+the KV pool back to empty, and the whole host loop (``run_generation``) driven by a numpy executor that
+does exactly what the GPU step does per slot (reference target + drafter, packed outputs). With that
+executor the engine's host loop must reproduce ``reference.loop.DecodeLoop`` token for token in every
+mode, whatever the number of stream slots (streams joining and leaving never change a stream's tokens)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddtree_cupy.engine.kv_pool import KVPool
+from ddtree_cupy.engine.scheduler import (CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_PREFIX, CTRL_STEP,
+                                          OUT_NACC, OUT_NROWS, OUT_TOKENS, EngineStream, Scheduler, bucket_for,
+                                          emit_tokens, make_buckets, pack_control, run_generation)
+from ddtree_cupy.reference.ddtree import commit_plan, flatten, greedy_walk
+from ddtree_cupy.reference.loop import DecodeLoop, Request, StreamState
+
+from test_loop import SMALL, _models, prompts
+
+
+def make_pool(num_pages=64, max_streams=4, max_pages=8, tree_rows=9):
+    return KVPool(num_pages, 64, max_streams, max_pages, tree_rows)
+
+
+# ---------------- pure bookkeeping ------------------------------------------------------------------
+def test_emit_matches_reference_loop_rule():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        req = Request([1], max_new_tokens=int(rng.integers(1, 12)),
+                      stop_ids=tuple(int(x) for x in rng.integers(0, 20, rng.integers(0, 3))))
+        a = StreamState(0, req, None, None, 1, 0)
+        b = StreamState(0, req, None, None, 1, 0)
+        while not a.done:
+            toks = rng.integers(0, 20, rng.integers(1, 6)).tolist()
+            ea = emit_tokens(a, toks)
+            eb = DecodeLoop._emit(None, b, toks)
+            assert ea == eb and a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert len(a.output_ids) <= req.max_new_tokens
+
+
+def test_buckets():
+    assert make_buckets(10) == (1, 2, 4, 8, 10)
+    assert make_buckets(3) == (1, 2, 3)
+    assert make_buckets(1) == (1,)
+    assert bucket_for(0, (1, 2, 4)) == 1 and bucket_for(2, (1, 2, 4)) == 4 and bucket_for(1, (1, 2, 4)) == 2
+    with pytest.raises(ValueError, match="no stream bucket"):
+        bucket_for(4, (1, 2, 4))
+    with pytest.raises(ValueError, match="max_streams"):
+        make_buckets(0)
+
+
+def test_admission_waits_refuses_and_reuses_slots():
+    pool = make_pool(num_pages=6, max_streams=2, max_pages=4)
+    sch = Scheduler(pool, vocab_size=100, max_positions=10_000, depth=8)
+    reqs = [Request([1] * 50, 20),          # 2 pages
+            Request([1] * 300, 10),         # 6 pages > 4 per stream: never fits -> error, others go on
+            Request([1] * 100, 20),         # 3 pages
+            Request([1] * 10, 5)]           # 1 page: waits for a slot (both busy)
+    sts = sch.submit(reqs)
+    got = sch.admit()
+    assert [s.index for s in got] == [0, 2] and [s.slot for s in got] == [0, 1]
+    assert sts[1].finish_reason == "error" and "more than one stream may hold" in sts[1].error
+    assert list(sch.waiting) == [sts[3]] and pool.free_pages == 1
+    assert sch.admit() == []                # still no slot
+    # stream 0 finishes on its first token (max_new 20 not reached -> use a stop id instead)
+    sts[0].request.stop_ids = (7,)
+    assert sch.after_prefill(sts[0], 7) == [7] and sts[0].finish_reason == "stop"
+    assert 0 not in sch.by_slot and sch.table_dirty
+    got = sch.admit()
+    assert got == [sts[3]] and sts[3].slot == 0    # the freed slot is reused
+    pool.check_invariants()
+
+
+def test_request_larger_than_the_whole_pool_is_refused_with_reason():
+    pool = make_pool(num_pages=3, max_streams=2, max_pages=8)
+    sch = Scheduler(pool, 100, 10_000, depth=8)
+    a, b = sch.submit([Request([1] * 300, 10), Request([2] * 5, 3)])
+    assert sch.admit() == [b]
+    assert a.finish_reason == "error" and "can never be admitted" in a.error and "KV pool full" in a.error
+
+
+def test_invalid_request_raises_before_anything_runs():
+    sch = Scheduler(make_pool(), 100, 1000, depth=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sch.submit([Request([1, 2]), Request([1, 500])])
+    assert sch.streams == [] and not sch.busy
+
+
+def test_step_bookkeeping_stop_length_context_and_pool_empty():
+    pool = make_pool(num_pages=32, max_streams=3, max_pages=8)
+    sch = Scheduler(pool, 100, max_positions=37, depth=3)
+    a, b, c = sch.submit([Request([1] * 5, 6), Request([1] * 8, 50, stop_ids=(9,)), Request([1] * 30, 50)])
+    assert sch.admit() == [a, b, c]
+    for st, bonus in ((a, 11), (b, 12), (c, 13)):
+        assert sch.after_prefill(st, bonus) == [bonus]
+    ctrl = pack_control(sch.running(), 4, budget=7)
+    assert ctrl.shape[1] == 4 and list(ctrl[CTRL_ACTIVE]) == [1, 1, 1, 0]
+    assert list(ctrl[CTRL_PREFIX]) == [5, 8, 30, 0] and list(ctrl[CTRL_BONUS]) == [11, 12, 13, 0]
+    assert list(ctrl[CTRL_BUDGET]) == [7, 7, 7, 0] and list(ctrl[CTRL_STEP]) == [1, 1, 1, 0]
+    sch.begin_step()
+    assert sch.after_step(a, 3, [11, 20, 21, 22, -1], 6) == [20, 21, 22]
+    assert a.committed == 8 and a.bonus == 22 and a.output_ids == [11, 20, 21, 22]
+    with pytest.raises(AssertionError, match="not the pending bonus"):
+        sch.after_step(b, 1, [99, 5, -1], 4)
+    assert sch.after_step(b, 2, [12, 9, 30, -1], 4) == [9] and b.finish_reason == "stop"
+    assert b.committed == 10                  # accepted beyond the cut stay committed
+    assert sch.after_step(c, 4, [13, 1, 2, 3, 4], 8) == [1, 2, 3, 4]
+    assert c.committed == 34
+    assert sch.end_context() == [c] and c.finish_reason == "context"     # 34 + 3 >= 37
+    sch.begin_step()
+    assert sch.after_step(a, 4, [22, 1, 2, 3, 4], 8) == [1, 2]          # length 6 reached
+    assert a.finish_reason == "length" and a.output_ids == [11, 20, 21, 22, 1, 2]
+    assert not sch.busy and pool.free_pages == pool.num_pages and (pool.block_table == -1).all()
+    assert sch.accept_lens == [3, 2, 4, 4] and sch.tree_sizes == [6, 4, 8, 8] and sch.steps == 2
+    with pytest.raises(ValueError, match="accepted length"):
+        sch.after_step(a, 0, [22, -1], 1)
+    pool.check_invariants()
+
+
+# ---------------- the host loop over a numpy executor ----------------------------------------------
+class NumpyExecutor:
+    """What the GPU step computes, per slot, in numpy: the same packed output rows. Caches live per slot
+    and are recreated at prefill (the GPU overwrites a reused slot's pages the same way)."""
+
+    def __init__(self, target, drafter, mode, budget, cap_k=None, include_chain=False, max_streams=4):
+        self.loop = DecodeLoop(target, drafter, mode, budget, cap_k, include_chain)
+        self.target, self.drafter, self.mode = target, drafter, mode
+        self.tc = [None] * max_streams
+        self.dc = [None] * max_streams
+        self.phase_s = {}
+        self.tables = 0
+        self.A = self.loop.depth + 1
+        self.max_bucket_seen = 0
+
+    def write_block_table(self, table):
+        self.tables += 1
+
+    def prefill(self, st: EngineStream) -> int:
+        prompt = np.asarray(list(st.request.prompt_ids), np.int64)
+        P = len(prompt)
+        self.tc[st.slot] = self.target.new_cache()
+        logits, feats = self.target.forward(prompt, np.arange(P), self.tc[st.slot], capture_layers=self.loop.capture)
+        if self.mode != "ar":
+            self.dc[st.slot] = self.drafter.new_cache()
+            self.drafter.append_context(self.dc[st.slot], feats, np.arange(P), prompt)
+        return int(self.loop.choose(logits[-1:], st.request, 0)[0])
+
+    def step(self, running, bucket):
+        self.max_bucket_seen = max(self.max_bucket_seen, bucket)
+        ctrl = pack_control(running, bucket, self.loop.budget)
+        out = np.full((bucket, OUT_TOKENS + self.A + 1), -1, np.int32)
+        out[:, OUT_NACC] = 0
+        for st in running:
+            k = st.slot
+            s, bonus = int(ctrl[CTRL_PREFIX, k]), int(ctrl[CTRL_BONUS, k])
+            if self.mode == "ar":
+                tokens, parents, depths = np.array([bonus]), np.array([-1]), np.array([0])
+                positions, visible = np.array([s]), None
+            else:
+                flat = flatten(self.loop.tree_for(self.drafter.draft(self.dc[k], bonus, s)), bonus, s)
+                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
+                positions, visible = flat.positions.astype(np.int64), flat.mask
+            logits, feats = self.target.forward(tokens.astype(np.int64), positions, self.tc[k], visible=visible,
+                                                capture_layers=self.loop.capture)
+            post = self.loop.choose(logits, st.request, int(ctrl[CTRL_STEP, k]))
+            rows, nb = greedy_walk(tokens, parents, post)
+            plan = commit_plan(rows, depths, s)
+            self.tc[k].commit(s, plan.src_slots)
+            if self.mode != "ar":
+                self.drafter.append_context(self.dc[k], feats[plan.feature_rows], np.arange(s, plan.new_len),
+                                            tokens[plan.feature_rows])
+            out[k, OUT_NACC], out[k, OUT_NROWS] = len(rows), len(tokens)
+            toks = [int(tokens[r]) for r in rows] + [nb]
+            out[k, OUT_TOKENS:OUT_TOKENS + len(toks)] = toks
+        return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _models(str(tmp_path_factory.mktemp("tiny_sched")), 3, "float32")
+
+
+@pytest.mark.parametrize("mode,budget,max_streams", [("ar", 1, 4), ("ddtree", 8, 4), ("ddtree", 8, 2),
+                                                      ("chain", 8, 1), ("ddtree", 5, 3)])
+def test_host_loop_equals_reference_loop(models, mode, budget, max_streams):
+    tgt, dr = models
+    ps = prompts(4, 11)
+    # different lengths and a stop id so streams leave at different rounds and waiting ones join
+    reqs = lambda: [Request(p, max_new_tokens=20 + 9 * i, sample_stream=i, stop_ids=(5,) if i == 1 else ())  # noqa
+                    for i, p in enumerate(ps)]
+    ref = DecodeLoop(tgt, dr if mode != "ar" else None, mode, budget).run(reqs())
+    depth = 0 if mode == "ar" else dr.block_size - 1
+    pool = KVPool(64, 64, max_streams, 8, (budget if mode == "ddtree" else depth) + 1)
+    sch = Scheduler(pool, SMALL.vocab_size, tgt.cfg.max_position_embeddings, depth)
+    ex = NumpyExecutor(tgt, dr, mode, budget, max_streams=max_streams)
+    seen = {}
+    res = run_generation(ex, sch, reqs(), make_buckets(max_streams),
+                         on_tokens=lambda st, em: seen.setdefault(st.index, []).extend(em))
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in ref.streams]
+    assert [s.finish_reason for s in res.streams] == [s.finish_reason for s in ref.streams]
+    assert seen == {i: s.output_ids for i, s in enumerate(ref.streams)}
+    assert sorted(res.accept_lens) == sorted(ref.accept_lens)
+    assert [s.accept_lens for s in res.streams] == [s.accept_lens for s in ref.streams]
+    if max_streams >= 4:
+        assert res.steps == ref.steps and res.accept_lens == ref.accept_lens
+    assert ex.max_bucket_seen <= max_streams
+    assert pool.free_pages == pool.num_pages and not sch.by_slot
+    pool.check_invariants()
+
+
+def test_host_loop_sampling_matches_reference(models):
+    tgt, dr = models
+    ps = prompts(3, 5)
+    reqs = lambda: [Request(p, max_new_tokens=25, temperature=0.8, top_p=0.9, seed=42, sample_stream=i)  # noqa
+                    for i, p in enumerate(ps)]
+    ref = DecodeLoop(tgt, dr, "ddtree", 6).run(reqs())
+    pool = KVPool(64, 64, 2, 8, 7)
+    res = run_generation(NumpyExecutor(tgt, dr, "ddtree", 6, max_streams=2),
+                         Scheduler(pool, SMALL.vocab_size, tgt.cfg.max_position_embeddings, dr.block_size - 1),
+                         reqs(), make_buckets(2))
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in ref.streams]
+
+
+def test_host_loop_refuses_too_long_prompt_and_others_finish(models):
+    tgt, dr = models
+    ps = prompts(3, 2)
+    ps[1] = list(range(100)) * 2                         # 200 tokens: more than one stream may hold
+    reqs = [Request(p, max_new_tokens=12) for p in ps]
+    pool = KVPool(16, 64, 2, 3, 9)                       # 3 pages = 192 tokens per stream
+    res = run_generation(NumpyExecutor(tgt, dr, "ddtree", 8, max_streams=2),
+                         Scheduler(pool, SMALL.vocab_size, tgt.cfg.max_position_embeddings, dr.block_size - 1),
+                         reqs, make_buckets(2))
+    ref = DecodeLoop(tgt, dr, "ddtree", 8).run([reqs[0], reqs[2]])
+    assert res.streams[1].finish_reason == "error" and "KVPoolFull" not in res.streams[1].error
+    assert "more than one stream may hold" in res.streams[1].error and res.streams[1].output_ids == []
+    assert [res.streams[0].output_ids, res.streams[2].output_ids] == [s.output_ids for s in ref.streams]
+    assert pool.free_pages == pool.num_pages
