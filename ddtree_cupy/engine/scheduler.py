@@ -29,6 +29,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 import numpy as np
 
 from ..reference.loop import Request, StreamState
+from ..kernels.engine_glue import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP
 from .kv_pool import KVPool, KVPoolFull
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 10)
@@ -215,9 +216,6 @@ def pack_control(running: Sequence[EngineStream], bucket: int, budget: int) -> n
         ctrl[CTRL_STEP, st.slot] = st.steps + 1      # the round about to run (sampling counter)
     return ctrl
 
-
-CTRL_PREFIX, CTRL_BONUS, CTRL_ACTIVE, CTRL_BUDGET, CTRL_STEP = range(5)
-CTRL_FIELDS = 5
 
 
 # ---- the host loop ---------------------------------------------------------------------------------
