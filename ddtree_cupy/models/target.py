@@ -1,0 +1,306 @@
+"""``GpuTarget``: the Kimi K2 / DeepSeek-V3 target forward on the GPU, one tensor-parallel rank.
+
+Per layer (shapes for T rows, this rank's nh heads; docs/MODELS.md has the full table):
+
+    normed = rms_norm(mlp_out_prev + h)               fused residual add: h += mlp_out_prev (layer 0: rms_norm(h))
+    qkv_a  = normed @ w_qkv_a^T                       [T, q_lora + 576]  (q_a_proj | kv_a_proj_with_mqa)
+    c_q    = rms_norm(qkv_a[:, :q_lora])              [T, q_lora]
+    latent = rms_norm(qkv_a[:, q_lora:+512]) | rope(qkv_a[:, -64:])   [T, 576] -> kv_write_latent at kv_pos
+    q      = c_q @ w_q_b^T                            [T, nh, 192]
+    q_full = (q_nope @ W_UK) | rope(q_pe)             [T, nh, 576]  (batched per-head GEMM, strided views)
+    o_lat  = mla_attention(q_full, pool, ...)         [T, nh, 512]  (tree mask or causal, paged cache)
+    o      = o_lat @ W_UV^T                           [T, nh * 128] (batched per-head GEMM)
+    attn   = all_reduce(o @ w_o^T)                    [T, H]
+    normed = rms_norm(attn + h)                       fused: h += attn
+    mlp    = all_reduce(dense SwiGLU | MoE(routed) + shared expert)   [T, H]
+    (feature layers: h after the next fused add is copied into batch.features)
+    final: normed = rms_norm(mlp + h); logits = normed @ lm_head^T (fp32) into batch.logits [T, V / tp]
+
+Everything is enqueued on the current CuPy stream into buffers allocated at construction (``max_tokens``
+rows) or, for the attention split partials, on the first forward of a batch shape; a forward after that
+allocates nothing and never synchronises, so it can be captured in a CUDA graph.
+
+Tensor parallelism: heads, FFN widths and the vocabulary are split (checkpoint.tp_split); the latent KV is
+replicated. Three all-reduces per layer boundary pair: after o_proj, after the MLP (routed + shared in one),
+plus one for the vocabulary-parallel embedding. ``attention_block`` / ``mlp_block`` with ``reduce=False``
+return the rank's partial sums (tests of the TP split on one GPU).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..config import TargetConfig
+from .batch import TargetBatch
+from .kv import GpuLatentCache
+from .weights import LATENT, ROPE, ROW, GpuTargetWeights, local_dims
+
+GEMM_MAX_T = 160          # kernels/gemm.py MAX_T: longer row counts are issued in chunks
+
+
+def _chunks(T: int):
+    for t0 in range(0, T, GEMM_MAX_T):
+        yield t0, min(T, t0 + GEMM_MAX_T)
+
+
+class GpuTarget:
+    def __init__(self, cfg: TargetConfig, weights: GpuTargetWeights, comm=None, max_tokens: int = 256,
+                 feature_layers: Sequence[int] = ()):
+        import cupy
+        from ..dist import SingleRank
+        from ..kernels import gemm as gemm_mod
+        from ..kernels.moe import MoEWorkspace
+        from ..reference.rope import yarn_inv_freq
+        if not isinstance(cfg, TargetConfig):
+            raise ValueError(f"GpuTarget: cfg must be a TargetConfig, got {type(cfg).__name__}")
+        if not isinstance(weights, GpuTargetWeights):
+            raise ValueError(f"GpuTarget: weights must be GpuTargetWeights, got {type(weights).__name__}")
+        self.comm = comm if comm is not None else SingleRank()
+        if (self.comm.rank, self.comm.size) != (weights.tp_rank, weights.tp_size):
+            raise ValueError(f"GpuTarget: weights are rank {weights.tp_rank} of {weights.tp_size}, the communicator "
+                             f"is rank {self.comm.rank} of {self.comm.size}")
+        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise ValueError(f"GpuTarget: max_tokens must be a positive integer, got {max_tokens!r}")
+        feature_layers = tuple(int(f) for f in feature_layers)
+        bad = [f for f in feature_layers if not 0 <= f < cfg.num_hidden_layers]
+        if bad or len(set(feature_layers)) != len(feature_layers):
+            raise ValueError(f"GpuTarget: feature_layers {list(feature_layers)} must be distinct layers in "
+                             f"[0, {cfg.num_hidden_layers})")
+        self.cfg, self.w = cfg, weights
+        self.tp_rank, self.tp_size = weights.tp_rank, weights.tp_size
+        self.d = d = local_dims(cfg, self.tp_size)
+        self.max_tokens = int(max_tokens)
+        self.feature_layers = feature_layers
+        self._feat_index = {layer: c for c, layer in enumerate(feature_layers)}
+        self.inv_freq = cupy.asarray(yarn_inv_freq(cfg.rope, ROPE).astype(np.float32))
+        self.amplitude = float(cfg.rope.amplitude)
+        self.softmax_scale = float(cfg.softmax_scale)
+
+        Tm, H, nh, ql = self.max_tokens, d["H"], d["nh"], d["ql"]
+        u16 = np.uint16
+        z = lambda *s: cupy.zeros(s, u16)     # noqa: E731  zero-filled: rows never written stay finite
+        self.h = z(Tm, H)                    # residual stream
+        self.normed = z(Tm, H)
+        self.qkv_a = z(Tm, ql + ROW)
+        self.c_q = z(Tm, ql)
+        self.q = z(Tm, nh * (d["dn"] + ROPE))
+        self.q_full = z(Tm, nh, ROW)
+        self.latent = z(Tm, ROW)
+        self.o_lat = z(Tm, nh, LATENT)
+        self.o = z(Tm, nh * d["dv"])
+        self.attn_out = z(Tm, H)
+        self.mlp_out = z(Tm, H)
+        ffn = max(d["F"] if any(not L.is_moe for L in weights.layers) else 0,
+                  d["Is"] if any(L.is_moe and L.w_shared_gate_up is not None for L in weights.layers) else 0, 8)
+        self.gate_up = z(Tm, 2 * ffn)
+        self.act = z(Tm, ffn)
+        self.shared_out = z(Tm, H)
+        moe_layers = [L for L in weights.layers if L.is_moe]
+        if moe_layers:
+            k = cfg.num_experts_per_tok
+            self.router_logits = cupy.zeros((Tm, d["E"]), np.float32)
+            self.topk_ids = cupy.zeros((Tm, k), np.int32)
+            self.topk_w = cupy.zeros((Tm, k), np.float32)
+            self.moe_ws = MoEWorkspace(Tm, k, moe_layers[0].experts)   # same (E, H, I) in every MoE layer
+        else:
+            self.moe_ws = None
+        # Split-K partials of every GEMM this model issues (one stream: one buffer serves them all).
+        sm = gemm_mod._sm_count()
+        need = 0
+        shapes = self._gemm_shapes()
+        for t in range(1, min(Tm, GEMM_MAX_T) + 1):
+            for B, N, K in shapes:
+                need = max(need, B * gemm_mod.choose_split(t, N, K, B, sm) * t * N)
+        for t in range(1, GEMM_MAX_T + 1):          # project_vocab (drafter) may run up to 160 rows per chunk
+            need = max(need, gemm_mod.choose_split(t, d["V"], H, 1, sm) * t * d["V"])
+        self.gemm_ws = cupy.empty(max(need, 1), np.float32)
+        self._mla_ws: Dict[Tuple[int, int, int, int], object] = {}
+
+    # ---- sizes ----------------------------------------------------------------------------------------
+    def _gemm_shapes(self):
+        d, cfg = self.d, self.cfg
+        H, nh, ql = d["H"], d["nh"], d["ql"]
+        s = [(1, ql + ROW, H), (1, nh * (d["dn"] + ROPE), ql), (nh, LATENT, d["dn"]), (nh, d["dv"], LATENT),
+             (1, H, nh * d["dv"]), (1, d["V"], H)]
+        for L in self.w.layers:
+            if L.is_moe:
+                s.append((1, d["E"], H))
+                if L.w_shared_gate_up is not None:
+                    s += [(1, 2 * d["Is"], H), (1, H, d["Is"])]
+            else:
+                s += [(1, 2 * d["F"], H), (1, H, d["F"])]
+        return sorted(set(s))
+
+    def workspace_bytes(self) -> int:
+        """Device bytes of the activation buffers and workspaces (not the weights, not the KV cache)."""
+        arrs = [self.h, self.normed, self.qkv_a, self.c_q, self.q, self.q_full, self.latent, self.o_lat, self.o,
+                self.attn_out, self.mlp_out, self.gate_up, self.act, self.shared_out, self.gemm_ws]
+        n = sum(int(a.nbytes) for a in arrs)
+        if self.moe_ws is not None:
+            n += int(self.router_logits.nbytes + self.topk_ids.nbytes + self.topk_w.nbytes)
+            n += sum(int(getattr(self.moe_ws, k).nbytes) for k in ("h", "y", "slot_tok", "slot_w", "slot_of", "rank",
+                                                                    "chunks", "meta"))
+        for ws in self._mla_ws.values():
+            if ws is not None:
+                n += int(ws.part_o.nbytes + ws.part_lse.nbytes)
+        return n
+
+    # ---- GEMM with row chunking ---------------------------------------------------------------------
+    def _gemm(self, x, w, out, out_dtype=np.uint16):
+        """out = x @ w^T over the row axis (-2) in chunks of <= 160 rows (the GEMM kernel's token limit)."""
+        from ..kernels.gemm import gemm_bf16
+        T = x.shape[-2]
+        for t0, t1 in _chunks(T):
+            if x.ndim == 2:
+                gemm_bf16(x[t0:t1], w, out[t0:t1], out_dtype=out_dtype, workspace=self.gemm_ws)
+            else:
+                gemm_bf16(x[:, t0:t1], w, out[:, t0:t1], out_dtype=out_dtype, workspace=self.gemm_ws)
+        return out
+
+    # ---- vocabulary-parallel pieces (also used by the drafter) --------------------------------------
+    def embed(self, ids, out, reduce: bool = True):
+        """out uint16 [N, H] = embedding rows of ids int32 [N] (vocabulary-parallel: zeros outside this rank's
+        slice, then an all-reduce)."""
+        from ..kernels.layers import embed
+        embed(ids, self.w.embed, self.w.vocab_start, out)
+        if reduce:
+            self.comm.all_reduce(out)
+        return out
+
+    def project_vocab(self, x, out):
+        """out float32 [N, V / tp] = x @ lm_head_slice^T for normed x uint16 [N, H] (this rank's slice)."""
+        return self._gemm(x, self.w.lm_head, out, out_dtype=np.float32)
+
+    # ---- blocks ---------------------------------------------------------------------------------------
+    def _mla_workspace(self, S: int, R: int, T: int, max_kv_len: int):
+        from ..kernels.attention import MlaWorkspace, plan_mla
+        key = (S, R, T, max_kv_len)
+        if key not in self._mla_ws:
+            import cupy
+            if getattr(cupy.cuda.get_current_stream(), "is_capturing", lambda: False)():
+                raise ValueError("GpuTarget.forward: first call for this batch shape inside graph capture; run it "
+                                 "once eagerly first (it allocates the attention split workspace)")
+            _, splits = plan_mla(S, R, self.d["nh"], max_kv_len)
+            self._mla_ws[key] = MlaWorkspace(splits, T, self.d["nh"]) if splits > 1 else None
+        return self._mla_ws[key]
+
+    def attention_block(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
+        """Layer i's MLA on normed x uint16 [T, H]: writes the T latent rows to the cache at batch.kv_pos and
+        out [T, H] = o_proj output (all-reduced unless reduce=False: this rank's partial sum)."""
+        from ..kernels.attention import mla_attention
+        from ..kernels.kv_cache import kv_write_latent
+        from ..kernels.layers import rms_norm, rope
+        cfg, d, L = self.cfg, self.d, self.w.layers[i]
+        T, nh, ql, dn = batch.T, d["nh"], d["ql"], d["dn"]
+        eps = float(cfg.latent_norm_eps)
+        qkv = self._gemm(x, L.w_qkv_a, self.qkv_a[:T])
+        rms_norm(qkv[:, :ql], L.q_a_norm, eps, out=self.c_q[:T])
+        lat = self.latent[:T]
+        rms_norm(qkv[:, ql:ql + LATENT], L.kv_a_norm, eps, out=lat[:, :LATENT])
+        rope(qkv[:, ql + LATENT:], batch.positions, out=lat[:, LATENT:], inv_freq=self.inv_freq,
+             amplitude=self.amplitude)
+        kv_write_latent(kv.pools[i], kv.block_table, batch.stream_ids, batch.kv_pos, lat)
+        q = self._gemm(self.c_q[:T], L.w_q_b, self.q[:T]).reshape(T, nh, dn + ROPE)
+        qf = self.q_full[:T]
+        # q_lat[h] = q_nope[h] @ W_UK[h]: batched over heads, reading and writing strided head views
+        self._gemm(q[:, :, :dn].transpose(1, 0, 2), L.w_uk_t, qf.transpose(1, 0, 2)[:, :, :LATENT])
+        rope(q[:, :, dn:], batch.positions, out=qf[:, :, LATENT:], inv_freq=self.inv_freq, amplitude=self.amplitude)
+        max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
+        ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
+        mla_attention(qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
+                      softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
+                      out=self.o_lat[:T], workspace=ws)
+        o = self.o[:T]
+        self._gemm(self.o_lat[:T].transpose(1, 0, 2), L.w_uv, o.reshape(T, nh, d["dv"]).transpose(1, 0, 2))
+        self._gemm(o, L.w_o, out)
+        if reduce:
+            self.comm.all_reduce(out)
+        return out
+
+    def mlp_block(self, i: int, x, out, reduce: bool = True):
+        """Layer i's MLP on normed x uint16 [T, H] into out [T, H]: dense SwiGLU, or routed INT4 experts with
+        the shared expert's output added in the MoE combine; one all-reduce for both (unless reduce=False)."""
+        from ..kernels.layers import silu_mul
+        from ..kernels.moe import moe_forward
+        from ..kernels.router import route_logits
+        cfg, L = self.cfg, self.w.layers[i]
+        T = x.shape[0]
+        if not L.is_moe:
+            F = L.w_down.shape[1]
+            gu = self._gemm(x, L.w_gate_up, self.gate_up[:T, :2 * F])
+            silu_mul(gu, out=self.act[:T, :F])
+            self._gemm(self.act[:T, :F], L.w_down, out)
+        else:
+            logits = self._gemm(x, L.w_router, self.router_logits[:T], out_dtype=np.float32)
+            ids, wts = route_logits(logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=self.topk_ids[:T],
+                                    out_weights=self.topk_w[:T])
+            residual = None
+            if L.w_shared_gate_up is not None:
+                Is = L.w_shared_down.shape[1]
+                gu = self._gemm(x, L.w_shared_gate_up, self.gate_up[:T, :2 * Is])
+                silu_mul(gu, out=self.act[:T, :Is])
+                residual = self._gemm(self.act[:T, :Is], L.w_shared_down, self.shared_out[:T])
+            moe_forward(x, ids, wts, L.experts, self.moe_ws, out=out, residual=residual)
+        if reduce:
+            self.comm.all_reduce(out)
+        return out
+
+    def _copy_feature(self, layer: int, batch: TargetBatch, h) -> None:
+        """batch.features[:, c] = h for feature layer ``layer`` (a strided device copy, graph-capturable)."""
+        import cupy
+        c = self._feat_index.get(layer)
+        if c is None:
+            return
+        H = self.d["H"]
+        dst = batch.features[:, c, :]
+        cupy.cuda.runtime.memcpy2DAsync(dst.data.ptr, batch.features.strides[0], h.data.ptr, h.strides[0], H * 2,
+                                        batch.T, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                        cupy.cuda.get_current_stream().ptr)
+
+    # ---- forward --------------------------------------------------------------------------------------
+    def check_batch(self, batch: TargetBatch, kv: GpuLatentCache) -> None:
+        cfg = self.cfg
+        if not isinstance(batch, TargetBatch):
+            raise ValueError(f"GpuTarget.forward: batch must be a TargetBatch, got {type(batch).__name__}")
+        if not isinstance(kv, GpuLatentCache):
+            raise ValueError(f"GpuTarget.forward: kv must be a GpuLatentCache, got {type(kv).__name__}")
+        if batch.cfg is not cfg and batch.cfg != cfg:
+            raise ValueError("GpuTarget.forward: batch was built for a different TargetConfig")
+        if batch.T > self.max_tokens:
+            raise ValueError(f"GpuTarget.forward: batch has T = {batch.T} rows > max_tokens = {self.max_tokens}")
+        if batch.tp != self.tp_size:
+            raise ValueError(f"GpuTarget.forward: batch was built for tp = {batch.tp}, model runs tp = {self.tp_size}")
+        if batch.n_feat != len(self.feature_layers):
+            raise ValueError(f"GpuTarget.forward: batch has n_feat = {batch.n_feat}, model captures "
+                             f"{len(self.feature_layers)} feature layers {list(self.feature_layers)}")
+        if kv.num_layers != cfg.num_hidden_layers:
+            raise ValueError(f"GpuTarget.forward: kv has {kv.num_layers} layers, model {cfg.num_hidden_layers}")
+        if kv.max_streams < batch.S:
+            raise ValueError(f"GpuTarget.forward: batch has S = {batch.S} slots, kv only {kv.max_streams} streams")
+        if batch.max_kv_len is not None and batch.max_kv_len > kv.capacity_per_stream:
+            raise ValueError(f"GpuTarget.forward: batch.max_kv_len = {batch.max_kv_len} exceeds the per-stream "
+                             f"cache capacity {kv.capacity_per_stream}")
+
+    def forward(self, batch: TargetBatch, kv: GpuLatentCache) -> None:
+        """Enqueue the whole forward of ``batch`` on the current stream: logits into batch.logits, the residual
+        stream after each feature layer into batch.features, the rows' latent KV into ``kv`` at batch.kv_pos."""
+        from ..kernels.layers import rms_norm
+        self.check_batch(batch, kv)
+        cfg, T = self.cfg, batch.T
+        eps = float(cfg.rms_norm_eps)
+        h, normed, attn, mlp = self.h[:T], self.normed[:T], self.attn_out[:T], self.mlp_out[:T]
+        self.embed(batch.tokens, h)
+        for i, L in enumerate(self.w.layers):
+            if i == 0:
+                rms_norm(h, L.input_norm, eps, out=normed)
+            else:
+                rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
+                self._copy_feature(i - 1, batch, h)
+            self.attention_block(i, normed, batch, kv, attn)
+            rms_norm(attn, L.post_norm, eps, out=normed, residual=h)         # h += attention
+            self.mlp_block(i, normed, mlp)
+        rms_norm(mlp, self.w.final_norm, eps, out=normed, residual=h)
+        self._copy_feature(cfg.num_hidden_layers - 1, batch, h)
+        self.project_vocab(normed, batch.logits)
