@@ -137,15 +137,25 @@ class NcclComm(Communicator):
                np.dtype(np.int32): "NCCL_INT32", np.dtype(np.int64): "NCCL_INT64",
                np.dtype(np.float64): "NCCL_FLOAT64"}
 
-    def __init__(self, mpi: Optional[MPIComm] = None):
+    def __init__(self, mpi: Optional[Communicator] = None):
+        """``mpi``: the host control plane (unique-id broadcast, objects, barrier, abort). Default: MPI
+        under mpirun, else a single rank (a real one-rank NCCL communicator, e.g. to test graph capture)."""
         import cupy
         from cupy.cuda import nccl
         self._cp, self._nccl = cupy, nccl
-        self.mpi = mpi if mpi is not None else MPIComm()
+        if mpi is None:
+            mpi = MPIComm() if launched_with_mpi() else SingleRank()
+        self.mpi = mpi
         self.rank, self.size = self.mpi.rank, self.mpi.size
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi.broadcast_obj(uid, root=0)
         self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    @classmethod
+    def single_process(cls) -> "NcclComm":
+        """A one-rank NCCL communicator without MPI (tests: NCCL collectives inside a captured CUDA graph on a
+        single GPU). The host-side control plane is SingleRank's."""
+        return cls(SingleRank())
 
     def _dtype(self, x):
         name = self._DTYPES.get(np.dtype(x.dtype))
