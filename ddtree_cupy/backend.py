@@ -1,9 +1,9 @@
 """Backend selection and the numpy engine behind the CLI.
 
-``auto`` picks the GPU engine (CuPy) where a GPU is usable and the engine exists, else numpy. The GPU
-engine is not built yet: ``--backend cupy`` refuses with a clear message and ``auto`` falls back to numpy
-with a one-line notice. Every engine offers the same ``generate(requests, ...) -> GenerationResult`` (the
-reference decode loop's result type), so the CLI does not care which one runs.
+``auto`` picks the GPU engine (CuPy, ``engine/gpu_engine.GpuEngine``) where a GPU is usable and the engine's
+modules import, else numpy with a one-line notice. ``--backend cupy`` without a usable GPU refuses with the
+reason. Every engine offers the same ``generate(requests, ...) -> GenerationResult`` (the reference decode
+loop's result type), so the CLI does not care which one runs.
 """
 from __future__ import annotations
 
@@ -36,8 +36,14 @@ def gpu_status() -> Tuple[bool, str]:
 
 
 def gpu_engine_available() -> bool:
-    """Whether the GPU engine exists in this build (not yet: models/ and engine/ are being written)."""
-    return False
+    """Whether the GPU engine's modules are present and import (they import CuPy lazily, so this is true
+    on a machine without a GPU too; ``gpu_status`` says whether a device is usable)."""
+    try:
+        from .engine import gpu_engine  # noqa: F401
+        from .models import batch, drafter, kv, target  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def select_backend(name: str, notice: Callable[[str], None]) -> str:
@@ -50,14 +56,14 @@ def select_backend(name: str, notice: Callable[[str], None]) -> str:
     usable, why = gpu_status()
     if name == "cupy":
         if not gpu_engine_available():
-            raise BackendError("--backend cupy: the GPU engine is not built yet in this version of ddtree_cupy; "
+            raise BackendError("--backend cupy: the GPU engine's modules are missing from this installation; "
                                "use --backend numpy (the reference engine, for small models)")
         if not usable:
             raise BackendError(f"--backend cupy: {why}")
         return "cupy"
     if usable and gpu_engine_available():
         return "cupy"
-    reason = "the GPU engine is not built yet" if usable else why
+    reason = "the GPU engine's modules are missing" if usable else why
     notice(f"note: backend auto -> numpy ({reason}); the numpy reference engine is only practical for small models")
     return "numpy"
 
@@ -94,7 +100,15 @@ class NumpyEngine:
 
 
 def create_engine(backend: str, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig],
-                  drafter_dir: Optional[str], dtype=np.float32, comm=None):
+                  drafter_dir: Optional[str], dtype=np.float32, comm=None, **gpu_options):
+    """``dtype`` is the numpy engine's; the GPU engine is bf16. ``gpu_options`` go to ``GpuEngine``
+    (max_streams, max_budget, kv_tokens, eager, ...); the CLI's budgets go up to 128."""
     if backend == "numpy":
         return NumpyEngine(tcfg, model_dir, dcfg, drafter_dir, dtype, comm)
-    raise BackendError(f"backend {backend!r}: the GPU engine is not built yet")
+    if backend == "cupy":
+        if not gpu_engine_available():
+            raise BackendError("backend 'cupy': the GPU engine's modules are missing from this installation")
+        from .engine.gpu_engine import GpuEngine
+        gpu_options.setdefault("max_budget", 128)
+        return GpuEngine(tcfg, model_dir, dcfg, drafter_dir, comm=comm, **gpu_options)
+    raise BackendError(f"backend {backend!r}: unknown backend (choose from {', '.join(BACKENDS)})")

@@ -235,3 +235,21 @@ def test_host_loop_refuses_too_long_prompt_and_others_finish(models):
     assert "more than one stream may hold" in res.streams[1].error and res.streams[1].output_ids == []
     assert [res.streams[0].output_ids, res.streams[2].output_ids] == [s.output_ids for s in ref.streams]
     assert pool.free_pages == pool.num_pages
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "ar"])
+def test_host_loop_context_limit_with_pool_sized_to_positions(models, mode):
+    """max_new_tokens beyond the position limit: the reservation is capped at the limit (the pool holds
+    max_position_embeddings + tree rows per stream) and the streams end with 'context' like the reference."""
+    tgt, dr = models
+    maxpos = tgt.cfg.max_position_embeddings
+    reqs = lambda: [Request(p, max_new_tokens=10 * maxpos) for p in prompts(2, 4)]   # noqa: E731
+    ref = DecodeLoop(tgt, dr if mode != "ar" else None, mode, 8).run(reqs())
+    depth = 0 if mode == "ar" else dr.block_size - 1
+    rows = 9 if mode == "ddtree" else 1
+    pool = KVPool(40, 64, 2, -(-(maxpos + rows) // 64), rows)
+    res = run_generation(NumpyExecutor(tgt, dr, mode, 8, max_streams=2),
+                         Scheduler(pool, SMALL.vocab_size, maxpos, depth), reqs(), make_buckets(2))
+    assert [s.finish_reason for s in res.streams] == [s.finish_reason for s in ref.streams] == ["context"] * 2
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in ref.streams]
+    assert pool.free_pages == pool.num_pages

@@ -107,11 +107,16 @@ class Scheduler:
             new.append(st)
         return new
 
+    def reserve_new_tokens(self, st: EngineStream) -> int:
+        """Tokens to reserve beyond the prompt: max_new_tokens, but never past the position limit (a stream
+        ends with 'context' before its verify rows reach it; the pool adds the tree rows on top)."""
+        return max(1, min(int(st.request.max_new_tokens), self.max_positions - st.prompt_len))
+
     def _never_fits(self, st: EngineStream) -> Optional[str]:
-        need = self.pool.pages_needed(st.prompt_len, st.request.max_new_tokens)
+        need = self.pool.pages_needed(st.prompt_len, self.reserve_new_tokens(st))
         if need > self.pool.max_pages_per_stream or need > self.pool.num_pages:
             try:                           # KVPoolFull's own message (it changes nothing when it raises)
-                self.pool.admit(("probe", st.index), st.prompt_len, st.request.max_new_tokens)
+                self.pool.admit(("probe", st.index), st.prompt_len, self.reserve_new_tokens(st))
             except KVPoolFull as e:
                 if need > self.pool.num_pages and need <= self.pool.max_pages_per_stream:
                     return (f"{e}; the whole pool holds {self.pool.num_pages} pages, so this request can never "
@@ -132,7 +137,7 @@ class Scheduler:
                 st.finish_reason, st.error = "error", why
                 continue
             try:
-                slot = self.pool.admit(st.index, st.prompt_len, st.request.max_new_tokens)
+                slot = self.pool.admit(st.index, st.prompt_len, self.reserve_new_tokens(st))
             except KVPoolFull:
                 if not self.by_slot:       # nothing will ever free pages: cannot happen after _never_fits
                     raise

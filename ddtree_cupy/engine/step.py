@@ -1,0 +1,320 @@
+"""The decode step: stage sequence, static buffers, CUDA-graph capture/replay, eager mode; and the prefill.
+
+One ``DecodeStep`` per (stream bucket S, mode, budget, sampled). Its stages, all on the engine's stream,
+all reading per-step inputs from static device buffers (so one captured graph replays every step):
+
+  ctrl  int32 [5, S]  uploaded by the host before each step (prefix_len, bonus, active, budget, round)
+  draft    drafter.draft(bonus, start_pos = s, ctx_len = s) -> draft_out [S, D, V/tp]    (not 'ar')
+  tree     per-depth top-K (vocabulary-parallel: local top-K, all-gather, merge) -> ws.top_lp/top_id;
+           ddt_build_tree (budget per slot from ctrl; 'chain' = budget D over top-1 lists) or, for 'ar',
+           a root-only tree; eg_tree_to_batch writes the target batch (tokens, positions, kv_pos, mask...)
+  verify   target.forward(batch, kv) -> logits [S*R, V/tp], features; per-row argmax (vocabulary-parallel
+           merge) or sample -> ids [S*R]; eg_post_scatter -> post [S, 129]
+  accept   ddt_walk_commit -> accepted rows, out tokens, n_acc; kv_compact_latent (every layer, one
+           launch); eg_after_walk -> drafter append batch (accepted rows' features at s + j) and the packed
+           output [S, A + 3]; drafter.append_context
+Host per step: one ctrl upload, one graph launch, one small device-to-host copy of ``packed`` (pinned).
+The host is authoritative for s and the bonus (it rewrites ctrl every step from the packed output), so
+streams can join and leave between any two steps without touching the graph.
+
+Idle slots of a bucket (active = 0) run with budget 0 and n_rows 0: no KV write (kv_pos -1), no compaction
+(n_acc 1), no drafter append (position -1), packed n_acc 0.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from ..kernels import ddtree as ddt
+from ..kernels import engine_glue as glue
+from ..kernels.kv_cache import kv_compact_latent
+from ..reference.ddtree import MAX_RANK
+from .profile import NullTimer
+from .scheduler import CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def slot_seed(seed: int, sample_stream: int) -> int:
+    """The GPU sampler's per-stream key: the request seed mixed with its sample_stream (two streams with
+    the same seed draw independent numbers, as in the reference's Philox counter)."""
+    return splitmix64((int(seed) ^ splitmix64(int(sample_stream) + 1)) & 0xFFFFFFFFFFFFFFFF)
+
+
+class Models:
+    """What every step and the prefill share: configs, target, drafter, latent cache, communicator, stream."""
+
+    def __init__(self, tcfg, dcfg, target, drafter, kv, comm, stream):
+        self.tcfg, self.dcfg, self.target, self.drafter, self.kv, self.comm = tcfg, dcfg, target, drafter, kv, comm
+        self.stream = stream
+        self.tp, self.rank = comm.size, comm.rank
+        self.V_local = tcfg.vocab_size // self.tp
+        self.id_offset = self.rank * self.V_local
+        self.depth = (dcfg.block_size - 1) if dcfg is not None else 0
+        self.n_feat = len(target.feature_layers)
+        self.H = tcfg.hidden_size
+
+
+class VocabArgmax:
+    """Per-row argmax (ties: lowest id) of vocabulary-parallel logits [T, V/tp] -> ids int32 [T], using the
+    DDTree top-K kernels with k = 1 (ordered keys carry global ids, so the all-gathered shards merge with
+    ``topk_merge(parts_major=True)`` exactly as the draft top-K does)."""
+
+    def __init__(self, m: Models, T: int):
+        import cupy
+        self.m, self.T = m, T
+        P = ddt.n_chunks(m.V_local)
+        self.part_keys = cupy.empty((T, P, 1), cupy.uint64)
+        self.part_ms = cupy.empty((T, P, 2), cupy.float32)
+        self.keys = cupy.empty((T, 1), cupy.uint64)
+        self.ms = cupy.empty((T, 2), cupy.float32)
+        self.keys2 = cupy.empty((T, 1), cupy.uint64)
+        self.ms2 = cupy.empty((T, 2), cupy.float32)
+        self.lp = cupy.empty((T, 1), cupy.float32)
+        self.keep: List = []           # all-gather outputs referenced by a captured graph
+
+    def __call__(self, logits, ids) -> None:
+        m = self.m
+        ids2 = ids.reshape(self.T, 1)
+        ddt.topk_partial(logits, 1, self.part_keys, self.part_ms, id_offset=m.id_offset)
+        if m.tp == 1:
+            ddt.topk_merge(self.part_keys, self.part_ms, 1, self.keys, self.ms, self.lp, ids2)
+            return
+        ddt.topk_merge(self.part_keys, self.part_ms, 1, self.keys, self.ms, self.lp, ids2)
+        gk, gm = m.comm.all_gather(self.keys), m.comm.all_gather(self.ms)
+        self.keep = [gk, gm]
+        ddt.topk_merge(gk, gm, 1, self.keys2, self.ms2, self.lp, ids2, parts_major=True)
+
+
+def draft_topk(m: Models, ws, logits, merged_keys, merged_ms, keep: list) -> None:
+    """Per-depth top-k of the draft logits into ws.top_lp / ws.top_id (vocabulary-parallel merge)."""
+    ws.topk(logits, id_offset=m.id_offset)
+    if m.tp == 1:
+        return
+    gk, gm = m.comm.all_gather(ws.keys), m.comm.all_gather(ws.ms)
+    keep[:] = [gk, gm]
+    ddt.topk_merge(gk, gm, ws.k, merged_keys, merged_ms, ws.top_lp.reshape(ws.S * ws.D, ws.k),
+                   ws.top_id.reshape(ws.S * ws.D, ws.k), parts_major=True, fast=ws.fast)
+
+
+def tree_k(mode: str, budget: int, vocab: int, v_local: int, cap_k: Optional[int]) -> int:
+    """Top-K per depth, as ``DecodeLoop.tree_for`` chooses it (capped by the kernels' limits)."""
+    if mode != "ddtree":
+        return 1
+    k = min(budget, vocab, MAX_RANK + 1, ddt.MAX_K, v_local)
+    if cap_k is not None:
+        k = min(k, int(cap_k))
+    return k
+
+
+class DecodeStep:
+    """Static buffers and stage sequence of one decode-step shape; eager or captured as one CUDA graph."""
+
+    def __init__(self, m: Models, S: int, mode: str, budget: int, cap_k: Optional[int], include_chain: bool,
+                 sampled: bool, k_max_sample: int = 128):
+        import cupy
+        from ..kernels.sample import SampleBuffers
+        from ..models.batch import TargetBatch
+        if mode not in ("ar", "chain", "ddtree"):
+            raise ValueError(f"mode: unknown mode {mode!r}")
+        if mode != "ar" and m.drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter")
+        if sampled and m.tp > 1:
+            raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet: the GPU "
+                             "sampler needs the whole vocabulary row; use greedy decoding or TP = 1")
+        self.m, self.S, self.mode, self.sampled = m, S, mode, sampled
+        D = m.depth if mode != "ar" else 1
+        self.D = D
+        self.R = 1 if mode == "ar" else (D + 1 if mode == "chain" else budget + 1)
+        self.budget_dev = 0 if mode == "ar" else (D if mode == "chain" else budget)
+        self.cap_k = 0 if (mode != "ddtree" or cap_k is None) else int(cap_k)
+        self.include_chain = bool(include_chain) and mode == "ddtree"
+        self.k = tree_k(mode, budget, m.tcfg.vocab_size, m.V_local, cap_k)
+        self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k, fast=True)
+        self.A = self.ws.A
+        T = self.T = S * self.R
+        i32 = cupy.int32
+        self.ctrl = cupy.zeros((CTRL_FIELDS, S), i32)
+        self.ctrl_host = cupy.cuda.alloc_pinned_memory(CTRL_FIELDS * S * 4)
+        self.ctrl_np = np.frombuffer(self.ctrl_host, np.int32, CTRL_FIELDS * S).reshape(CTRL_FIELDS, S)
+        self.batch = TargetBatch(S, self.R, m.tcfg, m.tp, m.n_feat, tree=(mode != "ar"))
+        self.ids = cupy.zeros(T, i32)
+        self.post = cupy.full((S, ddt.MAX_TREE_ROWS), -1, i32)
+        self.packed = cupy.zeros((S, self.A + 3), i32)
+        self.packed_host = cupy.cuda.alloc_pinned_memory(S * (self.A + 3) * 4)
+        self.packed_np = np.frombuffer(self.packed_host, np.int32, S * (self.A + 3)).reshape(S, self.A + 3)
+        self.argmax = VocabArgmax(m, T)
+        self.keep: list = []
+        if mode != "ar":
+            self.draft_out = cupy.zeros((S, D, m.V_local), cupy.float32)
+            self.merged_keys = cupy.empty((S * D, self.k), cupy.uint64)
+            self.merged_ms = cupy.empty((S * D, 2), cupy.float32)
+            self.app_feats = cupy.zeros((S * self.A, m.n_feat, m.H), cupy.uint16)
+            self.app_sid = cupy.zeros(S * self.A, i32)
+            self.app_pos = cupy.full(S * self.A, -1, i32)
+        if sampled:
+            f32 = cupy.float32
+            self.slot_temp, self.slot_topp = cupy.zeros(S, f32), cupy.ones(S, f32)
+            self.slot_topk, self.slot_seed = cupy.zeros(S, i32), cupy.zeros(S, cupy.uint64)
+            self.row_temp, self.row_topp = cupy.zeros(T, f32), cupy.ones(T, f32)
+            self.row_topk, self.row_seed = cupy.zeros(T, i32), cupy.zeros(T, cupy.uint64)
+            self.row_step = cupy.zeros(T, cupy.int64)
+            self.k_max = min(k_max_sample, m.V_local)
+            self.sbuf = SampleBuffers(T, m.V_local, self.k_max)
+        self.graph = None
+
+    # ---- the stage sequence ---------------------------------------------------------------------------
+    def enqueue(self, timer=NullTimer()) -> None:
+        """Every stage of one step, on the current stream (no allocation, no host sync)."""
+        m, ws, c, b = self.m, self.ws, self.ctrl, self.batch
+        prefix, bonus, budgets = c[CTRL_PREFIX], c[CTRL_BONUS], c[CTRL_BUDGET]
+        if self.mode != "ar":
+            timer.mark("draft")
+            m.drafter.draft(bonus, prefix, prefix, self.draft_out)
+            timer.mark("tree")
+            draft_topk(m, ws, self.draft_out, self.merged_keys, self.merged_ms, self.keep)
+            ws.build(budgets, prefix, bonus, cap_k=self.cap_k, include_chain=self.include_chain)
+        else:
+            timer.mark("tree")
+            glue.root_tree(c, ws.tokens, ws.parents, ws.depths, ws.positions, ws.n_rows, ws.mask)
+        glue.tree_to_batch(c, self.R, ws.tokens, ws.positions, ws.n_rows, ws.mask, b.tokens, b.positions,
+                           b.kv_pos, b.stream_ids, b.prefix_len, b.n_rows, b.row_start, b.mask)
+        timer.mark("verify")
+        m.target.forward(b, m.kv)
+        if self.sampled:
+            from ..kernels.sample import sample
+            glue.sample_params(c, self.R, self.slot_temp, self.slot_topk, self.slot_topp, self.slot_seed,
+                               self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step)
+            sample(b.logits, self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step,
+                   out=self.ids, k_max=self.k_max, buffers=self.sbuf)
+        else:
+            self.argmax(b.logits, self.ids)
+        glue.post_scatter(self.ids, self.R, self.post)
+        timer.mark("accept")
+        ws.walk_commit(self.post, prefix, b.row_start)
+        if self.mode != "ar":
+            kv_compact_latent(m.kv.pool_ptrs, m.kv.block_table[:self.S], prefix, ws.n_acc, ws.acc_rows)
+            glue.after_walk(c, ws.n_acc, ws.n_rows, ws.out_tokens, ws.feat_rows, b.features, self.app_feats,
+                            self.app_sid, self.app_pos, self.packed)
+            m.drafter.append_context(self.app_feats, self.app_sid, self.app_pos)
+        else:
+            glue.after_walk(c, ws.n_acc, ws.n_rows, ws.out_tokens, ws.feat_rows, None, None, None, None,
+                            self.packed)
+        timer.stop()
+
+    # ---- capture / replay -----------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Warm up eagerly with every slot idle (compiles kernels, allocates first-call workspaces; changes
+        no stream's state), then capture the same sequence as one CUDA graph."""
+        st = self.m.stream
+        with st:
+            self.ctrl.fill(0)
+            self.enqueue()
+            st.synchronize()
+            st.begin_capture()
+            try:
+                self.enqueue()
+            finally:
+                self.graph = st.end_capture()
+            st.synchronize()
+
+    def upload(self, ctrl: np.ndarray, running=None) -> None:
+        """Host -> device: the control block (and, sampled, the running streams' sampling parameters)."""
+        st = self.m.stream
+        self.ctrl_np[...] = ctrl
+        self.ctrl.set(self.ctrl_np, stream=st)
+        if self.sampled and running is not None:
+            t = np.zeros(self.S, np.float32)
+            p = np.ones(self.S, np.float32)
+            k = np.zeros(self.S, np.int32)
+            sd = np.zeros(self.S, np.uint64)
+            for s in running:
+                r = s.request
+                t[s.slot], p[s.slot], k[s.slot] = r.temperature, r.top_p, r.top_k
+                sd[s.slot] = slot_seed(r.seed, r.sample_stream)
+            for dev, host in ((self.slot_temp, t), (self.slot_topp, p), (self.slot_topk, k), (self.slot_seed, sd)):
+                dev.set(host, stream=st)
+
+    def run(self, ctrl: np.ndarray, running=None, eager: bool = False, timer=NullTimer()) -> np.ndarray:
+        """One step: upload, replay (or run eagerly), copy the packed output back. Returns a host copy
+        int32 [S, A + 3] (per slot: n_acc, tree rows, out_tokens)."""
+        st = self.m.stream
+        self.upload(ctrl, running)
+        with st:
+            if eager or self.graph is None:
+                self.enqueue(timer)
+            else:
+                self.graph.launch(st)
+            self.packed.get(stream=st, out=self.packed_np)
+        st.synchronize()
+        return self.packed_np.copy()
+
+
+class Prefill:
+    """Chunked prompt prefill of one stream (eager): causal chunks of ``chunk`` rows through the target,
+    features appended to the drafter's context, first token (argmax or sample) from the last row."""
+
+    def __init__(self, m: Models, chunk: int = 256, k_max_sample: int = 128):
+        import cupy
+        from ..kernels.sample import SampleBuffers
+        from ..models.batch import TargetBatch
+        self.m, self.chunk = m, int(chunk)
+        self.batch = TargetBatch(1, self.chunk, m.tcfg, m.tp, m.n_feat, tree=False)
+        self.argmax = VocabArgmax(m, 1)
+        self.ids = cupy.zeros(1, cupy.int32)
+        self.sid = cupy.zeros(self.chunk, cupy.int32)
+        self.pos = cupy.full(self.chunk, -1, cupy.int32)
+        self.k_max = min(k_max_sample, m.V_local)
+        self.sbuf = SampleBuffers(1, m.V_local, self.k_max) if m.tp == 1 else None
+
+    def run(self, slot: int, prompt: Sequence[int], request, use_drafter: bool) -> int:
+        import cupy
+        m, b, C = self.m, self.batch, self.chunk
+        prompt = np.asarray(list(prompt), np.int32)
+        P = len(prompt)
+        # The batch's single slot is the stream's KV slot: a view of the cache whose block table is that
+        # slot's row (the attention indexes the table by batch slot, the KV write by stream_ids = 0).
+        kv = copy.copy(m.kv)
+        kv.block_table = m.kv.block_table[slot:slot + 1]
+        last = 0
+        with m.stream:
+            for c0 in range(0, P, C):
+                n = min(C, P - c0)
+                toks = np.zeros(C, np.int32)
+                toks[:n] = prompt[c0:c0 + n]
+                pos = c0 + np.arange(C, dtype=np.int32)
+                kvp = np.where(np.arange(C) < n, pos, -1).astype(np.int32)
+                b.tokens.set(toks, stream=m.stream)
+                b.positions.set(pos, stream=m.stream)
+                b.kv_pos.set(kvp, stream=m.stream)
+                b.prefix_len.set(np.array([c0], np.int32), stream=m.stream)
+                b.n_rows.set(np.array([n], np.int32), stream=m.stream)
+                b.stream_ids.fill(0)
+                b.row_start.fill(0)
+                m.target.forward(b, kv)
+                if use_drafter and m.drafter is not None:
+                    self.sid.fill(slot)
+                    self.pos.set(kvp, stream=m.stream)
+                    m.drafter.append_context(b.features, self.sid, self.pos)
+                last = n - 1
+            row = b.logits[last:last + 1]
+            if request.temperature > 0:
+                if self.sbuf is None:
+                    raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet")
+                from ..kernels.sample import sample
+                f = lambda v, dt: cupy.asarray(np.array([v], dt))   # noqa: E731
+                sample(row, f(request.temperature, np.float32), f(request.top_k, np.int32),
+                       f(request.top_p, np.float32), f(slot_seed(request.seed, request.sample_stream), np.uint64),
+                       f(0, np.int64), out=self.ids, k_max=self.k_max, buffers=self.sbuf)
+            else:
+                self.argmax(row, self.ids)
+            out = self.ids.get(stream=m.stream)
+        m.stream.synchronize()
+        return int(out[0])
