@@ -135,9 +135,9 @@ class GpuEngine:
         st = self.steps.get(key)
         if st is None:
             st = DecodeStep(self.models, S, mode, budget, cap_k, include_chain, sampled)
-            if not self.eager:
-                st.capture()
             self.steps[key] = st
+        if not (self.eager or self.profile) and st.graph is None:
+            st.capture()
         return st
 
     def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
@@ -194,12 +194,12 @@ class _Executor:
         nvtx_push("step")
         t0 = time.perf_counter()
         try:
-            out = step.run(ctrl, running, eager=eng.eager, timer=timer)
+            out = step.run(ctrl, running, eager=eng.eager or eng.profile, timer=timer)
         finally:
             nvtx_pop()
         if eng.profile:
             timer.collect(self.phase_s)
         else:
-            key = "step_eager" if eng.eager else "step_graph"
+            key = "step_eager" if (eng.eager or eng.profile) else "step_graph"
             self.phase_s[key] = self.phase_s.get(key, 0.0) + time.perf_counter() - t0
         return out
