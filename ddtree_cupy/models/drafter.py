@@ -272,6 +272,7 @@ class GpuDrafter:
         self._h = cp.empty((T, H), u16)                                  # bf16 residual stream
         self._x = cp.empty((T, H), u16)                                  # normed layer input
         self._qkv_flat = cp.empty((self.hq + 2 * self.hkv) * T * hd, u16)  # viewed [Hq+2Hkv, T, 128]
+        self._hn_flat = cp.empty(max(self.hq * T, self.hkv * N) * hd, u16)   # normed heads before RoPE
         self._q = cp.empty((S, bs, self.hq, hd), u16)
         self._kb = cp.empty((S, bs, self.hkv, hd), u16)
         self._vb = cp.empty((S, bs, self.hkv, hd), u16)
@@ -345,11 +346,12 @@ class GpuDrafter:
         return out
 
     def _norm_rope_heads(self, heads, norm_w, positions, out):
-        """Per-head RMSNorm (in place, heads [n, T, 128] contiguous) then NeoX RoPE into out [T, n, 128]."""
+        """Per-head RMSNorm of heads [n, T, 128] (contiguous: one [n*T, 128] matrix, one launch) into a
+        scratch buffer, then NeoX RoPE at ``positions`` from there into the token-major out [T, n, 128]."""
         n, T = heads.shape[0], heads.shape[1]
-        flat = heads.reshape(n * T, HEAD_DIM)
-        layers_k.rms_norm(flat, norm_w, self.eps, out=flat)
-        layers_k.rope(heads.transpose(1, 0, 2), positions, out=out, style="neox", inv_freq=self.inv_freq,
+        normed = self._hn_flat[:n * T * HEAD_DIM].reshape(n, T, HEAD_DIM)
+        layers_k.rms_norm(heads.reshape(n * T, HEAD_DIM), norm_w, self.eps, out=normed.reshape(n * T, HEAD_DIM))
+        layers_k.rope(normed.transpose(1, 0, 2), positions, out=out, style="neox", inv_freq=self.inv_freq,
                       amplitude=self.amplitude)
 
     def _copy_heads(self, heads, out):

@@ -50,8 +50,12 @@ class StandInTarget:
     def __init__(self, embed_bits, lm_bits, vocab_start=0, comm=None):
         import cupy as cp
         from ddtree_cupy.dist import SingleRank
+        from ddtree_cupy.kernels.gemm import MAX_T, choose_split
         self.table, self.lm = cp.asarray(embed_bits), cp.asarray(lm_bits)
         self.vocab_start, self.comm = vocab_start, comm or SingleRank()
+        # its own split-K workspace: ranks run as threads in one test, they must not share the global one
+        (N, K), sms = self.lm.shape, cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.ws = cp.empty(max(choose_split(t, N, K, 1, sms) * t * N for t in range(1, MAX_T + 1)), cp.float32)
 
     def embed(self, ids, out):
         from ddtree_cupy.kernels.layers import embed
@@ -61,7 +65,7 @@ class StandInTarget:
 
     def project_vocab(self, x, out):
         from ddtree_cupy.kernels.gemm import gemm_bf16
-        return gemm_bf16(x, self.lm, out, out_dtype=np.float32)
+        return gemm_bf16(x, self.lm, out, out_dtype=np.float32, workspace=self.ws)
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +368,84 @@ def test_draft_with_gpu_target(tiny):
     run_steps(tiny, tiny["dcfg"], 64, seed=4, dr=dr)
 
 
+class _ThreadComm:
+    """Tensor-parallel ranks as threads on one GPU: all_reduce syncs the device, sums every rank's buffer in
+    fp32 (rounded to bf16 once, as NCCL's bf16 sum), hands the sum back. A barrier timeout ends a hang."""
+
+    def __init__(self, rank, shared):
+        self.rank, self.size, self.sh = rank, shared["size"], shared
+
+    def all_reduce(self, x):
+        import cupy as cp
+        from ddtree_cupy.models.drafter import f32_to_bf16_bits_gpu
+        sh, bar = self.sh, self.sh["barrier"]
+        cp.cuda.Device().synchronize()
+        sh["slots"][self.rank] = x
+        bar.wait(timeout=120)
+        if self.rank == 0:
+            acc = sum((s.astype(cp.uint32) << 16).view(cp.float32) for s in sh["slots"])
+            sh["sum"] = f32_to_bf16_bits_gpu(acc)
+            cp.cuda.Device().synchronize()
+        bar.wait(timeout=120)
+        x[...] = sh["sum"]
+        cp.cuda.Device().synchronize()
+        bar.wait(timeout=120)
+        return x
+
+
+def test_tensor_parallel_two_ranks(tiny):
+    """TP = 2 as two threads on one GPU (heads, MLP width, fc input columns and the vocabulary split;
+    o_proj / down / fc / embedding all-reduced): the gathered logits equal the TP = 1 float64 reference."""
+    import threading
+    import cupy as cp
+    from ddtree_cupy.models.drafter import GpuDrafter, GpuDrafterWeights
+    dcfg, tp = tiny["dcfg"], 2
+    V, D, nf, H = dcfg.vocab_size, dcfg.block_size - 1, dcfg.num_context_features, dcfg.hidden_size
+    Vl = V // tp
+    rng = np.random.default_rng(5)
+    steps, prev = [], (0, 0, 0)
+    for have in SCHEDULE:
+        calls = step_calls(rng, tiny["feats"], prev, have, 1, nf, H, MAX_APPEND)
+        steps.append((calls, rng.integers(0, V, MAX_STREAMS).astype(np.int32), np.array(list(have) + [0], np.int32)))
+        prev = have
+    shared = {"size": tp, "barrier": threading.Barrier(tp), "slots": [None] * tp}
+    results, errors = [[] for _ in range(tp)], []
+
+    def rank_main(r):
+        try:
+            comm = _ThreadComm(r, shared)
+            w = GpuDrafterWeights.from_checkpoint(tiny["dd"], dcfg, r, tp)
+            tgt = StandInTarget(tiny["embed_bits"][r * Vl:(r + 1) * Vl], tiny["lm_bits"][r * Vl:(r + 1) * Vl],
+                                vocab_start=r * Vl, comm=comm)
+            dr = GpuDrafter(dcfg, w, tgt, comm, max_streams=MAX_STREAMS, max_ctx=64, max_append=MAX_APPEND)
+            for calls, bonus, ctx in steps:
+                for f, sid, pos in calls:
+                    dr.append_context(cp.asarray(f), cp.asarray(sid), cp.asarray(pos))
+                out = cp.full((MAX_STREAMS, D, Vl), np.nan, cp.float32)
+                dr.draft(cp.asarray(bonus), cp.asarray(ctx), cp.asarray(ctx), out)
+                results[r].append(out.get())
+        except BaseException as e:     # noqa: BLE001 - reported by the main thread
+            errors.append((r, e))
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, f"rank errors: {errors}"
+    ref = ReferenceDrafter(dcfg, tiny["dw"], tiny["embed"], tiny["lm"], np.float64)
+    caches, prev = [ref.new_cache() for _ in LENS], (0, 0, 0)
+    for i, (have, (_, bonus, ctx)) in enumerate(zip(SCHEDULE, steps)):
+        got = np.concatenate([results[r][i] for r in range(tp)], axis=-1)
+        refs = reference_drafts(ref, caches, tiny["feats"], prev, have, bonus)
+        refs.append(ref.draft(ref.new_cache(), int(bonus[3]), 0))
+        for b in range(MAX_STREAMS):
+            e = rel(got[b], refs[b])
+            assert e < TOL, f"TP=2 step {i} slot {b}: rel err {e:.3e}"
+        prev = have
+
+
 def test_bad_inputs_raise(tiny):
     import cupy as cp
     dcfg = tiny["dcfg"]
@@ -451,7 +533,7 @@ def bench(streams=(1, 4, 8, 16), ctx=4096, reps=20):
                 ev1.synchronize()
             times[name] = cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
         kv_read = 2 * S * min(ctx, cfg.draft_window or ctx) * 128 * 2 * cfg.num_hidden_layers
-        ceil_d = (layer_bytes + lm.nbytes + emb.nbytes * 0 + kv_read) / bw * 1e6
+        ceil_d = (layer_bytes + lm.nbytes + kv_read) / bw * 1e6
         ceil_a = (w.fc.nbytes + w.ctx_kv.nbytes) / bw * 1e6
         print(f"{S:>3} {ctx:>5} {times['draft']:>9.1f} {ceil_d:>8.1f} {times['append']:>14.1f} {ceil_a:>8.1f}")
 
