@@ -171,33 +171,56 @@ class DecodeStep:
         self.graph = None
 
     # ---- the stage sequence ---------------------------------------------------------------------------
+    def phases(self):
+        """[(name, fn)] of the step's phases in order (each enqueues kernels only); ``enqueue`` runs them all,
+        bench/step.py captures each as its own graph to time it."""
+        ph = [("draft", self._draft), ("tree", self._tree)] if self.mode != "ar" else [("tree", self._root)]
+        return ph + [("verify", self._verify), ("accept", self._accept)]
+
     def enqueue(self, timer=NullTimer()) -> None:
         """Every stage of one step, on the current stream (no allocation, no host sync)."""
-        m, ws, c, b = self.m, self.ws, self.ctrl, self.batch
-        prefix, bonus, budgets = c[CTRL_PREFIX], c[CTRL_BONUS], c[CTRL_BUDGET]
-        if self.mode != "ar":
-            timer.mark("draft")
-            m.drafter.draft(bonus, prefix, prefix, self.draft_out)
-            timer.mark("tree")
-            draft_topk(m, ws, self.draft_out, self.merged_keys, self.merged_ms, self.keep)
-            ws.build(budgets, prefix, bonus, cap_k=self.cap_k, include_chain=self.include_chain)
-        else:
-            timer.mark("tree")
-            glue.root_tree(c, ws.tokens, ws.parents, ws.depths, ws.positions, ws.n_rows, ws.mask)
-        glue.tree_to_batch(c, self.R, ws.tokens, ws.positions, ws.n_rows, ws.mask, b.tokens, b.positions,
+        for name, fn in self.phases():
+            timer.mark(name)
+            fn()
+        timer.stop()
+
+    def _draft(self) -> None:
+        c = self.ctrl
+        self.m.drafter.draft(c[CTRL_BONUS], c[CTRL_PREFIX], c[CTRL_PREFIX], self.draft_out)
+
+    def _tree(self) -> None:
+        c, ws = self.ctrl, self.ws
+        draft_topk(self.m, ws, self.draft_out, self.merged_keys, self.merged_ms, self.keep)
+        ws.build(c[CTRL_BUDGET], c[CTRL_PREFIX], c[CTRL_BONUS], cap_k=self.cap_k, include_chain=self.include_chain)
+        self._to_batch()
+
+    def _root(self) -> None:
+        ws = self.ws
+        glue.root_tree(self.ctrl, ws.tokens, ws.parents, ws.depths, ws.positions, ws.n_rows, ws.mask)
+        self._to_batch()
+
+    def _to_batch(self) -> None:
+        ws, b = self.ws, self.batch
+        glue.tree_to_batch(self.ctrl, self.R, ws.tokens, ws.positions, ws.n_rows, ws.mask, b.tokens, b.positions,
                            b.kv_pos, b.stream_ids, b.prefix_len, b.n_rows, b.row_start, b.mask)
-        timer.mark("verify")
-        m.target.forward(b, m.kv)
+
+    def _verify(self) -> None:
+        b = self.batch
+        self.m.target.forward(b, self.m.kv)
         if self.sampled:
             from ..kernels.sample import sample
-            glue.sample_params(c, self.R, self.slot_temp, self.slot_topk, self.slot_topp, self.slot_seed,
+            glue.sample_params(self.ctrl, self.R, self.slot_temp, self.slot_topk, self.slot_topp, self.slot_seed,
                                self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step)
             sample(b.logits, self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step,
                    out=self.ids, k_max=self.k_max, buffers=self.sbuf)
         else:
             self.argmax(b.logits, self.ids)
         glue.post_scatter(self.ids, self.R, self.post)
-        timer.mark("accept")
+
+    def _accept(self) -> None:
+        m, ws, c, b = self.m, self.ws, self.ctrl, self.batch
+        prefix = c[CTRL_PREFIX]
+        # the compaction reads the PRE-step prefix: the host rewrites ctrl (s, bonus) before the next step
         ws.walk_commit(self.post, prefix, b.row_start)
         if self.mode != "ar":
             kv_compact_latent(m.kv.pool_ptrs, m.kv.block_table[:self.S], prefix, ws.n_acc, ws.acc_rows)
@@ -207,7 +230,6 @@ class DecodeStep:
         else:
             glue.after_walk(c, ws.n_acc, ws.n_rows, ws.out_tokens, ws.feat_rows, None, None, None, None,
                             self.packed)
-        timer.stop()
 
     # ---- capture / replay -----------------------------------------------------------------------------
     def capture(self) -> None:

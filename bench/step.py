@@ -1,0 +1,274 @@
+"""One decode step of one TP = 8 rank of Kimi K2.6 (61 layers, random rank-shaped weights, no checkpoint)
+plus its DFlash drafter shard, through the GPU engine's captured step graph.
+
+    python -m bench.step [--streams 1 4 10] [--rows 8 16 32] [--ctx 4096] [--json bench/results/step_h200.json]
+
+For every (streams S, tree rows R = budget + 1) at a context of ``ctx`` tokens per stream (latent cache
+and drafter context filled with random rows) it reports:
+
+* step: one graph replay (CUDA events over back-to-back replays); wall: the host's whole step (control
+  upload + launch + packed-output copy + sync); host: the time the host spends issuing a step;
+* phases: draft / tree / verify / accept, each captured as its own graph and timed the same way;
+* floor: the bytes the step must read (every weight of the rank once, the routed experts the routing
+  actually touched -- counted per layer from the router's outputs on this step's rows -- the latent cache
+  and drafter context, the logits) over the read bandwidth measured in this run; ratio = step / floor;
+* projection to 8x RTX PRO 6000: memory-bound time x (read ceiling here / 1.79 TB/s) + all-reduces per step
+  x a per-call latency (the step's real collective count at TP = 8), tokens/s = tau x streams / step time.
+  Every assumption is printed and stored with the results.
+
+Collectives: this process is rank 0 of 8 with no peers (``RankComm``): all-reduces are no-ops, all-gathers
+copy this rank's part into every slot. The step's kernels are exactly those of a real rank; the
+collectives' cost enters only through the projection. Prints a table, writes JSON, asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PRO6000_BW = 1.79e12          # RTX PRO 6000 Blackwell GDDR7, datasheet bytes/s
+
+
+class RankComm:
+    """Rank ``rank`` of ``size`` without peers: counts collectives; all-reduce is the identity, all-gather
+    writes this rank's array into every part of a preallocated [size, ...] buffer (graph-capturable)."""
+    backend = "bench"
+
+    def __init__(self, rank=0, size=8):
+        self.rank, self.size = rank, size
+        self.n_reduce = self.n_gather = 0
+        self._bufs = {}
+
+    def all_reduce(self, x):
+        self.n_reduce += 1
+        return x
+
+    def all_gather(self, x):
+        import cupy
+        self.n_gather += 1
+        key = (x.shape, x.dtype.str, x.data.ptr)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = cupy.empty((self.size,) + x.shape, x.dtype)
+        cupy.copyto(buf, x[None])
+        return buf
+
+    def barrier(self):
+        pass
+
+
+def load_configs(layers: int, ctx: int):
+    from ddtree_cupy.config import DrafterConfig, TargetConfig
+    data = os.path.join(ROOT, "tests", "data")
+    with open(os.path.join(data, "kimi-k2.6-text.json")) as f:
+        tcfg = TargetConfig.from_dict(json.load(f), "kimi-k2.6-text.json")
+    with open(os.path.join(data, "kimi-k2.5-dflash-drafter.json")) as f:
+        dcfg = DrafterConfig.from_dict(json.load(f), "kimi-k2.5-dflash-drafter.json")
+    if layers != tcfg.num_hidden_layers:
+        tcfg = replace(tcfg, num_hidden_layers=layers)
+        keep = tuple(i for i in dcfg.target_layer_ids if i < layers) or (layers - 1,)
+        dcfg = replace(dcfg, target_layer_ids=keep)
+    return tcfg, dcfg.with_options(draft_window=ctx)
+
+
+def fill_random(arrays, std=0.5, seed=0):
+    """Finite random bf16 rows in every array of the same shape (one generated block, copied)."""
+    import cupy
+    from ddtree_cupy.models.drafter import f32_to_bf16_bits_gpu
+    rng = cupy.random.default_rng(seed)
+    by_shape = {}
+    for a in arrays:
+        blk = by_shape.get(a.shape)
+        if blk is None:
+            blk = by_shape[a.shape] = f32_to_bf16_bits_gpu(rng.standard_normal(a.shape, dtype=cupy.float32) * std)
+        a[...] = blk
+
+
+def count_experts(step, S, R, cfg):
+    """Unique routed experts per MoE layer over the real rows of one eager step (router outputs recorded)."""
+    import cupy
+    from ddtree_cupy.kernels import router as router_mod
+    seen = []
+    orig = router_mod.route_logits
+
+    def rec(*a, **k):
+        ids, w = orig(*a, **k)
+        seen.append(ids.get())
+        return ids, w
+    router_mod.route_logits = rec
+    try:
+        with step.m.stream:
+            step.enqueue()
+        step.m.stream.synchronize()
+    finally:
+        router_mod.route_logits = orig
+    n_rows = step.batch.n_rows.get()
+    rows = np.concatenate([np.arange(s * R, s * R + int(n_rows[s])) for s in range(S)])
+    return [int(np.unique(ids[rows]).size) for ids in seen], int(rows.size)
+
+
+def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):
+    from ddtree_cupy.models.weights import plan_bytes
+    tp = eng.comm.size
+    pb = plan_bytes(cfg, tp)
+    H, V_local = cfg.hidden_size, cfg.vocab_size // tp
+    lm_head = V_local * H * 2
+    E = cfg.n_routed_experts
+    expert_bytes = pb["experts"] / max(1, sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)))
+    per_expert = expert_bytes / E
+    dw = eng.drafter.w.nbytes
+    D = dcfg.block_size - 1
+    W = min(ctx, dcfg.draft_window or ctx)
+    hkv = dcfg.num_key_value_heads // tp
+    parts = {
+        "target_dense_weights": pb["attention"] + pb["mlp"] + pb["router"] + pb["norms"] + lm_head,
+        "routed_experts_touched": per_expert * sum(uniq),
+        "drafter_weights": dw + lm_head,
+        "latent_cache": S * ctx * 576 * 2 * cfg.num_hidden_layers,
+        "drafter_context": S * W * hkv * 128 * 2 * 2 * dcfg.num_hidden_layers,
+        "logits_rw": 2 * 4 * V_local * (S * R + S * D),
+    }
+    parts["total"] = sum(parts.values())
+    return parts, per_expert
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32], help="verify rows per stream (budget + 1)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=61, help="fewer layers for a quick harness check")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--allreduce-us", type=float, default=24.0, help="per-call all-reduce latency on the target box")
+    ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
+    a = ap.parse_args(argv)
+
+    import cupy
+    from bench.ceilings import measure_read_bandwidth, time_graph
+    from ddtree_cupy.engine.gpu_engine import GpuEngine
+    from ddtree_cupy.engine.kv_pool import KVPool
+    from ddtree_cupy.kernels import engine_glue as g
+
+    t_start = time.perf_counter()
+    dev = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    bw = measure_read_bandwidth(2 << 30) * 1e9
+    tcfg, dcfg = load_configs(a.layers, a.ctx)
+    S_max, R_max = max(a.streams), max(a.rows)
+    comm = RankComm(0, 8)
+    t0 = time.perf_counter()
+    per_stream = a.ctx + R_max + 64
+    eng = GpuEngine(tcfg, None, dcfg, None, comm=comm, max_streams=S_max, max_budget=R_max - 1,
+                    kv_tokens=S_max * (-(-per_stream // 64)) * 64, random_weights=1, prefill_chunk=64,
+                    buckets=tuple(sorted(set(a.streams) | {S_max})))
+    build_s = time.perf_counter() - t0
+    fill_random(eng.kv.pools, seed=1)
+    fill_random(eng.drafter.k_cache + eng.drafter.v_cache, seed=2)
+    pool = KVPool(eng.num_pages, 64, S_max, eng.max_pages_per_stream, R_max)
+    for s in range(S_max):
+        pool.admit(s, a.ctx, 1)
+    eng.kv.set_block_table(pool.block_table)
+    dev.synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    print(f"{name}: read ceiling {bw / 1e9:.0f} GB/s; rank 0 of TP 8, {tcfg.num_hidden_layers} layers, weights "
+          f"{eng.target.w.nbytes() / 1e9:.1f} GB target + {eng.drafter.w.nbytes / 1e9:.2f} GB drafter, built in "
+          f"{build_s:.0f} s; KV pool {eng.kv.nbytes() / 1e9:.2f} GB; GPU memory used "
+          f"{(total - free) / 1e9:.0f} of {total / 1e9:.0f} GB")
+    rng = np.random.default_rng(0)
+    results = []
+    for S in a.streams:
+        for R in a.rows:
+            budget = R - 1
+            step = eng.get_step(S, "ddtree", budget, None, False, False)     # built and captured
+            ctrl = np.zeros((g.CTRL_FIELDS, S), np.int32)
+            ctrl[g.CTRL_PREFIX] = a.ctx
+            ctrl[g.CTRL_BONUS] = rng.integers(0, tcfg.vocab_size, S)
+            ctrl[g.CTRL_ACTIVE] = 1
+            ctrl[g.CTRL_BUDGET] = budget
+            ctrl[g.CTRL_STEP] = 1
+            step.upload(ctrl)
+            st = eng.stream
+            # collectives issued by one step (eager run, counted)
+            r0, g0 = comm.n_reduce, comm.n_gather
+            uniq, n_real = count_experts(step, S, R, tcfg)
+            n_reduce, n_gather = comm.n_reduce - r0, comm.n_gather - g0
+            # graph replays back to back
+            ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
+            step.graph.launch(st)
+            ev0.record(st)
+            for _ in range(a.reps):
+                step.graph.launch(st)
+            ev1.record(st)
+            ev1.synchronize()
+            step_s = cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+            # the host's whole step, and its issue time alone
+            walls, issues = [], []
+            for _ in range(a.reps):
+                t0 = time.perf_counter()
+                step.upload(ctrl)
+                step.graph.launch(st)
+                t1 = time.perf_counter()
+                step.packed.get(stream=st, out=step.packed_np)
+                st.synchronize()
+                walls.append(time.perf_counter() - t0)
+                issues.append(t1 - t0)
+            wall_s, host_s = float(np.median(walls)), float(np.median(issues))
+            phases = {}
+            with st:
+                for pname, fn in step.phases():
+                    phases[pname] = time_graph(fn, iters=2, reps=3) * 1e-6
+            parts, per_expert = step_bytes(eng, tcfg, dcfg, uniq, S, R, a.ctx)
+            floor_s = parts["total"] / bw
+            # projection: the memory-bound part scales with bandwidth, collectives add their latency
+            pro_s = step_s * (bw / PRO6000_BW) + n_reduce * a.allreduce_us * 1e-6
+            rec = dict(streams=S, rows=R, budget=budget, ctx=a.ctx, step_ms=step_s * 1e3, wall_ms=wall_s * 1e3,
+                       host_issue_us=host_s * 1e6, host_pct=100 * host_s / wall_s,
+                       phases_ms={k: v * 1e3 for k, v in phases.items()}, real_rows=n_real,
+                       unique_experts_per_layer=uniq, mean_unique_experts=float(np.mean(uniq)) if uniq else 0.0,
+                       bytes=parts, floor_ms=floor_s * 1e3, ratio_to_floor=step_s / floor_s,
+                       allreduces_per_step=n_reduce, allgathers_per_step=n_gather,
+                       pro6000_step_ms=pro_s * 1e3, pro6000_tok_s=a.tau * S / pro_s)
+            results.append(rec)
+            print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
+                  f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
+                  f"{np.mean(uniq):5.1f}; phases " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
+                  + f"; PRO 6000 {pro_s * 1e3:.1f} ms -> {a.tau * S / pro_s:.0f} tok/s", flush=True)
+    assumptions = {
+        "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,
+        "allreduce_us_per_call": a.allreduce_us, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
+        "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
+        "collectives": "no-op here (one rank without peers); projection adds allreduces x latency",
+        "projection": "step_ms x (read ceiling here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
+        "floor": "all rank weights once (embedding excluded: a lookup), routed experts actually touched x per-expert "
+                 "shard bytes, lm_head twice (target + drafter), latent cache and drafter context, logits written "
+                 "and read, over the read ceiling measured here",
+    }
+    print("\nassumptions: " + "; ".join(f"{k}={v}" for k, v in assumptions.items()))
+    print(f"\n| streams | rows | step ms | floor ms | x floor | host % | draft | tree | verify | accept | experts/layer"
+          f" | PRO 6000 tok/s (tau {a.tau}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        p = r["phases_ms"]
+        print(f"| {r['streams']} | {r['rows']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | "
+              f"{r['host_pct']:.1f} | {p.get('draft', 0):.2f} | {p.get('tree', 0):.2f} | {p.get('verify', 0):.2f} | "
+              f"{p.get('accept', 0):.2f} | {r['mean_unique_experts']:.0f} | {r['pro6000_tok_s']:.0f} |")
+    if a.json:
+        os.makedirs(os.path.dirname(a.json), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"assumptions": assumptions, "results": results,
+                       "runtime_s": time.perf_counter() - t_start}, f, indent=1)
+        print(f"wrote {a.json} ({time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
