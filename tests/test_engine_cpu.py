@@ -1,0 +1,523 @@
+"""Dry run of the GPU engine's own code (engine/step.py, engine/gpu_engine.py, the kernel wrappers it calls)
+on the CPU: CuPy is replaced by a numpy stand-in, every kernel the step launches (DDTree top-K / builder /
+walk, KV compaction, the engine glue) by a numpy implementation that reads its raw launch arguments in the
+order of the .cu signature, and the target / drafter by toy models with the same interfaces. CUDA-graph
+capture is emulated: launches during capture are recorded and replayed later against the same buffers
+(so a step whose host code depends on values, or passes a buffer that the replay does not see, fails).
+
+The toy target's next-token choice depends on every token it can see (the paged cache through the block
+table plus the tree rows its ancestor mask allows), and the toy drafter proposes the true continuation
+with deliberate mistakes, so trees branch, walks accept several nodes and the KV compaction matters.
+The engine (graphs and eager) must reproduce ``reference.loop.DecodeLoop`` over the same toy models token
+for token, with continuous batching, refusals and the pool back to empty. This checks the plumbing
+(arguments, layouts, slot/row bookkeeping); the kernels themselves are tested on the GPU.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ddtree_cupy.reference import ddtree as rdt
+from ddtree_cupy.reference.loop import DecodeLoop, Request
+from ddtree_cupy.tinymodel import TinySpec
+
+# ---------------------------------------------------------------------------------------------------
+# a numpy stand-in for the parts of CuPy the engine touches
+# ---------------------------------------------------------------------------------------------------
+_PTRS: dict = {}
+_CAPTURE: list = []          # [list] while a stream captures
+
+
+def run_or_record(fn):
+    if _CAPTURE:
+        _CAPTURE[-1].append(fn)
+    else:
+        fn()
+
+
+class _Ptr:
+    def __init__(self, p):
+        self.ptr = p
+
+
+class FakeArr(np.ndarray):
+    @property
+    def data(self):
+        p = self.__array_interface__["data"][0]
+        base = self
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        _PTRS[p] = self
+        return _Ptr(p)
+
+    @property
+    def device(self):
+        return SimpleNamespace(id=0)
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        assert not _CAPTURE, "device-to-host copy during capture"
+        if out is not None:
+            out[...] = np.asarray(self)
+            return out
+        return np.array(self)
+
+    def set(self, arr, stream=None):
+        assert not _CAPTURE, "host-to-device copy during capture"
+        self[...] = np.asarray(arr)
+
+
+def _w(a):
+    return np.asarray(a).view(FakeArr)
+
+
+class _Stream:
+    def __init__(self, non_blocking=False):
+        self.ptr = id(self)
+
+    def __enter__(self):
+        _FAKE.cuda._stack.append(self)
+        return self
+
+    def __exit__(self, *a):
+        _FAKE.cuda._stack.pop()
+
+    def synchronize(self):
+        pass
+
+    def begin_capture(self):
+        _CAPTURE.append([])
+
+    def end_capture(self):
+        return _Graph(_CAPTURE.pop())
+
+    def is_capturing(self):
+        return bool(_CAPTURE)
+
+
+class _Graph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        for op in self.ops:
+            op()
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _make_fake_cupy():
+    cp = types.ModuleType("cupy")
+    cp.ndarray = FakeArr
+    for n in ("int32", "int64", "uint16", "uint32", "uint64", "float32", "uint8"):
+        setattr(cp, n, getattr(np, n))
+    cp.zeros = lambda s, dtype=np.float64: _w(np.zeros(s, dtype))
+    cp.empty = lambda s, dtype=np.float64: _w(np.full(s, 0x5A, dtype) if np.dtype(dtype).kind in "iu"
+                                             else np.full(s, np.nan, dtype))
+    cp.full = lambda s, v, dtype=None: _w(np.full(s, v, dtype))
+    cp.arange = lambda *a, **k: _w(np.arange(*a, **k))
+    cp.asarray = lambda a, dtype=None: _w(np.array(a, dtype=dtype))
+    cp.ascontiguousarray = lambda a: _w(np.ascontiguousarray(a))
+    cp.copyto = lambda d, s: run_or_record(lambda: np.copyto(d, s))
+    cuda = types.SimpleNamespace()
+    cuda._stack = []
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.get_elapsed_time = lambda a, b: 0.01
+    cuda.alloc_pinned_memory = lambda n: bytearray(n)
+    cuda.get_current_stream = lambda: cuda._stack[-1] if cuda._stack else _Stream()
+    cuda.Device = lambda *a: SimpleNamespace(id=0, synchronize=lambda: None, compute_capability="90",
+                                             attributes={"MultiProcessorCount": 132})
+    cuda.runtime = SimpleNamespace(memGetInfo=lambda: (8 << 30, 16 << 30), getDeviceCount=lambda: 1)
+    cp.cuda = cuda
+    cp.get_default_memory_pool = lambda: SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0)
+    return cp
+
+
+_FAKE = _make_fake_cupy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# numpy implementations of the kernels the step launches, reading raw launch arguments
+# ---------------------------------------------------------------------------------------------------
+def _ordered(v):
+    bits = np.where(v == 0, np.float32(0), v).astype(np.float32).view(np.uint32).astype(np.uint64)
+    return np.where(bits >> 31 == 1, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
+
+
+def _unorder(o):
+    o = o.astype(np.uint64)
+    bits = np.where(o >> 31 == 1, o & 0x7FFFFFFF, (~o) & 0xFFFFFFFF).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def k_topk_partial(logits, rows, V, id_offset, k, chunk, part_keys, part_ms):
+    L = np.asarray(logits).reshape(int(rows), int(V)).astype(np.float32)
+    P = -(-int(V) // int(chunk))
+    for r in range(int(rows)):
+        for p in range(P):
+            x = L[r, p * chunk:(p + 1) * chunk]
+            ids = int(id_offset) + p * int(chunk) + np.arange(x.size)
+            keys = (_ordered(x) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
+            top = np.sort(keys)[::-1][:int(k)]
+            part_keys[r, p, :] = 0
+            part_keys[r, p, :top.size] = top
+            m = x.max()
+            part_ms[r, p] = (m, np.exp(x.astype(np.float64) - m).sum())
+
+
+def k_topk_merge(keys, ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id):
+    keys, ms = np.asarray(keys), np.asarray(ms)
+    if int(parts_major):
+        keys, ms = keys.transpose(1, 0, 2), ms.transpose(1, 0, 2)
+    for r in range(int(rows)):
+        top = np.sort(keys[r].reshape(-1))[::-1][:int(k)]
+        m = ms[r, :, 0].max()
+        s = (ms[r, :, 1] * np.exp(ms[r, :, 0].astype(np.float64) - m)).sum()
+        out_keys[r] = top
+        out_ms[r] = (m, s)
+        out_lp[r] = _unorder(top >> np.uint64(32)) - np.float32(m + np.log(s))
+        out_id[r] = (np.uint64(0xFFFFFFFF) - (top & np.uint64(0xFFFFFFFF))).astype(np.int64).astype(np.int32)
+
+
+def k_build_tree(top_lp, top_id, D, K, budgets, prefix_len, bonus, cap_k, include_chain, tokens, parents, depths,
+                 positions, n_rows, mask):
+    for s in range(top_lp.shape[0]):
+        b = int(np.clip(budgets[s], 0, 128))
+        tree = rdt.build_tree(np.asarray(top_lp[s]), np.asarray(top_id[s]), b, cap_k=int(cap_k) or None,
+                              include_chain=bool(include_chain))
+        flat = rdt.flatten(tree, int(bonus[s]), int(prefix_len[s]))
+        n = flat.n_rows
+        tokens[s], parents[s], depths[s], positions[s] = int(bonus[s]), -1, 0, int(prefix_len[s])
+        mask[s] = 0
+        mask[s, :, 0] = 1
+        r = np.arange(129)
+        mask[s, r, r // 32] |= (np.uint32(1) << (r % 32).astype(np.uint32))
+        tokens[s, :n], parents[s, :n], depths[s, :n], positions[s, :n] = (flat.tokens, flat.parents, flat.depths,
+                                                                          flat.positions)
+        mask[s, :n] = flat.mask_bits
+        n_rows[s] = n
+
+
+def k_walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, A, acc_rows, n_acc, kv_src, kv_dst,
+                  feat_rows, out_tokens, new_len, new_bonus, upd_len, upd_bonus):
+    A = int(A)
+    for s in range(tokens.shape[0]):
+        n = min(max(int(n_rows[s]), 1), 129)
+        rows, cur = [0], 0
+        while len(rows) < A:
+            ch = [c for c in range(cur + 1, n) if parents[s, c] == cur and tokens[s, c] == post[s, cur]]
+            if not ch:
+                break
+            cur = ch[0]
+            rows.append(cur)
+        a, pre = len(rows), int(prefix_len[s])
+        pad = lambda v: v + [-1] * (A - len(v))  # noqa: E731
+        acc_rows[s] = pad(rows)
+        kv_src[s] = pad([pre + r for r in rows])
+        kv_dst[s] = pad([pre + j for j in range(a)])
+        feat_rows[s] = pad([int(row_offset[s]) + r for r in rows])
+        out_tokens[s] = [int(tokens[s, r]) for r in rows] + [int(post[s, cur])] + [-1] * (A - a)
+        n_acc[s], new_len[s], new_bonus[s] = a, pre + a, int(post[s, cur])
+        assert isinstance(upd_len, np.uint64) and isinstance(upd_bonus, np.uint64)   # the engine passes null
+
+
+def k_kv_compact(pool_ptrs, block_table, maxpages, prefix_len, n_accept, acc_rows, A):
+    pools = [_PTRS[int(p)] for p in np.asarray(pool_ptrs)]
+    for pool in pools:
+        for s in range(block_table.shape[0]):
+            pre = int(prefix_len[s])
+            for j in range(1, int(n_accept[s])):
+                src, dst = pre + int(acc_rows[s, j]), pre + j
+                pool[block_table[s, dst // 64], dst % 64] = pool[block_table[s, src // 64], src % 64]
+
+
+def k_root_tree(ctrl, S, tokens, parents, depths, positions, n_rows, mask):
+    from ddtree_cupy.kernels import engine_glue as g
+    g.root_tree_ref(np.asarray(ctrl).reshape(5, int(S)), tokens, parents, depths, positions, n_rows, mask)
+
+
+def k_tree_to_batch(ctrl, S, R, trt, trp, trn, trm, tokens, positions, kv_pos, stream_ids, prefix_len, n_rows,
+                    row_start, mask_out):
+    from ddtree_cupy.kernels import engine_glue as g
+    o = g.tree_to_batch_ref(np.asarray(ctrl), int(R), np.asarray(trt), np.asarray(trp), np.asarray(trn),
+                            np.asarray(trm))
+    for k, a in (("tokens", tokens), ("positions", positions), ("kv_pos", kv_pos), ("stream_ids", stream_ids),
+                 ("prefix_len", prefix_len), ("n_rows", n_rows), ("row_start", row_start)):
+        a[...] = o[k]
+    if not isinstance(mask_out, np.uint64):
+        mask_out[...] = o["mask"]
+
+
+def k_post_scatter(ids, S, R, post):
+    from ddtree_cupy.kernels import engine_glue as g
+    post[...] = g.post_scatter_ref(np.asarray(ids), int(S), int(R))
+
+
+def k_after_walk(ctrl, S, A, n_acc, trn, out_tokens, feat_rows, features, width, app_feats, app_sid, app_pos,
+                 packed):
+    from ddtree_cupy.kernels import engine_glue as g
+    has = not isinstance(features, np.uint64)
+    o = g.after_walk_ref(np.asarray(ctrl), np.asarray(n_acc), np.asarray(trn), np.asarray(out_tokens),
+                         np.asarray(feat_rows), np.asarray(features) if has else None)
+    packed[...] = o["packed"]
+    if has:
+        assert int(width) == features.shape[1] * features.shape[2]
+        app_sid[...] = o["app_sid"]
+        app_pos[...] = o["app_pos"]
+        app_feats[o["use"]] = o["app_feats"][o["use"]]
+
+
+KERNELS = {"ddt_topk_partial_f32": k_topk_partial, "ddt_topk_merge": k_topk_merge, "ddt_build_tree": k_build_tree,
+           "ddt_walk_commit": k_walk_commit, "kv_compact_latent": k_kv_compact, "eg_root_tree": k_root_tree,
+           "eg_tree_to_batch": k_tree_to_batch, "eg_post_scatter": k_post_scatter, "eg_after_walk": k_after_walk}
+
+
+def fake_get_kernel(spec, name, max_dynamic_smem=0):
+    impl = KERNELS[name]
+
+    def launch(grid, block, args, shared_mem=0):
+        run_or_record(lambda: impl(*args))
+    return launch
+
+
+# ---------------------------------------------------------------------------------------------------
+# toy models: the GPU-side stand-ins and their reference-interface twins
+# ---------------------------------------------------------------------------------------------------
+def toy_next_logits(ctx, V):
+    """A deterministic 'LM' whose argmax depends on the last two tokens and the context length."""
+    t1 = ctx[-1] if len(ctx) else 0
+    t2 = ctx[-2] if len(ctx) > 1 else 0
+    target = (31 * int(t1) + 17 * int(t2) + 7 * len(ctx) + 3) % V
+    return (-1.0 * ((np.arange(V) - target) % V)).astype(np.float32)
+
+
+def toy_draft_logits(ctx, bonus, s, D, V):
+    """The true greedy continuation, except that at positions with (s + d) % 3 == 0 the top-1 is a wrong
+    token and the right one is ranked second (the tree must branch to accept it)."""
+    seq = list(ctx) + [int(bonus)]
+    out = np.zeros((D, V), np.float32)
+    for d in range(1, D + 1):
+        lg = toy_next_logits(seq, V)
+        t = int(np.argmax(lg))
+        if (s + d) % 3 == 0:
+            lg = lg.copy()
+            lg[(t + 5) % V] = lg[t] + 0.5
+        out[d - 1] = lg
+        seq.append(t)
+    return out
+
+
+class ToyCache:
+    def __init__(self):
+        self.tokens = []
+
+    @property
+    def length(self):
+        return len(self.tokens)
+
+    def commit(self, prefix_len, rows):
+        self.tokens = self.tokens[:prefix_len] + [self.tokens[r] for r in rows]
+
+
+class ToyRefTarget:
+    def __init__(self, cfg, n_feat, H):
+        self.cfg, self.n_feat, self.H = cfg, n_feat, H
+
+    def new_cache(self):
+        return ToyCache()
+
+    def forward(self, tokens, positions, cache, visible=None, capture_layers=()):
+        T, V = len(tokens), self.cfg.vocab_size
+        before = list(cache.tokens)
+        vis = np.tril(np.ones((T, T), bool)) if visible is None else np.asarray(visible)
+        logits = np.stack([toy_next_logits(before + [int(tokens[j]) for j in range(T) if vis[i, j]], V)
+                           for i in range(T)])
+        cache.tokens += [int(t) for t in tokens]
+        feats = np.zeros((T, len(capture_layers), self.H), np.float32)
+        if len(capture_layers):
+            feats[:, 0, 0] = tokens
+        return logits, feats
+
+
+class ToyRefDrafter:
+    def __init__(self, dcfg, V):
+        self.block_size, self.target_layer_ids, self.V = dcfg.block_size, dcfg.target_layer_ids, V
+
+    def new_cache(self):
+        return {}
+
+    def append_context(self, cache, feats, positions, tokens):
+        for p, t in zip(positions, tokens):
+            cache[int(p)] = int(t)
+
+    def draft(self, cache, bonus, s):
+        return toy_draft_logits([cache[p] for p in range(s)], bonus, s, self.block_size - 1, self.V)
+
+
+class FakeGpuTarget:
+    """GpuTarget's interface over the paged latent cache: writes each row's token into every layer's pool at
+    kv_pos (through the block table), and computes logits from exactly what the attention would see."""
+
+    def __init__(self, cfg, w, comm=None, max_tokens=256, feature_layers=()):
+        self.cfg, self.comm, self.max_tokens = cfg, comm, max_tokens
+        self.feature_layers = tuple(feature_layers)
+        self.w = w
+        self.calls = 0
+
+    def forward(self, batch, kv):
+        assert batch.T <= self.max_tokens and batch.n_feat == len(self.feature_layers)
+        run_or_record(lambda: self._forward(batch, kv))
+
+    def _forward(self, b, kv):
+        self.calls += 1
+        V, R = self.cfg.vocab_size, b.R
+        bt = np.asarray(kv.block_table)
+        for s in range(b.S):
+            n = int(b.n_rows[s])
+            base = s * R
+            for r in range(R):
+                p = int(b.kv_pos[base + r])
+                if p >= 0:
+                    assert r < n
+                    for pool in kv.pools:
+                        pool[bt[s, p // 64], p % 64, 0] = b.tokens[base + r]
+            for r in range(R):
+                row = base + r
+                if r >= n:
+                    b.logits[row] = 0
+                    continue
+                pre = int(b.prefix_len[s])
+                ctx = [int(kv.pools[0][bt[s, q // 64], q % 64, 0]) for q in range(pre)]
+                if b.mask is None:
+                    vis = range(r + 1)
+                else:
+                    words = np.asarray(b.mask[s, r])
+                    vis = [j for j in range(R) if (int(words[j // 32]) >> (j % 32)) & 1]
+                ctx += [int(b.tokens[base + j]) for j in vis]
+                b.logits[row] = toy_next_logits(ctx, V)
+            if b.n_feat:
+                b.features[base:base + R] = 0
+                b.features[base:base + R, 0, 0] = b.tokens[base:base + R]
+
+
+class FakeGpuDrafter:
+    def __init__(self, dcfg, w, target, comm=None, max_streams=1, max_ctx=4096, max_append=64):
+        self.cfg, self.S, self.C, self.N_max = dcfg, max_streams, max_ctx, max_append
+        self.ctx = np.full((max_streams, max_ctx), -1, np.int64)
+        self.V = target.cfg.vocab_size
+        self.k_cache, self.v_cache = [], []
+
+    def append_context(self, feats, stream_ids, positions):
+        assert feats.shape[0] <= self.N_max
+        run_or_record(lambda: self._append(feats, stream_ids, positions))
+
+    def _append(self, feats, sid, pos):
+        for i in range(feats.shape[0]):
+            if pos[i] >= 0:
+                self.ctx[sid[i], pos[i] % self.C] = feats[i, 0, 0]
+
+    def draft(self, bonus, start_pos, ctx_len, out):
+        run_or_record(lambda: self._draft(bonus, start_pos, ctx_len, out))
+        return out
+
+    def _draft(self, bonus, start, clen, out):
+        D = self.cfg.block_size - 1
+        for b in range(out.shape[0]):
+            n = int(clen[b])
+            ctx = [int(self.ctx[b, p % self.C]) for p in range(n)]
+            assert all(t >= 0 for t in ctx), "drafter context has a hole"
+            out[b] = toy_draft_logits(ctx, int(bonus[b]), int(start[b]), D, self.V)
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def fake_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _FAKE)
+    from ddtree_cupy.kernels import ddtree as kd
+    from ddtree_cupy.kernels import engine_glue as kg
+    from ddtree_cupy.kernels import kv_cache as kk
+    from ddtree_cupy.models import drafter as md
+    from ddtree_cupy.models import target as mt
+    from ddtree_cupy.models import weights as mw
+    for mod in (kd, kg, kk):
+        monkeypatch.setattr(mod, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(mw.GpuTargetWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=lambda: 0)))
+    monkeypatch.setattr(md.GpuDrafterWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=0)))
+    monkeypatch.setattr(mt, "GpuTarget", FakeGpuTarget)
+    monkeypatch.setattr(md, "GpuDrafter", FakeGpuDrafter)
+    _PTRS.clear()
+    yield
+
+
+SPEC = TinySpec(max_position_embeddings=160)
+
+
+def make(max_streams=4, max_budget=12, kv_tokens=64 * 40, eager=False):
+    from ddtree_cupy.engine.gpu_engine import GpuEngine
+    tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
+    eng = GpuEngine(tcfg, None, dcfg, None, max_streams=max_streams, max_budget=max_budget, kv_tokens=kv_tokens,
+                    eager=eager, random_weights=0, prefill_chunk=32)
+    ref_t = ToyRefTarget(SimpleNamespace(vocab_size=tcfg.vocab_size,
+                                         max_position_embeddings=tcfg.max_position_embeddings),
+                         len(dcfg.target_layer_ids), tcfg.hidden_size)
+    return eng, ref_t, ToyRefDrafter(dcfg, tcfg.vocab_size)
+
+
+def reqs(lens=(3, 40, 70, 9), n_new=(50, 30, 200, 12), stop=None):
+    rng = np.random.default_rng(1)
+    return [Request(rng.integers(0, 700, n).tolist(), m, stop_ids=stop or (), sample_stream=i)
+            for i, (n, m) in enumerate(zip(lens, n_new))]
+
+
+@pytest.mark.parametrize("mode,budget,cap_k,chain", [("ddtree", 12, None, False), ("ddtree", 6, 2, True),
+                                                     ("chain", 7, None, False), ("ar", 1, None, False)])
+@pytest.mark.parametrize("eager", [False, True])
+def test_engine_equals_reference_loop(fake_gpu, mode, budget, cap_k, chain, eager):
+    eng, rt, rd = make(eager=eager)
+    ref = DecodeLoop(rt, rd if mode != "ar" else None, mode, budget, cap_k, chain).run(reqs())
+    seen = {}
+    res = eng.generate(reqs(), mode, budget, cap_k, chain, on_tokens=lambda st, em: seen.setdefault(st.index, []).extend(em))
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in ref.streams]
+    assert [s.finish_reason for s in res.streams] == [s.finish_reason for s in ref.streams]
+    assert [s.accept_lens for s in res.streams] == [s.accept_lens for s in ref.streams]
+    assert [s.tree_sizes for s in res.streams] == [s.tree_sizes for s in ref.streams]
+    assert seen == {i: s.output_ids for i, s in enumerate(ref.streams)}
+    if mode in ("ddtree", "chain"):
+        assert max(ref.accept_lens) >= 3          # long accepted paths: the compaction really moved rows
+    assert "context" in [s.finish_reason for s in ref.streams]       # 70 + 200 > 160 positions
+    pool = eng.last_pool
+    assert pool.free_pages == pool.num_pages
+    assert (eng.steps and all((st.graph is None) == eager for st in eng.steps.values()))
+
+
+def test_continuous_batching_and_refusal(fake_gpu):
+    eng, rt, rd = make(max_streams=2, kv_tokens=64 * 6)       # 6 pages: 3 per stream at most at once
+    rs = reqs(lens=(3, 40, 150, 9, 20), n_new=(50, 30, 5, 12, 40))   # 150 + 5 + 13 rows > 2 pages? needs 3
+    ref = DecodeLoop(rt, rd, "ddtree", 12).run(rs)
+    res = eng.generate(reqs(lens=(3, 40, 150, 9, 20), n_new=(50, 30, 5, 12, 40)), "ddtree", 12)
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in ref.streams]
+    assert eng.last_pool.free_pages == eng.last_pool.num_pages
+    # a pool too small for one request: it is refused, the others run
+    eng2, _, _ = make(max_streams=2, kv_tokens=64 * 2)
+    res2 = eng2.generate(reqs(lens=(3, 150, 9), n_new=(20, 5, 12)), "ddtree", 12)
+    assert res2.streams[1].finish_reason == "error" and "may hold" in res2.streams[1].error
+    want = DecodeLoop(rt, rd, "ddtree", 12).run([reqs(lens=(3, 150, 9), n_new=(20, 5, 12))[i] for i in (0, 2)])
+    assert [res2.streams[0].output_ids, res2.streams[2].output_ids] == [s.output_ids for s in want.streams]
+
+
+def test_profile_mode_reports_phases(fake_gpu):
+    eng, rt, rd = make(eager=True)
+    eng.profile = True
+    res = eng.generate(reqs()[:2], "ddtree", 8)
+    assert {"draft", "tree", "verify", "accept", "prefill"} <= set(res.phase_s)
