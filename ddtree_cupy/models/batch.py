@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import TargetConfig
+from ..reference.ddtree import pack_mask
 
 MASK_WORDS = 5          # DDT_MASK_WORDS in cuda_src/common.cuh
 MAX_TREE_ROWS = 129     # root + budget <= 128
@@ -66,68 +67,14 @@ class TargetBatch:
 
     # ---- host-side filling (tests, prefill setup; the decode loop writes the buffers on the device) ----
     def set(self, *, tokens, positions, n_rows, prefix_len, kv_pos=None, mask=None) -> None:
-        """Copy host inputs into the buffers (a host->device copy: not for use inside graph capture).
-
-        tokens / positions: int [S, R] (or [T]); n_rows, prefix_len: int [S]; kv_pos: int [S, R] (default:
-        prefix_len[b] + r for r < n_rows[b], -1 elsewhere); mask: bool [S, R, R] (bit j of row i set iff
-        mask[b, i, j]) or packed uint32 [S, R, 5], required for a tree batch and refused for a causal one.
-        """
-        S, R = self.S, self.R
-        n_rows = self._host("n_rows", n_rows, (S,))
-        prefix_len = self._host("prefix_len", prefix_len, (S,))
-        if (n_rows < 0).any() or (n_rows > R).any():
-            raise ValueError(f"TargetBatch.set: n_rows must lie in [0, {R}], got {n_rows.tolist()}")
-        if (prefix_len < 0).any():
-            raise ValueError(f"TargetBatch.set: prefix_len must be >= 0, got {prefix_len.tolist()}")
-        tokens = self._host("tokens", tokens, (S, R))
-        positions = self._host("positions", positions, (S, R))
-        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-            raise ValueError(f"TargetBatch.set: tokens must lie in [0, {self.cfg.vocab_size}), got range "
-                             f"[{tokens.min()}, {tokens.max()}]")
-        if positions.min() < 0:
-            raise ValueError(f"TargetBatch.set: positions must be >= 0, got min {positions.min()}")
-        r = np.arange(R)[None, :]
-        used = r < n_rows[:, None]
-        if kv_pos is None:
-            kv_pos = np.where(used, prefix_len[:, None] + r, -1)
-        else:
-            kv_pos = self._host("kv_pos", kv_pos, (S, R))
-            if (kv_pos[~used] != -1).any():
-                raise ValueError("TargetBatch.set: kv_pos must be -1 on rows r >= n_rows[b] (padding)")
-        if self.max_kv_len is not None and (prefix_len + n_rows > self.max_kv_len).any():
-            raise ValueError(f"TargetBatch.set: prefix_len + n_rows = {(prefix_len + n_rows).tolist()} exceeds "
-                             f"max_kv_len = {self.max_kv_len}")
+        """Copy host inputs into the buffers (host->device copies: not for use inside graph capture).
+        Arguments as ``prepare_inputs``."""
+        h = prepare_inputs(self.S, self.R, self.cfg.vocab_size, self.tree, self.max_kv_len, tokens=tokens,
+                           positions=positions, n_rows=n_rows, prefix_len=prefix_len, kv_pos=kv_pos, mask=mask)
         if self.tree:
-            if mask is None:
-                raise ValueError("TargetBatch.set: mask is required for a tree batch")
-            mask = np.asarray(mask)
-            if mask.dtype == np.bool_:
-                mask = pack_mask(self._host_shape("mask", mask, (S, R, R)))
-            elif mask.shape != (S, R, MASK_WORDS) or mask.dtype != np.uint32:
-                raise ValueError(f"TargetBatch.set: mask must be bool [{S}, {R}, {R}] or uint32 "
-                                 f"[{S}, {R}, {MASK_WORDS}], got {mask.dtype} {mask.shape}")
-            self.mask.set(np.ascontiguousarray(mask))
-        elif mask is not None:
-            raise ValueError("TargetBatch.set: mask given for a causal batch (built with tree=False)")
-        self.tokens.set(tokens.reshape(-1))
-        self.positions.set(positions.reshape(-1))
-        self.kv_pos.set(kv_pos.reshape(-1).astype(np.int32))
-        self.n_rows.set(n_rows)
-        self.prefix_len.set(prefix_len)
-
-    def _host(self, name, a, shape):
-        a = np.asarray(a)
-        if not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"TargetBatch.set: {name} must be an integer array, got {a.dtype}")
-        if a.size == int(np.prod(shape)) and a.ndim == 1 and len(shape) == 2:
-            a = a.reshape(shape)
-        return np.ascontiguousarray(self._host_shape(name, a, shape), dtype=np.int32)
-
-    @staticmethod
-    def _host_shape(name, a, shape):
-        if a.shape != tuple(shape):
-            raise ValueError(f"TargetBatch.set: {name} has shape {a.shape}, expected {tuple(shape)}")
-        return a
+            self.mask.set(h["mask"])
+        for k in ("tokens", "positions", "kv_pos", "n_rows", "prefix_len"):
+            getattr(self, k).set(h[k])
 
     def nbytes(self) -> int:
         arrs = [self.tokens, self.positions, self.kv_pos, self.stream_ids, self.prefix_len, self.n_rows,
@@ -135,14 +82,65 @@ class TargetBatch:
         return sum(int(a.nbytes) for a in arrs)
 
 
-def pack_mask(visible: np.ndarray) -> np.ndarray:
-    """bool [..., R, R] (row i sees row j) -> uint32 [..., R, MASK_WORDS] (bit j of word j // 32)."""
-    visible = np.asarray(visible, dtype=bool)
-    R = visible.shape[-1]
-    if visible.shape[-2] != R or R > 32 * MASK_WORDS:
-        raise ValueError(f"pack_mask: visible must be [..., R, R] with R <= {32 * MASK_WORDS}, got {visible.shape}")
-    pad = np.zeros(visible.shape[:-1] + (32 * MASK_WORDS,), bool)
-    pad[..., :R] = visible
-    bits = pad.reshape(visible.shape[:-1] + (MASK_WORDS, 32)).astype(np.uint64)
-    words = (bits << np.arange(32, dtype=np.uint64)).sum(axis=-1)
-    return words.astype(np.uint32)
+
+def _int_array(name, a, shape):
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"TargetBatch.set: {name} must be an integer array, got {a.dtype}")
+    if a.ndim == 1 and len(shape) == 2 and a.size == shape[0] * shape[1]:
+        a = a.reshape(shape)
+    if a.shape != tuple(shape):
+        raise ValueError(f"TargetBatch.set: {name} has shape {a.shape}, expected {tuple(shape)}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def prepare_inputs(S: int, R: int, vocab_size: int, tree: bool, max_kv_len: Optional[int], *, tokens, positions,
+                   n_rows, prefix_len, kv_pos=None, mask=None) -> dict:
+    """Check host inputs of a batch and flatten them to the device layout (host only; what ``set`` copies).
+
+    tokens / positions: int [S, R] (or [S * R]); n_rows, prefix_len: int [S]; kv_pos: int [S, R] (default:
+    prefix_len[b] + r for r < n_rows[b], -1 elsewhere; must be -1 on padding rows); mask: bool [S, R, R]
+    (row i sees row j) or packed uint32 [S, R, 5], required for a tree batch and refused for a causal one.
+    Returns {tokens, positions, kv_pos: int32 [S * R], n_rows, prefix_len: int32 [S], mask: uint32 or None}.
+    """
+    n_rows = _int_array("n_rows", n_rows, (S,))
+    prefix_len = _int_array("prefix_len", prefix_len, (S,))
+    if (n_rows < 0).any() or (n_rows > R).any():
+        raise ValueError(f"TargetBatch.set: n_rows must lie in [0, {R}], got {n_rows.tolist()}")
+    if (prefix_len < 0).any():
+        raise ValueError(f"TargetBatch.set: prefix_len must be >= 0, got {prefix_len.tolist()}")
+    tokens = _int_array("tokens", tokens, (S, R))
+    positions = _int_array("positions", positions, (S, R))
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"TargetBatch.set: tokens must lie in [0, {vocab_size}), got range "
+                         f"[{tokens.min()}, {tokens.max()}]")
+    if positions.min() < 0:
+        raise ValueError(f"TargetBatch.set: positions must be >= 0, got min {positions.min()}")
+    used = np.arange(R)[None, :] < n_rows[:, None]
+    if kv_pos is None:
+        kv_pos = np.where(used, prefix_len[:, None] + np.arange(R)[None, :], -1).astype(np.int32)
+    else:
+        kv_pos = _int_array("kv_pos", kv_pos, (S, R))
+        if (kv_pos[~used] != -1).any():
+            raise ValueError("TargetBatch.set: kv_pos must be -1 on rows r >= n_rows[b] (padding)")
+        if (kv_pos[used] < 0).any():
+            raise ValueError("TargetBatch.set: kv_pos must be >= 0 on the rows in use")
+    if max_kv_len is not None and (prefix_len + n_rows > max_kv_len).any():
+        raise ValueError(f"TargetBatch.set: prefix_len + n_rows = {(prefix_len + n_rows).tolist()} exceeds "
+                         f"max_kv_len = {max_kv_len}")
+    packed = None
+    if tree:
+        if mask is None:
+            raise ValueError("TargetBatch.set: mask is required for a tree batch")
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_ and mask.shape == (S, R, R):
+            packed = np.stack([pack_mask(m) for m in mask])
+        elif mask.dtype == np.uint32 and mask.shape == (S, R, MASK_WORDS):
+            packed = np.ascontiguousarray(mask)
+        else:
+            raise ValueError(f"TargetBatch.set: mask must be bool [{S}, {R}, {R}] or uint32 "
+                             f"[{S}, {R}, {MASK_WORDS}], got {mask.dtype} {mask.shape}")
+    elif mask is not None:
+        raise ValueError("TargetBatch.set: mask given for a causal batch (built with tree=False)")
+    return {"tokens": tokens.reshape(-1), "positions": positions.reshape(-1), "kv_pos": kv_pos.reshape(-1),
+            "n_rows": n_rows, "prefix_len": prefix_len, "mask": packed}
