@@ -204,8 +204,9 @@ class GpuDrafter:
     target: provides ``embed(ids int32 [T], out uint16 [T, H])`` (vocabulary-parallel lookup, summed over
             ranks) and ``project_vocab(x uint16 [T, H], out float32 [T, V/tp])`` (this rank's logit columns).
     comm:   the tensor-parallel communicator (``dist``); ``all_reduce`` sums bf16 buffers in place.
-    max_streams S: stream slots; max_ctx C: ring slots per stream (>= the longest context when no
-            ``draft_window`` is set, >= the window otherwise); max_append: rows per ``append_context``.
+    max_streams S: stream slots; max_ctx: ring slots per stream (>= the longest context when no
+            ``draft_window`` is set, >= the window otherwise; raised to max_append if smaller: C);
+            max_append: rows per ``append_context``.
     """
 
     def __init__(self, dcfg: DrafterConfig, weights: GpuDrafterWeights, target, comm=None, max_streams: int = 1,
@@ -229,15 +230,14 @@ class GpuDrafter:
         W = dcfg.draft_window
         if W is not None and W > max_ctx:
             raise ValueError(f"max_ctx: the ring ({max_ctx} slots) must hold the draft window ({W} positions)")
-        if max_append > max_ctx:
-            # one append's rows of a stream must land in distinct ring slots (rows of one call are written
-            # in parallel, in no order): consecutive positions are distinct mod C when at most C of them
-            raise ValueError(f"max_append: {max_append} rows per append exceed the ring's {max_ctx} slots (max_ctx)")
         for m in ("embed", "project_vocab"):
             if not callable(getattr(target, m, None)):
                 raise ValueError(f"target: has no {m}(...) method (GpuTarget provides embed / project_vocab)")
         self.cfg, self.w, self.target = dcfg, weights, target
-        self.S, self.C, self.N_max = int(max_streams), int(max_ctx), int(max_append)
+        # Ring slots: max_ctx, but at least max_append. One call's rows of a stream are written in parallel,
+        # in no order, so they must land in distinct slots: consecutive positions are distinct mod C when
+        # there are at most C of them.
+        self.S, self.C, self.N_max = int(max_streams), max(int(max_ctx), int(max_append)), int(max_append)
         self.window = 0 if W is None else int(W)
         c = dcfg
         self.L, self.H, self.bs = c.num_hidden_layers, c.hidden_size, c.block_size
@@ -364,8 +364,8 @@ class GpuDrafter:
         """Append committed tokens: row i (target features feats[i] [n_feat, H], bf16) becomes stream
         ``stream_ids[i]``'s context at absolute position ``positions[i]`` (slot p % C) in every layer.
         Rows with position -1 are padding: computed, never written. Positions of a stream must continue
-        its context (0, 1, 2, ... in commit order) for draft's ctx_len to describe it, and one call's rows
-        of a stream must span fewer than C positions (they are written in parallel)."""
+        its context (0, 1, 2, ... in commit order) for draft's ctx_len to describe it (C >= max_append
+        keeps one call's rows of a stream in distinct ring slots)."""
         import cupy as cp
         dims: dict = {}
         dev = cp.cuda.Device().id

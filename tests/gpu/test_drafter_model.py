@@ -462,6 +462,11 @@ def test_bad_inputs_raise(tiny):
         dr.draft(i32(5), i32(5), i32(5), cp.zeros((5, D, V), cp.float32))
     with pytest.raises(ValueError, match="max_ctx"):
         make_drafter(tiny, dcfg.with_options(draft_window=65), 64)
+    # the ring grows to max_append: one call's rows of a stream must fall in distinct slots
+    from ddtree_cupy.models.drafter import GpuDrafter
+    small = GpuDrafter(dcfg.with_options(draft_window=8), dr.w, dr.target, None, max_streams=2, max_ctx=8,
+                       max_append=40)
+    assert small.C == 40 and small.k_cache[0].shape == (2, 40, dcfg.num_key_value_heads, 128)
 
 
 # ---------------------------------------------------------------------------------------------------
