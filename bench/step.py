@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     per_stream = a.ctx + R_max + 64
     eng = GpuEngine(tcfg, None, dcfg, None, comm=comm, max_streams=S_max, max_budget=R_max - 1,
                     kv_tokens=S_max * (-(-per_stream // 64)) * 64, random_weights=1, prefill_chunk=64,
+                    max_context=per_stream,
                     buckets=tuple(sorted(set(a.streams) | {S_max})))
     build_s = time.perf_counter() - t0
     fill_random(eng.kv.pools, seed=1)
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
-                  f"{np.mean(uniq):5.1f}; phases " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
+                  f"{rec['mean_unique_experts']:5.1f}; phases " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
                   + f"; PRO 6000 {pro_s * 1e3:.1f} ms -> {a.tau * S / pro_s:.0f} tok/s", flush=True)
     assumptions = {
         "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,

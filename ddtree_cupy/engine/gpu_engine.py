@@ -41,10 +41,14 @@ class GpuEngine:
                  drafter_dir: Optional[str] = None, comm=None, max_streams: int = 10, max_budget: int = 64,
                  kv_tokens: Optional[int] = None, eager: bool = False, prefill_chunk: int = 256,
                  profile: bool = False, reserve_bytes: Optional[int] = None, random_weights: Optional[int] = None,
-                 progress: bool = False, buckets: Optional[Sequence[int]] = None):
+                 progress: bool = False, buckets: Optional[Sequence[int]] = None,
+                 max_context: Optional[int] = None):
         """``random_weights``: a seed: random rank-shaped weights instead of a checkpoint (benchmarks).
         ``kv_tokens``: latent-cache tokens for all streams together (default: from free memory).
-        ``profile``: time phases with CUDA events (forces eager steps: a replayed graph is one launch)."""
+        ``profile``: time phases with CUDA events (forces eager steps: a replayed graph is one launch).
+        ``max_context``: cache tokens one stream may use (prompt + output + one step's tree rows); default
+        the position limit + the largest tree. Smaller values size the attention's split plan and the
+        drafter ring for shorter contexts (longer requests are refused at admission)."""
         import cupy
         from ..dist import SingleRank
         from ..models.drafter import GpuDrafter, GpuDrafterWeights
@@ -82,6 +86,11 @@ class GpuEngine:
         self.target = GpuTarget(tcfg, tw, self.comm, max_tokens=max_tokens, feature_layers=feats)
         # Largest context a stream can reach: the position limit plus one verify step's rows.
         max_ctx_tokens = tcfg.max_position_embeddings + max_rows
+        if max_context is not None:
+            if not isinstance(max_context, (int, np.integer)) or max_context < max_rows + 1:
+                raise ValueError(f"GpuEngine: max_context must be an integer > {max_rows} (one tree), got "
+                                 f"{max_context!r}")
+            max_ctx_tokens = min(max_ctx_tokens, int(max_context))
         self.drafter = None
         if dw is not None:
             C = dcfg.draft_window if dcfg.draft_window else max_ctx_tokens

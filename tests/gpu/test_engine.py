@@ -49,8 +49,9 @@ def tiny():
 @pytest.fixture(scope="module")
 def engine(tiny):
     from ddtree_cupy.engine.gpu_engine import GpuEngine
+    # 1024 cache tokens per stream (the attention is planned for that), 64 pages for all streams together
     return GpuEngine(tiny["cfg"], tiny["tdir"], tiny["dcfg"], tiny["ddir"], max_streams=4, max_budget=16,
-                     kv_tokens=64 * 64)
+                     kv_tokens=64 * 64, max_context=1024)
 
 
 def requests(prompts, n_new=N_NEW, **kw):
@@ -270,7 +271,7 @@ def test_streams_join_and_leave(tiny, engine):
 
 def test_too_long_request_refused_others_continue(tiny, engine):
     rng = np.random.default_rng(9)
-    long_prompt = rng.integers(0, 700, 3000).tolist()     # 3000 + up to 1096 + 17 rows > 64 pages per stream
+    long_prompt = rng.integers(0, 700, 3000).tolist()     # more than max_context = 1024 tokens per stream
     from ddtree_cupy.reference.loop import Request
     reqs = [Request(tiny["prompts"][0], 30), Request(long_prompt, 2000), Request(tiny["prompts"][1], 30)]
     res = engine.generate(reqs, "ddtree", 16)
