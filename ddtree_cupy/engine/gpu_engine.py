@@ -110,7 +110,9 @@ class GpuEngine:
             if reserve_bytes is None:
                 step_bytes = max_tokens * (tcfg.vocab_size // size) * 4 * 2 + max_tokens * len(feats) * tcfg.hidden_size * 2
                 reserve_bytes = max(1 << 30, 6 * step_bytes)
-            num_pages = kv_pages_for_memory(free, L, reserve_bytes)
+            # never more than every slot at its longest context: the rest would sit unused
+            num_pages = min(kv_pages_for_memory(free, L, reserve_bytes),
+                            self.max_streams * self.max_pages_per_stream)
         if num_pages < 1:
             raise MemoryError(f"GpuEngine: no GPU memory left for the KV cache after weights and workspaces "
                               f"({per_page} bytes per 64-token page needed)")
