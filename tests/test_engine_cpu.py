@@ -521,3 +521,29 @@ def test_profile_mode_reports_phases(fake_gpu):
     eng.profile = True
     res = eng.generate(reqs()[:2], "ddtree", 8)
     assert {"draft", "tree", "verify", "accept", "prefill"} <= set(res.phase_s)
+
+
+def test_memory_sized_pool_and_cli_through_cupy_backend(fake_gpu, monkeypatch, tmp_path, capsys):
+    """kv_tokens=None sizes the pool from (fake) free memory, capped at every slot's longest context; the CLI
+    with --backend cupy runs the engine end to end (toy models) and reports every stream."""
+    import json
+
+    from ddtree_cupy.models import drafter as md
+    from ddtree_cupy.models import weights as mw
+    from ddtree_cupy.run import main
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    eng, rt, rd = make(kv_tokens=None)
+    assert eng.num_pages == eng.max_streams * eng.max_pages_per_stream
+    res = eng.generate(reqs(), "ddtree", 8)
+    assert [s.output_ids for s in res.streams] == [s.output_ids for s in DecodeLoop(rt, rd, "ddtree", 8).run(
+        reqs()).streams]
+    tdir, ddir = ensure_tiny_checkpoints(str(tmp_path), spec=SPEC)
+    monkeypatch.setattr(mw.GpuTargetWeights, "from_checkpoint", staticmethod(lambda *a, **k: SimpleNamespace()))
+    monkeypatch.setattr(md.GpuDrafterWeights, "from_checkpoint", staticmethod(lambda *a, **k: SimpleNamespace()))
+    rc = main(["--model", tdir, "--drafter", ddir, "--prompt-ids", "5,6,7", "--prompt-ids", "9,10",
+               "--max-new-tokens", "20", "--backend", "cupy", "--json", "--ignore-eos", "--budget", "6"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    js = json.loads(out.out.strip().splitlines()[-1])
+    want = DecodeLoop(rt, rd, "ddtree", 6).run([Request([5, 6, 7], 20), Request([9, 10], 20)])
+    assert [s["output_ids"] for s in js["streams"]] == [s.output_ids for s in want.streams]

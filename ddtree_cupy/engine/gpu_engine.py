@@ -92,7 +92,7 @@ class GpuEngine:
                                  f"{max_context!r}")
             max_ctx_tokens = min(max_ctx_tokens, int(max_context))
         self.drafter = None
-        if dw is not None:
+        if dcfg is not None:
             C = dcfg.draft_window if dcfg.draft_window else max_ctx_tokens
             self.drafter = GpuDrafter(dcfg, dw, self.target, self.comm, max_streams=self.max_streams, max_ctx=int(C),
                                       max_append=max(int(prefill_chunk), self.max_streams * (depth + 1)))
