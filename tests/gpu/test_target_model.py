@@ -490,3 +490,55 @@ def test_random_weights_kimi_rank_shape():
                        f"for 2 layers + lm_head")
     print(f"\nKimi K2.6 TP=8 rank, 2 layers: weights {w.nbytes() / 2**30:.2f} GiB "
           f"({ {k: round(v / 2**20, 1) for k, v in pb.items()} } MiB); " + "; ".join(timings))
+
+
+# ------------------------------------------------------------------------------------------------------
+def test_argument_errors(tiny, gpu_tp1):
+    import cupy as cp
+    from dataclasses import replace
+    from ddtree_cupy.models.batch import TargetBatch
+    from ddtree_cupy.models.kv import GpuLatentCache
+    from ddtree_cupy.models.target import GpuTarget
+    cfg, feat = tiny["cfg"], tiny["feat"]
+    with pytest.raises(ValueError, match="weights are rank 0 of 1"):
+        GpuTarget(cfg, gpu_tp1, PartialComm(1, 2))
+    with pytest.raises(ValueError, match="feature_layers"):
+        GpuTarget(cfg, gpu_tp1, None, 16, feature_layers=(1, 1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        GpuTarget(cfg, gpu_tp1, None, 0)
+    with pytest.raises(ValueError, match="weights must be GpuTargetWeights"):
+        GpuTarget(cfg, {}, None, 16)
+    tgt = GpuTarget(cfg, gpu_tp1, None, max_tokens=8, feature_layers=feat)
+    kv = GpuLatentCache(cfg.num_hidden_layers, 4, 2, 2)
+    with pytest.raises(ValueError, match="T = 12 rows > max_tokens = 8"):
+        tgt.forward(TargetBatch(2, 6, cfg, 1, len(feat)), kv)
+    with pytest.raises(ValueError, match="n_feat = 1"):
+        tgt.forward(TargetBatch(2, 4, cfg, 1, 1), kv)
+    with pytest.raises(ValueError, match="tp = 2"):
+        tgt.forward(TargetBatch(2, 4, cfg, 2, len(feat)), kv)
+    with pytest.raises(ValueError, match="kv has 3 layers"):
+        tgt.forward(TargetBatch(2, 4, cfg, 1, len(feat)), GpuLatentCache(3, 4, 2, 2))
+    with pytest.raises(ValueError, match="kv only 1 streams"):
+        tgt.forward(TargetBatch(2, 4, cfg, 1, len(feat)), GpuLatentCache(cfg.num_hidden_layers, 4, 1, 2))
+    with pytest.raises(ValueError, match="different TargetConfig"):
+        tgt.forward(TargetBatch(2, 4, replace(cfg, rms_norm_eps=1e-3), 1, len(feat)), kv)
+    with pytest.raises(ValueError, match="exceeds the per-stream cache capacity"):
+        tgt.forward(TargetBatch(2, 4, cfg, 1, len(feat), max_kv_len=200), kv)
+    with pytest.raises(ValueError, match="at most 129 rows"):
+        TargetBatch(1, 130, cfg, 1, 0, tree=True)
+    # the first forward of a batch shape allocates its attention workspace: not allowed inside a capture.
+    # (An eager forward of another shape with the same T first, so no kernel compiles inside the capture.)
+    kv.assign_contiguous(2)
+    b1 = TargetBatch(1, 8, cfg, 1, len(feat), max_kv_len=128)
+    b1.set(tokens=np.ones((1, 8), int), positions=np.arange(8)[None], n_rows=[8], prefix_len=[0])
+    tgt.forward(b1, kv)
+    b = TargetBatch(2, 4, cfg, 1, len(feat), max_kv_len=128)
+    b.set(tokens=np.ones((2, 4), int), positions=np.tile(np.arange(4), (2, 1)), n_rows=[4, 2], prefix_len=[0, 0])
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        st.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="run it once eagerly first"):
+                tgt.forward(b, kv)
+        finally:
+            st.end_capture()
