@@ -109,7 +109,8 @@ class GpuEngine:
             free = cupy.cuda.runtime.memGetInfo()[0] + mp.free_bytes()
             if reserve_bytes is None:
                 step_bytes = max_tokens * (tcfg.vocab_size // size) * 4 * 2 + max_tokens * len(feats) * tcfg.hidden_size * 2
-                reserve_bytes = max(1 << 30, 6 * step_bytes)
+                # step shapes (one per bucket) plus their attention split workspaces come after the pool
+                reserve_bytes = max(2 << 30, 10 * step_bytes)
             # never more than every slot at its longest context: the rest would sit unused
             num_pages = min(kv_pages_for_memory(free, L, reserve_bytes),
                             self.max_streams * self.max_pages_per_stream)
