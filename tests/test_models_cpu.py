@@ -141,3 +141,20 @@ def test_rank_checks_and_cache_bytes():
     _check_rank(7, 8)
     # Kimi: 61 layers x 576 bf16 per token = 70272 B per token (ARCHITECTURE.md: ~70 KB)
     assert latent_cache_bytes(61, 1) == 61 * 64 * 576 * 2
+
+
+@pytest.mark.slow
+def test_gpu_target_tests_on_cpu_emulation():
+    """tests/gpu/test_target_model.py (all but the Kimi-size test) through the CPU stand-in for CuPy and the
+    kernels (tests/_target_shim.py), in a subprocess: GpuTarget's plumbing (views, strides, buffers, feature
+    copies, graph capture without allocation, TP partial sums) against the float64 reference without a GPU."""
+    import subprocess
+    import sys
+    root = os.path.dirname(HERE)
+    code = ("import sys; sys.path[:0] = [%r, %r]; import _target_shim, pytest; "
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not kimi', %r]))"
+            % (root, HERE, os.path.join(HERE, "gpu", "test_target_model.py")))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=170)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    assert "5 passed" in r.stdout and "1 skipped" in r.stdout, tail     # NCCL skips: no NCCL on the CPU

@@ -1,0 +1,377 @@
+"""CPU stand-in for CuPy and the kernels GpuTarget launches, for running tests/gpu/test_target_model.py
+without a GPU (tests/test_models_cpu.py::test_gpu_target_tests_on_cpu_emulation runs it in a subprocess).
+
+Import this module BEFORE anything imports cupy: it installs a numpy-backed ``cupy`` module (arrays are an
+ndarray subclass with ``.data.ptr``, ``.get()``, ``.set()``), replaces ``get_kernel`` in the kernel wrapper
+modules so that the REAL wrappers run (every argument check, stride and pointer computation) and their
+launches execute numpy emulations that decode the raw launch arguments (pointers, element strides, grid),
+and records launches between ``begin_capture`` / ``end_capture`` into a replayable graph (allocation during a
+capture raises, as it must never happen in a captured forward). Emulated numerics round to bf16 where the
+kernels do (GEMM/norm/RoPE/attention outputs, the MoE intermediate), accumulating in float64. The MoE is
+emulated at ``moe_forward`` level from the dequantised experts (``pack_moe_weights`` keeps them), after the
+real launch plan has checked the arguments. NCCL is absent (its test skips).
+"""
+import ctypes
+import importlib.machinery
+import sys
+import types
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+CAPTURE = {"on": False, "ops": None}
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------------
+# fake cupy
+# ---------------------------------------------------------------------------------------------------
+class _Ptr:
+    def __init__(self, p):
+        self.ptr = p
+
+
+class _Device:
+    id = 0
+    compute_capability = "90"
+    attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448,
+                  "MaxSharedMemoryPerMultiprocessor": 233472, "L2CacheSize": 50 * 2**20}
+
+    def __init__(self, i=0):
+        pass
+
+    def use(self):
+        pass
+
+
+class DeviceArray(np.ndarray):
+    @property
+    def data(self):
+        return _Ptr(self.__array_interface__["data"][0])
+
+    @property
+    def device(self):
+        return _Device()
+
+    def get(self, stream=None):
+        return np.array(self).view(np.ndarray)
+
+    def set(self, a, stream=None):
+        self[...] = np.asarray(a)
+
+
+def _alloc(a):
+    if CAPTURE["on"]:
+        raise RuntimeError("device allocation during graph capture")
+    return a.view(DeviceArray)
+
+
+def _empty(shape, dtype=float):
+    dt = np.dtype(dtype)
+    a = np.empty(shape, dt)
+    if dt.kind == "f":
+        a.fill(np.nan)
+    else:
+        a.fill(np.iinfo(dt).max)
+    return _alloc(a)        # "uninitialised" memory is poison, never zeros by luck
+
+
+cp = types.ModuleType("cupy")
+cp.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+cp.ndarray = DeviceArray
+for _n in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32", "float64"):
+    setattr(cp, _n, getattr(np, _n))
+cp.empty = _empty
+cp.zeros = lambda shape, dtype=float: _alloc(np.zeros(shape, dtype))
+cp.full = lambda shape, v, dtype=None: _alloc(np.full(shape, v, dtype))
+cp.full_like = lambda a, v: _alloc(np.full_like(np.asarray(a), v))
+cp.asarray = lambda a, dtype=None: _alloc(np.array(a, dtype=dtype, copy=True))
+cp.ascontiguousarray = lambda a: _alloc(np.array(np.asarray(a), order="C", copy=True))
+cp.array_equal = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+def _run(op):
+    """Execute a launch now, or record it while a capture is open."""
+    if CAPTURE["on"]:
+        CAPTURE["ops"].append(op)
+    else:
+        op()
+
+
+class _Graph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        for op in self.ops:
+            op()
+
+
+class _Stream:
+    ptr = 1
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+    def is_capturing(self):
+        return CAPTURE["on"]
+
+    def begin_capture(self):
+        CAPTURE["on"], CAPTURE["ops"] = True, []
+
+    def end_capture(self):
+        ops = CAPTURE["ops"]
+        CAPTURE["on"], CAPTURE["ops"] = False, None
+        return _Graph(ops)
+
+
+class _Event:
+    def record(self, *a):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+_STREAM = _Stream()
+cuda = types.ModuleType("cupy.cuda")
+cuda.Device, cuda.Stream, cuda.Event = _Device, _Stream, _Event
+cuda.get_current_stream = lambda: _STREAM
+cuda.get_elapsed_time = lambda a, b: 0.0
+runtime = types.ModuleType("cupy.cuda.runtime")
+runtime.memcpyDeviceToDevice = 3
+runtime.getDeviceCount = lambda: 1
+
+
+def _memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+    def op():
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+    _run(op)
+
+
+runtime.memcpy2DAsync = _memcpy2d
+cuda.runtime = runtime
+cp.cuda = cuda
+
+
+class _RandomState:
+    def __init__(self, seed):
+        self.r = np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=float):
+        return _alloc(self.r.standard_normal(size).astype(dtype))
+
+    def randint(self, lo, hi=None, size=None, dtype=int):
+        return _alloc(self.r.integers(lo, hi, size).astype(dtype))
+
+    def uniform(self, lo=0.0, hi=1.0, size=None, dtype=float):
+        return _alloc(self.r.uniform(lo, hi, size).astype(dtype))
+
+
+random = types.ModuleType("cupy.random")
+random.RandomState = _RandomState
+cp.random = random
+sys.modules.update({"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.random": random})
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel emulations from raw launch arguments
+# ---------------------------------------------------------------------------------------------------
+from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits  # noqa: E402
+
+
+def _f(a):
+    return bf16_bits_to_f32(np.asarray(a).view(np.ndarray)).astype(np.float64)
+
+
+def _bits(a):
+    return to_bf16_bits(np.asarray(a, np.float64).astype(np.float32))
+
+
+def _null(a):
+    return not isinstance(a, np.ndarray)
+
+
+def _view(a, shape, strides_el):
+    """The memory a kernel addresses from base pointer ``a`` with element strides ``strides_el``."""
+    a = np.asarray(a).view(np.ndarray)
+    it = a.dtype.itemsize
+    return as_strided(a, shape=shape, strides=tuple(int(s) * it for s in strides_el), writeable=True)
+
+
+def _mem_u16(addr, n):
+    return np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(int(addr)))
+
+
+def _gemm(name, grid, args):
+    x, xs0, xs1, w, w_bs, out, os0, os1, _ws, T, N, K, _per = args
+    B, T, N, K = grid[2], int(T), int(N), int(K)
+    y = np.einsum("btk,bnk->btn", _f(_view(x, (B, T, K), (xs0, xs1, 1))), _f(_view(w, (B, N, K), (w_bs, K, 1))))
+    f32_out = name.rstrip(">").split(",")[-1].strip() == "true"
+    _view(out, (B, T, N), (os0, os1, 1))[...] = y.astype(np.float32) if f32_out else _bits(y)
+
+
+def _norm(name, grid, args):
+    x, xs0, res, rs0, res_out, ros0, weight, out, os0, out_rows, H, eps = args
+    T, H = grid[0], int(H)
+    h = _f(_view(x, (T, H), (xs0, 1)))
+    if not _null(res):
+        h = _f(_bits(h + _f(_view(res, (T, H), (rs0, 1)))))
+        _view(res_out, (T, H), (ros0, 1))[...] = _bits(h)
+    y = _f(weight) * h / np.sqrt((h * h).mean(-1, keepdims=True) + float(eps))
+    assert _null(out_rows), "out_rows scatter is not emulated"
+    _view(out, (T, H), (os0, 1))[...] = _bits(y)
+
+
+def _rope(name, grid, args):
+    x, xs0, xs1, out, os0, os1, out_rows, positions, T, heads, half, _c, _s, _mp, inv_freq, amp = args
+    assert name == "rope_kernel<false, false>" and _null(out_rows), f"{name}: only adjacent pairs + inv_freq emulated"
+    T, heads, half = int(T), int(heads), int(half)
+    X = _f(_view(x, (T, heads, 2 * half), (xs0, xs1, 1)))
+    ang = (np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]).astype(np.float32)
+    c = (np.cos(ang) * np.float32(amp)).astype(np.float64)[:, None]
+    s = (np.sin(ang) * np.float32(amp)).astype(np.float64)[:, None]
+    Y = np.empty_like(X)
+    Y[..., 0::2] = X[..., 0::2] * c - X[..., 1::2] * s
+    Y[..., 1::2] = X[..., 0::2] * s + X[..., 1::2] * c
+    _view(out, (T, heads, 2 * half), (os0, os1, 1))[...] = _bits(Y)
+
+
+def _silu(name, grid, args):
+    gu, gs0, out, os0, T, I = args
+    T, I = int(T), int(I)
+    G = _f(_view(gu, (T, 2 * I), (gs0, 1)))
+    g, u = G[:, :I], G[:, I:]
+    _view(out, (T, I), (os0, 1))[...] = _bits(g / (1 + np.exp(-g)) * u)
+
+
+def _embed(name, grid, args):
+    ids, table, rows, vs, H, out, os0 = args
+    O = _view(out, (grid[0], int(H)), (os0, 1))
+    tb = np.asarray(table).view(np.ndarray)
+    for t in range(grid[0]):
+        r = int(ids[t]) - int(vs)
+        O[t] = tb[r] if 0 <= r < int(rows) else 0
+
+
+def _router(name, grid, args):
+    logits, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w = args
+    assert int(n_group) == 1, "group-limited routing is not emulated"
+    s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)[:int(T)]))
+    choice = s + np.asarray(bias, np.float64)[None]
+    for t in range(int(T)):
+        ids = np.lexsort((np.arange(int(E)), -choice[t]))[:int(k)]     # descending, ties to the lower id
+        w = s[t, ids] / (s[t, ids].sum() if int(norm) else 1.0)
+        out_ids[t] = ids
+        out_w[t] = (w * float(scale)).astype(np.float32)
+
+
+def _mla(name, grid, args):
+    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args
+    P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
+    Q, O = np.asarray(q).view(np.ndarray), np.asarray(out).view(np.ndarray)
+    scale = float(scale_log2) / LOG2E
+    for b in range(grid[2]):
+        n, s, rs = int(n_rows[b]), int(prefix_len[b]), int(row_start[b])
+        if n == 0:
+            continue
+        pos = np.arange(s + n)
+        keys = _f(P[tb[b, pos // 64], pos % 64])
+        for i in range(n):
+            if _null(mask):
+                own = np.arange(n) <= i
+            else:
+                words = np.asarray(mask).view(np.ndarray)[b, i].astype(np.int64)
+                own = np.array([(words[j // 32] >> (j % 32)) & 1 for j in range(n)], bool)
+            kk = keys[np.concatenate([np.ones(s, bool), own])]
+            sc = _f(Q[rs + i]) @ kk.T * scale
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            O[rs + i] = _bits((p / p.sum(-1, keepdims=True)) @ kk[:, :512])
+
+
+def _kv_write(name, grid, args):
+    lat, lat_stride, rope, rope_stride, sids, positions, pool, table, _mp = args
+    P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
+    for t in range(grid[0]):
+        p = int(positions[t])
+        if p < 0:
+            continue
+        page = tb[int(sids[t]), p // 64]
+        assert page >= 0, "latent write to a stream position without a page"
+        P[page, p % 64, :512] = _mem_u16(int(lat) + 2 * t * int(lat_stride), 512)
+        P[page, p % 64, 512:] = _mem_u16(int(rope) + 2 * t * int(rope_stride), 64)
+
+
+def _noop(name, grid, args):
+    pass
+
+
+_TABLE = [("gemm_bf16_kernel", _gemm), ("gemm_splitk_reduce", _noop), ("rmsnorm_kernel", _norm),
+          ("rope_kernel", _rope), ("silu_mul_kernel", _silu), ("embed_gather_kernel", _embed),
+          ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_combine", _noop),
+          ("kv_write_latent", _kv_write), ("moe_", _noop)]
+
+
+def _get_kernel(spec, name, max_dynamic_smem=0):
+    """Emulations write final results straight into ``out`` (split-K / split-KV partials are skipped, so
+    the reduction / combine launches are no-ops)."""
+    for prefix, fn in _TABLE:
+        if name.startswith(prefix):
+            def launch(grid, block, args, shared_mem=0, _fn=fn, _name=name):
+                _run(lambda: _fn(_name, grid, args))
+            return launch
+    raise KeyError(f"no emulation for kernel {name}")
+
+
+import ddtree_cupy.kernels.attention as _attention  # noqa: E402
+import ddtree_cupy.kernels.compile as _compile  # noqa: E402
+import ddtree_cupy.kernels.gemm as _gemm_mod  # noqa: E402
+import ddtree_cupy.kernels.kv_cache as _kv_cache  # noqa: E402
+import ddtree_cupy.kernels.layers as _layers  # noqa: E402
+import ddtree_cupy.kernels.moe as _moe  # noqa: E402
+import ddtree_cupy.kernels.router as _router_mod  # noqa: E402
+
+for _m in (_gemm_mod, _layers, _router_mod, _attention, _kv_cache, _moe):
+    _m.get_kernel = _get_kernel
+_compile.device_arch = lambda: "sm_90"
+_orig_pack, _orig_plan = _moe.pack_moe_weights, _moe.moe_launch_plan
+
+
+def _pack(gp, gs, up, us, dp, ds):
+    w = _orig_pack(gp, gs, up, us, dp, ds)
+    deq = lambda p, s: _moe.dequant_numpy(np.asarray(p).view(np.ndarray), np.asarray(s).view(np.ndarray))  # noqa
+    w.dense_for_emulation = (deq(gp, gs), deq(up, us), deq(dp, ds))
+    return w
+
+
+def _moe_forward(x, topk_ids, topk_weights, weights, ws, out=None, residual=None, tiles=None, l2_prefetch=None,
+                 pf_steps=_moe.PF_STEPS):
+    _orig_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch, pf_steps)  # the checks
+    G, U, D = weights.dense_for_emulation
+
+    def op():
+        X = _f(x)
+        acc = np.zeros((X.shape[0], weights.hidden)) if residual is None else _f(residual)
+        ids, wts = np.asarray(topk_ids).view(np.ndarray), np.asarray(topk_weights, np.float64)
+        for t in range(X.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                if 0 <= e < weights.n_experts:           # out-of-range ids are skipped, as the kernel does
+                    g, u = X[t] @ G[e].T, X[t] @ U[e].T
+                    acc[t] += wts[t, j] * (_f(_bits(g / (1 + np.exp(-g)) * u)) @ D[e].T)
+        np.asarray(out).view(np.ndarray)[...] = _bits(acc)
+    _run(op)
+    return out
+
+
+_moe.pack_moe_weights, _moe.moe_forward = _pack, _moe_forward
