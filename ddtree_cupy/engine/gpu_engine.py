@@ -121,7 +121,7 @@ class GpuEngine:
         self.num_pages = num_pages
         self.kv = GpuLatentCache(L, num_pages, self.max_streams, self.max_pages_per_stream)
         self.models = Models(tcfg, dcfg, self.target, self.drafter, self.kv, self.comm, self.stream)
-        self.prefill_runner = Prefill(self.models, prefill_chunk)
+        self.prefill_runner = Prefill(self.models, prefill_chunk, graphs=not self.eager)
         self.steps: Dict[Tuple, object] = {}
         self.last_pool: Optional[KVPool] = None
         self.last_phase_s: Dict[str, float] = {}
@@ -192,6 +192,7 @@ class _Executor:
 
     def prefill(self, st) -> int:
         nvtx_push("prefill")
+        self.eng.prefill_runner.graphs = not (self.eng.eager or self.eng.profile)
         try:
             return self.eng.prefill_runner.run(st.slot, st.request.prompt_ids, st.request, self.mode != "ar")
         finally:

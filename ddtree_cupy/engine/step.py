@@ -280,63 +280,85 @@ class DecodeStep:
 
 
 class Prefill:
-    """Chunked prompt prefill of one stream (eager): causal chunks of ``chunk`` rows through the target,
-    features appended to the drafter's context, first token (argmax or sample) from the last row."""
+    """Chunked prompt prefill of one stream: causal chunks of ``chunk`` rows through the target, features
+    appended to the drafter's context, the first token (argmax or sample) from the prompt's last row.
 
-    def __init__(self, m: Models, chunk: int = 256, k_max_sample: int = 128):
+    With ``graphs`` one CUDA graph per variant (with / without the drafter append) replays every chunk of
+    every stream: the chunk's inputs are written into the static batch before the launch, and the stream's
+    block-table row is copied into a one-row table the graph's cache view reads (batch slot 0 = that
+    stream: the attention indexes the table by batch slot, the KV write by stream_ids = 0). The per-row
+    argmax of the whole chunk is part of the graph; the host picks the last real row's."""
+
+    def __init__(self, m: Models, chunk: int = 256, k_max_sample: int = 128, graphs: bool = True):
         import cupy
         from ..kernels.sample import SampleBuffers
         from ..models.batch import TargetBatch
-        self.m, self.chunk = m, int(chunk)
+        self.m, self.chunk, self.graphs = m, int(chunk), bool(graphs)
         self.batch = TargetBatch(1, self.chunk, m.tcfg, m.tp, m.n_feat, tree=False)
-        self.argmax = VocabArgmax(m, 1)
-        self.ids = cupy.zeros(1, cupy.int32)
+        self.table = cupy.full((1, m.kv.max_pages_per_stream), -1, cupy.int32)
+        self.kv = copy.copy(m.kv)
+        self.kv.block_table = self.table
+        self.argmax = VocabArgmax(m, self.chunk)
+        self.ids = cupy.zeros(self.chunk, cupy.int32)
         self.sid = cupy.zeros(self.chunk, cupy.int32)
         self.pos = cupy.full(self.chunk, -1, cupy.int32)
+        self.one = cupy.zeros(1, cupy.int32)
         self.k_max = min(k_max_sample, m.V_local)
         self.sbuf = SampleBuffers(1, m.V_local, self.k_max) if m.tp == 1 else None
+        self.graph = {}                  # use_drafter -> graph
+
+    def _ops(self, use_drafter: bool) -> None:
+        b = self.batch
+        self.m.target.forward(b, self.kv)
+        if use_drafter:
+            self.m.drafter.append_context(b.features, self.sid, self.pos)
+        self.argmax(b.logits, self.ids)
 
     def run(self, slot: int, prompt: Sequence[int], request, use_drafter: bool) -> int:
         import cupy
-        m, b, C = self.m, self.batch, self.chunk
+        m, b, C, st = self.m, self.batch, self.chunk, self.m.stream
+        use_drafter = bool(use_drafter and m.drafter is not None)
         prompt = np.asarray(list(prompt), np.int32)
         P = len(prompt)
-        # The batch's single slot is the stream's KV slot: a view of the cache whose block table is that
-        # slot's row (the attention indexes the table by batch slot, the KV write by stream_ids = 0).
-        kv = copy.copy(m.kv)
-        kv.block_table = m.kv.block_table[slot:slot + 1]
         last = 0
-        with m.stream:
+        with st:
+            cupy.copyto(self.table, m.kv.block_table[slot:slot + 1])
+            self.sid.fill(slot)
             for c0 in range(0, P, C):
                 n = min(C, P - c0)
                 toks = np.zeros(C, np.int32)
                 toks[:n] = prompt[c0:c0 + n]
                 pos = c0 + np.arange(C, dtype=np.int32)
                 kvp = np.where(np.arange(C) < n, pos, -1).astype(np.int32)
-                b.tokens.set(toks, stream=m.stream)
-                b.positions.set(pos, stream=m.stream)
-                b.kv_pos.set(kvp, stream=m.stream)
-                b.prefix_len.set(np.array([c0], np.int32), stream=m.stream)
-                b.n_rows.set(np.array([n], np.int32), stream=m.stream)
-                b.stream_ids.fill(0)
-                b.row_start.fill(0)
-                m.target.forward(b, kv)
-                if use_drafter and m.drafter is not None:
-                    self.sid.fill(slot)
-                    self.pos.set(kvp, stream=m.stream)
-                    m.drafter.append_context(b.features, self.sid, self.pos)
+                b.tokens.set(toks, stream=st)
+                b.positions.set(pos, stream=st)
+                b.kv_pos.set(kvp, stream=st)
+                b.prefix_len.set(np.array([c0], np.int32), stream=st)
+                b.n_rows.set(np.array([n], np.int32), stream=st)
+                self.pos.set(kvp, stream=st)
+                g = self.graph.get(use_drafter) if self.graphs else None
+                if g is not None:
+                    g.launch(st)
+                else:
+                    self._ops(use_drafter)       # eager (also the first chunk before a capture)
+                    if self.graphs:
+                        st.synchronize()
+                        st.begin_capture()
+                        try:
+                            self._ops(use_drafter)
+                        finally:
+                            self.graph[use_drafter] = st.end_capture()
                 last = n - 1
-            row = b.logits[last:last + 1]
             if request.temperature > 0:
                 if self.sbuf is None:
                     raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet")
                 from ..kernels.sample import sample
                 f = lambda v, dt: cupy.asarray(np.array([v], dt))   # noqa: E731
-                sample(row, f(request.temperature, np.float32), f(request.top_k, np.int32),
+                sample(b.logits[last:last + 1], f(request.temperature, np.float32), f(request.top_k, np.int32),
                        f(request.top_p, np.float32), f(slot_seed(request.seed, request.sample_stream), np.uint64),
-                       f(0, np.int64), out=self.ids, k_max=self.k_max, buffers=self.sbuf)
+                       f(0, np.int64), out=self.one, k_max=self.k_max, buffers=self.sbuf)
+                out = int(self.one.get(stream=st)[0])
             else:
-                self.argmax(row, self.ids)
-            out = self.ids.get(stream=m.stream)
-        m.stream.synchronize()
-        return int(out[0])
+                out = int(self.ids[last:last + 1].get(stream=st)[0])
+        st.synchronize()
+        return out
