@@ -238,7 +238,8 @@ def _rope(name, grid, args):
     assert name == "rope_kernel<false, false>" and _null(out_rows), f"{name}: only adjacent pairs + inv_freq emulated"
     T, heads, half = int(T), int(heads), int(half)
     X = _f(_view(x, (T, heads, 2 * half), (xs0, xs1, 1)))
-    ang = (np.asarray(positions).astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None]).astype(np.float32)
+    pos = np.asarray(positions).astype(np.float32)
+    ang = (pos[:, None] * np.asarray(inv_freq, np.float32)[None]).astype(np.float32)
     c = (np.cos(ang) * np.float32(amp)).astype(np.float64)[:, None]
     s = (np.sin(ang) * np.float32(amp)).astype(np.float64)[:, None]
     Y = np.empty_like(X)

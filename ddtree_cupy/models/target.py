@@ -27,7 +27,7 @@ return the rank's partial sums (tests of the TP split on one GPU).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 

@@ -230,7 +230,8 @@ class GpuTargetWeights:
                     del stacks
                     if cfg.n_shared_experts:
                         s = m + "shared_experts."
-                        L.w_shared_gate_up = dev(np.concatenate([get(s + "gate_proj.weight"), get(s + "up_proj.weight")]))
+                        L.w_shared_gate_up = dev(np.concatenate([get(s + "gate_proj.weight"),
+                                                                 get(s + "up_proj.weight")]))
                         L.w_shared_down = dev(get(s + "down_proj.weight"))
                 else:
                     L.w_gate_up = dev(np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
