@@ -547,3 +547,17 @@ def test_memory_sized_pool_and_cli_through_cupy_backend(fake_gpu, monkeypatch, t
     js = json.loads(out.out.strip().splitlines()[-1])
     want = DecodeLoop(rt, rd, "ddtree", 6).run([Request([5, 6, 7], 20), Request([9, 10], 20)])
     assert [s["output_ids"] for s in js["streams"]] == [s.output_ids for s in want.streams]
+
+
+@pytest.mark.slow
+def test_engine_with_real_target_on_cpu_emulation():
+    """tests/_engine_target_emul.py in a subprocess: the engine around the REAL GpuTarget (kernels emulated by
+    tests/_target_shim.py), ar / ddtree / chain with an oracle drafter, graphs and eager, against the float64
+    reference's greedy tokens (fails, for instance, when the KV compaction is skipped)."""
+    import os
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "_engine_target_emul.py")], cwd=os.path.dirname(here),
+                       capture_output=True, text=True, timeout=170)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0 and "ENGINE-EMUL OK" in r.stdout, tail
