@@ -125,6 +125,7 @@ def _make_fake_cupy():
     cp.empty = lambda s, dtype=np.float64: _w(np.full(s, 0x5A, dtype) if np.dtype(dtype).kind in "iu"
                                              else np.full(s, np.nan, dtype))
     cp.full = lambda s, v, dtype=None: _w(np.full(s, v, dtype))
+    cp.ones = lambda s, dtype=np.float64: _w(np.ones(s, dtype))
     cp.arange = lambda *a, **k: _w(np.arange(*a, **k))
     cp.asarray = lambda a, dtype=None: _w(np.array(a, dtype=dtype))
     cp.ascontiguousarray = lambda a: _w(np.ascontiguousarray(a))
@@ -561,3 +562,51 @@ def test_engine_with_real_target_on_cpu_emulation():
                        capture_output=True, text=True, timeout=170)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0 and "ENGINE-EMUL OK" in r.stdout, tail
+
+
+def k_sample_params(ctrl, S, R, step_field, st, sk, sp, ss, temp, topk, topp, seeds, steps):
+    from ddtree_cupy.kernels import engine_glue as g
+    o = g.sample_params_ref(np.asarray(ctrl), int(R), np.asarray(st), np.asarray(sk), np.asarray(sp), np.asarray(ss))
+    assert int(step_field) == g.CTRL_STEP
+    for k, a in (("temp", temp), ("topk", topk), ("topp", topp), ("seeds", seeds), ("steps", steps)):
+        a[...] = o[k]
+
+
+KERNELS["eg_sample_params"] = k_sample_params
+DRAWS: list = []
+
+
+def fake_sample(logits, temperature, top_k, top_p, seeds, steps, out=None, *, k_max=64, buffers=None):
+    """Stand-in for kernels.sample.sample: argmax at temperature <= 0, else a draw keyed by (seed, step)."""
+    def op():
+        for i in range(logits.shape[0]):
+            t = float(temperature[i])
+            if t <= 0:
+                out[i] = int(np.argmax(logits[i]))
+                continue
+            key = (int(seeds[i]), int(steps[i]))
+            DRAWS.append(key)
+            p = np.exp((logits[i] - logits[i].max()) / t)
+            out[i] = int(np.random.default_rng(list(key)).choice(len(p), p=p / p.sum()))
+    run_or_record(op)
+    return out
+
+
+def test_sampling_plumbing_reproducible(fake_gpu, monkeypatch):
+    from ddtree_cupy.kernels import sample as ks
+    monkeypatch.setattr(ks, "sample", fake_sample)
+    eng, rt, rd = make()
+    mk = lambda seed: [Request(r.prompt_ids, 30, temperature=0.9 if i != 1 else 0.0, seed=seed, sample_stream=i)  # noqa
+                       for i, r in enumerate(reqs())]
+    outs = []
+    for seed in (5, 5, 6):
+        DRAWS.clear()
+        outs.append([s.output_ids for s in eng.generate(mk(seed), "ddtree", 8).streams])
+        # every sampled row of every round draws with its own (seed, step) key
+        assert len(DRAWS) == len(set(DRAWS)) > 0
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    # the greedy stream in the sampled batch: the reference's greedy tokens
+    greedy = DecodeLoop(rt, rd, "ddtree", 8).run([Request(reqs()[1].prompt_ids, 30)])
+    assert outs[0][1] == greedy.streams[0].output_ids
+    assert any(k[1] == 0 for k in DRAWS)                  # prefill draws with round 0
+    assert eng.last_pool.free_pages == eng.last_pool.num_pages
