@@ -62,6 +62,12 @@ class Models:
         self.H = tcfg.hidden_size
 
 
+def gather_keys(comm, keys):
+    """All-gather uint64 top-K keys as int64 (same bits: NCCL has no unsigned 64-bit type in dist.py)."""
+    import cupy
+    return comm.all_gather(keys.view(cupy.int64)).view(cupy.uint64)
+
+
 class VocabArgmax:
     """Per-row argmax (ties: lowest id) of vocabulary-parallel logits [T, V/tp] -> ids int32 [T], using the
     DDTree top-K kernels with k = 1 (ordered keys carry global ids, so the all-gathered shards merge with
@@ -88,7 +94,7 @@ class VocabArgmax:
             ddt.topk_merge(self.part_keys, self.part_ms, 1, self.keys, self.ms, self.lp, ids2)
             return
         ddt.topk_merge(self.part_keys, self.part_ms, 1, self.keys, self.ms, self.lp, ids2)
-        gk, gm = m.comm.all_gather(self.keys), m.comm.all_gather(self.ms)
+        gk, gm = gather_keys(m.comm, self.keys), m.comm.all_gather(self.ms)
         self.keep = [gk, gm]
         ddt.topk_merge(gk, gm, 1, self.keys2, self.ms2, self.lp, ids2, parts_major=True)
 
@@ -98,7 +104,7 @@ def draft_topk(m: Models, ws, logits, merged_keys, merged_ms, keep: list) -> Non
     ws.topk(logits, id_offset=m.id_offset)
     if m.tp == 1:
         return
-    gk, gm = m.comm.all_gather(ws.keys), m.comm.all_gather(ws.ms)
+    gk, gm = gather_keys(m.comm, ws.keys), m.comm.all_gather(ws.ms)
     keep[:] = [gk, gm]
     ddt.topk_merge(gk, gm, ws.k, merged_keys, merged_ms, ws.top_lp.reshape(ws.S * ws.D, ws.k),
                    ws.top_id.reshape(ws.S * ws.D, ws.k), parts_major=True, fast=ws.fast)
