@@ -15,6 +15,7 @@ for token, with continuous batching, refusals and the pool back to empty. This c
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from dataclasses import replace
 from types import SimpleNamespace
@@ -30,12 +31,18 @@ from ddtree_cupy.tinymodel import TinySpec
 # a numpy stand-in for the parts of CuPy the engine touches
 # ---------------------------------------------------------------------------------------------------
 _PTRS: dict = {}
-_CAPTURE: list = []          # [list] while a stream captures
+_TLS = threading.local()     # per thread (the TP test runs one engine per thread): open captures
+
+
+def _cap() -> list:
+    if not hasattr(_TLS, "stack"):
+        _TLS.stack = []
+    return _TLS.stack
 
 
 def run_or_record(fn):
-    if _CAPTURE:
-        _CAPTURE[-1].append(fn)
+    if _cap():
+        _cap()[-1].append(fn)
     else:
         fn()
 
@@ -60,14 +67,14 @@ class FakeArr(np.ndarray):
         return SimpleNamespace(id=0)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
-        assert not _CAPTURE, "device-to-host copy during capture"
+        assert not _cap(), "device-to-host copy during capture"
         if out is not None:
             out[...] = np.asarray(self)
             return out
         return np.array(self)
 
     def set(self, arr, stream=None):
-        assert not _CAPTURE, "host-to-device copy during capture"
+        assert not _cap(), "host-to-device copy during capture"
         self[...] = np.asarray(arr)
 
 
@@ -90,13 +97,13 @@ class _Stream:
         pass
 
     def begin_capture(self):
-        _CAPTURE.append([])
+        _cap().append([])
 
     def end_capture(self):
-        return _Graph(_CAPTURE.pop())
+        return _Graph(_cap().pop())
 
     def is_capturing(self):
-        return bool(_CAPTURE)
+        return bool(_cap())
 
 
 class _Graph:
@@ -376,6 +383,13 @@ class FakeGpuTarget:
         self.w = w
         self.calls = 0
 
+    def _slice(self, full):
+        """This rank's vocabulary columns (TP: the lm_head is split by vocabulary)."""
+        size = getattr(self.comm, "size", 1) if self.comm is not None else 1
+        rank = getattr(self.comm, "rank", 0) if self.comm is not None else 0
+        n = full.shape[-1] // size
+        return full[..., rank * n:(rank + 1) * n]
+
     def forward(self, batch, kv):
         assert batch.T <= self.max_tokens and batch.n_feat == len(self.feature_layers)
         run_or_record(lambda: self._forward(batch, kv))
@@ -406,7 +420,7 @@ class FakeGpuTarget:
                     words = np.asarray(b.mask[s, r])
                     vis = [j for j in range(R) if (int(words[j // 32]) >> (j % 32)) & 1]
                 ctx += [int(b.tokens[base + j]) for j in vis]
-                b.logits[row] = toy_next_logits(ctx, V)
+                b.logits[row] = self._slice(toy_next_logits(ctx, V))
             if b.n_feat:
                 b.features[base:base + R] = 0
                 b.features[base:base + R, 0, 0] = b.tokens[base:base + R]
@@ -417,6 +431,7 @@ class FakeGpuDrafter:
         self.cfg, self.S, self.C, self.N_max = dcfg, max_streams, max_ctx, max_append
         self.ctx = np.full((max_streams, max_ctx), -1, np.int64)
         self.V = target.cfg.vocab_size
+        self.target = target
         self.k_cache, self.v_cache = [], []
 
     def append_context(self, feats, stream_ids, positions):
@@ -438,7 +453,7 @@ class FakeGpuDrafter:
             n = int(clen[b])
             ctx = [int(self.ctx[b, p % self.C]) for p in range(n)]
             assert all(t >= 0 for t in ctx), "drafter context has a hole"
-            out[b] = toy_draft_logits(ctx, int(bonus[b]), int(start[b]), D, self.V)
+            out[b] = self.target._slice(toy_draft_logits(ctx, int(bonus[b]), int(start[b]), D, self.V))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -610,3 +625,66 @@ def test_sampling_plumbing_reproducible(fake_gpu, monkeypatch):
     assert outs[0][1] == greedy.streams[0].output_ids
     assert any(k[1] == 0 for k in DRAWS)                  # prefill draws with round 0
     assert eng.last_pool.free_pages == eng.last_pool.num_pages
+
+
+class ThreadComm:
+    """Rank ``rank`` of a group of threads: all_gather rendezvous at replay time (recorded like a launch, so
+    it also works inside an emulated graph), into a static [size, ...] buffer per call site."""
+
+    def __init__(self, rank, size, shared):
+        self.rank, self.size, self.shared = rank, size, shared
+        self._bufs = {}
+        self.backend = "threads"
+
+    def all_reduce(self, x):
+        raise AssertionError("the toy models issue no all-reduce")
+
+    def all_gather(self, x):
+        key = (x.shape, x.dtype.str, x.__array_interface__["data"][0])
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = _w(np.zeros((self.size,) + x.shape, x.dtype))
+        sh = self.shared
+
+        def op():
+            sh["barrier"].wait()
+            sh["parts"][self.rank] = np.array(x)
+            sh["barrier"].wait()
+            for r in range(self.size):
+                buf[r] = sh["parts"][r]
+            sh["barrier"].wait()
+        run_or_record(op)
+        return buf
+
+
+@pytest.mark.parametrize("mode,budget", [("ddtree", 12), ("chain", 7), ("ar", 1)])
+def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
+    """Two engines (ranks 0 and 1 of TP = 2, one thread each) with vocabulary-split logits: the keys are
+    all-gathered and merged (parts-major) for the draft top-K and the target argmax; both ranks emit the
+    reference loop's tokens."""
+    shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
+    out, errors = [None, None], []
+    _, rt, rd = make()
+
+    def rank_main(r):
+        try:
+            from ddtree_cupy.engine.gpu_engine import GpuEngine
+            tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
+            eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
+                            kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
+            res = eng.generate(reqs(), mode, budget)
+            out[r] = ([s.output_ids for s in res.streams], res.accept_lens)
+        except BaseException as e:    # noqa: BLE001 - reported below
+            errors.append(e)
+            shared["barrier"].abort()
+    th = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    if errors:
+        raise errors[0]
+    ref = DecodeLoop(rt, rd if mode != "ar" else None, mode, budget).run(reqs())
+    assert out[0] == out[1]
+    assert out[0][0] == [s.output_ids for s in ref.streams]
+    assert out[0][1] == ref.accept_lens
