@@ -190,7 +190,9 @@ def test_ddtree_equals_ar_on_gpu(tiny, engine):
 
 class OracleDraft:
     """Stands in for GpuDrafter.draft in eager mode: noise logits with the reference continuation's token
-    boosted at every depth, so the tree contains the target's greedy path (acceptance up to D + 1)."""
+    boosted at every depth, so the tree contains the target's greedy path (acceptance up to D + 1). At every
+    third position a wrong token is the top-1 and the right one rank 1: accepted paths leave the chain and
+    the KV compaction moves rows."""
 
     def __init__(self, seqs, seed=0):
         self.seqs, self.rng = seqs, np.random.default_rng(seed)
@@ -203,7 +205,10 @@ class OracleDraft:
             seq = self.seqs.get(b)
             for d in range(1, D + 1):
                 if seq is not None and s[b] + d < len(seq):
-                    host[b, d - 1, seq[s[b] + d]] = 12.0
+                    t = seq[s[b] + d]
+                    host[b, d - 1, t] = 12.0
+                    if (s[b] + d) % 3 == 0:
+                        host[b, d - 1, (t + 5) % V] = 13.0
         out.set(host)
         return out
 
@@ -217,8 +222,8 @@ def test_oracle_drafter_long_acceptance(tiny, engine):
             res = engine.generate(requests(tiny["prompts"]), mode, budget)
             matched = check_all(tiny, res, f"oracle {mode}")
             print(f"oracle {mode}: mean acceptance {res.mean_accept_len:.2f}")
-            if min(matched) == N_NEW:            # no near-tie: the oracle's path is the target's
-                assert res.mean_accept_len > 4.0
+            if min(matched) == N_NEW and mode == "ddtree":   # no near-tie: the tree holds the target's path
+                assert res.mean_accept_len > 3.0
             check_pool_empty(engine)
     finally:
         del engine.drafter.draft
