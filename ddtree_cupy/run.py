@@ -196,10 +196,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .dist import guarded, init_communicator
     # Under mpirun every rank runs this same function on its own tensor-parallel shard; rank 0 alone
     # talks to the user. Outside mpirun the communicator is a group of one.
-    comm = init_communicator("numpy" if a.backend == "numpy" else "auto")
+    comm = init_communicator(_comm_backend(a.backend))
     if comm.size == 1:
         return _main(a, comm)
     return guarded(lambda: _main(a, comm), comm)
+
+
+def _comm_backend(backend: str) -> str:
+    """Which communicator the ranks need: NCCL for the GPU engine, MPI (numpy arrays) otherwise.
+    Decided before anything else so every rank picks the same one; the backend itself is validated
+    (with a clear error) in _prepare."""
+    if backend == "numpy":
+        return "numpy"
+    if backend == "cupy":
+        return "cupy"
+    from .backend import gpu_engine_available, gpu_status
+    return "cupy" if gpu_status()[0] and gpu_engine_available() else "numpy"
 
 
 def _main(a, comm) -> int:
