@@ -200,6 +200,14 @@ def _shard_range(extent: int, tp_rank: int, tp_size: int, what: str, unit: int =
 # --------------------------------------------------------------------------------------------------
 # progress
 
+_BYTES_READ_TOTAL = 0   # every Checkpoint of this process together (the CLI reports the aggregate)
+
+
+def bytes_read_total() -> int:
+    """Bytes copied out of checkpoint files by this process so far (all Checkpoint objects)."""
+    return _BYTES_READ_TOTAL
+
+
 class _Progress:
     """Counts bytes copied out of the memory maps; reports GB/s through a callback or to stderr."""
 
@@ -216,6 +224,8 @@ class _Progress:
         self._last = self.t0
 
     def add(self, nbytes: int) -> None:
+        global _BYTES_READ_TOTAL
+        _BYTES_READ_TOTAL += nbytes
         self.bytes += nbytes
         if self.cb is not None:
             now = time.perf_counter()

@@ -298,9 +298,19 @@ def _prepare(a, err, comm):
         tcfg.validate_tp(comm.size)
         if dcfg is not None:
             dcfg.validate_tp(comm.size)
-    t0 = time.perf_counter()
+        # Rank 0 owns the requests: the others run exactly what it parsed and tokenized.
+        reqs = comm.broadcast_obj(reqs if comm.is_root else None)
+    from .checkpoint import bytes_read_total
+    b0, t0 = bytes_read_total(), time.perf_counter()
     engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype), comm)
     load_s = time.perf_counter() - t0
+    # Every rank read only its own slices: report what all of them read together, once.
+    loads = comm.all_gather_obj((bytes_read_total() - b0, load_s))
+    total = sum(b for b, _ in loads)
+    wall = max(t for _, t in loads)
+    if not a.json:
+        print(f"weights: {total / 1e9:.3f} GB read by {comm.size} rank(s) in {wall:.2f} s "
+              f"({total / wall / 1e9 if wall > 0 else 0:.2f} GB/s aggregate)", file=err)
     return engine, reqs, tok, backend, load_s
 
 
