@@ -1,15 +1,18 @@
 """GpuEngine end to end on the tiny Kimi-format checkpoints, against the numpy reference decode loop.
 
 * glue kernels (cuda_src/engine_glue.cu) equal their numpy twins on random inputs (outputs poisoned);
-* greedy tokens of ar / chain / ddtree (graph replay) equal the reference loop's, 3 streams with prompts of
-  5, 40 and 270 tokens (two prefill chunks), 104 new tokens each. bf16 against float32 cannot be bit
-  exact: where a token differs, the reference's logit gap between its token and the GPU's at that position
-  must be a real near-tie (< NEAR_TIE * logit std); the stream is compared up to there and the matched
-  counts are printed;
+* greedy tokens of ar / chain / ddtree (graph replay), 3 streams with prompts of 5, 40 and 270 tokens (two
+  prefill chunks), 104 new tokens each, are judged TEACHER-FORCED (tests/_teacher_forced.py): one float32
+  reference forward over prompt + the GPU's own output gives the reference logits at every emitted token;
+  each token must be the reference argmax up to bf16 noise (gap < 0.05 logit std) or, only where the
+  reference has a MoE routing near-tie at that position, up to a routing flip (gap < 1 std); the counts
+  (tokens identical to the argmax before the first that is not, non-argmax tokens, max gap, flips) are
+  printed. So every token of every stream is checked, not just those before the first near-tie;
 * an oracle drafter (draft logits favouring the reference continuation) drives acceptance lengths of
   several tokens, so the KV compaction and the drafter appends of long accepted paths are exercised;
-* ddtree greedy equals ar greedy on the GPU (same near-tie rule); graph replay equals eager exactly;
-  sampling with a fixed seed reproduces, another seed differs;
+* ddtree greedy equals ar greedy on the GPU: equal token for token up to the first difference, which must be
+  a tie in the reference on the common prefix; graph replay equals eager exactly; sampling with a fixed seed
+  reproduces, another seed differs;
 * continuous batching: 6 requests through 4 slots (joins/leaves mid-run) give the reference's tokens;
 * a prompt that can never fit the KV pool is refused with the pool's message while the others finish;
 * the KV pool returns to empty and the CuPy memory pool does not grow over hundreds of steps.
@@ -17,12 +20,17 @@ GPU memory: a few hundred MB. Time: dominated by the reference (~20 s of numpy o
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _teacher_forced as tf  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
-NEAR_TIE = 5e-2          # as tests/gpu/test_target_model.py: bf16 logits through 4 layers vs float32
 N_NEW = 104
 PROMPT_LENS = (5, 40, 270)
 
@@ -60,33 +68,17 @@ def requests(prompts, n_new=N_NEW, **kw):
     return [Request(p, n, sample_stream=i, **kw) for i, (p, n) in enumerate(zip(prompts, ns))]
 
 
-def ref_last_logits(ref, ids):
-    logits, _ = ref.forward(np.asarray(ids, np.int64), np.arange(len(ids)), ref.new_cache())
-    return np.asarray(logits[-1], np.float64)
-
-
-def compare(ref, prompt, got, want, what, other_ok=None):
-    """Token for token; at the first difference the reference gap must be a near-tie. Returns tokens
-    matched before a difference (= len(want) when none)."""
-    n = min(len(got), len(want))
-    for i in range(n):
-        if got[i] != want[i]:
-            lg = ref_last_logits(ref, list(prompt) + list(want[:i]))
-            gap, std = lg[want[i]] - lg[got[i]], lg.std()
-            assert gap < NEAR_TIE * std, (f"{what}: token {i}: GPU {got[i]} != reference {want[i]}, reference gap "
-                                          f"{gap:.4g} = {gap / std:.3g} std is not a near-tie; {i} tokens matched")
-            print(f"{what}: near-tie at token {i} (gap {gap / std:.3g} std): compared {i} tokens")
-            return i
-    assert len(got) == len(want), f"{what}: {len(got)} tokens, reference {len(want)} (all equal up to there)"
-    return n
-
-
-def check_all(tiny, res, what, want=None):
-    want = want if want is not None else tiny["want"]
-    matched = [compare(tiny["ref"], p, s.output_ids, w, f"{what} stream {i}")
-               for i, (p, s, w) in enumerate(zip(tiny["prompts"] * 2, res.streams, want))]
-    print(f"{what}: matched {matched} of {[len(w) for w in want]} tokens")
-    return matched
+def check_all(tiny, res, what, n_new=None):
+    """Every token of every stream, teacher-forced against the reference (asserts; returns the verdicts)."""
+    prompts = tiny["prompts"] * 2
+    verdicts = [tf.check_stream(tiny["ref"], p, s.output_ids, f"{what} stream {i}")
+                for i, (p, s) in enumerate(zip(prompts, res.streams))]
+    if n_new is not None:
+        assert [len(s.output_ids) for s in res.streams] == list(n_new), what
+    print(f"{what}: identical-to-argmax prefix {[v['identical'] for v in verdicts]}, non-argmax "
+          f"{[v['non_argmax'] for v in verdicts]}, max gap {max(v['max_gap'] for v in verdicts):.3g} std, "
+          f"routing flips {sum(v['flips'] for v in verdicts)}")
+    return verdicts
 
 
 def check_pool_empty(eng):
@@ -168,7 +160,7 @@ def test_glue_kernels_match_numpy():
 def test_greedy_equals_reference(tiny, engine, mode, budget, cap_k, chain):
     engine.eager = False
     res = engine.generate(requests(tiny["prompts"]), mode, budget, cap_k, chain)
-    check_all(tiny, res, f"{mode} b{budget}")
+    check_all(tiny, res, f"{mode} b{budget}", n_new=[N_NEW] * 3)
     assert [s.finish_reason for s in res.streams] == ["length"] * 3
     for s in res.streams:            # accepted lengths account for every emitted token
         assert 1 + sum(s.accept_lens) >= len(s.output_ids) and s.tree_sizes
@@ -185,7 +177,10 @@ def test_ddtree_equals_ar_on_gpu(tiny, engine):
     ar = _results.get(("ar", 1, None, False)) or [s.output_ids for s in engine.generate(
         requests(tiny["prompts"]), "ar", 1).streams]
     dd = engine.generate(requests(tiny["prompts"]), "ddtree", 16)
-    check_all(tiny, dd, "ddtree vs GPU ar", want=ar)
+    check_all(tiny, dd, "ddtree b16", n_new=[N_NEW] * 3)
+    same = [tf.check_lossless(tiny["ref"], p, s.output_ids, a, f"ddtree vs GPU ar stream {i}")
+            for i, (p, s, a) in enumerate(zip(tiny["prompts"], dd.streams, ar))]
+    print(f"ddtree vs GPU ar: equal tokens before the first difference {same} of {N_NEW}")
 
 
 class OracleDraft:
@@ -220,10 +215,22 @@ def test_oracle_drafter_long_acceptance(tiny, engine):
     try:
         for mode, budget in (("ddtree", 16), ("chain", 8)):
             res = engine.generate(requests(tiny["prompts"]), mode, budget)
-            matched = check_all(tiny, res, f"oracle {mode}")
-            print(f"oracle {mode}: mean acceptance {res.mean_accept_len:.2f}")
-            if min(matched) == N_NEW and mode == "ddtree":   # no near-tie: the tree holds the target's path
-                assert res.mean_accept_len > 3.0
+            check_all(tiny, res, f"oracle {mode}", n_new=[N_NEW] * 3)
+            # while a stream's output equals the continuation the oracle boosts, the tree holds the target's
+            # path: those steps must accept long paths (the compaction moves rows)
+            acc = []
+            for s, w in zip(res.streams, tiny["want"]):
+                same = next((i for i, (a, b) in enumerate(zip(s.output_ids, w)) if a != b), len(w))
+                done = 1                                   # token 0 is the prefill's
+                for a in s.accept_lens:
+                    if done + a > same:
+                        break
+                    acc.append(a)
+                    done += a
+            print(f"oracle {mode}: mean acceptance {res.mean_accept_len:.2f}; {np.mean(acc):.2f} over the {len(acc)} "
+                  f"steps on the oracle's path")
+            if mode == "ddtree":
+                assert len(acc) >= 5 and np.mean(acc) > 3.0, acc
             check_pool_empty(engine)
     finally:
         del engine.drafter.draft
@@ -268,9 +275,7 @@ def test_streams_join_and_leave(tiny, engine):
     ns = [N_NEW, 30, 60, 20, N_NEW, 45]
     ps = tiny["prompts"] * 2
     res = engine.generate(requests(ps, n_new=ns), "ddtree", 16)
-    want = [tiny["want"][i % 3][:n] for i, n in enumerate(ns)]
-    check_all(tiny, res, "join/leave", want=want)
-    assert [len(s.output_ids) for s in res.streams] == ns
+    check_all(tiny, res, "join/leave", n_new=ns)
     check_pool_empty(engine)
 
 
@@ -283,7 +288,8 @@ def test_too_long_request_refused_others_continue(tiny, engine):
     bad = res.streams[1]
     assert bad.finish_reason == "error" and "more than one stream may hold" in bad.error and not bad.output_ids
     for i, w in ((0, 0), (2, 1)):
-        compare(tiny["ref"], tiny["prompts"][w], res.streams[i].output_ids, tiny["want"][w][:30], f"refusal {i}")
+        tf.check_stream(tiny["ref"], tiny["prompts"][w], res.streams[i].output_ids, f"refusal {i}")
+        assert len(res.streams[i].output_ids) == 30
     check_pool_empty(engine)
 
 
