@@ -23,19 +23,26 @@ def make_pool(num_pages=64, max_streams=4, max_pages=8, tree_rows=9):
 
 
 # ---------------- pure bookkeeping ------------------------------------------------------------------
-def test_emit_matches_reference_loop_rule():
+def test_emit_rule_stop_kept_or_length():
+    """The one stop rule (reference.loop.emit_tokens, used by both engines) against its definition:
+    the stream's output is the longest prefix of everything offered that ends at the first stop id
+    (kept) or at max_new_tokens, whichever comes first."""
     rng = np.random.default_rng(1)
     for _ in range(300):
         req = Request([1], max_new_tokens=int(rng.integers(1, 12)),
                       stop_ids=tuple(int(x) for x in rng.integers(0, 20, rng.integers(0, 3))))
-        a = StreamState(0, req, None, None, 1, 0)
-        b = StreamState(0, req, None, None, 1, 0)
-        while not a.done:
+        st = StreamState(0, req, None, None, 1, 0)
+        offered = []
+        while not st.done:
             toks = rng.integers(0, 20, rng.integers(1, 6)).tolist()
-            ea = emit_tokens(a, toks)
-            eb = DecodeLoop._emit(None, b, toks)
-            assert ea == eb and a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
-        assert len(a.output_ids) <= req.max_new_tokens
+            before = len(st.output_ids)
+            em = emit_tokens(st, toks)
+            assert st.output_ids[before:] == em == toks[:len(em)]
+            offered += toks
+        stop_at = next((i for i, t in enumerate(offered) if t in req.stop_ids), None)
+        n = req.max_new_tokens if stop_at is None else min(stop_at + 1, req.max_new_tokens)
+        assert st.output_ids == offered[:n]
+        assert st.finish_reason == ("stop" if stop_at is not None and stop_at + 1 <= req.max_new_tokens else "length")
 
 
 def test_buckets():

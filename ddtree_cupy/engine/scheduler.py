@@ -28,7 +28,7 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..reference.loop import Request, StreamState
+from ..reference.loop import Request, StreamState, emit_tokens
 from ..kernels.engine_glue import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP
 from .kv_pool import KVPool, KVPoolFull
 
@@ -42,23 +42,6 @@ class EngineStream(StreamState):
     slot: int = -1
     error: Optional[str] = None
     prompt_len: int = 0
-
-
-def emit_tokens(st: StreamState, toks: Sequence[int]) -> List[int]:
-    """Append tokens to ``st.output_ids``, cutting at the first stop id (kept) or at max_new_tokens; sets
-    ``st.finish_reason``. The same rule as ``DecodeLoop._emit`` (tests/test_scheduler.py checks that the two
-    agree on random inputs)."""
-    out: List[int] = []
-    for t in toks:
-        st.output_ids.append(int(t))
-        out.append(int(t))
-        if int(t) in st.request.stop_ids:
-            st.finish_reason = "stop"
-            break
-        if len(st.output_ids) >= st.request.max_new_tokens:
-            st.finish_reason = "length"
-            break
-    return out
 
 
 def bucket_for(max_slot: int, buckets: Sequence[int]) -> int:

@@ -136,6 +136,22 @@ class GenerationResult:
                 "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()}}
 
 
+def emit_tokens(st: StreamState, toks: Sequence[int]) -> List[int]:
+    """Append tokens to ``st.output_ids``, cutting at the first stop id (kept) or at max_new_tokens; sets
+    ``st.finish_reason``. Returns the tokens appended. The one stop rule of both engines."""
+    out: List[int] = []
+    for t in toks:
+        st.output_ids.append(int(t))
+        out.append(int(t))
+        if int(t) in st.request.stop_ids:
+            st.finish_reason = "stop"
+            break
+        if len(st.output_ids) >= st.request.max_new_tokens:
+            st.finish_reason = "length"
+            break
+    return out
+
+
 class DecodeLoop:
     """Runs requests to completion on a target (``ReferenceTarget`` interface) and, for 'chain'/'ddtree',
     a drafter with the interface: ``block_size``, ``target_layer_ids``, ``new_cache()``,
@@ -205,23 +221,9 @@ class DecodeLoop:
         bonus = int(self.choose(logits[-1:], req, 0)[0])
         st = StreamState(len(self.streams), req, tcache, dcache, committed=P, bonus=bonus)
         self.streams.append(st)
-        self._emit(st, [bonus])
+        emit_tokens(st, [bonus])
         self.phase_s["prefill"] += time.perf_counter() - t0
         return st
-
-    def _emit(self, st: StreamState, toks: List[int]) -> List[int]:
-        """Append tokens to the output, cutting at the first stop id or at max_new_tokens."""
-        out = []
-        for t in toks:
-            st.output_ids.append(int(t))
-            out.append(int(t))
-            if int(t) in st.request.stop_ids:
-                st.finish_reason = "stop"
-                break
-            if len(st.output_ids) >= st.request.max_new_tokens:
-                st.finish_reason = "length"
-                break
-        return out
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -268,7 +270,7 @@ class DecodeLoop:
             st.committed, st.bonus = plan.new_len, new_bonus
             st.accept_lens.append(len(rows))
             st.tree_sizes.append(n_nodes)
-            emitted = self._emit(st, [int(tokens[r]) for r in rows[1:]] + [new_bonus])
+            emitted = emit_tokens(st, [int(tokens[r]) for r in rows[1:]] + [new_bonus])
             phase["accept"] += time.perf_counter() - t3
             done.append((st.index, len(rows), n_nodes, emitted))
         for k, v in phase.items():
