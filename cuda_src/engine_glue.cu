@@ -148,3 +148,15 @@ extern "C" __global__ void eg_sample_params(const int32_t* __restrict__ ctrl, in
         steps[i] = (round << 8) | (long long)r;
     }
 }
+
+// All-gathered vocabulary shards [tp, T, Vl] -> whole rows [T, tp * Vl]. Only sampled decoding under tensor
+// parallelism needs it (the sampler's top-k / top-p / normalisation are defined on whole rows); greedy
+// decoding and the draft top-K merge per-shard results instead and never pay for this copy.
+// grid (T, tp), block 256.
+extern "C" __global__ void eg_vocab_rows(const float* __restrict__ parts, int tp, int T, int Vl,
+                                         float* __restrict__ out) {
+    const int t = blockIdx.x, r = blockIdx.y;
+    const float* src = parts + ((size_t)r * T + t) * Vl;
+    float* dst = out + ((size_t)t * tp + r) * Vl;
+    for (int v = threadIdx.x; v < Vl; v += blockDim.x) dst[v] = src[v];
+}

@@ -588,6 +588,14 @@ def k_sample_params(ctrl, S, R, step_field, st, sk, sp, ss, temp, topk, topp, se
 
 
 KERNELS["eg_sample_params"] = k_sample_params
+
+
+def k_vocab_rows(parts, tp, T, Vl, out):
+    from ddtree_cupy.kernels import engine_glue as g
+    out[...] = g.vocab_rows_ref(np.asarray(parts))
+
+
+KERNELS["eg_vocab_rows"] = k_vocab_rows
 DRAWS: list = []
 
 
@@ -688,3 +696,40 @@ def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
     assert out[0] == out[1]
     assert out[0][0] == [s.output_ids for s in ref.streams]
     assert out[0][1] == ref.accept_lens
+
+
+def test_tensor_parallel_sampling_equals_one_rank(fake_gpu, monkeypatch):
+    """Sampled decoding under TP = 2: each rank gathers whole vocabulary rows (all-gather + eg_vocab_rows)
+    and samples them with the same keys, so both ranks emit exactly the tokens of a TP = 1 engine; a
+    greedy stream in the same batch keeps the reference's greedy tokens."""
+    from ddtree_cupy.kernels import sample as ks
+    monkeypatch.setattr(ks, "sample", fake_sample)
+    mk = lambda: [Request(r.prompt_ids, 30, temperature=0.9 if i != 1 else 0.0, seed=11, sample_stream=i)  # noqa
+                  for i, r in enumerate(reqs())]
+    eng1, _, _ = make()
+    DRAWS.clear()
+    one = [s.output_ids for s in eng1.generate(mk(), "ddtree", 8).streams]
+    draws_one = sorted(DRAWS)
+    shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
+    out, errors = [None, None], []
+
+    def rank_main(r):
+        try:
+            from ddtree_cupy.engine.gpu_engine import GpuEngine
+            tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
+            eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
+                            kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
+            out[r] = [s.output_ids for s in eng.generate(mk(), "ddtree", 8).streams]
+        except BaseException as e:    # noqa: BLE001 - reported below
+            errors.append(e)
+            shared["barrier"].abort()
+    DRAWS.clear()
+    th = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert out[0] == out[1] == one
+    assert sorted(set(DRAWS)) == sorted(set(draws_one)) and len(draws_one) > 0   # the same keys were drawn

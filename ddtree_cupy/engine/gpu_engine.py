@@ -163,9 +163,6 @@ class GpuEngine:
                              f"got {budget!r}")
         if cap_k is not None and cap_k < 1:
             raise ValueError(f"cap_k: must be >= 1, got {cap_k}")
-        if self.comm.size > 1 and any(getattr(r, "temperature", 0) > 0 for r in requests):
-            raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet (the GPU "
-                             "sampler needs whole vocabulary rows); use greedy decoding or one GPU")
         depth = 0 if mode == "ar" else self.models.depth
         rows = 1 if mode == "ar" else (depth + 1 if mode == "chain" else int(budget) + 1)
         pool = KVPool(self.num_pages, PAGE, self.max_streams, self.max_pages_per_stream, rows)

@@ -99,6 +99,27 @@ class VocabArgmax:
         ddt.topk_merge(gk, gm, 1, self.keys2, self.ms2, self.lp, ids2, parts_major=True)
 
 
+class WholeRows:
+    """Vocabulary-parallel logits [T, V/tp] -> whole rows [T, V] on every rank (all-gather, then one glue
+    copy), for the sampler; at TP = 1 the logits are already whole. Every rank then samples the same rows
+    with the same keys, so sampled decisions agree across ranks and equal TP = 1's."""
+
+    def __init__(self, m: Models, T: int):
+        import cupy
+        self.m = m
+        self.rows = cupy.empty((T, m.tcfg.vocab_size), cupy.float32) if m.tp > 1 else None
+        self.keep: List = []           # the all-gather output a captured graph references
+
+    def __call__(self, logits):
+        if self.m.tp == 1:
+            return logits
+        T = logits.shape[0]
+        parts = self.m.comm.all_gather(logits)
+        self.keep = [parts]
+        glue.vocab_rows(parts, self.rows[:T])
+        return self.rows[:T]
+
+
 def draft_topk(m: Models, ws, logits, merged_keys, merged_ms, keep: list) -> None:
     """Per-depth top-k of the draft logits into ws.top_lp / ws.top_id (vocabulary-parallel merge)."""
     ws.topk(logits, id_offset=m.id_offset)
@@ -132,9 +153,6 @@ class DecodeStep:
             raise ValueError(f"mode: unknown mode {mode!r}")
         if mode != "ar" and m.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter")
-        if sampled and m.tp > 1:
-            raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet: the GPU "
-                             "sampler needs the whole vocabulary row; use greedy decoding or TP = 1")
         self.m, self.S, self.mode, self.sampled = m, S, mode, sampled
         D = m.depth if mode != "ar" else 1
         self.D = D
@@ -172,8 +190,11 @@ class DecodeStep:
             self.row_temp, self.row_topp = cupy.zeros(T, f32), cupy.ones(T, f32)
             self.row_topk, self.row_seed = cupy.zeros(T, i32), cupy.zeros(T, cupy.uint64)
             self.row_step = cupy.zeros(T, cupy.int64)
-            self.k_max = min(k_max_sample, m.V_local)
-            self.sbuf = SampleBuffers(T, m.V_local, self.k_max)
+            # The sampler works on whole vocabulary rows: under TP the shards are gathered into full_rows.
+            V = m.tcfg.vocab_size
+            self.full_rows = WholeRows(m, T)
+            self.k_max = min(k_max_sample, V)
+            self.sbuf = SampleBuffers(T, V, self.k_max)
         self.graph = None
 
     # ---- the stage sequence ---------------------------------------------------------------------------
@@ -217,8 +238,8 @@ class DecodeStep:
             from ..kernels.sample import sample
             glue.sample_params(self.ctrl, self.R, self.slot_temp, self.slot_topk, self.slot_topp, self.slot_seed,
                                self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step)
-            sample(b.logits, self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step,
-                   out=self.ids, k_max=self.k_max, buffers=self.sbuf)
+            sample(self.full_rows(b.logits), self.row_temp, self.row_topk, self.row_topp, self.row_seed,
+                   self.row_step, out=self.ids, k_max=self.k_max, buffers=self.sbuf)
         else:
             self.argmax(b.logits, self.ids)
         glue.post_scatter(self.ids, self.R, self.post)
@@ -309,8 +330,9 @@ class Prefill:
         self.sid = cupy.zeros(self.chunk, cupy.int32)
         self.pos = cupy.full(self.chunk, -1, cupy.int32)
         self.one = cupy.zeros(1, cupy.int32)
-        self.k_max = min(k_max_sample, m.V_local)
-        self.sbuf = SampleBuffers(1, m.V_local, self.k_max) if m.tp == 1 else None
+        self.k_max = min(k_max_sample, m.tcfg.vocab_size)
+        self.sbuf = SampleBuffers(1, m.tcfg.vocab_size, self.k_max)
+        self.full_rows = WholeRows(m, 1)
         self.graph = {}                  # use_drafter -> graph
 
     def _ops(self, use_drafter: bool) -> None:
@@ -356,11 +378,10 @@ class Prefill:
                             self.graph[use_drafter] = st.end_capture()
                 last = n - 1
             if request.temperature > 0:
-                if self.sbuf is None:
-                    raise ValueError("sampling (temperature > 0) is not supported with tensor parallelism yet")
                 from ..kernels.sample import sample
                 f = lambda v, dt: cupy.asarray(np.array([v], dt))   # noqa: E731
-                sample(b.logits[last:last + 1], f(request.temperature, np.float32), f(request.top_k, np.int32),
+                sample(self.full_rows(b.logits[last:last + 1]), f(request.temperature, np.float32),
+                       f(request.top_k, np.int32),
                        f(request.top_p, np.float32), f(slot_seed(request.seed, request.sample_stream), np.uint64),
                        f(0, np.int64), out=self.one, k_max=self.k_max, buffers=self.sbuf)
                 out = int(self.one.get(stream=st)[0])

@@ -19,9 +19,11 @@ CTRL_PREFIX, CTRL_BONUS, CTRL_ACTIVE, CTRL_BUDGET, CTRL_STEP = range(5)
 
 SPEC = register(KernelSpec(
     src="engine_glue.cu",
-    names=("eg_root_tree", "eg_tree_to_batch", "eg_post_scatter", "eg_after_walk", "eg_sample_params"),
+    names=("eg_root_tree", "eg_tree_to_batch", "eg_post_scatter", "eg_after_walk", "eg_sample_params",
+           "eg_vocab_rows"),
     doc="decode-step glue: root trees, tree -> batch rows, per-row tokens -> walk layout, accepted features "
-        "-> drafter append, packed step output, per-row sampling parameters"))
+        "-> drafter append, packed step output, per-row sampling parameters, gathered vocabulary shards -> "
+        "whole rows"))
 
 _NULL = np.uint64(0)    # CuPy passes None as 0xffffffff: null pointers must be an explicit 0
 
@@ -199,3 +201,20 @@ def sample_params_ref(ctrl, R, slot_temp, slot_topk, slot_topp, slot_seed):
     steps = (np.repeat(ctrl[CTRL_STEP].astype(np.int64), R) << 8) | np.tile(np.arange(R, dtype=np.int64), len(slot_temp))
     return {"temp": rep(slot_temp), "topk": rep(slot_topk), "topp": rep(slot_topp), "seeds": rep(slot_seed),
             "steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------------
+def vocab_rows(parts, out):
+    """All-gathered vocabulary shards float32 [tp, T, V/tp] -> whole rows [T, V] (rank r's columns at
+    r * V/tp): what sampled decoding needs under tensor parallelism."""
+    dims: dict = {}
+    dev = current_device()
+    check_array("parts", parts, np.float32, ("tp", "T", "Vl"), dims, device=dev)
+    check_array("out", out, np.float32, ("T", dims["tp"] * dims["Vl"]), dims, device=dev)
+    tp, T, Vl = dims["tp"], dims["T"], dims["Vl"]
+    _k("eg_vocab_rows")((T, tp), (256,), (parts, np.int32(tp), np.int32(T), np.int32(Vl), out))
+
+
+def vocab_rows_ref(parts) -> np.ndarray:
+    parts = np.asarray(parts)
+    return parts.transpose(1, 0, 2).reshape(parts.shape[1], -1)
