@@ -22,6 +22,21 @@ typedef long int64_t; typedef unsigned long uint64_t;
 #define KV_ROPE_DIM 64
 #define KV_ROW_DIM (KV_LATENT_DIM + KV_ROPE_DIM)
 
+// Programmatic dependent launch (sm_90 and sm_120; docs/KERNELS.md "PDL"). A kernel launched with the
+// programmatic-serialization attribute may start while its predecessor in the stream is still running, so
+// everything it does before DDT_PDL_WAIT() must not read what earlier kernels write (weights, tables and
+// constants are fine: prefetch them there). DDT_PDL_WAIT() returns once every earlier kernel has finished
+// and its writes are visible; it is a no-op when the kernel was launched normally or on older GPUs.
+// DDT_PDL_LAUNCH_DEPENDENTS() lets the next kernel start launching before this one ends (it never makes
+// this kernel's later writes visible early: the dependent's DDT_PDL_WAIT() still waits for the whole grid).
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define DDT_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define DDT_PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define DDT_PDL_WAIT() do { } while (0)
+#define DDT_PDL_LAUNCH_DEPENDENTS() do { } while (0)
+#endif
+
 typedef unsigned short bf16_bits;  // bf16 as stored by the host (numpy/CuPy uint16)
 
 __device__ __forceinline__ float bf16_to_f32(bf16_bits b) {

@@ -41,6 +41,8 @@ class KernelSpec:
     defines: Tuple[Tuple[str, str], ...] = ()   # -D macros that select a variant
     hot: bool = False                           # spills in a hot kernel fail the build
     fast_math: bool = False                     # --use_fast_math (approximate exp/div/sqrt)
+    pdl: bool = False                           # every kernel calls DDT_PDL_WAIT() before reading inputs
+                                                # written by earlier kernels: may be launched with PDL
     doc: str = ""
 
     def options(self, arch: Optional[str] = None) -> Tuple[str, ...]:
