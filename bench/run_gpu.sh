@@ -3,6 +3,7 @@
 # one-line summary per part at the end (what a lent GPU call or a user with a GPU runs).
 #   bench/run_gpu.sh [LOGDIR] [PARTS...]     default LOGDIR: bench/results/<UTC timestamp>
 # PARTS (default: all, in this order): build tests engine demo step kernels moe attention tree allreduce
+# Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="${1:-bench/results/$(date -u +%Y%m%dT%H%M%SZ)}"; shift || true
@@ -31,6 +32,10 @@ for p in "${parts[@]}"; do
     attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention.json" ;;
     tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree.json" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce.json" ;;
+    # several GPUs (TP_NP of them, default 2) and an MPI launcher (MPIRUN, default mpirun) on PATH:
+    tp)        run_part tp 600 python3 bench/tp_check.py --np "${TP_NP:-2}" --mpirun "${MPIRUN:-mpirun}" --out "$LOG/tp" ;;
+    allreduce_tp) run_part allreduce_tp 120 "${MPIRUN:-mpirun}" -np "${TP_NP:-2}" launcher/bind.sh \
+                    python3 bench/allreduce.py --json "$LOG/allreduce_tp.json" ;;
     *) echo "unknown part $p" >&2; rc=2 ;;
   esac
 done
