@@ -58,6 +58,16 @@ def main() -> int:
     from ddtree_cupy.tinymodel import default_cache_dir, ensure_tiny_checkpoints
     import _teacher_forced as tf
 
+    # An mpirun of another MPI implementation than mpi4py's starts N singletons (each rank 0 of 1) that
+    # would all run TP = 1 and "agree": prove the launcher forms one world of N ranks first.
+    probe = subprocess.run([a.mpirun, "-np", str(a.np), sys.executable, "-c",
+                            "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.rank, c.size)"],
+                           capture_output=True, text=True)
+    seen = sorted(tuple(map(int, ln.split())) for ln in probe.stdout.splitlines() if ln.strip())
+    if probe.returncode != 0 or seen != [(r, a.np) for r in range(a.np)]:
+        print(f"{a.mpirun} -np {a.np} did not form one MPI world of {a.np} ranks (got rank/size {seen}; "
+              f"exit {probe.returncode}): use the mpirun of the MPI that mpi4py was built with.\n{probe.stderr[-1500:]}")
+        return 2
     tdir, ddir = ensure_tiny_checkpoints(default_cache_dir())       # made once, before any rank starts
     cfg = TargetConfig.load(tdir)
     rng = np.random.default_rng(77)
