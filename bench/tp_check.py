@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -61,9 +62,9 @@ def main() -> int:
     # An mpirun of another MPI implementation than mpi4py's starts N singletons (each rank 0 of 1) that
     # would all run TP = 1 and "agree": prove the launcher forms one world of N ranks first.
     probe = subprocess.run([a.mpirun, "-np", str(a.np), sys.executable, "-c",
-                            "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.rank, c.size)"],
+                            "from mpi4py import MPI; c = MPI.COMM_WORLD; print(f'<rank {c.rank} of {c.size}>', flush=True)"],
                            capture_output=True, text=True)
-    seen = sorted(tuple(map(int, ln.split())) for ln in probe.stdout.splitlines() if ln.strip())
+    seen = sorted((int(r), int(n)) for r, n in re.findall(r"<rank (\d+) of (\d+)>", probe.stdout))
     if probe.returncode != 0 or seen != [(r, a.np) for r in range(a.np)]:
         print(f"{a.mpirun} -np {a.np} did not form one MPI world of {a.np} ranks (got rank/size {seen}; "
               f"exit {probe.returncode}): use the mpirun of the MPI that mpi4py was built with.\n{probe.stderr[-1500:]}")
