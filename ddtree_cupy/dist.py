@@ -26,6 +26,14 @@ import numpy as np
 _WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
+def mpi_library_name() -> str:
+    try:
+        from mpi4py import MPI
+        return MPI.Get_library_version().splitlines()[0].strip()[:60]
+    except Exception:          # noqa: BLE001 - only used inside an error message
+        return "unknown MPI"
+
+
 def launched_with_mpi() -> bool:
     return any(int(os.environ.get(v, "1") or 1) > 1 for v in _WORLD_SIZE_VARS)
 
@@ -201,7 +209,12 @@ def init_communicator(backend: str = "numpy") -> Communicator:
         raise RuntimeError("launched under mpirun with several ranks, but mpi4py is not installed "
                            "(pip install -e '.[mpi]')") from e
     if mpi.size == 1:
-        return SingleRank()
+        # The launcher said several ranks but MPI formed a world of one: mpirun belongs to another MPI than
+        # the one mpi4py loaded, and every process would silently run the whole model alone.
+        want = max(int(os.environ.get(v, "1") or 1) for v in _WORLD_SIZE_VARS)
+        raise RuntimeError(
+            f"launched by mpirun with {want} ranks, but MPI sees a world of 1: this mpirun is not from the MPI "
+            f"that mpi4py uses ({mpi_library_name()}); use that MPI's mpirun (launcher/README.md)")
     if backend == "cupy":
         import cupy
         ndev = cupy.cuda.runtime.getDeviceCount()

@@ -62,3 +62,17 @@ def test_tp_sharded_reference_target_equals_tp1(n, tmp_path):
     p, _ = mpirun(n, "tp_target.py", tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert sorted(re.findall(r"rank \d+/\d+ OK", p.stdout)) == [f"rank {r}/{n} OK" for r in range(n)]
+
+
+@pytest.mark.mpi
+def test_mismatched_mpirun_is_refused():
+    # A launcher of another MPI sets its world-size variable, but mpi4py's MPI starts a singleton: every
+    # process would run the whole model alone. Simulated with Open MPI's variable under this MPICH install.
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, OMPI_COMM_WORLD_SIZE="2",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PMI_SIZE", None)
+    p = subprocess.run([sys.executable, "-c", "from ddtree_cupy.dist import init_communicator; init_communicator('numpy')"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "MPI sees a world of 1" in p.stderr and "mpirun" in p.stderr, p.stderr[-800:]
