@@ -5,8 +5,10 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
-one expert) + x and out (bf16). Time = CUDA-graph replay of the whole layer (route + gate/up + down +
-combine). A stage breakdown (graph time of launch prefixes) is recorded at a few T.
+one expert) + x and out (bf16). Time = CUDA-graph replay of the whole layer (the launches of the table:
+gate/up (+ routing sort) and down (+ combine) at small T; route, gate/up, down, combine above). A stage
+breakdown (graph time of launch prefixes) and variants (fusions off/on, prefetch settings, cp.async ring)
+are recorded at T in {1, 8, 64, 256}.
 """
 from __future__ import annotations
 
@@ -128,14 +130,22 @@ def bench_width(I, read_gbs, rows, quick):
             gbs = nbytes / (us * 1e-6) / 1e9
             stages = {}
             if T in (1, 8, 64, 256):
+                # graph time of launch prefixes (route / gate_up / down / combine, whichever the table uses)
                 for n in range(1, len(plan)):
                     sub = plan[:n]
                     stages[plan[n - 1][0]] = time_graph(lambda sub=sub: [f() for _, f in sub], iters=20, reps=5)
-                stages["combine"] = us
-                # variants, to attribute time to the prefetch paths and to the token-tile choice
-                variants = {"route_l2_prefetch_off": dict(l2_prefetch=False),
-                            "route_l2_prefetch_on": dict(l2_prefetch=True),
-                            "pf_steps_0": dict(pf_steps=0), "pf_steps_16": dict(pf_steps=16)}
+                stages[plan[-1][0]] = us
+                # variants, to attribute time to the fusions, the prefetch paths and the token-tile choice
+                fr, fc = moe.fusion_defaults(T, K_TOP)
+                variants = {"pf_next_off": dict(pf_next=False), "pf_steps_0": dict(pf_steps=0)}
+                if fr:
+                    variants["unfused_route_and_combine"] = dict(fuse_route=False, fuse_combine=False,
+                                                                 l2_prefetch=False)
+                    variants["separate_combine"] = dict(fuse_combine=False)
+                    variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
+                else:
+                    variants["fused_combine"] = dict(fuse_combine=True)
+                    variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)
                 variants["cp_async_ring8"] = dict(tiles=moe.with_stages(moe.select_tiles(arch, T, I), 8))
                 if T == 256:
                     variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
@@ -164,6 +174,25 @@ def bench_width(I, read_gbs, rows, quick):
     del w13t, w2t, w, ws
     cp.get_default_memory_pool().free_all_blocks()
     return repack_s
+
+
+def profile(I, T, mode="uniform", calls=1):
+    """A few eager calls of one configuration, for Nsight Compute (``ncu -k regex:moe_gemm ...``)."""
+    import cupy as cp
+    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
+           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
+           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
+    del src
+    ws = moe.MoEWorkspace(T, K_TOP, w)
+    rng = np.random.default_rng(I)
+    ids, wts = routing(rng, T, mode)
+    x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32)).view(cp.uint32)
+    x = (x >> 16).astype(cp.uint16)
+    for _ in range(calls):
+        moe.moe_forward(x, cp.asarray(ids), cp.asarray(wts), w, ws)
+    cp.cuda.Device().synchronize()
+    print(f"profiled I={I} T={T} {mode}: {len(np.unique(ids))} experts, tiles {moe.select_tiles('sm_90', T, I)}")
 
 
 def markdown(res):
@@ -220,7 +249,13 @@ def main():
     ap.add_argument("--md", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
+    ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     args = ap.parse_args()
+    if args.profile:
+        vals = [int(v) for v in args.profile]
+        for I, T in zip(vals[0::2], vals[1::2]):
+            profile(I, T)
+        return
     if args.plot:
         with open(args.plot[0]) as f:
             plot_svg(json.load(f), args.plot[1])

@@ -1,5 +1,6 @@
-// Fused INT4 (W4A16) routed-expert MoE for one layer: routing sort -> gate/up grouped GEMM with
-// SiLU(gate)*up in the epilogue -> down grouped GEMM with the routing weight -> deterministic per-token sum.
+// Fused INT4 (W4A16) routed-expert MoE for one layer: [routing sort ->] gate/up grouped GEMM with SiLU(gate)*up
+// in the epilogue (and, at small T, the routing sort in its prologue) -> down grouped GEMM with the routing
+// weight and the deterministic per-token sum (+ residual) done by the last-arriving block of each token.
 // Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
 // ddtree_cupy/kernels/moe.py (repack_numpy), checked by tests/test_moe_layout.py.
 //
@@ -102,6 +103,7 @@ using namespace moe;
 extern "C" __global__ void moe_repack_weights(const uint32_t* __restrict__ src0, const uint32_t* __restrict__ src1,
                                               int E, int Nsrc, int K, int KS, int fused,
                                               uint32_t* __restrict__ dst) {
+    DDT_PDL_WAIT();
     const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
     const long long total = (long long)E * ntiles * KS * 128;
     const int kw = K / 8;
@@ -133,6 +135,7 @@ extern "C" __global__ void moe_repack_weights(const uint32_t* __restrict__ src0,
 extern "C" __global__ void moe_repack_scales(const bf16_bits* __restrict__ src0, const bf16_bits* __restrict__ src1,
                                              int E, int Nsrc, int K, int KS, int fused,
                                              bf16_bits* __restrict__ dst) {
+    DDT_PDL_WAIT();
     const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
     const long long total = (long long)E * ntiles * KS * 32;
     const int kg = K / 32;
@@ -155,6 +158,7 @@ extern "C" __global__ void moe_repack_scales(const bf16_bits* __restrict__ src0,
 // dense fp32 W[E][Nf][Kp]; q * scale is exact in fp32, so the host compares bit for bit.
 extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const uint2* __restrict__ sp,
                                              int E, int Nf, int KS, float* __restrict__ out) {
+    DDT_PDL_WAIT();
     const int ntiles = Nf / 16, Kp = KS * 64;
     const long long total = (long long)E * ntiles * KS * 32;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -188,10 +192,17 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Routing: counting sort of the T*k (token, expert) pairs by expert into padded slots (every expert's run
-// starts at a multiple of 8 so 8-token B tiles never straddle experts), the chunk list (expert, first slot,
-// tokens <= chunk) the GEMMs stride over, and each pair's slot for the final per-token sum.
-// One block of 1024 threads; E <= 1024. meta[0] = number of chunks, meta[1] = number of bad expert ids.
+// Routing. Slot s of the sorted order holds pair index slot_pair[s] = t*k + j (token t = pair / k, routing
+// weight wts[pair]); the chunk list (expert, first slot, tokens <= chunk) is what the GEMMs stride over.
+// Two producers of the same contract:
+//  * moe_route (large T): one 1024-thread block, counting sort with atomic ranks, every expert's run of slots
+//    padded to a multiple of 8; extra blocks prefetch the touched experts into L2 meanwhile.
+//  * sort_pairs_block (small T, T*k <= FUSED_MAX_PAIRS): every gate/up block sorts in its own shared memory
+//    in its prologue (saves a launch and three dependent global round trips), block 0 publishes the result
+//    for the down kernel. Every block must derive the SAME slot assignment (gate/up block A writes h[slot]
+//    that the down kernel reads through block 0's slot_pair), so the ranks there are deterministic:
+//    rank of pair i = number of earlier pairs with the same expert.
+// meta[0] = number of chunks, meta[1] = number of bad expert ids.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, int2* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -276,9 +287,8 @@ __device__ void route_prefetch(const int* __restrict__ ids, int n, int E, const 
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_route(
-        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int chunk,
-        int* __restrict__ slot_tok, float* __restrict__ slot_w, int* __restrict__ slot_of,
-        int* __restrict__ rank_tmp, int4* __restrict__ chunks, int* __restrict__ meta,
+        const int* __restrict__ ids, int T, int k, int E, int chunk,
+        int* __restrict__ slot_pair, int* __restrict__ rank_tmp, int4* __restrict__ chunks, int* __restrict__ meta,
         const void* w13, const void* s13, const void* w2, const void* s2,
         long long w13_eb, long long s13_eb, long long w2_eb, long long s2_eb, long long l2_budget) {
     __shared__ int cnt[1024];
@@ -286,6 +296,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
     __shared__ int2 warp_tot[32];
     __shared__ int2 total;
     __shared__ int bad;
+    DDT_PDL_WAIT();                 // ids come from the router kernel
+    DDT_PDL_LAUNCH_DEPENDENTS();    // one sorting block: the gate/up grid may start launching now
     if (blockIdx.x > 0) {
         ExpertRegions rg;
         rg.base[0] = (const char*)w13; rg.base[1] = (const char*)s13;
@@ -317,57 +329,164 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
     if (tid == 0) { meta[0] = total.y; meta[1] = bad; }
     for (int i = tid; i < n; i += blockDim.x) {
         const int r = rank_tmp[i];
-        if (r < 0) { slot_of[i] = -1; continue; }
-        const int s = poff[ids[i]] + r;
-        slot_of[i] = s;
-        slot_tok[s] = i / k;
-        slot_w[s] = wts[i];
+        if (r >= 0) slot_pair[poff[ids[i]] + r] = i;
     }
+}
+
+// Shared-memory sort of the gate/up prologue (small T). Sizes: FUSED_MAX_PAIRS pairs, MAX_E experts, and at
+// most min(pairs, E) + pairs / 8 chunks (every touched expert's last chunk may be partial).
+constexpr int FUSED_MAX_PAIRS = 256;
+constexpr int MAX_E = 1024;
+constexpr int FUSED_MAX_CHUNKS = FUSED_MAX_PAIRS + FUSED_MAX_PAIRS / 8;
+
+struct SortSmem {
+    int cnt[MAX_E];                      // per-expert counts, then the first slot of each expert's run
+    int ids[FUSED_MAX_PAIRS];
+    int slot_pair[FUSED_MAX_PAIRS];
+    int4 chunks[FUSED_MAX_CHUNKS];
+    int2 warp_tot[32];
+    int2 total;
+    int bad;
+};
+
+// Unpadded runs (slots 0..valid pairs - 1): the gather through slot_pair means chunks need no 8-alignment.
+__device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int chunk, SortSmem& s) {
+    const int tid = threadIdx.x, nth = blockDim.x;
+    for (int e = tid; e < E; e += nth) s.cnt[e] = 0;
+    if (tid == 0) s.bad = 0;
+    for (int i = tid; i < n; i += nth) s.ids[i] = ids[i];
+    __syncthreads();
+    for (int i = tid; i < n; i += nth) {
+        const int e = s.ids[i];
+        if (e >= 0 && e < E) atomicAdd(&s.cnt[e], 1);     // counts do not depend on the order of the atomics
+        else atomicAdd(&s.bad, 1);
+    }
+    __syncthreads();
+    const int per = (E + nth - 1) / nth;                   // experts owned by this thread: [e0, e0 + per)
+    const int e0 = tid * per;
+    int csum = 0, chsum = 0;
+    for (int q = 0; q < per; ++q) {
+        const int e = e0 + q;
+        if (e < E) { const int c = s.cnt[e]; csum += c; chsum += (c + chunk - 1) / chunk; }
+    }
+    const int2 ex = block_exclusive_scan2(make_int2(csum, chsum), s.warp_tot, &s.total);
+    int off = ex.x, ci = ex.y;
+    for (int q = 0; q < per; ++q) {
+        const int e = e0 + q;
+        if (e < E) {
+            const int c = s.cnt[e];
+            for (int j = 0; j * chunk < c; ++j) s.chunks[ci++] = make_int4(e, off + j * chunk, min(chunk, c - j * chunk), 0);
+            s.cnt[e] = off;
+            off += c;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += nth) {
+        const int e = s.ids[i];
+        if (e < 0 || e >= E) continue;
+        int r = 0;                                         // deterministic rank: earlier pairs of expert e
+        for (int i2 = 0; i2 < i; ++i2) r += s.ids[i2] == e;
+        s.slot_pair[s.cnt[e] + r] = i;
+    }
+    __syncthreads();
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns the m32 unit
 // (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
-// MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16.
-// MODE 1 (down): y[slot][row] = routing_weight[slot] * acc, fp32.
-// Weights stream global -> registers through a U-stage register ring; partials over K meet in shared memory
-// in a fixed order (deterministic).
+// MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
+//   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
+// MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32; with fuse_combine, per (token, 32-row group) an
+//   arrival counter: the warp that brings the last of a token's valid pairs sums its k rows of y in order
+//   j = 0..k-1, adds the residual and writes out[t] (bf16): deterministic, and it resets the counter for the
+//   next call. Per warp, not per block: no block-wide barrier is added to the unit loop.
+// Weights stream global -> registers through a U-stage register ring (S = 0) or an S-deep per-warp cp.async
+// ring in dynamic shared memory (S >= 2, power of two: no register cost); partials over K meet in shared
+// memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
+// pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
+// one DRAM round trip.
+// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
-// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations: the register
-// ring is what keeps bytes in flight, and 16 warps x U steps is what the bandwidth needs.
-// S == 0: weights and scales stream global -> registers through the U-deep register ring.
-// S >= 2 (power of two): they stream through an S-deep per-warp cp.async ring in dynamic shared memory
-// (S * 1152 bytes per warp; no register cost, so many more bytes in flight per warp); activations keep
-// the U-deep register ring (they are L2 hits).
+template <int MODE> struct GemmSmem { SortSmem sort; };     // gate/up: the fused routing sort
+template <> struct GemmSmem<1> { int unused; };
+
 template <int MODE, int WM, int WK, int NT, int U, int S>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
-        const bf16_bits* __restrict__ act, int act_stride, const int* __restrict__ slot_tok,
-        const int4* __restrict__ chunks, const int* __restrict__ meta,
+        const bf16_bits* __restrict__ act, int act_stride,
+        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
+        int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
-        const float* __restrict__ slot_w, float* __restrict__ y_out, int y_stride, int pf_steps) {
+        float* __restrict__ y, int* __restrict__ counters, const bf16_bits* __restrict__ residual, int has_res,
+        bf16_bits* __restrict__ out, int fuse_combine, int pf_steps, int pf_next) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
+    __shared__ GemmSmem<MODE> sm;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = N / 16;
     const int n_mg = (ntiles / 2 + WM - 1) / WM;
-    const int n_chunks = meta[0];
-    const int n_units = n_chunks * n_mg;
     const int spw = (KS + WK - 1) / WK;
     const int sb = kw * spw;
     const int nsteps = max(0, min(KS, sb + spw) - sb);
+
+    DDT_PDL_WAIT();     // everything below reads routing / activations of earlier kernels
+    const int4* chs = chunks;
+    const int* spair = slot_pair;
+    int n_chunks;
+    if constexpr (MODE == 0) {
+        if (fuse_route) {
+            sort_pairs_block(ids, T * k, E, 8 * NT, sm.sort);
+            n_chunks = sm.sort.total.y;
+            if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
+                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = sm.sort.chunks[c];
+                for (int s = threadIdx.x; s < sm.sort.total.x; s += blockDim.x) slot_pair[s] = sm.sort.slot_pair[s];
+                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = sm.sort.bad; }
+            }
+            chs = sm.sort.chunks;
+            spair = sm.sort.slot_pair;
+        } else {
+            n_chunks = meta[0];
+        }
+    } else {
+        n_chunks = meta[0];
+    }
+    const int n_units = n_chunks * n_mg;
+    int pf_done = 0;     // k64 steps of this unit's tiles already prefetched by the previous unit
 
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         // Consecutive units are consecutive chunks of the same m-group: chunks of one expert run side by side
         // and share its weight tiles through L2.
         const int mg = u / n_chunks, cidx = u - mg * n_chunks;
-        const int4 ch = chunks[cidx];
+        if (u + (int)gridDim.x >= n_units) DDT_PDL_LAUNCH_DEPENDENTS();   // last unit: SMs are freeing up
+        const int4 ch = chs[cidx];
         const int e = ch.x, slot0 = ch.y, ntok = ch.z;
         const int tile0 = (mg * WM + wm) * 2;
         const bool wactive = tile0 < ntiles;
+        // this warp's tiles in the block's next unit (for the prefetch across the unit boundary)
+        // (two ints, not pointers: the gate/up kernel sits at the 128-register cap)
+        const int un = u + gridDim.x;
+        int nx_e = -1, nx_t = 0;
+        if (pf_next && pf_steps > 0 && un < n_units) {
+            const int mgn = un / n_chunks;
+            nx_t = (mgn * WM + wm) * 2;
+            if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
+        }
+        const bool nx = nx_e >= 0;
+        int next_done = 0;
+        // MODE 1: lane j < ntok holds token column j's pair, routing weight, token and valid-id count, loaded
+        // now so their latency hides behind the GEMM (the epilogue takes them by shuffle).
+        int my_pair = 0, my_tok = 0, my_need = 0;
+        float my_w = 0.f;
+        if (MODE == 1 && lane < ntok) {
+            my_pair = spair[slot0 + lane];
+            my_w = wts[my_pair];
+            my_tok = my_pair / k;
+            if (fuse_combine)
+                for (int j = 0; j < k; ++j) { const int ej = ids[my_tok * k + j]; my_need += (ej >= 0 && ej < E); }
+        }
 
         float acc[2][NT][4];
 #pragma unroll
@@ -389,21 +508,34 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             for (int nt = 0; nt < NT; ++nt) {
                 const int j = nt * 8 + g;
                 bval[nt] = j < ntok;
-                const int row = bval[nt] ? (MODE == 0 ? slot_tok[slot0 + j] : slot0 + j) : 0;
+                const int row = bval[nt] ? (MODE == 0 ? spair[slot0 + j] / k : slot0 + j) : 0;
                 pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
             }
             // Group prefetch of 4 k64 steps with one instruction per warp for the weights (lane l: step
-            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7).
+            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7). Steps past this
+            // unit's end continue into the next unit's tiles (same K slice, same step count).
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
             auto prefetch_group = [&](int j0) {
                 const int sw = j0 + (lane >> 3);
-                if (sw < nsteps)
-                    prefetch_l2(pt0 + (size_t)((lane >> 2) & 1) * KS * 32 + (size_t)sw * 32 + (lane & 3) * 8);
+                const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
+                if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);
+                else if (nx && sw - nsteps < nsteps)
+                    prefetch_l2(wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32 + woff + (size_t)(sw - nsteps) * 32);
                 const int ss = j0 + (lane >> 1);
-                if (lane < 8 && ss < nsteps) prefetch_l2(st0 + (size_t)(lane & 1) * KS * 8 + (size_t)ss * 8);
+                const size_t soff = (size_t)(lane & 1) * KS * 8;
+                if (lane < 8) {
+                    if (ss < nsteps) prefetch_l2(st0 + soff + (size_t)ss * 8);
+                    else if (nx && ss - nsteps < nsteps)
+                        prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
+                }
             };
-            for (int j = 0; j < pf_steps; j += 4) prefetch_group(j);
+            for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
+            if (pf_steps > 0) {
+                // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
+                const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
+                next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
+            }
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
@@ -510,6 +642,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 cp_async_wait<0>();
             }
         }
+        pf_done = next_done;
 
         if (WK > 1) {
             float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
@@ -541,6 +674,8 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const int j = nt * 8 + 2 * t + (q & 1);
+                    const int pair = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_pair, j & 31) : 0;
+                    const float wgt = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_w, j & 31) : 0.f;
                     if (j >= ntok) continue;
                     const int slot = slot0 + j;
                     if (MODE == 0) {
@@ -549,37 +684,78 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         const float hv = gv / (1.f + expf(-gv)) * uv;
                         h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
                     } else {
-                        const float wgt = slot_w[slot];
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt) {
                             const int row = (tile0 + mt) * 16 + g + 8 * (q >> 1);
-                            y_out[(size_t)slot * y_stride + row] = wgt * acc[mt][nt][q];
+                            y[(size_t)pair * N + row] = wgt * acc[mt][nt][q];
                         }
                     }
                 }
         }
+        if (MODE == 1 && fuse_combine && kw == 0 && wactive) {
+            // Arrival count per (token, 32-row group): the warp that brings the last of a token's valid pairs
+            // sums the token's k rows of y in order j = 0..k-1 (+ residual) and writes out (deterministic),
+            // then resets the counter for the next call. Release: fence after this lane's y stores; acquire:
+            // fence after seeing the last arrival, then L2 reads (__ldcg: no stale L1 lines).
+            const int r32 = tile0 >> 1;
+            __threadfence();
+            __syncwarp();
+            int last = 0;
+            if (lane < ntok) {
+                int* c = counters + (size_t)my_tok * (N / 32) + r32;
+                last = atomicAdd(c, 1) == my_need - 1;
+                if (last) *c = 0;
+            }
+            unsigned int m = __ballot_sync(0xFFFFFFFFu, last);
+            if (m) __threadfence();
+            while (m) {
+                const int j = __ffs(m) - 1;
+                m &= m - 1;
+                const int tok = __shfl_sync(0xFFFFFFFFu, my_tok, j);
+                const int row = r32 * 32 + lane;
+                float s = 0.f;
+                for (int jj = 0; jj < k; ++jj) {
+                    const int ej = ids[tok * k + jj];
+                    if (ej >= 0 && ej < E) s += __ldcg(y + (size_t)(tok * k + jj) * N + row);
+                }
+                if (has_res) s += __uint_as_float((uint32_t)residual[(size_t)tok * N + row] << 16);
+                out[(size_t)tok * N + row] = f32_to_bf16(s);
+            }
+        }
         if (WK > 1) __syncthreads();   // red[] is reused by the next unit
+    }
+    if (MODE == 1 && fuse_combine) {
+        // Tokens without a single valid expert id get no arrivals: out = residual (or 0).
+        for (int tok = blockIdx.x; tok < T; tok += gridDim.x) {
+            int nv = 0;
+            for (int j = 0; j < k; ++j) { const int ej = ids[tok * k + j]; nv += (ej >= 0 && ej < E); }
+            if (nv > 0) continue;
+            for (int r = threadIdx.x; r < N; r += blockDim.x)
+                out[(size_t)tok * N + r] = has_res ? residual[(size_t)tok * N + r] : (bf16_bits)0;
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// out[t][n] = bf16( sum_{j < k, in order} y[slot_of[t*k+j]][n] (+ residual[t][n]) ). Deterministic.
-// grid (ceil(H/1024), T), 256 threads x 4 columns.
+// Separate combine (large T, where the table does not fold it into the down GEMM):
+// out[t][n] = bf16( sum_{j < k valid, in order} y[t*k+j][n] (+ residual[t][n]) ) -- the same sum in the same
+// order as the folded version. grid (ceil(H/1024), T), 256 threads x 4 columns.
 // ---------------------------------------------------------------------------------------------------------
-extern "C" __global__ void moe_combine(const float* __restrict__ y, int y_stride, const int* __restrict__ slot_of,
-                                       int k, int H, const bf16_bits* __restrict__ residual,
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, int k, int E,
+                                       int H, const bf16_bits* __restrict__ residual, int has_res,
                                        bf16_bits* __restrict__ out) {
+    DDT_PDL_WAIT();
     const int t = blockIdx.y;
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (n >= H) return;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int j = 0; j < k; ++j) {
-        const int sl = slot_of[t * k + j];
-        if (sl < 0) continue;
-        const float4 v = *reinterpret_cast<const float4*>(y + (size_t)sl * y_stride + n);
+        const int e = ids[t * k + j];
+        if (e < 0 || e >= E) continue;
+        const float4 v = *reinterpret_cast<const float4*>(y + (size_t)(t * k + j) * H + n);
         s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
-    if (residual != nullptr) {
+    if (has_res) {
         const uint2 r = *reinterpret_cast<const uint2*>(residual + (size_t)t * H + n);
         s.x += bf_lo(r.x); s.y += bf_hi(r.x); s.z += bf_lo(r.y); s.w += bf_hi(r.y);
     }

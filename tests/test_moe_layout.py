@@ -166,3 +166,27 @@ def test_tile_table_fits_sm120_shared_memory():
             assert tile.stages == 0 or (tile.stages & (tile.stages - 1)) == 0   # ring index uses & (S-1)
     assert moe.select_tiles("sm_90", 1, 256).nt == 1
     assert moe.select_tiles("sm_120", 650, 2048).nt == 4
+
+
+def test_fused_sort_model_contract():
+    # the model of the gate/up prologue's sort (the GPU test compares the kernel's published arrays to it)
+    rng = np.random.default_rng(5)
+    for T, E, k, chunk in ((1, 384, 8, 8), (32, 384, 8, 8), (20, 64, 8, 16), (32, 1024, 8, 32), (5, 4, 8, 8)):
+        ids = rng.integers(-1, E + 1, size=(T, k)).astype(np.int32)
+        ids[0, :3] = ids[0, 0]                                   # duplicates inside a token
+        chunks, slot_pair, bad = moe.fused_sort_numpy(ids, E, chunk)
+        flat = ids.reshape(-1)
+        valid = (flat >= 0) & (flat < E)
+        assert bad == int((~valid).sum())
+        assert sorted(slot_pair.tolist()) == np.nonzero(valid)[0].tolist()      # every valid pair once
+        assert len(chunks) <= min(T * k, E) + T * k // 8 <= moe.FUSED_MAX_PAIRS + moe.FUSED_MAX_PAIRS // 8
+        covered = 0
+        for e, s0, n, _ in chunks:
+            assert 1 <= n <= chunk and s0 == covered
+            assert (flat[slot_pair[s0:s0 + n]] == e).all()
+            covered += n
+        assert covered == len(slot_pair)
+        for e in np.unique(flat[valid]):                              # inside an expert: pair order
+            pe = slot_pair[flat[slot_pair] == e]
+            assert (np.diff(pe) > 0).all()
+    assert moe.fusion_defaults(32, 8) == (True, True) and moe.fusion_defaults(33, 8) == (False, False)

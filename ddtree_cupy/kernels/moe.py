@@ -4,6 +4,10 @@
     ws = MoEWorkspace(t_max, top_k, weights)
     out = moe_forward(x, topk_ids, topk_weights, weights, ws, out=None, residual=None)
 
+Two or three launches: at small T (T*k <= FUSED_MAX_PAIRS) the routing sort runs in the gate/up kernel's
+prologue and the per-token combine in the down kernel (last-arriving warp per token and 32-row group);
+above, a routing kernel (with its L2 prefetch blocks) runs first and the combine is its own kernel.
+
 Every step is a kernel on the current stream with sizes fixed by the shapes of the arguments (no host
 synchronisation, no allocation when ``out`` is given): the call can be captured into a CUDA graph.
 
@@ -25,6 +29,9 @@ GROUP = 32          # INT4 scale group along K
 KSTEP = 64          # K elements per repacked block (one 16-byte word per lane)
 MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
 PF_STEPS = 8        # GEMM L2 prefetch distance in k64 steps (~1.1 KB each per warp)
+FUSED_MAX_PAIRS = 256   # T*k up to which the gate/up kernel sorts the routing itself (shared-memory arrays)
+# SortSmem in moe_int4.cu: counts [1024] + ids/slot_pair [2 x 256] + chunks [288] int4 + scan scratch
+SORT_SMEM = 4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8) + 8 * 33 + 4
 RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
@@ -49,7 +56,8 @@ class Tile:
         return self.wm * self.wk * self.stages * RING_SLOT_BYTES
 
     def smem_static(self, nt: int) -> int:
-        return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
+        # K-split reduction buffer + (gate/up kernel; counted for both as an upper bound) the fused sort
+        return (self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4) + SORT_SMEM
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,8 @@ SPEC = register(KernelSpec(
     names=_all_gemm_names() + ("moe_route", "moe_combine", "moe_repack_weights", "moe_repack_scales",
                                "moe_dequant_check"),
     hot=True,
-    doc="INT4 W4A16 fused MoE: routing sort, gate/up + SiLU, down + routing weight, per-token combine"))
+    pdl=True,      # every kernel calls DDT_PDL_WAIT() before reading routing/activations or writing
+    doc="INT4 W4A16 fused MoE: routing sort, gate/up + SiLU, down + routing weight + per-token combine"))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -218,6 +227,23 @@ def repack_numpy(packed: np.ndarray, scale: np.ndarray, packed2: Optional[np.nda
     sblk = scp.reshape(E, N // 16, 16, KS, 2).transpose(0, 1, 3, 2, 4)            # [E, NT, KS, 16, 2]
     sp = sblk[:, :, :, srow, sgrp]                                                # [E, NT, KS, 8, 4]
     return np.ascontiguousarray(wp, dtype=np.uint32), np.ascontiguousarray(sp, dtype=np.uint16)
+
+
+def fused_sort_numpy(ids: np.ndarray, n_experts: int, chunk: int):
+    """Model of the gate/up prologue's shared-memory sort (sort_pairs_block): slots in expert order, inside an
+    expert in pair order (the deterministic rank), unpadded. -> (chunks int32 [n, 4] (expert, first slot,
+    tokens, 0), slot_pair int32 [valid pairs], bad)."""
+    flat = np.asarray(ids).reshape(-1)
+    valid = (flat >= 0) & (flat < n_experts)
+    order = np.nonzero(valid)[0]
+    slot_pair = order[np.argsort(flat[order], kind="stable")].astype(np.int32)
+    counts = np.bincount(flat[valid], minlength=n_experts)
+    chunks, off = [], 0
+    for e in range(n_experts):
+        for j in range(0, counts[e], chunk):
+            chunks.append((e, off + j, min(chunk, counts[e] - j), 0))
+        off += counts[e]
+    return np.array(chunks, np.int32).reshape(-1, 4), slot_pair, int((~valid).sum())
 
 
 def dequant_numpy(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -338,18 +364,22 @@ class MoEWorkspace:
         self.t_max, self.top_k = t_max, top_k
         self.n_experts, self.hidden, self.inter = weights.n_experts, weights.hidden, weights.inter
         pairs = t_max * top_k
-        # Every expert's run of slots is padded to a multiple of 8.
+        # Routing-kernel path: every expert's run of slots is padded to a multiple of 8.
         self.slot_cap = pairs + 7 * min(weights.n_experts, pairs)
         # h rows are Ip wide; the padding columns [I, Ip) stay zero forever (the down GEMM reads them as
         # activations against q = 0, scale = 0 weights, so they must be finite).
         self.h = cupy.zeros((self.slot_cap, weights.inter_padded), dtype=cupy.uint16)
-        self.y = cupy.empty((self.slot_cap, weights.hidden), dtype=cupy.float32)
-        self.slot_tok = cupy.zeros(self.slot_cap, dtype=cupy.int32)
-        self.slot_w = cupy.zeros(self.slot_cap, dtype=cupy.float32)
-        self.slot_of = cupy.empty(pairs, dtype=cupy.int32)
+        self.y = cupy.empty((pairs, weights.hidden), dtype=cupy.float32)        # row = pair t*k + j
+        self.slot_pair = cupy.zeros(self.slot_cap, dtype=cupy.int32)
         self.rank = cupy.empty(pairs, dtype=cupy.int32)
         self.chunks = cupy.zeros((pairs + weights.n_experts, 4), dtype=cupy.int32)
         self.meta = cupy.zeros(4, dtype=cupy.int32)
+        # arrival counters of the folded combine, per (token, 32-row group of H); every call leaves them 0
+        self.counters = cupy.zeros((t_max, weights.hidden // 32), dtype=cupy.int32)
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta,
+                                           self.counters))
 
     def bad_ids(self) -> int:
         """Number of out-of-range expert ids seen by the last call (host sync: tests/debug only)."""
@@ -383,7 +413,8 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
-                tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS):
+                tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
+                fuse_route: Optional[bool] = None, fuse_combine: Optional[bool] = None, pf_next: bool = True):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -394,19 +425,32 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps):
+                                     pf_steps, fuse_route, fuse_combine, pf_next):
         launch()
     return out
 
 
+def fusion_defaults(T: int, top_k: int) -> Tuple[bool, bool]:
+    """(fuse_route, fuse_combine) of the table: both at small T, where each launch removed is ~2-4 us of a
+    ~10-20 us layer; above, the routing kernel's L2 prefetch blocks and a separate combine. Measured on the
+    H200: docs/MOE.md."""
+    small = T * top_k <= FUSED_MAX_PAIRS
+    return small, small
+
+
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
-                    pf_steps: int = PF_STEPS):
-    """The four launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark
-    times prefixes of this list to attribute time to stages). ``l2_prefetch``: extra blocks of the routing
+                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None,
+                    fuse_combine: Optional[bool] = None, pf_next: bool = True):
+    """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
+    prefixes of this list to attribute time to stages): [route,] gate_up, down[, combine].
+    ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
+    kernel; ``fuse_combine``: the down kernel writes out (last-arriving warp per token and row group), no
+    combine kernel; None: the table (``fusion_defaults``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
-    only for T >= 64, where it measured up to 5% faster; below, its extra ~1 us in the routing kernel is a loss);
-    ``pf_steps``: how many k64 steps each GEMM warp prefetches into L2 ahead of its register ring."""
+    only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
+    prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
+    unit."""
     if pf_steps < 0 or pf_steps % 4:
         raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
@@ -433,38 +477,49 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
                              f"> {SMEM_LIMIT}")
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     Ip = weights.inter_padded
+    dr, dc = fusion_defaults(T, k)
+    fuse_route = dr if fuse_route is None else bool(fuse_route)
+    fuse_combine = dc if fuse_combine is None else bool(fuse_combine)
+    if fuse_route and T * k > FUSED_MAX_PAIRS:
+        raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
     if l2_prefetch is None:
-        l2_prefetch = T >= 64
+        l2_prefetch = T >= 64 and not fuse_route
+    if fuse_route and l2_prefetch:
+        raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
     chunk = 8 * tiles.nt
-    i32 = np.int32
+    i32, i64 = np.int32, np.int64
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // chunk)
+    # no None pointers in kernel arguments (PDL launches marshal device pointers only): ``out`` stands in
+    # for an absent residual, with has_res = 0
+    res_arg, has_res = (residual, i32(1)) if residual is not None else (out, i32(0))
 
-    k_route = get_kernel(SPEC, "moe_route")
-    i64 = np.int64
-    eb = [a.nbytes // E for a in (weights.w13, weights.s13, weights.w2, weights.s2)]
-    route_args = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(chunk),
-                  ws.slot_tok, ws.slot_w, ws.slot_of, ws.rank, ws.chunks, ws.meta,
-                  weights.w13, weights.s13, weights.w2, weights.s2, *(i64(b) for b in eb),
-                  i64(_l2_budget() if l2_prefetch else 0))
-    route_grid = 1 + (_sm_count() if l2_prefetch else 0)
+    plan = []
+    if not fuse_route:
+        k_route = get_kernel(SPEC, "moe_route")
+        eb = [a.nbytes // E for a in (weights.w13, weights.s13, weights.w2, weights.s2)]
+        route_args = (topk_ids, i32(T), i32(k), i32(E), i32(chunk), ws.slot_pair, ws.rank, ws.chunks, ws.meta,
+                      weights.w13, weights.s13, weights.w2, weights.s2, *(i64(b) for b in eb),
+                      i64(_l2_budget() if l2_prefetch else 0))
+        route_grid = 1 + (_sm_count() if l2_prefetch else 0)
+        plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
+    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(fuse_route), ws.slot_pair, ws.chunks, ws.meta)
+    tail = (ws.y, ws.counters, res_arg, has_res, out, i32(fuse_combine), i32(pf_steps), i32(pf_next))
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
     k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=tg.smem_dynamic)
     grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
-    gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H), ws.slot_tok, ws.chunks,
-               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H), i32(pf_steps))
+    gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H)) + common + (ws.h, i32(Ip)) + tail
+    plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=tg.smem_dynamic)))
     # down: N = H, K = Ip
     td = tiles.down
     k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
-    dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip), ws.slot_tok, ws.chunks,
-               ws.meta, ws.h, i32(Ip), ws.slot_w, ws.y, i32(H), i32(pf_steps))
-    k_cb = get_kernel(SPEC, "moe_combine")
-    cb_args = (ws.y, i32(H), ws.slot_of, i32(k), i32(H), residual, out)
-    return [
-        ("route", lambda: k_route((route_grid,), (1024,), route_args)),
-        ("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=tg.smem_dynamic)),
-        ("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)),
-        ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)),
-    ]
+    dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
+        common[6:] + (ws.h, i32(Ip)) + tail
+    plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
+    if not fuse_combine:
+        k_cb = get_kernel(SPEC, "moe_combine")
+        cb_args = (ws.y, topk_ids, i32(k), i32(E), i32(H), res_arg, has_res, out)
+        plan.append(("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)))
+    return plan

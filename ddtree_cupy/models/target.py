@@ -5,14 +5,16 @@ Per layer (shapes for T rows, this rank's nh heads; docs/MODELS.md has the full 
     normed = rms_norm(mlp_out_prev + h)               fused residual add: h += mlp_out_prev (layer 0: rms_norm(h))
     qkv_a  = normed @ w_qkv_a^T                       [T, q_lora + 576]  (q_a_proj | kv_a_proj_with_mqa)
     c_q    = rms_norm(qkv_a[:, :q_lora])              [T, q_lora]
-    latent = rms_norm(qkv_a[:, q_lora:+512]) | rope(qkv_a[:, -64:])   [T, 576] -> kv_write_latent at kv_pos
+    latent = rms_norm(qkv_a[:, q_lora:+512]) | rope(qkv_a[:, -64:])   [T, 576] -> the cache at kv_pos
+             (c_q and latent: ONE fused launch, kernels/fused.mla_qkv_a_post)
     q      = c_q @ w_q_b^T                            [T, nh, 192]
-    q_full = (q_nope @ W_UK) | rope(q_pe)             [T, nh, 576]  (batched per-head GEMM, strided views)
+    q_full = (q_nope @ W_UK) | rope(q_pe)             [T, nh, 576]  (ONE launch: fused.mla_head_gemm + rope)
     o_lat  = mla_attention(q_full, pool, ...)         [T, nh, 512]  (tree mask or causal, paged cache)
-    o      = o_lat @ W_UV^T                           [T, nh * 128] (batched per-head GEMM)
+    o      = o_lat @ W_UV^T                           [T, nh * 128] (fused.mla_head_gemm)
     attn   = all_reduce(o @ w_o^T)                    [T, H]
     normed = rms_norm(attn + h)                       fused: h += attn
     mlp    = all_reduce(dense SwiGLU | MoE(routed) + shared expert)   [T, H]
+             (MoE: router GEMM, shared gate_up GEMM, then router top-k + shared SwiGLU in one launch)
     (feature layers: h after the next fused add is copied into batch.features)
     final: normed = rms_norm(mlp + h); logits = normed @ lm_head^T (fp32) into batch.logits [T, V / tp]
 
@@ -86,7 +88,6 @@ class GpuTarget:
         self.c_q = z(Tm, ql)
         self.q = z(Tm, nh * (d["dn"] + ROPE))
         self.q_full = z(Tm, nh, ROW)
-        self.latent = z(Tm, ROW)
         self.o_lat = z(Tm, nh, LATENT)
         self.o = z(Tm, nh * d["dv"])
         self.attn_out = z(Tm, H)
@@ -121,8 +122,7 @@ class GpuTarget:
     def _gemm_shapes(self):
         d, cfg = self.d, self.cfg
         H, nh, ql = d["H"], d["nh"], d["ql"]
-        s = [(1, ql + ROW, H), (1, nh * (d["dn"] + ROPE), ql), (nh, LATENT, d["dn"]), (nh, d["dv"], LATENT),
-             (1, H, nh * d["dv"]), (1, d["V"], H)]
+        s = [(1, ql + ROW, H), (1, nh * (d["dn"] + ROPE), ql), (1, H, nh * d["dv"]), (1, d["V"], H)]
         for L in self.w.layers:
             if L.is_moe:
                 s.append((1, d["E"], H))
@@ -134,13 +134,12 @@ class GpuTarget:
 
     def workspace_bytes(self) -> int:
         """Device bytes of the activation buffers and workspaces (not the weights, not the KV cache)."""
-        arrs = [self.h, self.normed, self.qkv_a, self.c_q, self.q, self.q_full, self.latent, self.o_lat, self.o,
+        arrs = [self.h, self.normed, self.qkv_a, self.c_q, self.q, self.q_full, self.o_lat, self.o,
                 self.attn_out, self.mlp_out, self.gate_up, self.act, self.shared_out, self.gemm_ws]
         n = sum(int(a.nbytes) for a in arrs)
         if self.moe_ws is not None:
             n += int(self.router_logits.nbytes + self.topk_ids.nbytes + self.topk_w.nbytes)
-            n += sum(int(getattr(self.moe_ws, k).nbytes) for k in ("h", "y", "slot_tok", "slot_w", "slot_of", "rank",
-                                                                    "chunks", "meta"))
+            n += self.moe_ws.nbytes()
         for ws in self._mla_ws.values():
             if ws is not None:
                 n += int(ws.part_o.nbytes + ws.part_lse.nbytes)
@@ -189,30 +188,25 @@ class GpuTarget:
         """Layer i's MLA on normed x uint16 [T, H]: writes the T latent rows to the cache at batch.kv_pos and
         out [T, H] = o_proj output (all-reduced unless reduce=False: this rank's partial sum)."""
         from ..kernels.attention import mla_attention
-        from ..kernels.kv_cache import kv_write_latent
-        from ..kernels.layers import rms_norm, rope
+        from ..kernels.fused import mla_head_gemm, mla_qkv_a_post
         cfg, d, L = self.cfg, self.d, self.w.layers[i]
-        T, nh, ql, dn = batch.T, d["nh"], d["ql"], d["dn"]
-        eps = float(cfg.latent_norm_eps)
+        T, nh, dn = batch.T, d["nh"], d["dn"]
         qkv = self._gemm(x, L.w_qkv_a, self.qkv_a[:T])
-        rms_norm(qkv[:, :ql], L.q_a_norm, eps, out=self.c_q[:T])
-        lat = self.latent[:T]
-        rms_norm(qkv[:, ql:ql + LATENT], L.kv_a_norm, eps, out=lat[:, :LATENT])
-        rope(qkv[:, ql + LATENT:], batch.positions, out=lat[:, LATENT:], inv_freq=self.inv_freq,
-             amplitude=self.amplitude)
-        kv_write_latent(kv.pools[i], kv.block_table, batch.stream_ids, batch.kv_pos, lat)
+        # c_q norm, c_kv norm, rope(k_pe) and the latent cache write: one launch
+        mla_qkv_a_post(qkv, L.q_a_norm, L.kv_a_norm, float(cfg.latent_norm_eps), self.c_q[:T], batch.positions,
+                       self.inv_freq, self.amplitude, batch.stream_ids, batch.kv_pos, kv.pools[i], kv.block_table)
         q = self._gemm(self.c_q[:T], L.w_q_b, self.q[:T]).reshape(T, nh, dn + ROPE)
         qf = self.q_full[:T]
-        # q_lat[h] = q_nope[h] @ W_UK[h]: batched over heads, reading and writing strided head views
-        self._gemm(q[:, :, :dn].transpose(1, 0, 2), L.w_uk_t, qf.transpose(1, 0, 2)[:, :, :LATENT])
-        rope(q[:, :, dn:], batch.positions, out=qf[:, :, LATENT:], inv_freq=self.inv_freq, amplitude=self.amplitude)
+        # q_full = q_nope @ W_UK per head | rope(q_pe): one launch
+        mla_head_gemm(q[:, :, :dn], L.w_uk_t, qf[:, :, :LATENT], pe=q[:, :, dn:], pe_out=qf[:, :, LATENT:],
+                      positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude)
         max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
         ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
         mla_attention(qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
                       softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
                       out=self.o_lat[:T], workspace=ws)
         o = self.o[:T]
-        self._gemm(self.o_lat[:T].transpose(1, 0, 2), L.w_uv, o.reshape(T, nh, d["dv"]).transpose(1, 0, 2))
+        mla_head_gemm(self.o_lat[:T], L.w_uv, o.reshape(T, nh, d["dv"]))     # o = o_lat @ W_UV^T per head
         self._gemm(o, L.w_o, out)
         if reduce:
             self.comm.all_reduce(out)
@@ -233,15 +227,15 @@ class GpuTarget:
             self._gemm(self.act[:T, :F], L.w_down, out)
         else:
             logits = self._gemm(x, L.w_router, self.router_logits[:T], out_dtype=np.float32)
-            ids, wts = route_logits(logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=self.topk_ids[:T],
-                                    out_weights=self.topk_w[:T])
-            residual = None
-            if L.w_shared_gate_up is not None:
+            shared = L.w_shared_gate_up is not None
+            if shared:      # the shared expert's gate_up GEMM first: its SwiGLU shares the router's launch
                 Is = L.w_shared_down.shape[1]
                 gu = self._gemm(x, L.w_shared_gate_up, self.gate_up[:T, :2 * Is])
-                silu_mul(gu, out=self.act[:T, :Is])
-                residual = self._gemm(self.act[:T, :Is], L.w_shared_down, self.shared_out[:T])
+            ids, wts = route_logits(logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=self.topk_ids[:T],
+                                    out_weights=self.topk_w[:T], gate_up=gu if shared else None,
+                                    act_out=self.act[:T, :Is] if shared else None)
+            residual = self._gemm(self.act[:T, :Is], L.w_shared_down, self.shared_out[:T]) if shared else None
             moe_forward(x, ids, wts, L.experts, self.moe_ws, out=out, residual=residual)
         if reduce:
             self.comm.all_reduce(out)

@@ -55,6 +55,10 @@ def _routing(rng, T, E, k, mode="uniform"):
         for t in range(T):
             others = [e for e in rng.permutation(E) if e != 3][:k - 1]
             ids[t] = [3] + others
+    elif mode == "duplicates":          # repeated ids inside a token: expert 5 twice everywhere, 3x in token 0
+        ids[:, 1] = 5
+        ids[:, 2] = 5
+        ids[0, 3] = 5
     wts = rng.uniform(0.05, 0.5, size=(T, k)).astype(np.float32)
     return ids, wts
 
@@ -75,6 +79,7 @@ def _run(layer, T, k, seed, mode="uniform", residual=False, t_max=None, tiles=No
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert ws.bad_ids() == 0
+    assert int(cp.count_nonzero(ws.counters)) == 0     # the folded combine leaves its counters reset
     return err
 
 
@@ -164,26 +169,85 @@ def test_cp_async_ring_variant_h7168(narrow, T):
     assert _run(narrow, T, 8, seed=900 + T, tiles=tiles) < TOL
 
 
+FUSIONS = [(True, True), (False, False), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("fuse_route,fuse_combine", FUSIONS)
+def test_fusion_paths(narrow, fuse_route, fuse_combine):
+    # T = 20 with every token on expert 3: a 20-pair expert is 3 chunks, so the per-block shared-memory sort
+    # of every gate/up block must agree with block 0's published one (deterministic ranks)
+    kw = dict(fuse_route=fuse_route, fuse_combine=fuse_combine, l2_prefetch=False)
+    assert _run(narrow, 20, 8, seed=1000, mode="one_expert", **kw) < TOL
+    assert _run(narrow, 1, 8, seed=1001, **kw) < TOL
+
+
+@pytest.mark.parametrize("fuse_route,fuse_combine", FUSIONS[:2])
+def test_fusion_paths_wide(wide, fuse_route, fuse_combine):
+    # I = 2048: the 2 x 4 down block, where only the kw = 0 warps write y and count arrivals
+    assert _run(wide, 9, 8, seed=1100, fuse_route=fuse_route, fuse_combine=fuse_combine, l2_prefetch=False) < TOL
+
+
+@pytest.mark.parametrize("fuse_route,fuse_combine", FUSIONS[:2])
+def test_duplicate_ids_in_a_token(tiny256, fuse_route, fuse_combine):
+    assert _run(tiny256, 12, 8, seed=1200, mode="duplicates", fuse_route=fuse_route,
+                fuse_combine=fuse_combine, l2_prefetch=False, residual=True) < TOL
+
+
+@pytest.mark.parametrize("T,mode", [(1, "uniform"), (20, "one_expert"), (32, "duplicates")])
+def test_fused_sort_publishes_the_model(narrow, T, mode):
+    # block 0 of the gate/up kernel publishes its shared-memory sort; every block computes the same one, so
+    # it must equal the deterministic numpy model exactly (and the layer must still be right)
+    import cupy as cp
+    rng = np.random.default_rng(1500 + T)
+    ids, wts = _routing(rng, T, narrow.E, 8, mode)
+    x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
+    ws = moe.MoEWorkspace(T, 8, narrow.w)
+    ws.chunks.fill(-7)
+    ws.slot_pair.fill(-7)
+    out = moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, fuse_route=True)
+    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, 8)
+    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
+    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
+    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+    ref = narrow.reference(x, ids, wts)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_fused_route_every_table_configuration(tiny256):
+    # the shared-memory sort with 8/16/32-token chunks (T*k = 160 <= FUSED_MAX_PAIRS)
+    for tiles in moe.all_table_tiles():
+        assert _run(tiny256, 20, 8, seed=1300, mode="one_expert", tiles=tiles, fuse_route=True,
+                    fuse_combine=True) < TOL, tiles
+
+
+def test_pf_next_off_and_long_prefetch(narrow):
+    assert _run(narrow, 16, 8, seed=1400, pf_next=False) < TOL
+    assert _run(narrow, 16, 8, seed=1401, pf_steps=16) < TOL
+
+
 def test_small_t_in_large_workspace(narrow):
     assert _run(narrow, 3, 8, seed=500, t_max=650) < TOL
 
 
-def test_graph_replay_equals_eager(tiny256):
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_replay_equals_eager(tiny256, fused):
     import cupy as cp
     layer = tiny256
     rng = np.random.default_rng(600)
     T, k = 24, 8
+    fz = dict(fuse_route=fused, fuse_combine=fused)
     x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
     ws = moe.MoEWorkspace(T, k, layer.w)
-    eager = moe.moe_forward(x, ids, wts, layer.w, ws)
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, **fz)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
         stream.synchronize()
         stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
         graph = stream.end_capture()
         out.fill(0xFFFF)
         stream.synchronize()
@@ -202,24 +266,34 @@ def test_graph_replay_equals_eager(tiny256):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
 
 
-def test_bad_ids_are_counted_and_skipped(tiny256):
+@pytest.mark.parametrize("fuse_route,fuse_combine", FUSIONS)
+def test_bad_ids_are_counted_and_skipped(tiny256, fuse_route, fuse_combine):
     import cupy as cp
     layer = tiny256
     rng = np.random.default_rng(700)
     T, k = 4, 8
     x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
     ids, wts = _routing(rng, T, layer.E, k)
     ids[1, 2] = layer.E          # out of range
+    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
     ws = moe.MoEWorkspace(T, k, layer.w)
-    out = moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws)
-    assert ws.bad_ids() == 1
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
+                    residual=cp.asarray(res), fuse_route=fuse_route, fuse_combine=fuse_combine,
+                    l2_prefetch=False)
+    assert ws.bad_ids() == 1 + k
     w_ref = wts.copy()
     w_ref[1, 2] = 0.0
+    w_ref[3, :] = 0.0
     ids_ref = ids.copy()
     ids_ref[1, 2] = 0
-    ref = layer.reference(x, ids_ref, w_ref)
+    ids_ref[3, :] = np.arange(k)
+    ref = layer.reference(x, ids_ref, w_ref, res)
     got = bf16_bits_to_f32(out.get()).astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    np.testing.assert_array_equal(out.get()[3], res[3])      # bf16(0 + residual) == residual exactly
+    assert int(cp.count_nonzero(ws.counters)) == 0
 
 
 def test_argument_errors_name_the_argument(tiny256):
