@@ -40,6 +40,20 @@ def tree_mask(rng, n):
     return bits, vis
 
 
+def launch_floor(cp):
+    """Per-call time of a graph of empty kernels (1 and 2 launches per call): the fixed cost any
+    attention call pays before it reads a byte."""
+    k = cp.RawKernel(r'extern "C" __global__ void ddt_nop(int x) { if (x == 12345) __trap(); }', "ddt_nop")
+
+    def one_k():
+        k((132,), (256,), (np.int32(0),))
+
+    def two_k():
+        k((132,), (256,), (np.int32(0),))
+        k((132,), (256,), (np.int32(0),))
+    return time_graph(one_k, iters=50, reps=5), time_graph(two_k, iters=50, reps=5)
+
+
 def write_svg(summary: dict, path: str) -> None:
     """Measured time per call (solid) and the floor (dashed) against context, log-log, as a plain SVG
     (no plotting library needed)."""
@@ -85,6 +99,11 @@ def main():
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
+    ap.add_argument("--compare", action="store_true",
+                    help="also time the mla_attn_fwd family (plan_mla's previous choice) in the same run")
+    ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "attention_h200.json"),
+                    help="earlier results JSON for the was -> now column")
     args = ap.parse_args()
     if args.svg_from:
         with open(args.svg_from) as f:
@@ -102,6 +121,14 @@ def main():
     print(f"# {name}: read ceiling {bw:.0f} GB/s, mma.sync bf16 {tflops:.0f} TFLOP/s, {num_sms} SMs")
     print("# tile configs (plan_mla picks per shape): " +
           ", ".join(f"{k} {c.name} {c.smem} B" for k, c in A.MLA_CONFIGS.items()))
+    launch = launch_floor(cp)
+    print(f"# launch floor (graph replay of empty kernels): 1 kernel {launch[0]:.2f} us, 2 kernels "
+          f"{launch[1]:.2f} us per call")
+    was = {}
+    if args.was and os.path.exists(args.was):
+        with open(args.was) as f:
+            for r in json.load(f)["mla"]:
+                was[(r["streams"], r["rows"], r["ctx"])] = r["us"]
 
     ctxs = [1024, 4096, 32768, 65536]
     streams = [1, 4, 10]
@@ -119,7 +146,7 @@ def main():
 
     results = []
 
-    def one(S, n, ctx, mode, config=None, spec=None):
+    def one(S, n, ctx, mode, config=None, spec=None, preference=None, splits_override=None):
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
         T = S * n
@@ -133,9 +160,11 @@ def main():
         if mode == "tree":
             bits, vis_rows = tree_mask(rng, n)
             mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
-        cfg, splits = A.plan_mla(S, n, H, ctx + n)
+        cfg, splits = A.plan_mla(S, n, H, ctx + n, preference)
         if config is not None and config != cfg:
             cfg, splits = config, A.mla_num_splits(S, n, H, ctx + n, num_sms, config)
+        if splits_override is not None:
+            splits = splits_override
         ws = A.MlaWorkspace(splits, T, H) if splits > 1 else None
 
         def call():
@@ -153,25 +182,35 @@ def main():
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
         cases += [(1, n, long_ctx) for n in rows_list]
-    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'floor':>7} {'ratio':>6} {'TB/s':>5} {'TF/s':>5} "
-          f"{'spl':>3} | {'chain us':>8} {'tree/chain':>10} | target")
+    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'old':>7} {'floor':>7} {'ratio':>6} "
+          f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>22} | {'chain us':>8} {'tree/chain':>10} | target")
     for S, n, c in cases:
         r = one(S, n, c, "tree")
         ch = one(S, n, c, "chain") if n > 1 else None
         r["chain_us"] = ch["us"] if ch else r["us"]
         r["tree_over_chain"] = r["us"] / r["chain_us"]
         r["meets_target"] = bool(r["us"] <= max(1.3 * r["floor_us"], 8.0)) and r["tree_over_chain"] <= 1.5
+        r["was_us"] = was.get((S, n, c))
+        if args.compare:   # the other kernel family, same run
+            other = A._PREFERENCE if r["config"].startswith("mla_attn_ksplit") else A.KSPLIT_PREFERENCE
+            o = one(S, n, c, "tree", preference=other)
+            r["other_us"], r["other_config"], r["other_splits"] = o["us"], o["config"], o["splits"]
         results.append(r)
-        print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
-              f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} | {r['chain_us']:>8.1f} "
-              f"{r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}", flush=True)
+        wa = f"{r['was_us']:>7.1f}" if r["was_us"] else f"{'-':>7}"
+        ot = f"{r['other_us']:>7.1f}" if "other_us" in r else f"{'-':>7}"
+        print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {ot} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
+              f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} {r['config'][9:]:>22} | "
+              f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}",
+              flush=True)
 
     probe = []
     if args.probe:
         from ddtree_cupy.kernels.compile import KernelSpec
         print("\n# probe: time per call by tile config, and with one phase removed (wrong results by design)")
-        shapes = ((1, 1, 65536), (1, 16, 32768), (10, 64, 4096), (10, 16, 32768))
-        used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))   # compile only these
+        shapes = ((1, 1, 32), (1, 1, 4096), (1, 1, 65536), (1, 16, 32), (1, 16, 4096), (1, 16, 32768),
+                  (10, 64, 4096), (10, 16, 32768))
+        pref = A.KSPLIT_PREFERENCE   # the kernel family the phases are probed for
+        used = tuple(sorted({A.plan_mla(S, n, H, c + n, pref)[0].name for S, n, c in shapes}))  # compile these
         variants = {k: KernelSpec(src="mla_attention.cu", names=used, defines=((f"MLA_PROBE_SKIP_{k}", "1"),))
                     for k in ("S", "PV", "LOAD")}
         for S, n, c in shapes:
@@ -180,10 +219,14 @@ def main():
                 if pc.smem > dev.attributes["MaxSharedMemoryPerBlockOptin"]:
                     continue
                 row[key] = one(S, n, c, "tree", config=pc)["us"]
-            auto = A.plan_mla(S, n, H, c + n)[0]
+            auto, auto_splits = A.plan_mla(S, n, H, c + n, pref)
             for k, spec in variants.items():
-                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
+                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec, preference=pref)["us"]
             row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
+            row["auto_splits"] = auto_splits
+            for k in (1, 4, 16, 64):   # split count: fixed cost (combine, fill) vs parallelism
+                if k != auto_splits and k <= max(1, -(-(c + n) // auto.bn)):
+                    row[f"splits{k}"] = one(S, n, c, "tree", config=auto, splits_override=k)["us"]
             probe.append(row)
             print("  " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
@@ -215,7 +258,8 @@ def main():
             print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f}", flush=True)
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
-                   mla=results, probe=probe, drafter=drafter, seconds=time.time() - t_start)
+                   launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,
+                   drafter=drafter, seconds=time.time() - t_start)
     print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (floor us, ratio, tree/chain)")
     for S, n, c in ((1, 1, 4096), (1, 16, 4096), (4, 16, 4096), (10, 16, 4096), (1, 16, 32768), (10, 16, 32768),
                     (1, 1, 65536), (10, 64, 65536)):

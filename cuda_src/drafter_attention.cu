@@ -9,6 +9,7 @@
 // spread over the SMs and drafter_attn_combine merges the splits by log-sum-exp. Register blocking
 // (4x4 score blocks, 8x4 output blocks per thread) keeps shared-memory loads below one per two FMAs.
 #include "common.cuh"
+#include "attn_combine.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -41,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
     bf16_bits* Ks = reinterpret_cast<bf16_bits*>(a_s + DR_MAXM);          // [BN][KSTR]
     bf16_bits* Vs = Ks + DR_BN * DR_KSTR;                                 // [BN][128]
 
+    DDT_PDL_WAIT();  // q, the block's K/V, the cache and ctx_len may come from earlier kernels
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int G = Hq / Hkv;
@@ -190,45 +192,14 @@ extern "C" __global__ void __launch_bounds__(DR_THREADS, 1) drafter_attn_fwd(
     }
 }
 
-// Merge split partials: one block of 8 warps per output row; the warps share the splits, lanes hold 4 of the
-// 128 columns, the partial sums meet in shared memory. grid (rows), DR_COMBINE_THREADS threads.
+// Merge split partials (attn_combine.cuh): one block of 8 warps per output row. grid (rows).
 #define DR_COMBINE_THREADS 256
 extern "C" __global__ void __launch_bounds__(DR_COMBINE_THREADS) drafter_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, int total_rows, int num_splits,
     bf16_bits* __restrict__ out) {
-    constexpr int NW = DR_COMBINE_THREADS / 32;
-    __shared__ float red_max[NW];
-    __shared__ float red_w[NW];
-    __shared__ __align__(16) float acc_s[NW][DR_D];
-    const int row = blockIdx.x;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    float mx = -INFINITY;
-    for (int sp = tid; sp < num_splits; sp += DR_COMBINE_THREADS)
-        mx = fmaxf(mx, part_lse[(size_t)sp * total_rows + row]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red_max[warp] = mx;
-    __syncthreads();
-    mx = red_max[0];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, red_max[w]);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float wsum = 0.f;
-    for (int sp = warp; sp < num_splits; sp += NW) {
-        const float lse = part_lse[(size_t)sp * total_rows + row];
-        if (lse == -INFINITY) continue;
-        const float w = exp2f(lse - mx);
-        wsum += w;
-        const float4 v = reinterpret_cast<const float4*>(part_o + ((size_t)sp * total_rows + row) * DR_D)[lane];
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    }
-    *reinterpret_cast<float4*>(&acc_s[warp][4 * lane]) = acc;
-    if (lane == 0) red_w[warp] = wsum;
-    __syncthreads();
-    if (tid < DR_D) {
-        float wt = 0.f, x = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) { wt += red_w[w]; x += acc_s[w][tid]; }
-        out[(size_t)row * DR_D + tid] = f32_to_bf16(wt > 0.f ? x / wt : 0.f);
-    }
+    __shared__ __align__(16) AttnCombineSmem<DR_D, DR_COMBINE_THREADS / 32> sm;
+    DDT_PDL_WAIT();
+    const size_t row = blockIdx.x;
+    attn_combine_row<DR_D, DR_COMBINE_THREADS / 32>(part_o, part_lse, (size_t)total_rows, row, num_splits,
+                                                    out + row * DR_D, sm);
 }

@@ -18,6 +18,7 @@
 // Visibility of KV position t for query row r of a stream with committed length s and n rows:
 //   t < s: visible;  t = s + j (0 <= j < n): tree mode bit j of mask[stream][r]; causal mode j <= r.
 #include "common.cuh"
+#include "attn_combine.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -111,6 +112,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* red_max = reinterpret_cast<float*>(Ps + C::P_ELEMS);   // [VG][BM]
     float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
 
+    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
     const int n = n_rows_arr[b];
@@ -372,68 +374,310 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     }
 }
 
-// Merge the splits: o = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max). One block of 8 warps per packed
-// row: the warps share the splits (a single warp walking 100+ splits one after another is latency bound),
-// lanes hold 16 of the 512 columns, and the 8 partial sums meet in shared memory.
-// grid (max_rows * H, S), MLA_COMBINE_THREADS threads.
+// ---- mla_attn_ksplit<MT, BN, STAGES>: Q in registers, S split over the reduction, 2 barriers per tile ----
+//
+// The mla_attn_fwd layout above re-reads Q from shared memory for every KV tile and every token group
+// (~420 KB of ldmatrix traffic per 64-row x 32-token tile) and needs 3 barriers per tile. Here a block of 8
+// warps takes BM = 16 * MT packed rows and:
+//   S phase:  warp w = (kq = w % 4, th = w / 4) computes the partial S over the reduction columns
+//             kq * 144 .. +144 for all BM rows and the tokens th * BN/2 .. +BN/2 of the tile. Its Q
+//             fragments (MT x 9 k-steps) stay in registers for the whole KV range, so each K tile is read
+//             from shared memory exactly once (one ldmatrix per 16 tokens x 16 columns feeds 2 * MT mma).
+//             The 4 partial S tiles go to shared memory in fp32.
+//   softmax:  thread t owns row t / TPR and BN / TPR of its tokens: sums the 4 partials, masks, keeps the
+//             row's running (m, l) in registers (the TPR threads of a row hold identical copies, reduced
+//             with shuffles) and writes P (bf16) and the row's rescale factor to shared memory.
+//   PV phase: warp w owns the output columns w * 64 .. +64 of all BM rows (O: MT x 8 n-tiles, registers);
+//             V is the first 512 columns of the same K tile.
+// Barriers per tile: B (partial S -> softmax) and C (P -> PV; the next K tile has landed). The refill of the
+// stage that PV(i-1) read is issued right after B(i), when every warp is past PV(i-1).
+template <int MT, int BN, int STAGES>
+struct MlaKsCfg {
+    static constexpr int THREADS = 256;
+    static constexpr int BM = 16 * MT;
+    static constexpr int KQ = 4;                          // reduction quarters (warps per token half)
+    static constexpr int KSTEPS = MLA_QK_DIM / 16 / KQ;   // 9 k-steps of 16 columns per warp
+    static constexpr int TOKW = BN / 2;                   // tokens per warp in S
+    static constexpr int NTS = TOKW / 8;                  // S n-tiles per warp
+    static constexpr int NTO = MLA_V_DIM / 8 / 8;         // 8 output n-tiles (64 columns) per warp
+    static constexpr int SPSTR = BN + 8;                  // fp32 partial-S row stride: a half warp's float2
+                                                          // stores (rows g, cols 2*q4) hit distinct banks
+    static constexpr int PSTR = BN + 8;                   // P row stride (bf16): odd number of 16 B chunks
+    static constexpr int TPR = THREADS / BM;              // softmax threads per row
+    static constexpr int TPT = BN / TPR;                  // tokens per softmax thread
+    static constexpr int K_ELEMS = BN * MLA_SROW;
+    static constexpr int SMEM = STAGES * K_ELEMS * 2 + KQ * BM * SPSTR * 4 + BM * PSTR * 2 + 2 * BM * 4;
+    static_assert(MLA_QK_DIM % (16 * KQ) == 0, "the reduction splits into whole k-steps");
+    static_assert(NTS % 2 == 0, "K fragments are loaded for pairs of n-tiles");
+    static_assert(TPT % 2 == 0, "softmax threads take token pairs");
+    static_assert(TPR <= 32 && 32 % TPR == 0, "the softmax threads of a row sit in one warp");
+    static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
+};
+
+template <int MT, int BN, int STAGES>
+__global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
+    const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,
+    const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
+    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {   // same arguments as mla_attn_fwd
+    using C = MlaKsCfg<MT, BN, STAGES>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_bits* Ks = reinterpret_cast<bf16_bits*>(smem_raw);                        // [STAGES][BN][SROW]
+    float* Sp = reinterpret_cast<float*>(Ks + STAGES * C::K_ELEMS);                // [KQ][BM][SPSTR]
+    bf16_bits* Ps = reinterpret_cast<bf16_bits*>(Sp + C::KQ * C::BM * C::SPSTR);   // [BM][PSTR]
+    float* alpha_s = reinterpret_cast<float*>(Ps + C::BM * C::PSTR);               // [BM]
+    float* linv_s = alpha_s + C::BM;                                               // [BM]
+
+    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
+    const int b = blockIdx.z;
+    const int split = blockIdx.y;
+    const int n = n_rows_arr[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
+    const int s = prefix_len[b];
+    const int rs = row_start[b];
+    const int* table = block_table + (size_t)b * max_pages;
+    const int valid_m = n * H - m0;
+    int kv_len;   // causal rows stop at s + (last row of the tile) + 1
+    if (mask == nullptr) kv_len = s + min(n - 1, (m0 + C::BM - 1) / H) + 1;
+    else kv_len = s + n;
+    const int n_tiles = (kv_len + BN - 1) / BN;
+    const int per_split = (n_tiles + num_splits - 1) / num_splits;
+    const int tile_begin = split * per_split;
+    const int tile_end = min(n_tiles, tile_begin + per_split);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int kq = warp & 3, th = warp >> 2;
+
+    static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
+    auto load_tile = [&](int tile, int buf) {
+        bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
+        const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);
+        const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
+        for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
+            const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
+            const bool ok = t0 + tok < kv_len;
+            cp_async16(dst0 + tok * MLA_SROW + c * 8, ok ? base + tok * MLA_QK_DIM + c * 8 : pool, ok);
+        }
+    };
+    // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
+
+    // Q A-fragments of this warp's reduction quarter, straight from global memory (padded rows are zero):
+    // a0 / a1 = rows g / g+8 at columns 2*q4, a2 / a3 the same rows 8 columns on.
+    unsigned qf[MT][C::KSTEPS][4];
+    {
+        const bf16_bits* qb = q + ((size_t)rs * H + m0) * MLA_QK_DIM + kq * (MLA_QK_DIM / C::KQ) + 2 * q4;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int r = mt * 16 + g + 8 * hi;
+                const bool ok = r < valid_m;
+                const unsigned* src = reinterpret_cast<const unsigned*>(qb + (size_t)(ok ? r : 0) * MLA_QK_DIM);
+#pragma unroll
+                for (int kk = 0; kk < C::KSTEPS; ++kk) {
+                    qf[mt][kk][hi] = ok ? src[kk * 8] : 0u;
+                    qf[mt][kk][2 + hi] = ok ? src[kk * 8 + 4] : 0u;
+                }
+            }
+    }
+
+    // Softmax ownership: row srow of the tile, tokens spart * TPT .. +TPT.
+    const int srow = tid / C::TPR, spart = tid % C::TPR;
+    const int sq = min((m0 + srow) / H, n - 1);  // padded rows borrow the last row's mask; output dropped
+    const unsigned* smask = mask ? mask + ((size_t)b * mask_rows + sq) * DDT_MASK_WORDS : nullptr;
+    float m_run = -INFINITY, l_run = 0.f;
+    float o[MT][C::NTO][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < C::NTO; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int it = tile - tile_begin;
+        const bf16_bits* Kb = Ks + (it % STAGES) * C::K_ELEMS;
+
+        // ---- partial S = Q[:, kq quarter] K[th half, kq quarter]^T ---------------------------------
+        float sacc[MT][C::NTS][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < C::NTS; ++j) sacc[mt][j][0] = sacc[mt][j][1] = sacc[mt][j][2] = sacc[mt][j][3] = 0.f;
+#ifndef MLA_PROBE_SKIP_S
+        const bf16_bits* kp = Kb + (th * C::TOKW + (lane & 7) + (lane >> 4) * 8) * MLA_SROW +
+                              kq * (MLA_QK_DIM / C::KQ) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < C::KSTEPS; ++kk) {
+#pragma unroll
+            for (int j = 0; j < C::NTS; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, kp + j * 8 * MLA_SROW + kk * 16);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(sacc[mt][j], qf[mt][kk][0], qf[mt][kk][1], qf[mt][kk][2], qf[mt][kk][3], b0, b1);
+                    mma_bf16(sacc[mt][j + 1], qf[mt][kk][0], qf[mt][kk][1], qf[mt][kk][2], qf[mt][kk][3], b2, b3);
+                }
+            }
+        }
+#endif
+        {
+            float* spw = Sp + kq * C::BM * C::SPSTR;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < C::NTS; ++j) {
+                    const int r = mt * 16 + g, col = th * C::TOKW + j * 8 + 2 * q4;
+                    *reinterpret_cast<float2*>(spw + r * C::SPSTR + col) = make_float2(sacc[mt][j][0], sacc[mt][j][1]);
+                    *reinterpret_cast<float2*>(spw + (r + 8) * C::SPSTR + col) = make_float2(sacc[mt][j][2], sacc[mt][j][3]);
+                }
+        }
+        __syncthreads();  // B: partial S complete; every warp is past PV of the previous tile
+        {   // refill the stage the previous tile used
+            const int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
+        }
+
+        // ---- softmax over the tile: row srow, tokens tokc .. tokc + TPT ---------------------------------
+        {
+            const int tokc = spart * C::TPT;
+            float x[C::TPT];
+#pragma unroll
+            for (int e = 0; e < C::TPT; e += 2) {
+                float2 a = make_float2(0.f, 0.f);
+#pragma unroll
+                for (int k = 0; k < C::KQ; ++k) {
+                    const float2 v = *reinterpret_cast<const float2*>(Sp + (k * C::BM + srow) * C::SPSTR + tokc + e);
+                    a.x += v.x; a.y += v.y;
+                }
+                x[e] = a.x; x[e + 1] = a.y;
+            }
+            const int tb = tile * BN + tokc;
+            float tmax = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < C::TPT; ++e) {
+                const int t = tb + e;
+                bool vis = t < kv_len;
+                if (vis && t >= s) {
+                    const int jj = t - s;
+                    vis = smask ? ((__ldg(smask + (jj >> 5)) >> (jj & 31)) & 1u) != 0 : jj <= sq;
+                }
+                x[e] = vis ? x[e] * scale_log2 : -INFINITY;
+                tmax = fmaxf(tmax, x[e]);
+            }
+#pragma unroll
+            for (int off = C::TPR / 2; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+            const float m_new = fmaxf(m_run, tmax);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: keep p = 0
+            const float alpha = exp2f(m_run - m_use);
+            m_run = m_new;
+            float psum = 0.f;
+#pragma unroll
+            for (int e = 0; e < C::TPT; e += 2) {
+                const float p0 = exp2f(x[e] - m_use), p1 = exp2f(x[e + 1] - m_use);
+                psum += p0 + p1;
+                *reinterpret_cast<unsigned*>(Ps + srow * C::PSTR + tokc + e) = pack_bf16x2(p0, p1);
+            }
+#pragma unroll
+            for (int off = C::TPR / 2; off > 0; off >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+            l_run = l_run * alpha + psum;
+            if (spart == 0) alpha_s[srow] = alpha;
+        }
+        cp_async_wait<STAGES - 2>();   // the next tile's group
+        __syncthreads();  // C: P and alpha written; the next K tile is visible to every thread
+
+        // ---- O = alpha * O + P V for columns warp * 64 .. +64 ------------------------------------------
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float a_lo = alpha_s[mt * 16 + g], a_hi = alpha_s[mt * 16 + g + 8];
+#pragma unroll
+            for (int j = 0; j < C::NTO; ++j) {
+                o[mt][j][0] *= a_lo; o[mt][j][1] *= a_lo;
+                o[mt][j][2] *= a_hi; o[mt][j][3] *= a_hi;
+            }
+        }
+#ifndef MLA_PROBE_SKIP_PV
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                        Ps + (mt * 16 + (lane & 15)) * C::PSTR + kk * 16 + (lane >> 4) * 8);
+            const bf16_bits* vrow = Kb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * MLA_SROW + warp * 64 +
+                                    (lane >> 4) * 8;
+#pragma unroll
+            for (int j = 0; j < C::NTO; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vrow + j * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_bf16(o[mt][j], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+                    mma_bf16(o[mt][j + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                }
+            }
+        }
+#endif
+    }
+    cp_async_wait<0>();
+    DDT_PDL_LAUNCH_DEPENDENTS();  // dependents still wait for this grid's writes below
+
+    // ---- epilogue: the softmax threads publish 1/l (and the split's log2-sum-exp) ---------------------
+    if (spart == 0) {
+        linv_s[srow] = l_run > 0.f ? 1.f / l_run : 0.f;
+        if (num_splits > 1 && srow < valid_m)
+            part_lse[(size_t)split * total_packed + (size_t)rs * H + m0 + srow] =
+                l_run > 0.f ? m_run + log2f(l_run) : -INFINITY;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int ml = mt * 16 + g + 8 * hi;
+            if (ml >= valid_m) continue;
+            const float inv = linv_s[ml];
+            const size_t gm = (size_t)rs * H + m0 + ml;
+            if (num_splits == 1) {
+                bf16_bits* orow = out + gm * MLA_V_DIM + warp * 64 + 2 * q4;
+#pragma unroll
+                for (int j = 0; j < C::NTO; ++j)
+                    *reinterpret_cast<unsigned*>(orow + j * 8) =
+                        pack_bf16x2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
+            } else {
+                float* orow = part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64 + 2 * q4;
+#pragma unroll
+                for (int j = 0; j < C::NTO; ++j)
+                    *reinterpret_cast<float2*>(orow + j * 8) =
+                        make_float2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
+            }
+        }
+}
+
+// Merge the splits (attn_combine.cuh): one block of 8 warps per packed row. grid (max_rows * H, S).
 #define MLA_COMBINE_THREADS 256
 extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
     const int* __restrict__ row_start, int H, int total_packed, int num_splits, bf16_bits* __restrict__ out) {
-    constexpr int NW = MLA_COMBINE_THREADS / 32;
-    __shared__ float red_max[NW];
-    __shared__ float red_w[NW];
-    __shared__ __align__(16) float acc_s[NW][MLA_V_DIM];
+    __shared__ __align__(16) AttnCombineSmem<MLA_V_DIM, MLA_COMBINE_THREADS / 32> sm;
+    DDT_PDL_WAIT();
     const int b = blockIdx.y;
     const int m = blockIdx.x;
     if (m >= n_rows[b] * H) return;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const size_t gm = (size_t)row_start[b] * H + m;
-
-    float mx = -INFINITY;
-    for (int sp = tid; sp < num_splits; sp += MLA_COMBINE_THREADS)
-        mx = fmaxf(mx, part_lse[(size_t)sp * total_packed + gm]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red_max[warp] = mx;
-    __syncthreads();
-    mx = red_max[0];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, red_max[w]);
-
-    float acc[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) acc[k] = 0.f;
-    float wsum = 0.f;
-    for (int sp = warp; sp < num_splits; sp += NW) {
-        const float lse = part_lse[(size_t)sp * total_packed + gm];
-        if (lse == -INFINITY) continue;  // an empty split (no visible token) contributes nothing
-        const float w = exp2f(lse - mx);
-        wsum += w;
-        const float4* src = reinterpret_cast<const float4*>(part_o + ((size_t)sp * total_packed + gm) * MLA_V_DIM);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 v = src[lane + 32 * k];
-            acc[4 * k] += w * v.x; acc[4 * k + 1] += w * v.y; acc[4 * k + 2] += w * v.z; acc[4 * k + 3] += w * v.w;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        *reinterpret_cast<float4*>(&acc_s[warp][4 * (lane + 32 * k)]) =
-            make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
-    if (lane == 0) red_w[warp] = wsum;
-    __syncthreads();
-    float wt = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) wt += red_w[w];
-    const float inv = wt > 0.f ? 1.f / wt : 0.f;
-    bf16_bits* dst = out + gm * MLA_V_DIM;
-    for (int c = 2 * tid; c < MLA_V_DIM; c += 2 * MLA_COMBINE_THREADS) {
-        float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) { x0 += acc_s[w][c]; x1 += acc_s[w][c + 1]; }
-        *reinterpret_cast<unsigned*>(dst + c) = pack_bf16x2(x0 * inv, x1 * inv);
-    }
+    attn_combine_row<MLA_V_DIM, MLA_COMBINE_THREADS / 32>(part_o, part_lse, (size_t)total_packed, gm, num_splits,
+                                                          out + gm * MLA_V_DIM, sm);
 }
 
 // Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):

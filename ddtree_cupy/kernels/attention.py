@@ -33,14 +33,18 @@ MAX_SPLITS = 256
 
 @dataclass(frozen=True)
 class MlaTileConfig:
-    """One instantiation of mla_attn_fwd<MG, VG, BN, STAGES> (see the .cu header)."""
+    """One instantiation of mla_attn_fwd<MG, VG, BN, STAGES> or, with ``ksplit``, of
+    mla_attn_ksplit<MG, BN, STAGES> (8 warps, Q in registers; ``vg`` unused). See the .cu header."""
     mg: int       # 16-row groups per block (BM = 16 * mg packed rows)
     vg: int       # warps sharing a row group (split of the tile's tokens in S, of the 512 columns in O)
     bn: int       # KV tokens per tile
     stages: int   # cp.async pipeline depth
+    ksplit: bool = False
 
     @property
     def name(self) -> str:
+        if self.ksplit:
+            return f"mla_attn_ksplit<{self.mg}, {self.bn}, {self.stages}>"
         return f"mla_attn_fwd<{self.mg}, {self.vg}, {self.bn}, {self.stages}>"
 
     @property
@@ -49,17 +53,21 @@ class MlaTileConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.mg * self.vg
+        return 256 if self.ksplit else 32 * self.mg * self.vg
 
     @property
     def smem(self) -> int:
         srow = ROW_DIM + 8
+        if self.ksplit:   # K stages | 4 fp32 partial S tiles | P | alpha, 1/l
+            return (self.stages * self.bn * srow * 2 + 4 * self.bm * (self.bn + 8) * 4
+                    + self.bm * (self.bn + 8) * 2 + 2 * self.bm * 4)
         return (self.bm * srow + self.stages * self.bn * srow + self.bm * (self.bn + 8)) * 2 + 2 * self.vg * self.bm * 4
 
 
 # Tiles of 64 / 32 / 16 packed (row, head) rows. sm_120 (99 KB per block) can use "small" and "narrow";
 # GPUs with > 160 KB per block (H200) all of them. plan_mla picks the smallest tile that holds a stream's
 # packed rows (less padding waste for decode and short trees), preferring the wider variant where it fits.
+# The ks* tiles (mla_attn_ksplit) are the candidates that replace them once measured on the GPU.
 MLA_CONFIGS = {
     "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=3),        # 188 KB
     "mid": MlaTileConfig(mg=2, vg=4, bn=32, stages=3),          # 150 KB
@@ -67,19 +75,26 @@ MLA_CONFIGS = {
     "narrow_wide": MlaTileConfig(mg=1, vg=8, bn=64, stages=2),  # 168 KB
     "narrow": MlaTileConfig(mg=1, vg=4, bn=32, stages=2),       # 93 KB
     "large_2stage": MlaTileConfig(mg=4, vg=2, bn=32, stages=2),  # 152 KB; not planned, kept for comparison
+    "ks32": MlaTileConfig(mg=2, vg=0, bn=32, stages=3, ksplit=True),         # 132 KB
+    "ks32_2stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=2, ksplit=True),  # 98 KB (sm_120)
+    "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
+    "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
 }
 _PREFERENCE = {16: ("narrow_wide", "narrow"), 32: ("mid", "small"), 64: ("large",)}
+KSPLIT_PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("ks32", "ks32_2stage"), 64: ("ks32", "ks32_2stage")}
 
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
     names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine",),
     hot=True,
+    pdl=True,
     doc="absorbed MLA attention over the paged latent KV cache + split-KV combine"))
 
 DRAFTER_SPEC = register(KernelSpec(
     src="drafter_attention.cu",
     names=("drafter_attn_fwd", "drafter_attn_combine"),
     hot=True,
+    pdl=True,
     doc="DFlash drafter GQA attention (context cache + block, non-causal) + split combine"))
 
 DRAFTER_HEAD_DIM = 128
@@ -104,15 +119,17 @@ def _smem_per_sm() -> int:
     return _attrs_of(current_device())[2]
 
 
-def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int = 1 << 30) -> MlaTileConfig:
+def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int = 1 << 30,
+                      preference: Optional[dict] = None) -> MlaTileConfig:
     """The tile configuration for streams of up to ``packed_rows`` = rows x heads: the smallest row tile
     that holds them (the largest one past 64), among those whose shared memory fits the device."""
     if max_smem_per_block is None:
         max_smem_per_block = _device_attrs()[1]
+    preference = preference or _PREFERENCE
     order = [bm for bm in (16, 32, 64) if bm >= packed_rows] or [64]
     order += [bm for bm in (64, 32, 16) if bm not in order]
     for bm in order:
-        for key in _PREFERENCE[bm]:
+        for key in preference[bm]:
             if MLA_CONFIGS[key].smem <= max_smem_per_block:
                 return MLA_CONFIGS[key]
     raise ValueError(f"no MLA tile configuration fits {max_smem_per_block} bytes of shared memory per block")
@@ -129,11 +146,13 @@ def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
     return max(1, min(want, kv_tiles // 2, MAX_SPLITS))
 
 
-def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
+def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, preference: Optional[dict] = None):
     """(config, num_splits) for a shape bucket on the current device."""
     num_sms, smem_block = _device_attrs()
-    cfg = choose_mla_config(smem_block, max_rows * n_heads)
+    cfg = choose_mla_config(smem_block, max_rows * n_heads, preference)
     bps = max(1, min(_smem_per_sm() // (cfg.smem + 1024), 2048 // cfg.threads))
+    if cfg.ksplit and cfg.mg > 1:
+        bps = 1   # ~200 registers per thread (Q fragments + O): one 8-warp block per SM
     return cfg, mla_num_splits(n_streams, max_rows, n_heads, max_kv_len, num_sms, cfg, bps)
 
 

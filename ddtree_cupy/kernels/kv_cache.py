@@ -19,6 +19,7 @@ DRAFTER_HEAD_DIM = 128
 KV_SPEC = register(KernelSpec(
     src="kv_cache.cu",
     names=("kv_write_latent", "kv_compact_latent", "drafter_kv_append"),
+    pdl=True,   # every kernel waits (DDT_PDL_WAIT) before reading its inputs or writing the cache
     doc="latent KV row writes, accepted-row compaction, drafter context append"))
 
 

@@ -108,7 +108,8 @@ def check(c, got, label="", ref=None):
     return ref
 
 
-@pytest.mark.parametrize("config", ["large", "mid", "small", "narrow_wide", "narrow", "large_2stage"])
+@pytest.mark.parametrize("config", ["large", "mid", "small", "narrow_wide", "narrow", "large_2stage",
+                                    "ks32", "ks32_2stage", "ks16", "ks16_2stage"])
 @pytest.mark.parametrize("H", [1, 8, 64])
 def test_tree_verify_random(config, H):
     x = cp()
@@ -129,7 +130,7 @@ def test_tree_verify_random(config, H):
             check(c, got, f"{config} H={H} trial {trial} splits={splits}", ref)
 
 
-@pytest.mark.parametrize("config", ["large", "small", "narrow"])
+@pytest.mark.parametrize("config", ["large", "small", "narrow", "ks32", "ks16_2stage"])
 def test_mask_hides_every_invisible_row(config):
     """Perturb the K/V of every tree slot that a chosen row must not see (and every page no stream
     owns): that row's outputs must not change by a single bit, while rows that see a perturbed slot do."""
@@ -170,38 +171,40 @@ def test_mask_hides_every_invisible_row(config):
     check(c2, got, "perturbed")
 
 
-def test_decode_equals_tree_of_one_and_chain_equals_causal():
+@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+def test_decode_equals_tree_of_one_and_chain_equals_causal(config):
     rng = np.random.default_rng(9)
     S, H = 5, 8
     s_list = [int(rng.integers(1, 3000)) for _ in range(S)]
     c1 = make_case(rng, S, H, [1] * S, s_list, "tree")
-    tree = run(c1)
-    dec = run(dict(c1, mask=None))
+    tree = run(c1, config=config)
+    dec = run(dict(c1, mask=None), config=config)
     assert np.array_equal(tree, dec)
     check(c1, tree, "decode")
     n_list = [int(rng.integers(2, 20)) for _ in range(S)]
     c2 = make_case(rng, S, H, n_list, s_list, "tree")
     for b in range(S):   # a chain: parent of row i is i - 1
         c2["mask"][b] = ra.ancestor_mask_bits(np.arange(n_list[b]) - 1, 129)
-    chain_tree = run(c2)
-    chain_causal = run(dict(c2, mask=None))
+    chain_tree = run(c2, config=config)
+    chain_causal = run(dict(c2, mask=None), config=config)
     assert np.array_equal(chain_tree, chain_causal)
     check(c2, chain_tree, "chain")
 
 
+@pytest.mark.parametrize("config", [None, "ks32"])
 @pytest.mark.parametrize("H", [8, 64])
-def test_prefill_chunks_equal_one_causal_pass(H):
+def test_prefill_chunks_equal_one_causal_pass(H, config):
     rng = np.random.default_rng(11 + H)
     N = 400 if H == 8 else 200
     cuts = [0, 150, 151, N] if H == 8 else [0, 130, N]
     full = make_case(rng, 1, H, [N], [0], "causal", gap=False)
-    one = run(full)
+    one = run(full, config=config)
     ref = check(full, one, "single pass")
     got = np.empty_like(one)
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         ck = dict(full, q=full["q"][lo:hi], prefix=np.array([lo], np.int32), n=np.array([hi - lo], np.int32),
                   T=hi - lo, max_rows=hi - lo, max_kv=hi)
-        part = run(ck)
+        part = run(ck, config=config)
         check(ck, part, f"chunk {lo}:{hi}")
         got[lo:hi] = part
     g = bf16_bits_to_f32(got).astype(np.float64)
@@ -209,13 +212,14 @@ def test_prefill_chunks_equal_one_causal_pass(H):
     assert np.linalg.norm(g - o) / np.linalg.norm(ref) < TOL
 
 
-def test_split_count_does_not_change_results_beyond_rounding():
+@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+def test_split_count_does_not_change_results_beyond_rounding(config):
     rng = np.random.default_rng(13)
     c = make_case(rng, 2, 8, [16, 9], [5000, 2100], "tree")
     ref = reference(c)
     outs = []
     for k in (1, 3, 17, 64):
-        got = run(c, num_splits=k)
+        got = run(c, num_splits=k, config=config)
         check(c, got, f"splits={k}", ref)
         outs.append(bf16_bits_to_f32(got).astype(np.float64))
     own = owned_rows(c)
@@ -223,7 +227,8 @@ def test_split_count_does_not_change_results_beyond_rounding():
         assert np.linalg.norm(o[own] - outs[0][own]) / np.linalg.norm(ref[own]) < TOL
 
 
-def test_graph_replay_equals_eager_with_new_lengths_written_in_place():
+@pytest.mark.parametrize("config", [None, "ks32"])
+def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
     x = cp()
     a = attn()
     rng = np.random.default_rng(17)
@@ -239,17 +244,20 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place():
         c["table"][b, have:32] = extra[b * 32:b * 32 + 32 - have]
     d = to_dev(c)
     cfg, splits = a.plan_mla(S, 32, H, 2048)
+    if config is not None:
+        cfg = a.MLA_CONFIGS[config]
+        splits = a.mla_num_splits(S, 32, H, 2048, x.cuda.Device().attributes["MultiProcessorCount"], cfg)
     assert splits > 1, "the graph test must cover the split + combine path"
     ws = a.MlaWorkspace(splits, c["T"], H)
     out = x.full((c["T"], H, 512), POISON, dtype=x.uint16)
     stream = x.cuda.Stream(non_blocking=True)
     with stream:   # eager first: compiles and loads the module outside the capture
         a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
-                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws)
+                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg)
         stream.synchronize()
         stream.begin_capture()
         a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
-                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws)
+                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg)
         graph = stream.end_capture()
     for step in range(3):
         # new lengths / trees / queries written into the captured buffers
@@ -269,7 +277,7 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place():
         replay = out.get()
         c2 = dict(c, n=n_new, prefix=s_new, mask=mask_new, row_start=np.arange(S, dtype=np.int32) * 32,
                   T=c["T"], max_rows=32)
-        eager = run(c2, d=to_dev(c2), num_splits=splits)
+        eager = run(c2, d=to_dev(c2), num_splits=splits, config=config)
         assert np.array_equal(replay, eager), f"step {step}: graph replay differs from eager"
         check(c2, replay, f"graph step {step}")
 
