@@ -1,12 +1,19 @@
 """Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as a fraction of the read ceiling measured in the
 same run.
 
-    PYTHONPATH=. python -m bench.kernels [--quick] [--json out.json]
+    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep] [--pdl 0|1|both]
+                                         [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
 enough weight copies (> 2x L2) that every call streams its weight from DRAM, as in a real decode step
 where 61 layers' weights pass through L2 once. bytes = weights + activations read + outputs written;
 GB/s = bytes / time; 'frac' = GB/s / measured read ceiling. Benchmarks print; they never assert.
+
+Parts: 'gemm' every skinny GEMM at TP=8 rank shapes; 'layers' the small layer kernels, top-K, sampling;
+'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router sequence (10 kernels, 6 of
+them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed cost shows in context;
+'sweep' the split-K factor of a few GEMMs, against gemm.choose_split's pick. --pdl: run with programmatic
+dependent launch off (0), on (1) or both (the row names say which).
 """
 from __future__ import annotations
 
@@ -124,12 +131,98 @@ def layer_cases(cp, rows):
     return out
 
 
+# one TP=8 rank's per-layer dense GEMMs in the order the target runs them (the MoE experts are moe_int4's)
+CHAIN_LAYERS = 8
+
+
+def chain_case(cp, T):
+    """(bytes of weights, fn): CHAIN_LAYERS x [norm, q_a+kv_a, q_a norm, q_b, o_proj, norm(+residual),
+    router gate, shared gate+up, silu, shared down], each step reading the previous step's output."""
+    from ddtree_cupy.kernels import layers
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    shapes = dict(qa=(1536 + 576, H), qb=(1536, 1536), o=(H, 1024), gu=(512, H), down=(H, 256), router=(384, H))
+    base = {k: _rand_bf16(cp, v, 0.02) for k, v in shapes.items()}
+    layers_w = [{k: (v if i == 0 else v.copy()) for k, v in base.items()} for i in range(CHAIN_LAYERS)]
+    wbytes = sum(v.nbytes for lw in layers_w for v in lw.values())
+    nw = _rand_bf16(cp, (H,))
+    qnw = _rand_bf16(cp, (1536,))
+    h0 = _rand_bf16(cp, (T, H))
+    b = dict(h=cp.empty((T, H), np.uint16), xn=cp.empty((T, H), np.uint16), qkv=cp.empty((T, 2112), np.uint16),
+             qn=cp.empty((T, 1536), np.uint16), q=cp.empty((T, 1536), np.uint16), o=cp.empty((T, H), np.uint16),
+             lg=cp.empty((T, 384), np.float32), gu=cp.empty((T, 512), np.uint16), a=cp.empty((T, 256), np.uint16),
+             ws=cp.empty(1 << 22, np.float32))
+
+    def fn():
+        b["h"][...] = h0          # one copy kernel: every graph replay starts from the same residual
+        for lw in layers_w:
+            layers.rms_norm(b["h"], nw, 1e-6, b["xn"])
+            gemm_bf16(b["xn"], lw["qa"], b["qkv"], workspace=b["ws"])
+            layers.rms_norm(b["qkv"][:, :1536], qnw, 1e-6, b["qn"])
+            gemm_bf16(b["qn"], lw["qb"], b["q"], workspace=b["ws"])
+            gemm_bf16(b["q"][:, :1024], lw["o"], b["o"], workspace=b["ws"])
+            layers.rms_norm(b["o"], nw, 1e-6, b["xn"], residual=b["h"])
+            gemm_bf16(b["xn"], lw["router"], b["lg"], out_dtype=np.float32, workspace=b["ws"])
+            gemm_bf16(b["xn"], lw["gu"], b["gu"], workspace=b["ws"])
+            layers.silu_mul(b["gu"], b["a"])
+            gemm_bf16(b["a"], lw["down"], b["o"], workspace=b["ws"])
+            layers.rms_norm(b["o"], nw, 1e-6, b["xn"], residual=b["h"])
+    return wbytes, fn
+
+
+SWEEP = [("dense MLP gate+up", 2 * 2304, 7168), ("q_a+kv_a (fused)", 2112, 7168), ("o_proj", 7168, 1024),
+         ("dense MLP down", 7168, 2304), ("shared expert gate+up", 512, 7168), ("drafter qkv", 1280, 7168),
+         ("q_b", 1536, 1536)]
+
+
+def sweep_cases(cp, rows):
+    """Split-K factors around gemm.choose_split's pick (each distinct effective split once)."""
+    from ddtree_cupy.kernels import gemm
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = []
+    for name, N, K in SWEEP:
+        wbytes = N * K * 2
+        copies = max(1, min(64, math.ceil(2 * L2_BYTES / wbytes)))
+        w0 = _rand_bf16(cp, (N, K), 0.02)
+        ws_ = [w0] + [w0.copy() for _ in range(copies - 1)]
+        kt = K // gemm.BK
+        for T in rows:
+            x, y = _rand_bf16(cp, (T, K)), cp.empty((T, N), np.uint16)
+            cap = max(1, min(kt, K // (8 * T)))
+            eff = sorted({math.ceil(kt / math.ceil(kt / s)) for s in range(1, cap + 1)})
+            pick = gemm.choose_split(T, N, K, 1, sms)
+            step = max(1, len(eff) // 10)
+            cand = sorted(set(eff[::step]) | {pick, eff[-1]})
+            for s in cand:
+                it = [0]
+
+                def fn(x=x, y=y, ws_=ws_, it=it, s=s):
+                    gemm.gemm_bf16(x, ws_[it[0] % len(ws_)], y, split_k=s)
+                    it[0] += 1
+                tag = " *pick*" if s == pick else ""
+                out.append((f"split {name}", f"T={T} split={s}{tag}", wbytes + x.nbytes + y.nbytes, fn))
+    return out
+
+
+def _row(results, bw, kname, shape, nbytes, us, pdl):
+    gbs = nbytes / (us * 1e-6) / 1e9
+    results.append(dict(kernel=kname, shape=shape, us=us, bytes=nbytes, gbps=gbs, frac=gbs / bw, pdl=pdl))
+    print(f"{kname:34} {shape:28} {us:8.2f} {nbytes / 1e6:8.2f} {gbs:7.0f} {gbs / bw:6.2f}")
+    sys.stdout.flush()
+
+
 def main(argv=None):
     import cupy as cp
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--parts", default="gemm,layers,chain", help="comma list of gemm, layers, chain, sweep")
+    ap.add_argument("--pdl", default="0", choices=("0", "1", "both"), help="programmatic dependent launch")
     args = ap.parse_args(argv)
+    from ddtree_cupy.kernels import launch
+    parts = set(args.parts.split(","))
+    modes = {"0": [False], "1": [True], "both": [False, True]}[args.pdl]
+    if int(cp.cuda.Device().compute_capability) < 90:
+        modes = [False]
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     bw = measure_read_bandwidth(4 << 30)
@@ -139,21 +232,45 @@ def main(argv=None):
     l_rows = [1, 16, 160] if not args.quick else [1, 160]
     results = []
     print(f"{'kernel':34} {'shape':28} {'us':>8} {'MB':>8} {'GB/s':>7} {'frac':>6}")
-    for cases in (gemm_cases, layer_cases):
-        for kname, shape, nbytes, fn in cases(cp, g_rows if cases is gemm_cases else l_rows):
-            try:
-                us = time_graph(fn, iters=64 if kname.startswith("gemm") else 20)
-            except Exception as e:      # keep the table going; the error is printed in its row
-                print(f"{kname:34} {shape:28} ERROR {type(e).__name__}: {str(e)[:80]}")
-                continue
-            gbs = nbytes / (us * 1e-6) / 1e9
-            results.append(dict(kernel=kname, shape=shape, us=us, bytes=nbytes, gbps=gbs, frac=gbs / bw))
-            print(f"{kname:34} {shape:28} {us:8.2f} {nbytes / 1e6:8.2f} {gbs:7.0f} {gbs / bw:6.2f}")
-            sys.stdout.flush()
+    groups = [(gemm_cases, g_rows, "gemm"), (layer_cases, l_rows, "layers"),
+              (sweep_cases, [1, 16], "sweep")]
+    for cases, rows, part in groups:
+        if part not in parts:
+            continue
+        built = cases(cp, rows)
+        for pdl in (modes if part != "sweep" else modes[-1:]):
+            launch.set_pdl(pdl)
+            tag = " [pdl]" if pdl else ""
+            for kname, shape, nbytes, fn in built:
+                try:
+                    us = time_graph(fn, iters=64 if part != "layers" else 20)
+                except Exception as e:      # keep the table going; the error is printed in its row
+                    print(f"{kname + tag:34} {shape:28} ERROR {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                _row(results, bw, kname + tag, shape, nbytes, us, pdl)
+        del built
         cp.get_default_memory_pool().free_all_blocks()
+    if "chain" in parts:
+        for T in g_rows:
+            wbytes, fn = chain_case(cp, T)
+            for pdl in modes:
+                launch.set_pdl(pdl)
+                try:
+                    us = time_graph(fn, iters=4, reps=9)
+                except Exception as e:
+                    print(f"chain [pdl={int(pdl)}] T={T} ERROR {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                _row(results, bw, f"chain {CHAIN_LAYERS} layers" + (" [pdl]" if pdl else ""),
+                     f"T={T} 80 kernels, 48 GEMMs", wbytes, us, pdl)
+                print(f"{'':34} {'  per layer':28} {us / CHAIN_LAYERS:8.2f} us; weight stream alone "
+                      f"{wbytes / CHAIN_LAYERS / bw / 1e3:.2f} us")
+            del fn
+            cp.get_default_memory_pool().free_all_blocks()
+    launch.set_pdl(False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, read_ceiling_gbps=bw, mma_bf16_tflops=tf, results=results), f, indent=1)
+            json.dump(dict(device=name, read_ceiling_gbps=bw, mma_bf16_tflops=tf, pdl=args.pdl, results=results),
+                      f, indent=1)
     return 0
 
 

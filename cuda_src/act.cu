@@ -4,6 +4,10 @@
 
 extern "C" __global__ void silu_mul_kernel(const bf16_bits* __restrict__ in, long long in_stride,
                                            bf16_bits* __restrict__ out, long long out_stride, int T, int I) {
+    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
+    // then wait for the previous kernel's outputs before the first read of an input.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    DDT_PDL_WAIT();
     const int nv = I / 8;
     const long long total = (long long)T * nv;
     for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total;

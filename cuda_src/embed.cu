@@ -5,6 +5,10 @@
 extern "C" __global__ void embed_gather_kernel(const int* __restrict__ ids, const bf16_bits* __restrict__ table,
                                                int rows, int vocab_start, int H,
                                                bf16_bits* __restrict__ out, long long out_stride) {
+    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
+    // then wait for the previous kernel's outputs before the first read of an input.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    DDT_PDL_WAIT();
     const int t = blockIdx.x;
     const int local = ids[t] - vocab_start;
     const bool mine = local >= 0 && local < rows;

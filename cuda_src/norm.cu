@@ -27,6 +27,10 @@ rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
                const bf16_bits* __restrict__ w, bf16_bits* __restrict__ out, long long out_stride,
                const int* __restrict__ out_rows, int H, float eps) {
     __shared__ float red[NORM_THREADS / 32];
+    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
+    // then wait for the previous kernel's outputs before the first read of an input.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    DDT_PDL_WAIT();
     const int t = blockIdx.x;
     const int nv = H / 8;
     const uint4* xr = (const uint4*)(x + t * x_stride);

@@ -15,6 +15,10 @@ __global__ void rope_kernel(const bf16_bits* __restrict__ x, long long x_row_str
                             int T, int heads, int half,
                             const float* __restrict__ cos_tab, const float* __restrict__ sin_tab, int max_pos,
                             const float* __restrict__ inv_freq, float amplitude) {
+    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
+    // then wait for the previous kernel's outputs before the first read of an input.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    DDT_PDL_WAIT();
     const long long total = (long long)T * heads * half;
     for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {

@@ -214,7 +214,7 @@ def _mem_u16(addr, n):
 
 
 def _gemm(name, grid, args):
-    x, xs0, xs1, w, w_bs, out, os0, os1, _ws, T, N, K, _per = args
+    x, xs0, xs1, w, w_bs, out, os0, os1, _ws, T, N, K, _per = args[:13]     # then: split-K tickets
     B, T, N, K = grid[2], int(T), int(N), int(K)
     y = np.einsum("btk,bnk->btn", _f(_view(x, (B, T, K), (xs0, xs1, 1))), _f(_view(w, (B, N, K), (w_bs, K, 1))))
     f32_out = name.rstrip(">").split(",")[-1].strip() == "true"
@@ -266,7 +266,9 @@ def _embed(name, grid, args):
 
 
 def _router(name, grid, args):
-    logits, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w = args
+    logits, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, act, as0, I = args
+    if int(I):        # the shared expert's SwiGLU in the extra blocks
+        _silu(name, grid, (gu, gs0, act, as0, T, I))
     assert int(n_group) == 1, "group-limited routing is not emulated"
     s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)[:int(T)]))
     choice = s + np.asarray(bias, np.float64)[None]
@@ -313,6 +315,37 @@ def _kv_write(name, grid, args):
         P[page, p % 64, 512:] = _mem_u16(int(rope) + 2 * t * int(rope_stride), 64)
 
 
+def _qkv_a_post(name, grid, args):
+    (qkv, qs0, ql, qw, kvw, eps, cq, cs0, positions, inv_freq, amp, sids, kv_pos, pool, table, _mp) = args
+    T, ql = grid[0], int(ql)
+    X = _f(_view(qkv, (T, ql + 576), (qs0, 1)))
+    norm = lambda h, w: _f(w) * h / np.sqrt((h * h).mean(-1, keepdims=True) + float(eps))  # noqa: E731
+    _view(cq, (T, ql), (cs0, 1))[...] = _bits(norm(X[:, :ql], qw))
+    lat = _f(_bits(norm(X[:, ql:ql + 512], kvw)))
+    pe = np.zeros((T, 1, 64), np.uint16)
+    _rope("rope_kernel<false, false>", None, (_bits(X[:, ql + 512:])[:, None], 64, 64, pe, 64, 64, np.uint64(0),
+                                              positions, T, 1, 32, None, None, 0, inv_freq, amp))
+    P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
+    for t in range(T):
+        p = int(kv_pos[t])
+        if p >= 0:
+            page = tb[int(sids[t]), p // 64]
+            assert page >= 0, "latent write to a stream position without a page"
+            P[page, p % 64, :512] = _bits(lat[t])
+            P[page, p % 64, 512:] = pe[t, 0]
+
+
+def _head_gemm(name, grid, args):
+    (x, xs0, xs1, w, out, os0, os1, T, N, pe, ps0, ps1, pe_out, pos0, pos1, positions, inv_freq, amp, half) = args
+    nh, T, N = grid[0], int(T), int(N)
+    K = 64 * int(name.split("<")[1].rstrip(">"))
+    y = np.einsum("thk,hnk->thn", _f(_view(x, (T, nh, K), (xs0, xs1, 1))), _f(_view(w, (nh, N, K), (N * K, K, 1))))
+    _view(out, (T, nh, N), (os0, os1, 1))[...] = _bits(y)
+    if not _null(pe):
+        _rope("rope_kernel<false, false>", None, (pe, ps0, ps1, pe_out, pos0, pos1, np.uint64(0), positions, T, nh,
+                                                  half, None, None, 0, inv_freq, amp))
+
+
 def _noop(name, grid, args):
     pass
 
@@ -320,7 +353,8 @@ def _noop(name, grid, args):
 _TABLE = [("gemm_bf16_kernel", _gemm), ("gemm_splitk_reduce", _noop), ("rmsnorm_kernel", _norm),
           ("rope_kernel", _rope), ("silu_mul_kernel", _silu), ("embed_gather_kernel", _embed),
           ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_combine", _noop),
-          ("kv_write_latent", _kv_write), ("moe_", _noop)]
+          ("kv_write_latent", _kv_write), ("moe_", _noop), ("mla_qkv_a_post", _qkv_a_post),
+          ("mla_head_gemm", _head_gemm)]
 
 
 def _get_kernel(spec, name, max_dynamic_smem=0):
@@ -336,13 +370,14 @@ def _get_kernel(spec, name, max_dynamic_smem=0):
 
 import ddtree_cupy.kernels.attention as _attention  # noqa: E402
 import ddtree_cupy.kernels.compile as _compile  # noqa: E402
+import ddtree_cupy.kernels.fused as _fused  # noqa: E402
 import ddtree_cupy.kernels.gemm as _gemm_mod  # noqa: E402
 import ddtree_cupy.kernels.kv_cache as _kv_cache  # noqa: E402
 import ddtree_cupy.kernels.layers as _layers  # noqa: E402
 import ddtree_cupy.kernels.moe as _moe  # noqa: E402
 import ddtree_cupy.kernels.router as _router_mod  # noqa: E402
 
-for _m in (_gemm_mod, _layers, _router_mod, _attention, _kv_cache, _moe):
+for _m in (_gemm_mod, _layers, _router_mod, _attention, _kv_cache, _moe, _fused):
     _m.get_kernel = _get_kernel
 _compile.device_arch = lambda: "sm_90"
 _orig_pack, _orig_plan = _moe.pack_moe_weights, _moe.moe_launch_plan

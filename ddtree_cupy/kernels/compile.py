@@ -167,6 +167,8 @@ _FN_CACHE: Dict[Tuple, object] = {}
 def get_kernel(spec: KernelSpec, name: str, max_dynamic_smem: int = 0):
     """The kernel ``name`` (an extern "C" name or one of ``spec.names``' template expressions).
 
+    Specs with ``pdl=True`` get a ``launch.PdlKernel`` (called the same way), which launches through
+    cuLaunchKernelEx with programmatic dependent launch while ``launch.set_pdl(True)``.
     ``max_dynamic_smem``: the most dynamic shared memory any launch will ask for; above the 48 KB default
     the per-function limit is raised (sm_120 allows up to 99 KB per block, H200 227 KB).
     """
@@ -175,6 +177,9 @@ def get_kernel(spec: KernelSpec, name: str, max_dynamic_smem: int = 0):
     fn = _FN_CACHE.get(key)
     if fn is None:
         fn = get_module(spec).get_function(name)
+        if spec.pdl:     # same call signature; launches with PDL while launch.set_pdl(True) (sm_90+)
+            from .launch import PdlKernel
+            fn = PdlKernel(fn, int(cupy.cuda.Device().compute_capability))
         _FN_CACHE[key] = fn
     if max_dynamic_smem > 48 * 1024 and getattr(fn, "_ddt_smem", 0) < max_dynamic_smem:
         fn.max_dynamic_shared_size_bytes = max_dynamic_smem

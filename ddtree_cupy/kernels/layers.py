@@ -16,11 +16,13 @@ import numpy as np
 from .checks import check_array, check_multiple, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 
-NORM_SPEC = register(KernelSpec("norm.cu", ("rmsnorm_kernel",), hot=True, doc="RMSNorm, fused residual add"))
+# pdl=True: every kernel below starts with DDT_PDL_WAIT() (cuda_src/common.cuh), so may be launched with PDL.
+NORM_SPEC = register(KernelSpec("norm.cu", ("rmsnorm_kernel",), hot=True, pdl=True,
+                                doc="RMSNorm, fused residual add"))
 ROPE_NAMES = tuple(f"rope_kernel<{n}, {t}>" for n in ("false", "true") for t in ("false", "true"))
-ROPE_SPEC = register(KernelSpec("rope.cu", ROPE_NAMES, hot=True, doc="YaRN RoPE, adjacent / NeoX pairs"))
-ACT_SPEC = register(KernelSpec("act.cu", ("silu_mul_kernel",), hot=True, doc="silu(gate) * up"))
-EMBED_SPEC = register(KernelSpec("embed.cu", ("embed_gather_kernel",), doc="vocab-parallel embedding"))
+ROPE_SPEC = register(KernelSpec("rope.cu", ROPE_NAMES, hot=True, pdl=True, doc="YaRN RoPE, adjacent / NeoX pairs"))
+ACT_SPEC = register(KernelSpec("act.cu", ("silu_mul_kernel",), hot=True, pdl=True, doc="silu(gate) * up"))
+EMBED_SPEC = register(KernelSpec("embed.cu", ("embed_gather_kernel",), pdl=True, doc="vocab-parallel embedding"))
 
 NORM_MAX_H = 8 * 4 * 256
 

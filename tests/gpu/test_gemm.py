@@ -1,5 +1,5 @@
-"""Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off, batched strided views,
-fp32 output, and replay inside a CUDA graph."""
+"""Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off (reduced inside the kernel),
+batched strided views, fp32 output, and replay inside a CUDA graph."""
 import numpy as np
 import pytest
 
@@ -46,6 +46,42 @@ def test_gemm_split_and_fp32_out(T, split):
     again = cp.empty((T, N), np.float32)
     gemm_bf16(cp.asarray(xb), cp.asarray(wb), again, out_dtype=np.float32, split_k=split)
     assert cp.array_equal(again, out), "split-K reduction must be deterministic"
+
+
+@pytest.mark.parametrize("T,K,N,B,split,f32", [
+    (1, 7168, 336, 1, 56, False),     # many splits (batched 4-wide loads + remainder), N % 64 != 0
+    (5, 2304, 1040, 3, 6, True),      # batched, partial last column tile, fp32 out
+    (160, 7168, 2112, 1, 5, False),   # the largest token tile: 80 outputs per thread in the reduction
+    (17, 512, 48, 2, 8, False),       # a single narrow column tile per batch, every k tile its own split
+])
+def test_gemm_fused_splitk_reduction(T, K, N, B, split, f32):
+    """The last block of each column tile sums the split-K partials; the tickets reset, so the same
+    workspace serves back-to-back launches with other shapes and splits."""
+    import cupy as cp
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    rng = np.random.default_rng(T * 31 + split)
+    xb, x = rand_bf16(rng, (B, T, K))
+    wb, w = rand_bf16(rng, (B, N, K), 0.05)
+    ref = np.einsum("btk,bnk->btn", x, w)
+    ws = cp.empty(B * split * T * N + 64, np.float32)
+    oxb, ox64 = rand_bf16(rng, (3, 512))
+    owb, ow64 = rand_bf16(rng, (128, 512), 0.05)
+    ox, ow, oref = cp.asarray(oxb), cp.asarray(owb), ox64 @ ow64.T
+    dt = np.float32 if f32 else np.uint16
+    outs = []
+    for it in range(3):
+        out = poisoned(cp, (B, T, N), dt)
+        gemm_bf16(cp.asarray(xb), cp.asarray(wb), out, out_dtype=dt, split_k=split, workspace=ws)
+        # another shape through the same workspace and tickets in between
+        other = poisoned(cp, (3, 128))
+        gemm_bf16(ox, ow, other, split_k=4, workspace=ws)
+        assert rel_err(f64(other), oref) < BF16_TOL
+        got = out.get().astype(np.float64) if f32 else f64(out)
+        assert rel_err(got, ref) < (1e-5 if f32 else BF16_TOL)
+        per_row = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
+        assert per_row.max() < (1e-4 if f32 else 4 * BF16_TOL)
+        outs.append(out.get())
+    assert all(np.array_equal(o, outs[0]) for o in outs), "split-K reduction must be deterministic"
 
 
 def test_gemm_batched_strided_views():
