@@ -9,6 +9,13 @@ and drafter context filled with random rows) it reports:
 * step: one graph replay (CUDA events over back-to-back replays); wall: the host's whole step (control
   upload + launch + packed-output copy + sync); host: the time the host spends issuing a step;
 * phases: draft / tree / verify / accept, each captured as its own graph and timed the same way;
+* launches: kernel launches of the verify phase and of one MoE layer (counted through the kernel wrappers,
+  ``engine.profile.count_launches``), per kernel name;
+* one MoE layer (layer 1) as its own graph, and each of its stages (``GpuTarget.layer_stages``) as its own
+  graph: us per layer and per stage. Caveat: a graph of one layer (stage) replayed back to back re-reads the
+  same weights, so small ones come from L2; verify / layers is the honest per-layer figure;
+* with ``--pdl`` (when kernels/launch.py exists): the step graph re-captured with programmatic dependent
+  launch on, timed the same way (step_pdl_ms), then captured again with it off;
 * floor: the bytes the step must read (every weight of the rank once, the routed experts the routing
   actually touched -- counted per layer from the router's outputs on this step's rows -- the latent cache
   and drafter context, the logits) over the read bandwidth measured in this run; ratio = step / floor;
@@ -149,15 +156,22 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--allreduce-us", type=float, default=24.0, help="per-call all-reduce latency on the target box")
     ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
+    ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
+    ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     a = ap.parse_args(argv)
 
     import cupy
     from bench.ceilings import measure_read_bandwidth, time_graph
     from ddtree_cupy.engine.gpu_engine import GpuEngine
+    from ddtree_cupy.engine.profile import count_launches
     from ddtree_cupy.engine.kv_pool import KVPool
     from ddtree_cupy.kernels import engine_glue as g
 
+    try:
+        from ddtree_cupy.kernels import launch as launch_mod
+    except ImportError:                      # no PDL launch path in this tree
+        launch_mod = None
     t_start = time.perf_counter()
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -227,6 +241,41 @@ def main(argv=None) -> int:
             with st:
                 for pname, fn in step.phases():
                     phases[pname] = time_graph(fn, iters=2, reps=3) * 1e-6
+            # launches: the verify phase, and one MoE layer's stages (eager, counted by the wrappers)
+            tgt, moe_layer = eng.target, next(i for i, L in enumerate(eng.target.w.layers) if L.is_moe)
+            with count_launches() as lc_verify, st:
+                dict(step.phases())["verify"]()
+            stages = tgt.layer_stages(moe_layer, step.batch, eng.kv)
+            with count_launches() as lc_layer, st:
+                for _, fn in stages:
+                    fn()
+            st.synchronize()
+            layer_us, stage_us = None, {}
+            if a.stages:
+                with st:
+                    layer_us = time_graph(lambda: [fn() for _, fn in stages], iters=10, reps=3)
+                    for sname, fn in stages:
+                        stage_us[sname] = time_graph(fn, iters=10, reps=3)
+            step_pdl_s = None
+            if a.pdl and launch_mod is not None:
+                launch_mod.set_pdl(True)
+                try:
+                    step.capture()
+                    step.upload(ctrl)
+                    step.graph.launch(st)
+                    ev0.record(st)
+                    for _ in range(a.reps):
+                        step.graph.launch(st)
+                    ev1.record(st)
+                    ev1.synchronize()
+                    step_pdl_s = cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+                except Exception as e:          # report and go on: the PDL path is optional
+                    print(f"    PDL capture/replay failed: {type(e).__name__}: {e}", flush=True)
+                finally:
+                    launch_mod.set_pdl(False)
+                st.synchronize()
+                step.capture()
+                step.upload(ctrl)
             parts, per_expert = step_bytes(eng, tcfg, dcfg, uniq, S, R, a.ctx)
             floor_s = parts["total"] / bw
             # projection: the memory-bound part scales with bandwidth, collectives add their latency
@@ -237,12 +286,23 @@ def main(argv=None) -> int:
                        unique_experts_per_layer=uniq, mean_unique_experts=float(np.mean(uniq)) if uniq else 0.0,
                        bytes=parts, floor_ms=floor_s * 1e3, ratio_to_floor=step_s / floor_s,
                        allreduces_per_step=n_reduce, allgathers_per_step=n_gather,
-                       pro6000_step_ms=pro_s * 1e3, pro6000_tok_s=a.tau * S / pro_s)
+                       pro6000_step_ms=pro_s * 1e3, pro6000_tok_s=a.tau * S / pro_s,
+                       verify_launches=sum(lc_verify.counts.values()), verify_launch_counts=dict(lc_verify.counts),
+                       layer_launches=sum(lc_layer.counts.values()), layer_launch_counts=dict(lc_layer.counts),
+                       verify_us_per_layer=phases.get("verify", 0) * 1e6 / tcfg.num_hidden_layers,
+                       layer_graph_us=layer_us, stage_us=stage_us,
+                       step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
                   f"{rec['mean_unique_experts']:5.1f}; phases " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
                   + f"; PRO 6000 {pro_s * 1e3:.1f} ms -> {a.tau * S / pro_s:.0f} tok/s", flush=True)
+            print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
+                  + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms"
+                                                                  if step_pdl_s else ""), flush=True)
+            if stage_us:
+                print(f"    MoE layer graph {layer_us:.1f} us (verify/layer {rec['verify_us_per_layer']:.1f} us); "
+                      "stages us: " + " ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
     assumptions = {
         "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,
         "allreduce_us_per_call": a.allreduce_us, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
@@ -255,13 +315,15 @@ def main(argv=None) -> int:
     }
     print("\nassumptions: " + "; ".join(f"{k}={v}" for k, v in assumptions.items()))
     print(f"\n| streams | rows | step ms | floor ms | x floor | host % | draft | tree | verify | accept | experts/layer"
-          f" | PRO 6000 tok/s (tau {a.tau}) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f" | PRO 6000 tok/s (tau {a.tau}) | launches/MoE layer | verify us/layer | step ms PDL |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         p = r["phases_ms"]
         print(f"| {r['streams']} | {r['rows']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | {r['ratio_to_floor']:.2f} | "
               f"{r['host_pct']:.1f} | {p.get('draft', 0):.2f} | {p.get('tree', 0):.2f} | {p.get('verify', 0):.2f} | "
-              f"{p.get('accept', 0):.2f} | {r['mean_unique_experts']:.0f} | {r['pro6000_tok_s']:.0f} |")
+              f"{p.get('accept', 0):.2f} | {r['mean_unique_experts']:.0f} | {r['pro6000_tok_s']:.0f} | "
+              f"{r['layer_launches']} | {r['verify_us_per_layer']:.0f} | "
+              + (f"{r['step_pdl_ms']:.2f}" if r["step_pdl_ms"] is not None else "-") + " |")
     if a.json:
         os.makedirs(os.path.dirname(a.json), exist_ok=True)
         with open(a.json, "w") as f:

@@ -8,6 +8,12 @@
 // One warp per token, no block-wide barriers: each candidate is a unique 64-bit key
 // (order-preserving bits of choice << 32 | ~id) in the warp's shared-memory slice; k rounds of a warp
 // max-reduction pick the experts (the winner's key is zeroed). E <= ROUTER_MAX_E, n_group <= 32.
+//
+// The same launch optionally runs the shared expert's SwiGLU activation (act.cu's silu_mul arithmetic,
+// bit-identical): blocks >= route_blocks compute act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]. The
+// router and the shared expert's gate_up GEMM both read the normed rows and are independent, so issuing
+// the router GEMM and the gate_up GEMM first lets one small launch finish both (one launch per MoE layer
+// fewer). Everything read here comes from earlier kernels except the bias: DDT_PDL_WAIT() comes first.
 #include "common.cuh"
 
 #define ROUTER_WARPS 4
@@ -29,7 +35,31 @@ __device__ __forceinline__ u64 warp_max(u64 m) {
 
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
 router_topk(const float* __restrict__ logits, int T, int E, const float* __restrict__ bias, int n_group,
-            int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids, float* __restrict__ out_w) {
+            int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids, float* __restrict__ out_w,
+            int route_blocks, const bf16_bits* __restrict__ gate_up, long long gu_stride,
+            bf16_bits* __restrict__ act, long long act_stride, int I) {
+    DDT_PDL_WAIT();
+    if ((int)blockIdx.x >= route_blocks) {      // shared expert SwiGLU, 8 values (16 bytes) per step
+        const int nv = I / 8;
+        const long long total = (long long)T * nv;
+        for (long long gi = (long long)(blockIdx.x - route_blocks) * blockDim.x + threadIdx.x; gi < total;
+             gi += (long long)(gridDim.x - route_blocks) * blockDim.x) {
+            const int t = (int)(gi / nv), v = (int)(gi % nv);
+            const uint4 gv = ((const uint4*)(gate_up + t * gu_stride))[v];
+            const uint4 uv = ((const uint4*)(gate_up + t * gu_stride + I))[v];
+            const bf16_bits* gh = (const bf16_bits*)&gv;
+            const bf16_bits* uh = (const bf16_bits*)&uv;
+            uint4 o;
+            bf16_bits* oh = (bf16_bits*)&o;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float gf = bf16_to_f32(gh[e]);
+                oh[e] = f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(uh[e]));
+            }
+            ((uint4*)(act + t * act_stride))[v] = o;
+        }
+        return;
+    }
     __shared__ u64 keys_s[ROUTER_WARPS][ROUTER_MAX_E];
     __shared__ float s_s[ROUTER_WARPS][ROUTER_MAX_E];
     __shared__ int pick_s[ROUTER_WARPS][32];

@@ -110,3 +110,59 @@ def time_graph(graph, stream, n: int = 20) -> Optional[float]:
     end.record(stream)
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) / 1e3 / n
+
+
+class _Counted:
+    """A kernel object that counts its launches into ``counts[name]`` and forwards everything else."""
+    __slots__ = ("_fn", "_name", "_counts")
+
+    def __init__(self, fn, name, counts):
+        self._fn, self._name, self._counts = fn, name, counts
+
+    def __call__(self, *args, **kwargs):
+        self._counts[self._name] += 1
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._fn, attr)
+
+
+class count_launches:
+    """Context manager counting the kernel launches issued through the kernel wrappers while it is active
+    (every wrapper fetches its kernel with ``get_kernel`` right before launching, so the wrappers' module-level
+    ``get_kernel`` is swapped for one returning counting kernels). ``counts``: kernel name (template
+    arguments stripped) -> launches. Collectives, memcpys and CuPy's own element-wise kernels are not counted.
+
+        with count_launches() as c:
+            target.forward(batch, kv)
+        print(sum(c.counts.values()), c.counts)
+    """
+
+    def __init__(self):
+        from collections import Counter
+        self.counts = Counter()
+        self._patched: List[Tuple[object, object]] = []
+
+    def __enter__(self):
+        import importlib
+        import pkgutil
+        from .. import kernels as pkg
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if info.name in ("compile", "launch", "checks"):
+                continue
+            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            orig = getattr(mod, "get_kernel", None)
+            if orig is None:
+                continue
+
+            def counted(spec, name, *a, _orig=orig, **k):
+                return _Counted(_orig(spec, name, *a, **k), name.split("<")[0], self.counts)
+            mod.get_kernel = counted
+            self._patched.append((mod, orig))
+        return self
+
+    def __exit__(self, *exc):
+        for mod, orig in reversed(self._patched):
+            mod.get_kernel = orig
+        self._patched.clear()
+        return False

@@ -5,23 +5,33 @@
                          routed_scaling_factor=2.827, normalize=True)
 ids int32 [T, k] in descending choice order (ties: lower expert id), weights float32 [T, k] from the
 UNBIASED sigmoid scores.
+
+``route_logits(..., gate_up=, act_out=)`` also computes the shared expert's activation
+act_out [T, I] = silu(gate) * up of gate_up [T, 2I] in the same launch (extra blocks; act.cu's arithmetic).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_array, check_range
+from .checks import check_array, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 from .gemm import gemm_bf16
 
-SPEC = register(KernelSpec("router.cu", ("router_topk",), hot=True, doc="noaux_tc group-limited top-k"))
+SPEC = register(KernelSpec("router.cu", ("router_topk",), hot=True, pdl=True,
+                           doc="noaux_tc group-limited top-k (+ the shared expert's silu_mul)"))
 MAX_E = 512
 WARPS = 4          # tokens per block (one warp each)
 
 
+def _ptr(a):
+    """A pointer argument: the array, or a real NULL (CuPy turns None into 0xffffffff, cupy/cupy#9046)."""
+    return np.uint64(0) if a is None else a
+
+
 def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 normalize: bool = True, out_ids=None, out_weights=None):
-    """Selection from precomputed fp32 logits [T, E]."""
+                 normalize: bool = True, out_ids=None, out_weights=None, *, gate_up=None, act_out=None):
+    """Selection from precomputed fp32 logits [T, E]; with ``gate_up`` [T, 2I] bf16 (row-strided view
+    allowed) also ``act_out`` [T, I] = silu(gate) * up in the same launch."""
     import cupy
     dims = {}
     check_array("logits", logits, np.float32, ("T", "E"), dims)
@@ -39,11 +49,27 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
         out_weights = cupy.empty((T, k), dtype=np.float32)
     check_array("out_ids", out_ids, np.int32, (T, k))
     check_array("out_weights", out_weights, np.float32, (T, k))
+    gs = os_ = (0,)
+    I = act_blocks = 0
+    if gate_up is not None:
+        if act_out is None:
+            raise ValueError("act_out: required with gate_up")
+        gs = check_rows("gate_up", gate_up, np.uint16, ("T", None), dims)
+        if gate_up.shape[1] % 16:
+            raise ValueError(f"gate_up: width must be 2I with I a multiple of 8, got {gate_up.shape[1]}")
+        I = gate_up.shape[1] // 2
+        os_ = check_rows("act_out", act_out, np.uint16, ("T", I), dims)
+        act_blocks = max(1, min(4 * 132, -(-T * I // 8 // (32 * WARPS))))
+    elif act_out is not None:
+        raise ValueError("act_out: given without gate_up")
     if T:
+        route_blocks = (T + WARPS - 1) // WARPS
         kern = get_kernel(SPEC, "router_topk")
-        kern(((T + WARPS - 1) // WARPS,), (32 * WARPS,),
+        kern((route_blocks + act_blocks,), (32 * WARPS,),
              (logits, np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
-              np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights))
+              np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights,
+              np.int32(route_blocks), _ptr(gate_up), np.int64(gs[0]), _ptr(act_out), np.int64(os_[0]),
+              np.int32(I)))
     return out_ids, out_weights
 
 

@@ -187,59 +187,107 @@ class GpuTarget:
     def attention_block(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
         """Layer i's MLA on normed x uint16 [T, H]: writes the T latent rows to the cache at batch.kv_pos and
         out [T, H] = o_proj output (all-reduced unless reduce=False: this rank's partial sum)."""
-        from ..kernels.attention import mla_attention
-        from ..kernels.fused import mla_head_gemm, mla_qkv_a_post
-        cfg, d, L = self.cfg, self.d, self.w.layers[i]
-        T, nh, dn = batch.T, d["nh"], d["dn"]
-        qkv = self._gemm(x, L.w_qkv_a, self.qkv_a[:T])
-        # c_q norm, c_kv norm, rope(k_pe) and the latent cache write: one launch
-        mla_qkv_a_post(qkv, L.q_a_norm, L.kv_a_norm, float(cfg.latent_norm_eps), self.c_q[:T], batch.positions,
-                       self.inv_freq, self.amplitude, batch.stream_ids, batch.kv_pos, kv.pools[i], kv.block_table)
-        q = self._gemm(self.c_q[:T], L.w_q_b, self.q[:T]).reshape(T, nh, dn + ROPE)
-        qf = self.q_full[:T]
-        # q_full = q_nope @ W_UK per head | rope(q_pe): one launch
-        mla_head_gemm(q[:, :, :dn], L.w_uk_t, qf[:, :, :LATENT], pe=q[:, :, dn:], pe_out=qf[:, :, LATENT:],
-                      positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude)
-        max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
-        ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
-        mla_attention(qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
-                      softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
-                      out=self.o_lat[:T], workspace=ws)
-        o = self.o[:T]
-        mla_head_gemm(self.o_lat[:T], L.w_uv, o.reshape(T, nh, d["dv"]))     # o = o_lat @ W_UV^T per head
-        self._gemm(o, L.w_o, out)
-        if reduce:
-            self.comm.all_reduce(out)
+        for _, fn in self._attention_stages(i, x, batch, kv, out, reduce):
+            fn()
         return out
 
     def mlp_block(self, i: int, x, out, reduce: bool = True):
         """Layer i's MLP on normed x uint16 [T, H] into out [T, H]: dense SwiGLU, or routed INT4 experts with
         the shared expert's output added in the MoE combine; one all-reduce for both (unless reduce=False)."""
+        for _, fn in self._mlp_stages(i, x, out, reduce):
+            fn()
+        return out
+
+    def layer_stages(self, i: int, batch: TargetBatch, kv: GpuLatentCache):
+        """[(name, fn)]: layer i on the residual stream ``self.h`` in launch order (each fn enqueues one kernel
+        or a few); ``forward`` runs them, bench/step.py also times each stage as its own graph. The input
+        norm adds the previous layer's MLP output to h (layer 0: norm only) and copies h to the features
+        when layer i - 1 is a feature layer."""
+        from ..kernels.layers import rms_norm
+        T, L, eps = batch.T, self.w.layers[i], float(self.cfg.rms_norm_eps)
+        h, normed, attn, mlp = self.h[:T], self.normed[:T], self.attn_out[:T], self.mlp_out[:T]
+
+        def input_norm():
+            if i == 0:
+                rms_norm(h, L.input_norm, eps, out=normed)
+            else:
+                rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
+                self._copy_feature(i - 1, batch, h)
+        return ([("input_norm", input_norm)] + self._attention_stages(i, normed, batch, kv, attn)
+                + [("post_norm", lambda: rms_norm(attn, L.post_norm, eps, out=normed, residual=h))]   # h += attn
+                + self._mlp_stages(i, normed, mlp))
+
+    def _attention_stages(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
+        from ..kernels.attention import mla_attention
+        from ..kernels.fused import mla_head_gemm, mla_qkv_a_post
+        cfg, d, L = self.cfg, self.d, self.w.layers[i]
+        T, nh, dn = batch.T, d["nh"], d["dn"]
+        qkv, c_q, q, qf = self.qkv_a[:T], self.c_q[:T], self.q[:T], self.q_full[:T]
+        q3 = q.reshape(T, nh, dn + ROPE)
+        max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
+        ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
+
+        def o_proj():
+            self._gemm(self.o[:T], L.w_o, out)
+            if reduce:
+                self.comm.all_reduce(out)
+        return [
+            ("qkv_a_gemm", lambda: self._gemm(x, L.w_qkv_a, qkv)),
+            # c_q norm, c_kv norm, rope(k_pe) and the latent cache write: one launch
+            ("qkv_a_post", lambda: mla_qkv_a_post(
+                qkv, L.q_a_norm, L.kv_a_norm, float(cfg.latent_norm_eps), c_q, batch.positions, self.inv_freq,
+                self.amplitude, batch.stream_ids, batch.kv_pos, kv.pools[i], kv.block_table)),
+            ("q_b_gemm", lambda: self._gemm(c_q, L.w_q_b, q)),
+            # q_full = q_nope @ W_UK per head | rope(q_pe): one launch
+            ("w_uk_rope", lambda: mla_head_gemm(
+                q3[:, :, :dn], L.w_uk_t, qf[:, :, :LATENT], pe=q3[:, :, dn:], pe_out=qf[:, :, LATENT:],
+                positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude)),
+            ("attention", lambda: mla_attention(
+                qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
+                softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
+                out=self.o_lat[:T], workspace=ws)),
+            ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, self.o[:T].reshape(T, nh, d["dv"]))),
+            ("o_proj", o_proj)]
+
+    def _mlp_stages(self, i: int, x, out, reduce: bool = True):
         from ..kernels.layers import silu_mul
         from ..kernels.moe import moe_forward
-        from ..kernels.router import route_logits
+        from ..kernels import router as router_mod
         cfg, L = self.cfg, self.w.layers[i]
         T = x.shape[0]
+
+        def reduce_out():
+            if reduce:
+                self.comm.all_reduce(out)
         if not L.is_moe:
             F = L.w_down.shape[1]
-            gu = self._gemm(x, L.w_gate_up, self.gate_up[:T, :2 * F])
-            silu_mul(gu, out=self.act[:T, :F])
-            self._gemm(self.act[:T, :F], L.w_down, out)
-        else:
-            logits = self._gemm(x, L.w_router, self.router_logits[:T], out_dtype=np.float32)
-            shared = L.w_shared_gate_up is not None
-            if shared:      # the shared expert's gate_up GEMM first: its SwiGLU shares the router's launch
-                Is = L.w_shared_down.shape[1]
-                gu = self._gemm(x, L.w_shared_gate_up, self.gate_up[:T, :2 * Is])
-            ids, wts = route_logits(logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                    cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=self.topk_ids[:T],
-                                    out_weights=self.topk_w[:T], gate_up=gu if shared else None,
-                                    act_out=self.act[:T, :Is] if shared else None)
-            residual = self._gemm(self.act[:T, :Is], L.w_shared_down, self.shared_out[:T]) if shared else None
-            moe_forward(x, ids, wts, L.experts, self.moe_ws, out=out, residual=residual)
-        if reduce:
-            self.comm.all_reduce(out)
-        return out
+            gu, act = self.gate_up[:T, :2 * F], self.act[:T, :F]
+
+            def down():
+                self._gemm(act, L.w_down, out)
+                reduce_out()
+            return [("gate_up_gemm", lambda: self._gemm(x, L.w_gate_up, gu)), ("silu", lambda: silu_mul(gu, out=act)),
+                    ("down_gemm", down)]
+        logits, ids, wts = self.router_logits[:T], self.topk_ids[:T], self.topk_w[:T]
+        shared = L.w_shared_gate_up is not None
+        Is = L.w_shared_down.shape[1] if shared else 0
+        gu, act = self.gate_up[:T, :2 * Is], self.act[:T, :Is]
+
+        def moe():
+            moe_forward(x, ids, wts, L.experts, self.moe_ws, out=out, residual=self.shared_out[:T] if shared else None)
+            reduce_out()
+        # the shared expert's SwiGLU shares the router top-k's launch (router.route_logits), so both GEMMs
+        # reading x come first; route_logits is looked up at call time (bench/step.py records its outputs)
+        st = [("router_gemm", lambda: self._gemm(x, L.w_router, logits, out_dtype=np.float32))]
+        if shared:
+            st.append(("shared_gate_up_gemm", lambda: self._gemm(x, L.w_shared_gate_up, gu)))
+        st.append(("route" + ("_silu" if shared else ""), lambda: router_mod.route_logits(
+            logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+            cfg.norm_topk_prob, out_ids=ids, out_weights=wts, gate_up=gu if shared else None,
+            act_out=act if shared else None)))
+        if shared:
+            st.append(("shared_down_gemm", lambda: self._gemm(act, L.w_shared_down, self.shared_out[:T])))
+        return st + [("moe", moe)]
 
     def _copy_feature(self, layer: int, batch: TargetBatch, h) -> None:
         """batch.features[:, c] = h for feature layer ``layer`` (a strided device copy, graph-capturable)."""
@@ -284,17 +332,11 @@ class GpuTarget:
         self.check_batch(batch, kv)
         cfg, T = self.cfg, batch.T
         eps = float(cfg.rms_norm_eps)
-        h, normed, attn, mlp = self.h[:T], self.normed[:T], self.attn_out[:T], self.mlp_out[:T]
+        h, normed, mlp = self.h[:T], self.normed[:T], self.mlp_out[:T]
         self.embed(batch.tokens, h)
-        for i, L in enumerate(self.w.layers):
-            if i == 0:
-                rms_norm(h, L.input_norm, eps, out=normed)
-            else:
-                rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
-                self._copy_feature(i - 1, batch, h)
-            self.attention_block(i, normed, batch, kv, attn)
-            rms_norm(attn, L.post_norm, eps, out=normed, residual=h)         # h += attention
-            self.mlp_block(i, normed, mlp)
+        for i in range(cfg.num_hidden_layers):
+            for _, fn in self.layer_stages(i, batch, kv):
+                fn()
         rms_norm(mlp, self.w.final_norm, eps, out=normed, residual=h)
         self._copy_feature(cfg.num_hidden_layers - 1, batch, h)
         self.project_vocab(normed, batch.logits)

@@ -104,7 +104,7 @@ def gpu_tp1(tiny):
 
 def poison_target(tgt):
     import cupy as cp
-    for name in ("h", "normed", "qkv_a", "c_q", "q", "q_full", "latent", "o_lat", "o", "attn_out", "mlp_out",
+    for name in ("h", "normed", "qkv_a", "c_q", "q", "q_full", "o_lat", "o", "attn_out", "mlp_out",
                  "gate_up", "act", "shared_out"):
         getattr(tgt, name).fill(POISON)
     if tgt.moe_ws is not None:
