@@ -1,6 +1,6 @@
 // Fused INT4 (W4A16) routed-expert MoE for one layer: [routing sort ->] gate/up grouped GEMM with SiLU(gate)*up
-// in the epilogue (and, at small T, the routing sort in its prologue) -> down grouped GEMM with the routing
-// weight and the deterministic per-token sum (+ residual) done by the last-arriving block of each token.
+// in the epilogue (at small T with the routing sort in its prologue) -> down grouped GEMM with the routing
+// weight -> deterministic per-token sum (+ residual).
 // Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
 // ddtree_cupy/kernels/moe.py (repack_numpy), checked by tests/test_moe_layout.py.
 //
@@ -396,19 +396,20 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
 // MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
 //   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
-// MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32; with fuse_combine, per (token, 32-row group) an
-//   arrival counter: the warp that brings the last of a token's valid pairs sums its k rows of y in order
-//   j = 0..k-1, adds the residual and writes out[t] (bf16): deterministic, and it resets the counter for the
-//   next call. Per warp, not per block: no block-wide barrier is added to the unit loop.
+// MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32.
 // Weights stream global -> registers through a U-stage register ring (S = 0) or an S-deep per-warp cp.async
 // ring in dynamic shared memory (S >= 2, power of two: no register cost); partials over K meet in shared
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
-// one DRAM round trip.
+// one DRAM round trip. pf_bulk: the same ranges prefetched with one cp.async.bulk.prefetch.L2 per tile and
+// group (2 KB) instead of one prefetch per 128-byte line (fewer L2 requests; Nsight shows the L2, not DRAM,
+// as the busiest unit).
+// Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
-template <int MODE> struct GemmSmem { SortSmem sort; };     // gate/up: the fused routing sort
-template <> struct GemmSmem<1> { int unused; };
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
 
 template <int MODE, int WM, int WK, int NT, int U, int S>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
@@ -417,12 +418,11 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
-        float* __restrict__ y, int* __restrict__ counters, const bf16_bits* __restrict__ residual, int has_res,
-        bf16_bits* __restrict__ out, int fuse_combine, int pf_steps, int pf_next) {
+        float* __restrict__ y, int pf_steps, int pf_next, int pf_bulk) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
-    __shared__ GemmSmem<MODE> sm;
+    extern __shared__ __align__(16) uint4 moe_dyn[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
@@ -438,15 +438,16 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
     int n_chunks;
     if constexpr (MODE == 0) {
         if (fuse_route) {
-            sort_pairs_block(ids, T * k, E, 8 * NT, sm.sort);
-            n_chunks = sm.sort.total.y;
+            SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn + (size_t)(S > 0 ? WM * WK * S * 72 : 0));
+            sort_pairs_block(ids, T * k, E, 8 * NT, so);
+            n_chunks = so.total.y;
             if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
-                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = sm.sort.chunks[c];
-                for (int s = threadIdx.x; s < sm.sort.total.x; s += blockDim.x) slot_pair[s] = sm.sort.slot_pair[s];
-                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = sm.sort.bad; }
+                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
+                for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
+                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
             }
-            chs = sm.sort.chunks;
-            spair = sm.sort.slot_pair;
+            chs = so.chunks;
+            spair = so.slot_pair;
         } else {
             n_chunks = meta[0];
         }
@@ -476,17 +477,12 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         }
         const bool nx = nx_e >= 0;
         int next_done = 0;
-        // MODE 1: lane j < ntok holds token column j's pair, routing weight, token and valid-id count, loaded
-        // now so their latency hides behind the GEMM (the epilogue takes them by shuffle).
-        int my_pair = 0, my_tok = 0, my_need = 0;
+        // MODE 1: lane j < ntok holds token column j's pair and routing weight for the epilogue (taken by
+        // shuffle). The pair load is issued now; the dependent weight load only after the first weight loads
+        // are in flight (an address that waits on a load stalls the warp's in-order issue).
+        int my_pair = 0;
         float my_w = 0.f;
-        if (MODE == 1 && lane < ntok) {
-            my_pair = spair[slot0 + lane];
-            my_w = wts[my_pair];
-            my_tok = my_pair / k;
-            if (fuse_combine)
-                for (int j = 0; j < k; ++j) { const int ej = ids[my_tok * k + j]; my_need += (ej >= 0 && ej < E); }
-        }
+        if (MODE == 1 && lane < ntok) my_pair = spair[slot0 + lane];
 
         float acc[2][NT][4];
 #pragma unroll
@@ -517,6 +513,26 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
             auto prefetch_group = [&](int j0) {
+                if (pf_bulk) {
+                    // lanes 0..3: this unit's steps [j0, j0+4) (weights of tile 0/1, scales of tile 0/1);
+                    // lanes 4..7: the part of the group that falls into the next unit
+                    const int a = min(j0, nsteps), b = min(j0 + 4, nsteps);
+                    const int na = nx ? min(max(j0 - nsteps, 0), nsteps) : 0;
+                    const int nb = nx ? min(max(j0 + 4 - nsteps, 0), nsteps) : 0;
+                    const bool cur = lane < 4;
+                    const int lo = cur ? a : na, hi = cur ? b : nb;
+                    if (lane < 8 && hi > lo) {
+                        const int tl = lane & 1;
+                        if (lane & 2) {
+                            const uint2* base = cur ? st0 : sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8;
+                            prefetch_l2_bulk(base + (size_t)tl * KS * 8 + (size_t)lo * 8, (uint32_t)(hi - lo) * 64u);
+                        } else {
+                            const uint4* base = cur ? pt0 : wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32;
+                            prefetch_l2_bulk(base + (size_t)tl * KS * 32 + (size_t)lo * 32, (uint32_t)(hi - lo) * 512u);
+                        }
+                    }
+                    return;
+                }
                 const int sw = j0 + (lane >> 3);
                 const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
                 if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);
@@ -591,6 +607,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 #pragma unroll
                 for (int i = 0; i < U; ++i)
                     if (i < nsteps) load_a(i, i);
+                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 for (int base = 0; base < nsteps; base += U) {
 #pragma unroll
                     for (int i = 0; i < U; ++i) {
@@ -603,8 +620,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 }
             } else {
                 // slot = 64 uint4 of weights (tile 0 lanes, tile 1 lanes) + 8 uint4 of scales (4 per tile)
-                extern __shared__ __align__(16) uint4 moe_ring[];
-                uint4* ring = moe_ring + (size_t)warp * S * 72;
+                uint4* ring = moe_dyn + (size_t)warp * S * 72;
                 auto issue = [&](int j) {
                     uint4* slot = ring + (j & (S - 1)) * 72;
                     cp_async16(slot + lane, pa0 + (size_t)j * 32);
@@ -619,6 +635,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     if (j < nsteps) issue(j);
                     cp_async_commit();
                 }
+                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 for (int base = 0; base < nsteps; base += U) {
 #pragma unroll
                     for (int i = 0; i < U; ++i) {
@@ -692,54 +709,15 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     }
                 }
         }
-        if (MODE == 1 && fuse_combine && kw == 0 && wactive) {
-            // Arrival count per (token, 32-row group): the warp that brings the last of a token's valid pairs
-            // sums the token's k rows of y in order j = 0..k-1 (+ residual) and writes out (deterministic),
-            // then resets the counter for the next call. Release: fence after this lane's y stores; acquire:
-            // fence after seeing the last arrival, then L2 reads (__ldcg: no stale L1 lines).
-            const int r32 = tile0 >> 1;
-            __threadfence();
-            __syncwarp();
-            int last = 0;
-            if (lane < ntok) {
-                int* c = counters + (size_t)my_tok * (N / 32) + r32;
-                last = atomicAdd(c, 1) == my_need - 1;
-                if (last) *c = 0;
-            }
-            unsigned int m = __ballot_sync(0xFFFFFFFFu, last);
-            if (m) __threadfence();
-            while (m) {
-                const int j = __ffs(m) - 1;
-                m &= m - 1;
-                const int tok = __shfl_sync(0xFFFFFFFFu, my_tok, j);
-                const int row = r32 * 32 + lane;
-                float s = 0.f;
-                for (int jj = 0; jj < k; ++jj) {
-                    const int ej = ids[tok * k + jj];
-                    if (ej >= 0 && ej < E) s += __ldcg(y + (size_t)(tok * k + jj) * N + row);
-                }
-                if (has_res) s += __uint_as_float((uint32_t)residual[(size_t)tok * N + row] << 16);
-                out[(size_t)tok * N + row] = f32_to_bf16(s);
-            }
-        }
         if (WK > 1) __syncthreads();   // red[] is reused by the next unit
-    }
-    if (MODE == 1 && fuse_combine) {
-        // Tokens without a single valid expert id get no arrivals: out = residual (or 0).
-        for (int tok = blockIdx.x; tok < T; tok += gridDim.x) {
-            int nv = 0;
-            for (int j = 0; j < k; ++j) { const int ej = ids[tok * k + j]; nv += (ej >= 0 && ej < E); }
-            if (nv > 0) continue;
-            for (int r = threadIdx.x; r < N; r += blockDim.x)
-                out[(size_t)tok * N + r] = has_res ? residual[(size_t)tok * N + r] : (bf16_bits)0;
-        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Separate combine (large T, where the table does not fold it into the down GEMM):
-// out[t][n] = bf16( sum_{j < k valid, in order} y[t*k+j][n] (+ residual[t][n]) ) -- the same sum in the same
-// order as the folded version. grid (ceil(H/1024), T), 256 threads x 4 columns.
+// out[t][n] = bf16( sum_{j < k valid, in order} y[t*k+j][n] (+ residual[t][n]) ). Deterministic (no atomics);
+// a token without any valid id gets the residual (or 0). grid (ceil(H/1024), T), 256 threads x 4 columns.
+// (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
+// fence and an arrival counter -- measured 2-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, int k, int E,
                                        int H, const bf16_bits* __restrict__ residual, int has_res,

@@ -189,4 +189,4 @@ def test_fused_sort_model_contract():
         for e in np.unique(flat[valid]):                              # inside an expert: pair order
             pe = slot_pair[flat[slot_pair] == e]
             assert (np.diff(pe) > 0).all()
-    assert moe.fusion_defaults(32, 8) == (True, True) and moe.fusion_defaults(33, 8) == (False, False)
+    assert moe.fuse_route_default(32, 8) and not moe.fuse_route_default(33, 8)

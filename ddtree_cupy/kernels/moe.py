@@ -4,9 +4,8 @@
     ws = MoEWorkspace(t_max, top_k, weights)
     out = moe_forward(x, topk_ids, topk_weights, weights, ws, out=None, residual=None)
 
-Two or three launches: at small T (T*k <= FUSED_MAX_PAIRS) the routing sort runs in the gate/up kernel's
-prologue and the per-token combine in the down kernel (last-arriving warp per token and 32-row group);
-above, a routing kernel (with its L2 prefetch blocks) runs first and the combine is its own kernel.
+Three launches at small T (T*k <= FUSED_MAX_PAIRS: the routing sort runs in the gate/up kernel's prologue),
+four above (a routing kernel with its L2 prefetch blocks first): gate/up, down, per-token combine.
 
 Every step is a kernel on the current stream with sizes fixed by the shapes of the arguments (no host
 synchronisation, no allocation when ``out`` is given): the call can be captured into a CUDA graph.
@@ -31,7 +30,9 @@ MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
 PF_STEPS = 8        # GEMM L2 prefetch distance in k64 steps (~1.1 KB each per warp)
 FUSED_MAX_PAIRS = 256   # T*k up to which the gate/up kernel sorts the routing itself (shared-memory arrays)
 # SortSmem in moe_int4.cu: counts [1024] + ids/slot_pair [2 x 256] + chunks [288] int4 + scan scratch
-SORT_SMEM = 4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8) + 8 * 33 + 4
+# (rounded up to 16 B like sizeof(SortSmem), which holds int4)
+SORT_SMEM = -(-(4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8)
+                + 8 * 33 + 4) // 16) * 16
 RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
@@ -56,8 +57,7 @@ class Tile:
         return self.wm * self.wk * self.stages * RING_SLOT_BYTES
 
     def smem_static(self, nt: int) -> int:
-        # K-split reduction buffer + (gate/up kernel; counted for both as an upper bound) the fused sort
-        return (self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4) + SORT_SMEM
+        return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ SPEC = register(KernelSpec(
                                "moe_dequant_check"),
     hot=True,
     pdl=True,      # every kernel calls DDT_PDL_WAIT() before reading routing/activations or writing
-    doc="INT4 W4A16 fused MoE: routing sort, gate/up + SiLU, down + routing weight + per-token combine"))
+    doc="INT4 W4A16 fused MoE: routing sort, gate/up + SiLU, down + routing weight, per-token combine"))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -374,12 +374,9 @@ class MoEWorkspace:
         self.rank = cupy.empty(pairs, dtype=cupy.int32)
         self.chunks = cupy.zeros((pairs + weights.n_experts, 4), dtype=cupy.int32)
         self.meta = cupy.zeros(4, dtype=cupy.int32)
-        # arrival counters of the folded combine, per (token, 32-row group of H); every call leaves them 0
-        self.counters = cupy.zeros((t_max, weights.hidden // 32), dtype=cupy.int32)
 
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta,
-                                           self.counters))
+        return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta))
 
     def bad_ids(self) -> int:
         """Number of out-of-range expert ids seen by the last call (host sync: tests/debug only)."""
@@ -414,7 +411,7 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
-                fuse_route: Optional[bool] = None, fuse_combine: Optional[bool] = None, pf_next: bool = True):
+                fuse_route: Optional[bool] = None, pf_next: bool = True, pf_bulk: bool = False):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -425,32 +422,31 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, fuse_combine, pf_next):
+                                     pf_steps, fuse_route, pf_next, pf_bulk):
         launch()
     return out
 
 
-def fusion_defaults(T: int, top_k: int) -> Tuple[bool, bool]:
-    """(fuse_route, fuse_combine) of the table: both at small T, where each launch removed is ~2-4 us of a
-    ~10-20 us layer; above, the routing kernel's L2 prefetch blocks and a separate combine. Measured on the
-    H200: docs/MOE.md."""
-    small = T * top_k <= FUSED_MAX_PAIRS
-    return small, small
+def fuse_route_default(T: int, top_k: int) -> bool:
+    """The table: the gate/up kernel sorts the routing itself whenever it fits (T*k <= FUSED_MAX_PAIRS; measured
+    0.5-1.2 us faster on the H200 than the separate routing kernel); above, the routing kernel and its L2
+    prefetch blocks. docs/MOE.md."""
+    return T * top_k <= FUSED_MAX_PAIRS
 
 
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
-                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None,
-                    fuse_combine: Optional[bool] = None, pf_next: bool = True):
+                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
+                    pf_bulk: bool = False):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
-    prefixes of this list to attribute time to stages): [route,] gate_up, down[, combine].
+    prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
-    kernel; ``fuse_combine``: the down kernel writes out (last-arriving warp per token and row group), no
-    combine kernel; None: the table (``fusion_defaults``). ``l2_prefetch``: extra blocks of the routing
+    kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
     only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
     prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
-    unit."""
+    unit; ``pf_bulk``: it uses one cp.async.bulk.prefetch.L2 per tile and 4 steps instead of one prefetch per
+    128-byte line."""
     if pf_steps < 0 or pf_steps % 4:
         raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
@@ -471,15 +467,15 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     check_array("out", out, np.uint16, (T, weights.hidden))
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
-    for tl in (tiles.gateup, tiles.down):
-        if tl.smem_dynamic + tl.smem_static(tiles.nt) > SMEM_LIMIT:
-            raise ValueError(f"tiles: {tl} needs {tl.smem_dynamic + tl.smem_static(tiles.nt)} B of shared memory "
-                             f"> {SMEM_LIMIT}")
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     Ip = weights.inter_padded
-    dr, dc = fusion_defaults(T, k)
-    fuse_route = dr if fuse_route is None else bool(fuse_route)
-    fuse_combine = dc if fuse_combine is None else bool(fuse_combine)
+    fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
+    # dynamic shared memory: the cp.async ring, then (gate/up) the fused sort's arrays
+    dyn_gu = tiles.gateup.smem_dynamic + (SORT_SMEM if fuse_route else 0)
+    dyn_dn = tiles.down.smem_dynamic
+    for tl, dyn in ((tiles.gateup, dyn_gu), (tiles.down, dyn_dn)):
+        if dyn + tl.smem_static(tiles.nt) > SMEM_LIMIT:
+            raise ValueError(f"tiles: {tl} needs {dyn + tl.smem_static(tiles.nt)} B of shared memory > {SMEM_LIMIT}")
     if fuse_route and T * k > FUSED_MAX_PAIRS:
         raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
     if l2_prefetch is None:
@@ -490,9 +486,6 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     i32, i64 = np.int32, np.int64
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // chunk)
-    # no None pointers in kernel arguments (PDL launches marshal device pointers only): ``out`` stands in
-    # for an absent residual, with has_res = 0
-    res_arg, has_res = (residual, i32(1)) if residual is not None else (out, i32(0))
 
     plan = []
     if not fuse_route:
@@ -504,13 +497,13 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         route_grid = 1 + (_sm_count() if l2_prefetch else 0)
         plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(fuse_route), ws.slot_pair, ws.chunks, ws.meta)
-    tail = (ws.y, ws.counters, res_arg, has_res, out, i32(fuse_combine), i32(pf_steps), i32(pf_next))
+    tail = (ws.y, i32(pf_steps), i32(pf_next), i32(pf_bulk))
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
-    k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=tg.smem_dynamic)
+    k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=dyn_gu)
     grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
     gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H)) + common + (ws.h, i32(Ip)) + tail
-    plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=tg.smem_dynamic)))
+    plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=dyn_gu)))
     # down: N = H, K = Ip
     td = tiles.down
     k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
@@ -518,8 +511,10 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
-    if not fuse_combine:
-        k_cb = get_kernel(SPEC, "moe_combine")
-        cb_args = (ws.y, topk_ids, i32(k), i32(E), i32(H), res_arg, has_res, out)
-        plan.append(("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)))
+    # no None pointers in kernel arguments (PDL launches marshal device pointers only): ``out`` stands in
+    # for an absent residual, with has_res = 0
+    res_arg, has_res = (residual, i32(1)) if residual is not None else (out, i32(0))
+    k_cb = get_kernel(SPEC, "moe_combine")
+    cb_args = (ws.y, topk_ids, i32(k), i32(E), i32(H), res_arg, has_res, out)
+    plan.append(("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)))
     return plan
