@@ -99,8 +99,8 @@ def main():
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
-    ap.add_argument("--compare", action="store_true",
-                    help="also time the mla_attn_fwd family (plan_mla's previous choice) in the same run")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time every case with the deeper-pipeline tile of the same row count")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
@@ -146,7 +146,7 @@ def main():
 
     results = []
 
-    def one(S, n, ctx, mode, config=None, spec=None, preference=None, splits_override=None):
+    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None):
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
         T = S * n
@@ -160,30 +160,32 @@ def main():
         if mode == "tree":
             bits, vis_rows = tree_mask(rng, n)
             mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
-        cfg, splits = A.plan_mla(S, n, H, ctx + n, preference)
+        cfg, splits = A.plan_mla(S, n, H, ctx + n)
         if config is not None and config != cfg:
-            cfg, splits = config, A.mla_num_splits(S, n, H, ctx + n, num_sms, config)
+            cfg, splits = config, A.mla_num_splits(S, n, H, ctx + n, num_sms, config, A._blocks_per_sm(config))
         if splits_override is not None:
             splits = splits_override
         ws = A.MlaWorkspace(splits, T, H) if splits > 1 else None
 
         def call():
             A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
-                            max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec)
+                            max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec,
+                            num_splits=splits)
         work = (ctx + n) * n * H
         iters = 20 if work * S > 64 * 65536 * H else 50
         us = time_graph(call, iters=iters, reps=5)
         nbytes = S * ((ctx + n) * 1152 + n * H * (576 + 512) * 2)
         flops = S * 2 * 1088 * H * (n * ctx + vis_rows)
         floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
-        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us, bytes=nbytes, flops=flops, floor_us=floor,
+        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us,
+                    config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], bytes=nbytes, flops=flops, floor_us=floor,
                     ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
 
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
         cases += [(1, n, long_ctx) for n in rows_list]
-    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'old':>7} {'floor':>7} {'ratio':>6} "
-          f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>22} | {'chain us':>8} {'tree/chain':>10} | target")
+    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} "
+          f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
     for S, n, c in cases:
         r = one(S, n, c, "tree")
         ch = one(S, n, c, "chain") if n > 1 else None
@@ -191,17 +193,17 @@ def main():
         r["tree_over_chain"] = r["us"] / r["chain_us"]
         r["meets_target"] = bool(r["us"] <= max(1.3 * r["floor_us"], 8.0)) and r["tree_over_chain"] <= 1.5
         r["was_us"] = was.get((S, n, c))
-        if args.compare:   # the other kernel family, same run
-            other = A._PREFERENCE if r["config"].startswith("mla_attn_ksplit") else A.KSPLIT_PREFERENCE
-            o = one(S, n, c, "tree", preference=other)
-            r["other_us"], r["other_config"], r["other_splits"] = o["us"], o["config"], o["splits"]
+        if args.variants:   # the same row tile with another pipeline depth, same run
+            for key, vc in A.MLA_CONFIGS.items():
+                if vc.bm == A.MLA_CONFIGS[r["config_key"]].bm and key != r["config_key"] and key.endswith("_deep") \
+                        and vc.smem <= dev.attributes["MaxSharedMemoryPerBlockOptin"]:
+                    r[key + "_us"] = one(S, n, c, "tree", config=vc)["us"]
         results.append(r)
         wa = f"{r['was_us']:>7.1f}" if r["was_us"] else f"{'-':>7}"
-        ot = f"{r['other_us']:>7.1f}" if "other_us" in r else f"{'-':>7}"
-        print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {ot} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
-              f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} {r['config'][9:]:>22} | "
-              f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}",
-              flush=True)
+        print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
+              f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} {r['config'][9:]:>20} | "
+              f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}" +
+              "".join(f" {k[:-3]}={v:.1f}" for k, v in r.items() if k.endswith("_deep_us")), flush=True)
 
     probe = []
     if args.probe:
@@ -209,8 +211,7 @@ def main():
         print("\n# probe: time per call by tile config, and with one phase removed (wrong results by design)")
         shapes = ((1, 1, 32), (1, 1, 4096), (1, 1, 65536), (1, 16, 32), (1, 16, 4096), (1, 16, 32768),
                   (10, 64, 4096), (10, 16, 32768))
-        pref = A.KSPLIT_PREFERENCE   # the kernel family the phases are probed for
-        used = tuple(sorted({A.plan_mla(S, n, H, c + n, pref)[0].name for S, n, c in shapes}))  # compile these
+        used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))  # compile only these
         variants = {k: KernelSpec(src="mla_attention.cu", names=used, defines=((f"MLA_PROBE_SKIP_{k}", "1"),))
                     for k in ("S", "PV", "LOAD")}
         for S, n, c in shapes:
@@ -219,13 +220,15 @@ def main():
                 if pc.smem > dev.attributes["MaxSharedMemoryPerBlockOptin"]:
                     continue
                 row[key] = one(S, n, c, "tree", config=pc)["us"]
-            auto, auto_splits = A.plan_mla(S, n, H, c + n, pref)
+            auto, auto_splits = A.plan_mla(S, n, H, c + n)
             for k, spec in variants.items():
-                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec, preference=pref)["us"]
+                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
             row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
             row["auto_splits"] = auto_splits
-            for k in (1, 4, 16, 64):   # split count: fixed cost (combine, fill) vs parallelism
-                if k != auto_splits and k <= max(1, -(-(c + n) // auto.bn)):
+            row["model_us"] = A.mla_split_cost_us(auto_splits, S, n, H, c + n, num_sms, auto, A._blocks_per_sm(auto))
+            # split count: fixed cost (combine, fill) vs parallelism; the planner's cost model vs measured
+            for k in sorted({1, 4, 16, 64, max(1, auto_splits // 2), 2 * auto_splits}):
+                if k != auto_splits and k <= min(A.MAX_SPLITS, -(-(c + n) // auto.bn)):
                     row[f"splits{k}"] = one(S, n, c, "tree", config=auto, splits_override=k)["us"]
             probe.append(row)
             print("  " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
