@@ -302,3 +302,73 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="softmax_scale"):
         a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"],
                         **dict(kw, softmax_scale=float("nan")))
+
+
+def test_pdl_chain_equals_plain_launches():
+    """kv_write_latent -> mla_attention (split + combine) with programmatic dependent launch: every round
+    rewrites the whole context of every stream (a multi-wave producer grid) and then attends over it, so
+    an attention block that read the cache, the queries or the partials before its DDT_PDL_WAIT() would
+    see the previous round's rows. Bit-identical to ordinary launches, eagerly and replayed from a graph."""
+    x = cp()
+    a = attn()
+    from ddtree_cupy.kernels import launch
+    from ddtree_cupy.kernels.kv_cache import kv_write_latent
+    if int(x.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    rng = np.random.default_rng(23)
+    S, H, n = 3, 8, 16
+    c = make_case(rng, S, H, [n] * S, [700, 1500, 64], "tree", gap=False)
+    d = to_dev(c)
+    lengths = c["prefix"] + c["n"]
+    sid = x.asarray(np.concatenate([np.full(L, b, np.int32) for b, L in enumerate(lengths)]))
+    pos = x.asarray(np.concatenate([np.arange(L, dtype=np.int32) for L in lengths]))
+    cfg, splits = a.plan_mla(S, n, H, c["max_kv"])
+    assert splits > 1, "the chain must include the combine launch"
+    ws = a.MlaWorkspace(splits, c["T"], H)
+    lat = x.empty((len(pos), 576), x.uint16)
+    out = x.empty((c["T"], H, 512), x.uint16)
+    stream = x.cuda.Stream(non_blocking=True)
+
+    def step():
+        kv_write_latent(d["pool"], d["table"], sid, pos, lat)
+        a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
+                        softmax_scale=SCALE, max_rows=n, max_kv_len=c["max_kv"], out=out, workspace=ws)
+
+    def fresh(round_):
+        r = np.random.default_rng(1000 + round_)
+        lat[...] = x.asarray(to_bf16_bits(r.standard_normal(lat.shape)))
+        d["q"][...] = x.asarray(to_bf16_bits(r.standard_normal(c["q"].shape) * 0.5))
+
+    try:
+        with stream:
+            for rnd in range(3):
+                results = []
+                for pdl in (False, True):
+                    fresh(rnd)
+                    out[...] = POISON
+                    launch.set_pdl(pdl)
+                    step()
+                    stream.synchronize()
+                    results.append(out.get())
+                assert np.array_equal(results[0], results[1]), f"round {rnd}: PDL result differs"
+                c_now = dict(c, q=d["q"].get(), pool=d["pool"].get())
+                check(c_now, results[1], f"pdl round {rnd}")
+            launch.set_pdl(True)
+            stream.begin_capture()
+            step()
+            graph = stream.end_capture()
+            for rnd in range(3, 5):
+                fresh(rnd)
+                out[...] = POISON
+                graph.launch(stream)
+                stream.synchronize()
+                replay = out.get()
+                launch.set_pdl(False)
+                fresh(rnd)
+                out[...] = POISON
+                step()
+                stream.synchronize()
+                launch.set_pdl(True)
+                assert np.array_equal(replay, out.get()), f"round {rnd}: graph replay with PDL differs"
+    finally:
+        launch.set_pdl(False)
