@@ -136,8 +136,7 @@ def bench_width(I, read_gbs, rows, quick):
                     stages[plan[n - 1][0]] = time_graph(lambda sub=sub: [f() for _, f in sub], iters=20, reps=5)
                 stages[plan[-1][0]] = us
                 # variants, to attribute time to the fusions, the prefetch paths and the token-tile choice
-                variants = {"pf_next_off": dict(pf_next=False), "pf_steps_0": dict(pf_steps=0),
-                            "pf_bulk": dict(pf_bulk=True), "pf_bulk_steps_16": dict(pf_bulk=True, pf_steps=16)}
+                variants = {"pf_next_off": dict(pf_next=False), "pf_steps_0": dict(pf_steps=0)}
                 if moe.fuse_route_default(T, K_TOP):
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
@@ -145,7 +144,6 @@ def bench_width(I, read_gbs, rows, quick):
                 ring8 = moe.with_stages(moe.select_tiles(arch, T, I), 8)
                 variants["cp_async_ring8"] = dict(tiles=ring8)
                 variants["cp_async_ring8_pf0"] = dict(tiles=ring8, pf_steps=0)   # fewest L2 requests
-                variants["cp_async_ring8_pf_bulk"] = dict(tiles=ring8, pf_bulk=True)
                 if T == 256:
                     variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
                 for name, kw in variants.items():

@@ -401,15 +401,10 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // ring in dynamic shared memory (S >= 2, power of two: no register cost); partials over K meet in shared
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
-// one DRAM round trip. pf_bulk: the same ranges prefetched with one cp.async.bulk.prefetch.L2 per tile and
-// group (2 KB) instead of one prefetch per 128-byte line (fewer L2 requests; Nsight shows the L2, not DRAM,
-// as the busiest unit).
+// one DRAM round trip.
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
 
 template <int MODE, int WM, int WK, int NT, int U, int S>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
@@ -418,7 +413,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
-        float* __restrict__ y, int pf_steps, int pf_next, int pf_bulk) {
+        float* __restrict__ y, int pf_steps, int pf_next) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
@@ -513,26 +508,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
             auto prefetch_group = [&](int j0) {
-                if (pf_bulk) {
-                    // lanes 0..3: this unit's steps [j0, j0+4) (weights of tile 0/1, scales of tile 0/1);
-                    // lanes 4..7: the part of the group that falls into the next unit
-                    const int a = min(j0, nsteps), b = min(j0 + 4, nsteps);
-                    const int na = nx ? min(max(j0 - nsteps, 0), nsteps) : 0;
-                    const int nb = nx ? min(max(j0 + 4 - nsteps, 0), nsteps) : 0;
-                    const bool cur = lane < 4;
-                    const int lo = cur ? a : na, hi = cur ? b : nb;
-                    if (lane < 8 && hi > lo) {
-                        const int tl = lane & 1;
-                        if (lane & 2) {
-                            const uint2* base = cur ? st0 : sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8;
-                            prefetch_l2_bulk(base + (size_t)tl * KS * 8 + (size_t)lo * 8, (uint32_t)(hi - lo) * 64u);
-                        } else {
-                            const uint4* base = cur ? pt0 : wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32;
-                            prefetch_l2_bulk(base + (size_t)tl * KS * 32 + (size_t)lo * 32, (uint32_t)(hi - lo) * 512u);
-                        }
-                    }
-                    return;
-                }
                 const int sw = j0 + (lane >> 3);
                 const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
                 if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);

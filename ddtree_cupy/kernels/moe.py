@@ -411,7 +411,7 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
-                fuse_route: Optional[bool] = None, pf_next: bool = True, pf_bulk: bool = False):
+                fuse_route: Optional[bool] = None, pf_next: bool = True):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -422,7 +422,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, pf_bulk):
+                                     pf_steps, fuse_route, pf_next):
         launch()
     return out
 
@@ -436,8 +436,7 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
-                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
-                    pf_bulk: bool = False):
+                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
@@ -445,8 +444,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
     only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
     prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
-    unit; ``pf_bulk``: it uses one cp.async.bulk.prefetch.L2 per tile and 4 steps instead of one prefetch per
-    128-byte line."""
+    unit."""
     if pf_steps < 0 or pf_steps % 4:
         raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
@@ -497,7 +495,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         route_grid = 1 + (_sm_count() if l2_prefetch else 0)
         plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(fuse_route), ws.slot_pair, ws.chunks, ws.meta)
-    tail = (ws.y, i32(pf_steps), i32(pf_next), i32(pf_bulk))
+    tail = (ws.y, i32(pf_steps), i32(pf_next))
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
     k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=dyn_gu)

@@ -219,10 +219,9 @@ def test_prefetch_variants(narrow, wide):
     # the prefetch never changes a result, but a wrong address in it would fault
     assert _run(narrow, 16, 8, seed=1400, pf_next=False) < TOL
     assert _run(narrow, 16, 8, seed=1401, pf_steps=16) < TOL
-    assert _run(narrow, 16, 8, seed=1402, pf_bulk=True) < TOL
-    assert _run(wide, 5, 8, seed=1403, pf_bulk=True, pf_steps=4) < TOL
-    tiles = moe.with_stages(moe.select_tiles("sm_90", 16, narrow.I), 8)
-    assert _run(narrow, 16, 8, seed=1404, pf_bulk=True, tiles=tiles) < TOL
+    assert _run(wide, 5, 8, seed=1403, pf_steps=4) < TOL
+    tiles = moe.with_stages(moe.select_tiles("sm_90", 1, narrow.I), 8)
+    assert _run(narrow, 1, 8, seed=1404, pf_steps=0, tiles=tiles) < TOL     # the T = 1 candidate (MOE.md)
 
 
 def test_small_t_in_large_workspace(narrow):
