@@ -3,19 +3,19 @@
 // (top-K ids, tree rows, mask, walk, commit indices); only the log-sum-exp is float32 with its own
 // summation order. One launch per stage covers all streams; per-stream values (budget, prefix length,
 // bonus token) are read on the device, sizes are fixed, so the whole step can be captured in a graph.
+// PDL: every kernel calls DDT_PDL_WAIT() before its first global read or write, so the spec may be
+// launched with programmatic dependent launch.
 #include "common.cuh"
 
-#define DDT_MAX_K 128          // top-K width supported by the select buffers (budget <= 128)
+#define DDT_MAX_K 128          // top-K width supported (budget <= 128)
 #define DDT_MAX_DEPTH 8        // rank-tuple key: 8 bits per depth in 64 bits
-#define DDT_SEL_CAP 256        // per-warp candidate buffer, >= next_pow2(K + 32)
-#define DDT_TOPK_WARPS 4       // warps per block in the first top-K kernel
-#define DDT_TOPK_UNROLL 4      // vectors of 8 logits in flight per lane
-#define DDT_MERGE_WARPS 8      // warps per block (one row per block) in the merge kernel
-#define DDT_MERGE_UNROLL 8     // candidate keys in flight per lane in the merge
+#define DDT_TOPK_THREADS 256   // threads per block of both top-K kernels
+#define DDT_TOPK_VECS 4        // 8-logit vectors per thread: a chunk of <= 256 * 8 * 4 = 8192 in registers
+#define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
-// DDT_FAST=0: the variant verified on the H200 (shared-memory bitonic sort, one push per value slot,
-// butterfly argmax). DDT_FAST=1: register bitonic sort, one push per passing value, argmax by warp
-// reductions, top-K ids staged in shared memory. Same results by construction; see docs/DDTREE.md.
+// DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
+// butterfly argmax), 1 = frontier in registers, one warp reduction per pop. The top-K kernels and the
+// walk are the same in both. Same results by construction; see docs/DDTREE.md.
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
@@ -43,26 +43,13 @@ __device__ __forceinline__ u64 make_key(float v, uint32_t id) {
 __device__ __forceinline__ float key_value(u64 k) { return ordered_to_f32((uint32_t)(k >> 32)); }
 __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint32_t)k); }
 
-#if !DDT_FAST
-// Warp-wide bitonic sort of buf[0, n) descending (n a power of two, 64 <= n <= DDT_SEL_CAP).
-__device__ __forceinline__ void warp_sort_desc(u64* buf, int n, int lane) {
-    for (int k = 2; k <= n; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = lane; i < n; i += 32) {
-                int l = i ^ j;
-                if (l > i) {
-                    u64 a = buf[i], b = buf[l];
-                    bool desc = (i & k) == 0;
-                    if (desc ? (a < b) : (a > b)) { buf[i] = b; buf[l] = a; }
-                }
-            }
-            __syncwarp();
-        }
-    }
-}
-#endif
+// Candidate list of one chunk (stage-1 output, k >= 2): [L, n, key_0 .. key_{n-1}] in a row of
+// 2 + cand_cap(k) uint64 slots. L is a lower bound of the chunk's k-th largest key (0: none) and the keys
+// are ALL the chunk's keys >= L, unsorted. For k == 1 the row is one slot: the chunk's largest key.
+// kernels/ddtree.py (cand_cap, part_width) mirrors these two functions.
+__device__ __forceinline__ int cand_cap(int k) { return k <= 32 ? 64 : (k <= 64 ? 128 : 256); }
+__device__ __forceinline__ int part_width(int k) { return k == 1 ? 1 : 2 + cand_cap(k); }
 
-#if DDT_FAST
 // Warp-wide bitonic sort, descending, of 32 * E keys held in registers: element i = e * 32 + lane is
 // r[e] of lane `lane`. Partners i ^ j with j >= 32 are in the same lane (register compare-swap), with
 // j < 32 in lane ^ j (shuffle; each side keeps the max or the min). Fully unrolled: E is a template
@@ -100,63 +87,20 @@ __device__ __forceinline__ void warp_sort_regs(u64 (&r)[E], int lane) {
     }
 }
 
-// Sort buf[0, 32 * E) descending through registers (entries at index >= cnt read as the empty key 0).
+// Sort the first `cnt` keys of buf (cnt <= 32 * E) descending in registers of one warp and hand element
+// i = e * 32 + lane back in r[e] (0 past cnt).
 template <int E, int LOG2N>
-__device__ __forceinline__ void warp_sort_buf(u64* buf, int cnt, int lane) {
-    u64 r[E];
+__device__ __forceinline__ void warp_sort_load(const u64* buf, int cnt, int lane, u64 (&r)[8]) {
+    u64 t[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int i = (e << 5) + lane;
-        r[e] = i < cnt ? buf[i] : 0ull;
+        t[e] = i < cnt ? buf[i] : 0ull;
     }
-    warp_sort_regs<E, LOG2N>(r, lane);
+    warp_sort_regs<E, LOG2N>(t, lane);
 #pragma unroll
-    for (int e = 0; e < E; ++e) buf[(e << 5) + lane] = r[e];
-    __syncwarp();
+    for (int e = 0; e < 8; ++e) r[e] = e < E ? t[e] : 0ull;
 }
-#endif
-
-// A warp's running top-k: unsorted candidates in buf[0, cnt), all > thr. When a batch would not fit,
-// sort, keep the k best, and raise thr to the k-th key (keys are unique, so anything <= it cannot
-// enter the top-k). The common case is one compare per element and a ballot.
-struct WarpSelect {
-    u64* buf;
-    int cnt, k, cap;  // cap = power of two >= k + 32, so a whole 32-lane batch fits after a flush
-    u64 thr;
-
-    __device__ void init(u64* b, int k_, int lane) {
-        buf = b; k = k_; cnt = 0; thr = 0ull;
-        cap = 64;
-        while (cap < k + 32) cap <<= 1;
-    }
-    __device__ void flush(int lane) {
-#if DDT_FAST
-        __syncwarp();   // every lane's candidate stores are visible
-        if (cap == 64) warp_sort_buf<2, 6>(buf, cnt, lane);
-        else if (cap == 128) warp_sort_buf<4, 7>(buf, cnt, lane);
-        else warp_sort_buf<8, 8>(buf, cnt, lane);
-#else
-        for (int i = cnt + lane; i < cap; i += 32) buf[i] = 0ull;
-        __syncwarp();
-        warp_sort_desc(buf, cap, lane);
-#endif
-        if (cnt >= k) { cnt = k; thr = buf[k - 1]; }
-    }
-    // every lane calls with its candidate (0 = none)
-    __device__ void push(u64 c, int lane) {
-        bool pass = c > thr;
-        unsigned m = __ballot_sync(FULL_MASK, pass);
-        if (!m) return;
-        if (cnt + __popc(m) > cap) {
-            flush(lane);
-            pass = c > thr;
-            m = __ballot_sync(FULL_MASK, pass);
-        }
-        if (pass) buf[cnt + __popc(m & ((1u << lane) - 1u))] = c;
-        cnt += __popc(m);
-        __syncwarp();
-    }
-};
 
 __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float s2) {
     float mm = fmaxf(m, m2);
@@ -165,221 +109,405 @@ __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float 
     m = mm;
 }
 
-__device__ __forceinline__ void load8(const float* p, float* v) {
-    float4 a = *reinterpret_cast<const float4*>(p);
-    float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-__device__ __forceinline__ void load8(const bf16_bits* p, float* v) {
-    uint4 a = *reinterpret_cast<const uint4*>(p);
-    uint32_t w[4] = {a.x, a.y, a.z, a.w};
+// A thread's 4 vectors of 8 logits, kept in registers in the input's own format (bf16 stays packed: half
+// the registers), read back as float32 by at(u, i).
+template <typename T> struct ChunkRegs;
+template <> struct ChunkRegs<float> {
+    float4 a[DDT_TOPK_VECS][2];
+    __device__ __forceinline__ void load(const float* p, int u) {
+        a[u][0] = *reinterpret_cast<const float4*>(p);
+        a[u][1] = *reinterpret_cast<const float4*>(p + 4);
+    }
+    __device__ __forceinline__ void clear(int u) {
+        a[u][0] = a[u][1] = make_float4(DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF);
+    }
+    __device__ __forceinline__ float at(int u, int i) const {
+        const float4& q = a[u][i >> 2];
+        const int j = i & 3;
+        return j == 0 ? q.x : (j == 1 ? q.y : (j == 2 ? q.z : q.w));
+    }
+};
+template <> struct ChunkRegs<bf16_bits> {
+    uint4 a[DDT_TOPK_VECS];
+    __device__ __forceinline__ void load(const bf16_bits* p, int u) { a[u] = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void clear(int u) { a[u] = make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u); }
+    __device__ __forceinline__ float at(int u, int i) const {
+        const int j = i >> 1;
+        const uint32_t w = j == 0 ? a[u].x : (j == 1 ? a[u].y : (j == 2 ? a[u].z : a[u].w));
+        return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));
+    }
+};
+
+// One radix-select step, run by one warp: hist[256] counts the keys of the current prefix region by their
+// next 8-bit digit. Finds the digit d whose bin holds the `remaining`-th largest key of the region
+// (remaining >= 1 and <= the region's size) and writes d, the count in bins above d and the count in d.
+__device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remaining, int lane,
+                                           int* digit, unsigned* above, unsigned* bin) {
+    unsigned c[8], local = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    for (int j = 0; j < 8; ++j) { c[j] = hist[255 - (lane * 8 + j)]; local += c[j]; }
+    unsigned incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    unsigned cum = incl - local;             // keys in the bins above this lane's first bin
+    if (cum < remaining && incl >= remaining) {
+#pragma unroll 1
+        for (int j = 0; j < 8; ++j) {
+            if (cum + c[j] >= remaining) { *digit = 255 - (lane * 8 + j); *above = cum; *bin = c[j]; break; }
+            cum += c[j];
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Stage 1: per (row, chunk) the chunk's top-k keys and its log-sum-exp partial (max, sum exp(x - max)).
-// logits [rows, V_local] (row = stream * D + depth - 1), one warp per chunk of `chunk` elements
-// (a multiple of 256). Global token id = id_offset + local index (vocabulary-parallel shards).
-// part_keys [rows, P, k], part_ms [rows, P] with P = ceil(V_local / chunk).
+// Stage 1: per (row, chunk): the chunk's log-sum-exp partial (max, sum exp(x - max)) and its candidate
+// list (see cand_cap). Grid (P, rows), 256 threads; the chunk (<= 8192 logits, a multiple of 2048) is
+// held in registers, 8 consecutive logits per thread and vector. Global id = id_offset + local index.
+// The bound L: the k-th largest of the 256 per-thread maximum keys (k <= 256 distinct chunk elements are
+// >= it, so the chunk's k-th largest key is too). Each warp sorts its 32 maxima; a maximum's rank among
+// all 256 is its lane plus binary searches in the other warps' lists. About k * 1.2-1.4 keys pass L on
+// random logits; if more than cand_cap(k) pass (long runs of equal logits), an exact radix select over
+// the chunk's keys (8 passes of 8 bits) sets L to the k-th largest key itself, and exactly k pass.
+// part_keys [rows, P, part_width(k)], part_ms [rows, P] (float2).
 // ---------------------------------------------------------------------------------------------------
 template <typename T>
-__device__ void topk_partial(const T* __restrict__ logits, int rows, int V_local, int id_offset, int k,
-                             int chunk, u64* __restrict__ part_keys, float2* __restrict__ part_ms) {
-    __shared__ u64 s_buf[DDT_TOPK_WARPS][DDT_SEL_CAP];
-    __shared__ float s_scr[DDT_TOPK_WARPS][DDT_TOPK_UNROLL * 8 * 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int rows, int V_local, int id_offset,
+                                             int k, int chunk, u64* __restrict__ part_keys,
+                                             float2* __restrict__ part_ms) {
+    __shared__ u64 s_top[DDT_TOPK_THREADS / 32][32];
+    __shared__ u64 s_cand[DDT_SORT_CAP];
+    __shared__ unsigned s_hist[256];
+    __shared__ float2 s_ms[DDT_TOPK_THREADS / 32];
+    __shared__ u64 s_L;
+    __shared__ int s_n, s_digit;
+    __shared__ unsigned s_above, s_bin;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int P = (V_local + chunk - 1) / chunk;
-    const int c = blockIdx.x * DDT_TOPK_WARPS + warp;
-    const int r = blockIdx.y;
-    if (c >= P || r >= rows) return;   // whole warp leaves together; no block-wide barrier below
-    const T* x = logits + (size_t)r * V_local;
-    const int beg = c * chunk, end = min(V_local, beg + chunk);
+    const int c = blockIdx.x, r = blockIdx.y;
+    const int beg = c * chunk, n = min(chunk, V_local - beg);
+    const int nv = chunk / (DDT_TOPK_THREADS * 8);
+    const uint32_t id0 = (uint32_t)(id_offset + beg);
+    const T* x = logits + (size_t)r * V_local + beg;
+    DDT_PDL_WAIT();   // the logits come from the previous kernel
 
-    WarpSelect sel;
-    sel.init(s_buf[warp], k, lane);
-    float m = DDT_NEG_INF, s = 0.f;
-    // DDT_TOPK_UNROLL vectors of 8 logits per lane are loaded before any is used, so each warp keeps
-    // several 512-byte requests in flight (latency hiding without a deeper pipeline). Vectors that may
-    // hold a top-k candidate (rare once the threshold has risen) go through shared scratch to a single,
-    // not unrolled insertion loop: one inlined copy of the select code keeps registers low.
-    float* scr = s_scr[warp];
-    for (int base = beg; base < end; base += 256 * DDT_TOPK_UNROLL) {
-        float v[DDT_TOPK_UNROLL][8];
-        bool ok[DDT_TOPK_UNROLL];
+    // every load is issued before any use: 16-32 KB per block in flight
+    ChunkRegs<T> v;
+    bool ok[DDT_TOPK_VECS];
 #pragma unroll
-        for (int u = 0; u < DDT_TOPK_UNROLL; ++u) {
-            const int i0 = base + u * 256 + lane * 8;
-            ok[u] = i0 < end;   // V_local % 8 == 0 (checked by the wrapper): a vector is all in or out
-            if (ok[u]) load8(x + i0, v[u]);
+    for (int u = 0; u < DDT_TOPK_VECS; ++u) {
+        const int i0 = (u * DDT_TOPK_THREADS + tid) * 8;
+        ok[u] = u < nv && i0 < n;   // V_local % 8 == 0 (checked by the wrapper): a vector is all in or out
+        if (ok[u]) v.load(x + i0, u);
+        else v.clear(u);
+    }
+    float vm[DDT_TOPK_VECS], tm = DDT_NEG_INF;
+#pragma unroll
+    for (int u = 0; u < DDT_TOPK_VECS; ++u) {
+        float a = v.at(u, 0);
+#pragma unroll
+        for (int i = 1; i < 8; ++i) a = fmaxf(a, v.at(u, i));
+        vm[u] = a;
+        tm = fmaxf(tm, a);
+    }
+    // log-sum-exp partial: the thread's values are all in registers, so one max then one exp-sum
+    float ts = 0.f;
+    if (tm != DDT_NEG_INF) {
+#pragma unroll
+        for (int u = 0; u < DDT_TOPK_VECS; ++u)
+            if (ok[u]) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) ts += __expf(v.at(u, i) - tm);
+            }
+    }
+    // the thread's largest key: its maximum at the lowest index holding it
+    u64 tk = 0ull;
+    if (tm != DDT_NEG_INF) {
+        int bi = 0;
+#pragma unroll
+        for (int u = DDT_TOPK_VECS - 1; u >= 0; --u)
+#pragma unroll
+            for (int i = 7; i >= 0; --i)
+                if (ok[u] && v.at(u, i) == tm) bi = (u * DDT_TOPK_THREADS + tid) * 8 + i;
+        tk = make_key(tm, id0 + (uint32_t)bi);
+    }
+    {
+        float m = tm, s = ts;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
+            lse_combine(m, s, m2, s2);
         }
-        unsigned need = 0;   // warp-uniform: bit u set if some lane's vector u may enter the top-k
+        if (lane == 0) s_ms[warp] = make_float2(m, s);
+    }
+    const size_t slot = (size_t)r * P + c;
+    if (k == 1) {   // the chunk's largest key is the whole candidate list
+        u64 b = tk;
 #pragma unroll
-        for (int u = 0; u < DDT_TOPK_UNROLL; ++u) {
-            float vm = v[u][0];
-#pragma unroll
-            for (int i = 1; i < 8; ++i) vm = fmaxf(vm, v[u][i]);
-            if (ok[u]) {   // log-sum-exp partial, rescaled once per vector
-                if (vm > m) { s *= __expf(m - vm); m = vm; }
-#pragma unroll
-                for (int i = 0; i < 8; ++i) s += __expf(v[u][i] - m);
-            }
-            // make_key(vm, 0) bounds the lane's best key in this vector from above
-            if (__any_sync(FULL_MASK, ok[u] && make_key(vm, 0u) > sel.thr)) {
-                need |= 1u << u;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) scr[(u * 8 + i) * 32 + lane] = ok[u] ? v[u][i] : DDT_NEG_INF;
-            }
+        for (int off = 16; off > 0; off >>= 1) {
+            const u64 o = __shfl_xor_sync(FULL_MASK, b, off);
+            b = o > b ? o : b;
         }
-        if (!need) continue;
-        __syncwarp();
-#pragma unroll 1
-        for (int u = 0; u < DDT_TOPK_UNROLL; ++u) {
-            if (!(need >> u & 1)) continue;
-            const int i0 = base + u * 256 + lane * 8;
-#if DDT_FAST
-            const float* sv = scr + u * 8 * 32 + lane;
-            // each lane offers one of its passing values per push: pushes = the busiest lane's count
-            unsigned bits = 0;
-            if (i0 < end) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (make_key(sv[i * 32], (uint32_t)(id_offset + i0 + i)) > sel.thr) bits |= 1u << i;
+        if (lane == 0) s_top[warp][0] = b;
+        __syncthreads();
+        if (tid == 0) {
+            float m = DDT_NEG_INF, s = 0.f;
+            for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
+                lse_combine(m, s, s_ms[w].x, s_ms[w].y);
+                b = s_top[w][0] > b ? s_top[w][0] : b;
             }
-            while (__any_sync(FULL_MASK, bits != 0)) {
-                u64 c = 0ull;
-                if (bits) {
-                    const int i = __ffs(bits) - 1;
-                    bits &= bits - 1;
-                    c = make_key(sv[i * 32], (uint32_t)(id_offset + i0 + i));
+            part_keys[slot] = b;
+            part_ms[slot] = make_float2(m, s);
+        }
+        return;
+    }
+
+    u64 sk[1] = {tk};
+    warp_sort_regs<1, 5>(sk, lane);
+    s_top[warp][lane] = sk[0];
+    if (tid == 0) { s_L = 0ull; s_n = 0; }
+    __syncthreads();
+    if (sk[0] != 0ull) {   // rank of this maximum among all 256 (keys are unique)
+        int rank = lane;
+#pragma unroll
+        for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
+            if (w == warp) continue;
+            const u64* l = s_top[w];
+            int pos = 0;   // entries of l (sorted descending) greater than sk
+#pragma unroll
+            for (int step = 32; step > 0; step >>= 1)
+                if (pos + step <= 32 && l[pos + step - 1] > sk[0]) pos += step;
+            rank += pos;
+        }
+        if (rank == k - 1) s_L = sk[0];
+    }
+    __syncthreads();
+    const int cap = cand_cap(k);
+    u64 L = s_L;
+    // gather every key >= L (a vector is only looked at when its maximum's value reaches L's)
+    auto gather = [&](u64 thr) {
+        const uint32_t tv = (uint32_t)(thr >> 32);
+#pragma unroll
+        for (int u = 0; u < DDT_TOPK_VECS; ++u) {
+            if (!ok[u] || f32_to_ordered(vm[u]) < tv) continue;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const u64 key = make_key(v.at(u, i), id0 + (uint32_t)((u * DDT_TOPK_THREADS + tid) * 8 + i));
+                if (key >= thr) {
+                    const int p = atomicAdd(&s_n, 1);
+                    if (p < cap) s_cand[p] = key;
                 }
-                sel.push(c, lane);
             }
-#else
-            const bool in = i0 < end;
-#pragma unroll 1
-            for (int i = 0; i < 8; ++i)
-                sel.push(in ? make_key(scr[(u * 8 + i) * 32 + lane], (uint32_t)(id_offset + i0 + i)) : 0ull,
-                         lane);
-#endif
         }
-        __syncwarp();   // scratch is read by every lane before the next batch overwrites it
-    }
-    sel.flush(lane);
-    u64* out = part_keys + ((size_t)r * P + c) * k;
-    for (int i = lane; i < k; i += 32) out[i] = s_buf[warp][i];
+    };
+    gather(L);
+    __syncthreads();
+    int nc = s_n;
+    if (nc > cap) {
+        // exact k-th largest key of the chunk (nc > cap >= k, so the chunk has more than k keys)
+        u64 prefix = 0ull;
+        unsigned remaining = (unsigned)k;
+#pragma unroll 1
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+            s_hist[tid] = 0u;
+            __syncthreads();
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
-        lse_combine(m, s, m2, s2);
+            for (int u = 0; u < DDT_TOPK_VECS; ++u) {
+                if (!ok[u]) continue;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const u64 key = make_key(v.at(u, i), id0 + (uint32_t)((u * DDT_TOPK_THREADS + tid) * 8 + i));
+                    if ((key & hmask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255], 1u);
+                }
+            }
+            __syncthreads();
+            if (warp == 0) radix_pick(s_hist, remaining, lane, &s_digit, &s_above, &s_bin);
+            __syncthreads();
+            prefix |= (u64)s_digit << shift;
+            remaining -= s_above;
+            __syncthreads();   // everybody has read s_digit/s_above before the next pass
+        }
+        L = prefix;
+        if (tid == 0) s_n = 0;
+        __syncthreads();
+        gather(L);
+        __syncthreads();
+        nc = s_n;   // == k
     }
-    if (lane == 0) part_ms[(size_t)r * P + c] = make_float2(m, s);
+    u64* out = part_keys + slot * part_width(k);
+    for (int i = tid; i < nc; i += DDT_TOPK_THREADS) out[2 + i] = s_cand[i];
+    if (tid == 0) {
+        out[0] = L;
+        out[1] = (u64)nc;
+        float m = DDT_NEG_INF, s = 0.f;
+        for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
+        part_ms[slot] = make_float2(m, s);
+    }
 }
 
-// DDT_FAST: min 4 blocks per SM, without which ptxas (sm_90) caps registers low and spills
-#if DDT_FAST
-#define DDT_PARTIAL_BOUNDS __launch_bounds__(32 * DDT_TOPK_WARPS, 4)
-#else
-#define DDT_PARTIAL_BOUNDS __launch_bounds__(32 * DDT_TOPK_WARPS)
-#endif
-extern "C" __global__ void DDT_PARTIAL_BOUNDS
+extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
                      u64* part_keys, float2* part_ms) {
     topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
-extern "C" __global__ void DDT_PARTIAL_BOUNDS
+extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
                       u64* part_keys, float2* part_ms) {
     topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Stage 2: merge P partial top-k lists (+ lse partials) per row into the row's top-k. One block of
-// DDT_MERGE_WARPS warps per row: each warp selects from a slice, warp 0 merges the warps' lists.
-// Layout of the inputs: parts_major = 0: keys [rows, P, k], ms [rows, P] (the output of stage 1);
-// parts_major = 1: keys [P, rows, k], ms [P, rows] (an all-gather over vocabulary shards).
-// Outputs: out_keys [rows, k], out_ms [rows] (to merge again across shards) and the log-probs
-// out_lp [rows, k] = value - (M + log S), out_id [rows, k] (-1 / -inf where fewer than k candidates).
+// Stage 2: the row's top-k from P lists, one block per row. Two input layouts:
+//   candidate lists (parts_major = 0, k >= 2): keys [rows, P, part_width(k)], stage 1's output;
+//   exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards' merged top-k,
+//   sorted, zero-padded) or [rows, P, 1]; there L = the list's k-th key (0 if it has fewer).
+// ms [rows, P] / [P, rows] (float2). A list holds every key of its part >= its L, so the row's k-th largest
+// key is >= L_row = max L, and the row's top-k is among the listed keys >= L_row (gathered into shared
+// memory). A radix select (8-bit digits from the top) narrows them until at most DDT_SORT_CAP keys >= a
+// threshold remain that include the k largest; one warp sorts those in registers.
+// Outputs: out_keys [rows, k], out_ms [rows] (to merge again across shards), out_lp [rows, k] =
+// value - (M + log S), out_id [rows, k] (-1 / -inf where the row has fewer than k candidates).
+// Dynamic shared memory: P * list capacity * 8 + P * 4 bytes (the wrapper computes it).
 // ---------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(32 * DDT_MERGE_WARPS)
+extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                float* __restrict__ out_lp, int* __restrict__ out_id) {
-    __shared__ u64 s_buf[DDT_MERGE_WARPS][DDT_SEL_CAP];
-    __shared__ u64 s_scr[DDT_MERGE_WARPS][DDT_MERGE_UNROLL * 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    extern __shared__ u64 s_keys[];   // [P * lcap] gathered keys, then int [P] list lengths
+    __shared__ u64 s_sel[DDT_SORT_CAP];
+    __shared__ unsigned s_hist[256];
+    __shared__ u64 s_red[DDT_TOPK_THREADS / 32];
+    __shared__ int s_n, s_digit;
+    __shared__ unsigned s_above, s_bin;
+    __shared__ float s_m, s_s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = blockIdx.x;
-    // Level 1: every warp selects from batches of 32 * DDT_MERGE_UNROLL candidates (all loads issued
-    // before the first compare), candidate t = part t / k, entry t % k.
-    {
-        WarpSelect sel;
-        sel.init(s_buf[warp], k, lane);
-        const int total = P * k, batch = 32 * DDT_MERGE_UNROLL;
-        for (int t0 = warp * batch; t0 < total; t0 += DDT_MERGE_WARPS * batch) {
-            u64 c[DDT_MERGE_UNROLL];
-#pragma unroll
-            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) {
-                const int t = t0 + u * 32 + lane;
-                const int p = t / k, i = t - p * k;
-                c[u] = t < total ? in_keys[(parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)) * k + i]
-                                 : 0ull;
-            }
-            // stage through shared scratch so that only one copy of the select code is inlined
-#pragma unroll
-            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) s_scr[warp][u * 32 + lane] = c[u];
-            __syncwarp();
-#pragma unroll 1
-            for (int u = 0; u < DDT_MERGE_UNROLL; ++u) sel.push(s_scr[warp][u * 32 + lane], lane);
-            __syncwarp();
-        }
-        sel.flush(lane);   // s_buf[warp][0, k) = this warp's top-k, zero-padded
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    // Level 2: warp 0 merges the other warps' lists (shared memory) into its own.
-    WarpSelect sel;
-    sel.buf = s_buf[0]; sel.k = k; sel.cap = 64;
-    while (sel.cap < k + 32) sel.cap <<= 1;
-    sel.cnt = k; sel.thr = s_buf[0][k - 1];
-    for (int w = 1; w < DDT_MERGE_WARPS; ++w)
-        for (int i0 = 0; i0 < k; i0 += 32) {
-            const int i = i0 + lane;
-            sel.push(i < k ? s_buf[w][i] : 0ull, lane);
-        }
-    sel.flush(lane);
-    float m = DDT_NEG_INF, s = 0.f;
-    for (int p = lane; p < P; p += 32) {
-        float2 ms = in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)];
-        lse_combine(m, s, ms.x, ms.y);
+    const bool cand = !parts_major && k > 1;
+    const int W = parts_major ? k : part_width(k);       // slots per list in memory
+    const int lcap = cand ? cand_cap(k) : k;              // keys per list at most
+    const int koff = cand ? 2 : 0;                        // first key slot
+    int* s_len = reinterpret_cast<int*>(s_keys + (size_t)P * lcap);
+    DDT_PDL_WAIT();
+    auto list = [&](int c) -> const u64* {
+        return in_keys + (parts_major ? ((size_t)c * rows + r) : ((size_t)r * P + c)) * W;
+    };
+    // lists' bounds and lengths; the last warp also combines the log-sum-exp partials
+    u64 lb = 0ull;
+    for (int c = tid; c < P; c += DDT_TOPK_THREADS) {
+        const u64* l = list(c);
+        u64 bound;
+        int len;
+        if (cand) { bound = l[0]; len = (int)l[1]; }
+        else { bound = l[k - 1]; len = k; }
+        s_len[c] = len;
+        lb = bound > lb ? bound : lb;
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
-        float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
-        lse_combine(m, s, m2, s2);
+        const u64 o = __shfl_xor_sync(FULL_MASK, lb, off);
+        lb = o > lb ? o : lb;
     }
-    // A butterfly reduction leaves every lane with its own rounding of (m, s): use lane 0's on all
-    // lanes, or log-probs of equal-ranked entries written by different lanes could be non-monotone.
-    m = __shfl_sync(FULL_MASK, m, 0);
-    s = __shfl_sync(FULL_MASK, s, 0);
-    const float lse = m + logf(s);
-    for (int i = lane; i < k; i += 32) {
-        u64 key = s_buf[0][i];
-        out_keys[(size_t)r * k + i] = key;
-        out_lp[(size_t)r * k + i] = key ? key_value(key) - lse : DDT_NEG_INF;
-        out_id[(size_t)r * k + i] = key ? key_id(key) : -1;
+    if (lane == 0) s_red[warp] = lb;
+    if (warp == DDT_TOPK_THREADS / 32 - 1) {
+        float m = DDT_NEG_INF, s = 0.f;
+        for (int p = lane; p < P; p += 32) {
+            const float2 ms = in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)];
+            lse_combine(m, s, ms.x, ms.y);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
+            lse_combine(m, s, m2, s2);
+        }
+        // one lane's rounding for every log-prob of the row (a butterfly leaves lane-dependent ones)
+        if (lane == 0) { s_m = m; s_s = s; }
     }
-    if (lane == 0) out_ms[r] = make_float2(m, s);
+    if (tid == 0) s_n = 0;
+    __syncthreads();
+    u64 L = 0ull;
+#pragma unroll
+    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) L = s_red[w] > L ? s_red[w] : L;
+    // gather the keys >= L (nonzero), 8 loads in flight per thread
+    const int total = P * lcap;
+    for (int t0 = 0; t0 < total; t0 += 8 * DDT_TOPK_THREADS) {
+        u64 kk[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int t = t0 + u * DDT_TOPK_THREADS + tid;
+            kk[u] = 0ull;
+            if (t < total) {
+                const int c = t / lcap, j = t - c * lcap;
+                if (j < s_len[c]) kk[u] = list(c)[koff + j];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (kk[u] != 0ull && kk[u] >= L) s_keys[atomicAdd(&s_n, 1)] = kk[u];
+    }
+    __syncthreads();
+    const int N = s_n;
+    // threshold: keys >= thr number at most DDT_SORT_CAP and include the k largest
+    u64 thr = 0ull;
+    if (N > DDT_SORT_CAP) {
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+            s_hist[tid] = 0u;
+            __syncthreads();
+            for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
+                const u64 key = s_keys[i];
+                if ((key & hmask) == thr) atomicAdd(&s_hist[(key >> shift) & 255], 1u);
+            }
+            __syncthreads();
+            if (warp == 0) radix_pick(s_hist, remaining, lane, &s_digit, &s_above, &s_bin);
+            __syncthreads();
+            thr |= (u64)s_digit << shift;
+            remaining -= s_above;
+            above += s_above;
+            const unsigned in_bin = s_bin;
+            __syncthreads();   // s_digit/s_above/s_bin read by all before the next pass
+            if (above + in_bin <= DDT_SORT_CAP) break;   // uniform; always true once shift == 0
+        }
+    }
+    if (tid == 0) s_n = 0;
+    __syncthreads();
+    for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
+        const u64 key = s_keys[i];
+        if (key >= thr) s_sel[atomicAdd(&s_n, 1)] = key;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    const int ns = s_n;
+    u64 top[8];
+    if (ns <= 32) warp_sort_load<1, 5>(s_sel, ns, lane, top);
+    else if (ns <= 64) warp_sort_load<2, 6>(s_sel, ns, lane, top);
+    else if (ns <= 128) warp_sort_load<4, 7>(s_sel, ns, lane, top);
+    else warp_sort_load<8, 8>(s_sel, ns, lane, top);
+    const float lse = s_m + logf(s_s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int i = (e << 5) + lane;
+        if (i < k) {
+            const u64 key = top[e];
+            out_keys[(size_t)r * k + i] = key;
+            out_lp[(size_t)r * k + i] = key ? key_value(key) - lse : DDT_NEG_INF;
+            out_id[(size_t)r * k + i] = key ? key_id(key) : -1;
+        }
+    }
+    if (lane == 0) out_ms[r] = make_float2(s_m, s_s);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Stage 3: the builder. One warp per stream. The frontier (the reference's heap) lives in shared
-// memory; each pop is a warp argmax under the total order (score descending, then the rank-tuple key
-// ascending). Every lane computes the same updates (warp-uniform control flow); lane 0 writes them.
-// top_lp/top_id [S, D, K]. Outputs [S, R] with R = DDT_MAX_TREE_ROWS, mask [S, R, DDT_MASK_WORDS].
-// Rows past n (n = node count): token = bonus, parent -1, depth 0, position = prefix, mask = {0, self}.
+// Stage 3: the builder, one warp per stream. Best-first over a frontier (the reference's heap): each pop
+// takes the best entry under the total order (score descending, then the rank-tuple key ascending),
+// emits it (unless it is a forced-chain node, emitted up front), and inserts its next sibling and its
+// first child. top_lp/top_id [S, D, K]. Outputs [S, R] with R = DDT_MAX_TREE_ROWS, mask [S, R,
+// DDT_MASK_WORDS]. Rows past n (n = node count): token = bonus, parent -1, depth 0, position = prefix,
+// mask = {0, self}.
 // ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float score_add(float a, float b) {
     float r = __fadd_rn(a, b);
@@ -398,6 +526,43 @@ __device__ __forceinline__ int pack_info(int depth, int rank, int prow, int chai
     return depth | (rank << 4) | (prow << 12) | (chain << 20);
 }
 
+// The tree rows (coalesced) and each row's ancestor-or-self mask: one lane per row walks its ancestors
+// once (depth <= 8 steps) into five register words.
+__device__ __forceinline__ void write_tree(int st, int n, int pre, int lane, const int* t_tok, const int* t_par,
+                                           const int* t_dep, int* tokens, int* parents, int* depths,
+                                           int* positions, int* n_rows, uint32_t* mask) {
+    const int R = DDT_MAX_TREE_ROWS;
+    const size_t o = (size_t)st * R;
+    for (int i = lane; i < R; i += 32) {
+        const bool real = i <= n;
+        const int dep = real ? t_dep[i] : 0;
+        tokens[o + i] = real ? t_tok[i] : t_tok[0];
+        parents[o + i] = real ? t_par[i] : -1;
+        depths[o + i] = dep;
+        positions[o + i] = pre + dep;
+        uint32_t w[DDT_MASK_WORDS];
+#pragma unroll
+        for (int j = 0; j < DDT_MASK_WORDS; ++j) w[j] = 0u;
+        if (real) {
+            for (int a = i; a >= 0; a = t_par[a])   // self, parent, ..., root
+#pragma unroll
+                for (int j = 0; j < DDT_MASK_WORDS; ++j)
+                    if ((a >> 5) == j) w[j] |= 1u << (a & 31);
+        } else {
+            w[0] = 1u;
+#pragma unroll
+            for (int j = 0; j < DDT_MASK_WORDS; ++j)
+                if ((i >> 5) == j) w[j] |= 1u << (i & 31);
+        }
+#pragma unroll
+        for (int j = 0; j < DDT_MASK_WORDS; ++j) mask[(o + i) * DDT_MASK_WORDS + j] = w[j];
+    }
+    if (lane == 0) n_rows[st] = n + 1;
+}
+
+#if !DDT_FAST
+// Frontier in shared memory; each pop is a butterfly argmax over it; every lane computes the same
+// updates (warp-uniform control flow); lane 0 writes them.
 extern "C" __global__ void __launch_bounds__(32)
 ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
                const int* __restrict__ budgets, const int* __restrict__ prefix_len,
@@ -405,9 +570,6 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
                int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
                int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
     __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
-#if DDT_FAST
-    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
-#endif
     __shared__ float f_score[DDT_FRONTIER], f_pscore[DDT_FRONTIER];
     __shared__ u64 f_tup[DDT_FRONTIER];
     __shared__ int f_info[DDT_FRONTIER];
@@ -415,24 +577,19 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
 
     const int lane = threadIdx.x, st = blockIdx.x;
     const int R = DDT_MAX_TREE_ROWS;
+    DDT_PDL_WAIT();
     const int budget = min(max(budgets[st], 0), R - 1);
     const int kf = cap_k > 0 ? min(K, cap_k) : K;
     const float* lp = top_lp + (size_t)st * D * K;
     const int* ids = top_id + (size_t)st * D * K;
-#if DDT_FAST
-    for (int i = lane; i < D * K; i += 32) { s_lp[i] = ftz_in(lp[i]); s_id[i] = ids[i]; }
-#define DDT_TOP_ID s_id
-#else
     for (int i = lane; i < D * K; i += 32) s_lp[i] = ftz_in(lp[i]);
-#define DDT_TOP_ID ids
-#endif
     if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
     __syncwarp();
 
     // forced top-1 chain: rows 1..nc, row d = depth d
     const int nc = include_chain ? min(D, budget) : 0;
     for (int d = 1; d <= nc; ++d) {
-        if (lane == 0) { t_tok[d] = DDT_TOP_ID[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
+        if (lane == 0) { t_tok[d] = ids[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
     }
 
     int nodes = nc, fsize = 0;
@@ -445,27 +602,11 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     }
     __syncwarp();
     while (fsize > 0 && nodes < budget) {
-        // warp argmax over the frontier under the total order: each lane's best, then the warp's (a
-        // butterfly; DDT_FAST: three reductions: max ordered score, then min tuple high, low word).
         int bi = -1; float bs = 0.f; u64 bt = 0ull;
         for (int i = lane; i < fsize; i += 32) {
             float sc = f_score[i]; u64 tp = f_tup[i];
             if (bi < 0 || sc > bs || (sc == bs && tp < bt)) { bi = i; bs = sc; bt = tp; }
         }
-#if DDT_FAST
-        const uint32_t os = bi >= 0 ? f32_to_ordered(bs) : 0u;   // 0 is below every real score
-        const uint32_t ms = __reduce_max_sync(FULL_MASK, os);
-        const bool c1 = bi >= 0 && os == ms;
-        const uint32_t th = c1 ? (uint32_t)(bt >> 32) : 0xffffffffu;
-        const uint32_t mh = __reduce_min_sync(FULL_MASK, th);
-        const bool c2 = c1 && th == mh;
-        const uint32_t tl = c2 ? (uint32_t)bt : 0xffffffffu;
-        const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
-        const unsigned who = __ballot_sync(FULL_MASK, c2 && tl == ml);   // exactly one: tuples are unique
-        bi = __shfl_sync(FULL_MASK, bi, __ffs(who) - 1);
-        bs = f_score[bi];     // exact bits (the ordered form folds -0 into +0)
-        bt = ((u64)mh << 32) | ml;
-#else
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             int oi = __shfl_xor_sync(FULL_MASK, bi, off);
@@ -473,7 +614,6 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
             u64 ot = __shfl_xor_sync(FULL_MASK, bt, off);
             if (oi >= 0 && (bi < 0 || os > bs || (os == bs && ot < bt))) { bi = oi; bs = os; bt = ot; }
         }
-#endif
         const float psc = f_pscore[bi];
         const int info = f_info[bi];
         const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
@@ -483,7 +623,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
             row = depth;                          // already emitted by the chain prologue
         } else {
             row = ++nodes;
-            if (lane == 0) { t_tok[row] = DDT_TOP_ID[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
+            if (lane == 0) { t_tok[row] = ids[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
         }
         __syncwarp();   // every lane has read entry bi before lane 0 overwrites it
         if (rank + 1 < kf) {   // next sibling takes the popped slot
@@ -511,33 +651,129 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
         }
         __syncwarp();
     }
-
-    // write the tree rows (coalesced), then the ancestor masks word by word
-    const int n = nodes;
-    const int pre = prefix_len[st];
-    const size_t o = (size_t)st * R;
-    for (int i = lane; i < R; i += 32) {
-        bool real = i <= n;
-        int dep = real ? t_dep[i] : 0;
-        tokens[o + i] = real ? t_tok[i] : t_tok[0];
-        parents[o + i] = real ? t_par[i] : -1;
-        depths[o + i] = dep;
-        positions[o + i] = pre + dep;
-    }
-    for (int e = lane; e < R * DDT_MASK_WORDS; e += 32) {
-        const int i = e / DDT_MASK_WORDS, w = e % DDT_MASK_WORDS;
-        uint32_t word = 0;
-        if (i <= n) {
-            for (int a = i; a >= 0; a = t_par[a])   // self, parent, ..., root (depth <= 8 steps)
-                if ((a >> 5) == w) word |= 1u << (a & 31);
-        } else {
-            if (w == 0) word |= 1u;
-            if ((i >> 5) == w) word |= 1u << (i & 31);
-        }
-        mask[o * DDT_MASK_WORDS + e] = word;
-    }
-    if (lane == 0) n_rows[st] = n + 1;
+    __syncwarp();
+    write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
+               n_rows, mask);
 }
+#else
+// Frontier in registers: position p (appended in order, never moved) is slot p / 32 of lane p % 32.
+// Positions used <= pops + 1 <= budget + D + 1 <= 137 < 32 * DDT_SLOTS. An entry holds its ordered score
+// (0 = empty), parent score, rank-tuple key and info word. A pop: each lane's best slot, one warp max of
+// the ordered score (the rank tuple only decides when that max is in several lanes), then the winning
+// lane replaces its slot by the next sibling (or empties it) and the child goes to the next position.
+// Every lane precomputes the successors of its own best entry while the reduction runs, so the winner's
+// are ready when it is known.
+#define DDT_SLOTS 5
+extern "C" __global__ void __launch_bounds__(32)
+ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
+               const int* __restrict__ budgets, const int* __restrict__ prefix_len,
+               const int* __restrict__ bonus, int cap_k, int include_chain,
+               int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+               int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
+    __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
+    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
+    __shared__ int t_tok[DDT_MAX_TREE_ROWS], t_par[DDT_MAX_TREE_ROWS], t_dep[DDT_MAX_TREE_ROWS];
+
+    const int lane = threadIdx.x, st = blockIdx.x;
+    const int R = DDT_MAX_TREE_ROWS;
+    DDT_PDL_WAIT();
+    const int budget = min(max(budgets[st], 0), R - 1);
+    const int kf = cap_k > 0 ? min(K, cap_k) : K;
+    const float* lp = top_lp + (size_t)st * D * K;
+    const int* ids = top_id + (size_t)st * D * K;
+    for (int i = lane; i < D * K; i += 32) { s_lp[i] = ftz_in(lp[i]); s_id[i] = ids[i]; }
+    const int nc = include_chain ? min(D, budget) : 0;
+    if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
+    __syncwarp();
+    // forced top-1 chain: rows 1..nc, row d = depth d
+    if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
+
+    uint32_t f_os[DDT_SLOTS];
+    float f_ps[DDT_SLOTS];
+    u64 f_tup[DDT_SLOTS];
+    int f_info[DDT_SLOTS];
+#pragma unroll
+    for (int s = 0; s < DDT_SLOTS; ++s) { f_os[s] = 0u; f_ps[s] = 0.f; f_tup[s] = 0ull; f_info[s] = 0; }
+    int nodes = nc, live = 0, npos = 0;
+    if (budget > 0) {
+        if (lane == 0) {
+            f_os[0] = f32_to_ordered(score_add(0.f, s_lp[0]));
+            f_tup[0] = tuple_digit(1, 0);
+            f_info[0] = pack_info(1, 0, 0, nc >= 1);
+        }
+        live = npos = 1;
+    }
+    while (live > 0 && nodes < budget) {
+        // this lane's best entry
+        uint32_t bo = 0u; u64 bt = ~0ull; float bps = 0.f; int binfo = 0, bs = 0;
+#pragma unroll
+        for (int s = 0; s < DDT_SLOTS; ++s) {
+            const bool better = f_os[s] > bo || (f_os[s] == bo && bo != 0u && f_tup[s] < bt);
+            if (better) { bo = f_os[s]; bt = f_tup[s]; bps = f_ps[s]; binfo = f_info[s]; bs = s; }
+        }
+        // its successors, computed before the winner is known (loads overlap the reduction)
+        const int bd = binfo & 15, br = (binfo >> 4) & 255;
+        const float bsc = ordered_to_f32(bo);
+        const float lsib = s_lp[(max(bd, 1) - 1) * K + min(br + 1, K - 1)];
+        const float lchild = s_lp[min(bd, D - 1) * K];
+        const uint32_t sib_os = f32_to_ordered(score_add(bps, lsib));
+        const uint32_t child_os = f32_to_ordered(score_add(bsc, lchild));
+        const u64 child_tup = bt + tuple_digit(min(bd + 1, DDT_MAX_DEPTH), 0);
+
+        const uint32_t M = __reduce_max_sync(FULL_MASK, bo);
+        unsigned who = __ballot_sync(FULL_MASK, bo == M);
+        if (who & (who - 1)) {   // equal best scores in several lanes: the smallest rank tuple wins
+            const uint32_t th = bo == M ? (uint32_t)(bt >> 32) : 0xffffffffu;
+            const uint32_t mh = __reduce_min_sync(FULL_MASK, th);
+            const uint32_t tl = (bo == M && th == mh) ? (uint32_t)bt : 0xffffffffu;
+            const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
+            who = __ballot_sync(FULL_MASK, bo == M && th == mh && tl == ml);   // one lane: tuples are unique
+        }
+        const int wl = __ffs(who) - 1;
+        const int info = __shfl_sync(FULL_MASK, binfo, wl);
+        const uint32_t cos_ = __shfl_sync(FULL_MASK, child_os, wl);
+        const u64 ctup = __shfl_sync(FULL_MASK, child_tup, wl);
+        const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
+        const int chain = (info >> 20) & 1;
+        int row;
+        if (chain) {
+            row = depth;                          // already emitted by the chain prologue
+        } else {
+            row = ++nodes;
+            if (lane == wl) { t_tok[row] = s_id[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
+        }
+        const bool has_sib = rank + 1 < kf;
+        if (lane == wl) {   // the next sibling takes the popped slot (same parent score), or it empties
+#pragma unroll
+            for (int s = 0; s < DDT_SLOTS; ++s)
+                if (s == bs) {
+                    f_os[s] = has_sib ? sib_os : 0u;
+                    f_tup[s] = bt + tuple_digit(depth, 0);   // rank digit + 1
+                    f_info[s] = pack_info(depth, rank + 1, prow, 0);
+                }
+        }
+        live -= has_sib ? 0 : 1;
+        if (depth < D) {    // the first child goes to the next position
+            if (lane == (npos & 31)) {
+                const int ps = npos >> 5;
+#pragma unroll
+                for (int s = 0; s < DDT_SLOTS; ++s)
+                    if (s == ps) {
+                        f_os[s] = cos_;
+                        f_ps[s] = ordered_to_f32(M);
+                        f_tup[s] = ctup;
+                        f_info[s] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);
+                    }
+            }
+            ++npos;
+            ++live;
+        }
+    }
+    __syncwarp();
+    write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
+               n_rows, mask);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 4: walk + commit, one warp per stream. post [S, R]: the target's token at every tree row
@@ -557,6 +793,7 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
                 int* __restrict__ new_len, int* __restrict__ new_bonus, int* upd_len, int* upd_bonus) {
     __shared__ int s_rows[DDT_MAX_DEPTH + 2];
     const int lane = threadIdx.x, st = blockIdx.x;
+    DDT_PDL_WAIT();
     const int R = DDT_MAX_TREE_ROWS;
     const int* tok = tokens + (size_t)st * R;
     const int* par = parents + (size_t)st * R;

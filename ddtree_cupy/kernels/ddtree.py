@@ -13,6 +13,8 @@ Typical single-GPU step (all buffers preallocated in a ``DDTreeWorkspace``):
 Vocabulary-parallel: each rank runs ``ws.topk(local_logits, id_offset=rank * V_local)`` (its
 ``ws.keys`` [S*D, k] and ``ws.ms`` [S*D] are the shard's result), all-gathers them into
 keys [ranks, S*D, k] (uint64) and ms [ranks, S*D] (float32 pairs), then ``topk_merge(..., parts_major=True)``.
+The stage-1 buffer ``part_keys`` [rows, P, part_width(k)] holds per-chunk candidate lists (an internal
+format between ``topk_partial`` and ``topk_merge``; see cuda_src/ddtree.cu).
 """
 from __future__ import annotations
 
@@ -27,29 +29,49 @@ MAX_TREE_ROWS = 129
 MASK_WORDS = 5
 MAX_K = 128
 MAX_DEPTH = 8
-TOPK_WARPS = 4          # DDT_TOPK_WARPS in ddtree.cu
-MERGE_WARPS = 8         # DDT_MERGE_WARPS in ddtree.cu
-DEFAULT_CHUNK = 4096    # logits per warp in the first top-K stage
+TOPK_THREADS = 256      # DDT_TOPK_THREADS in ddtree.cu (both top-K kernels)
+MAX_CHUNK = 8192        # 256 threads x 4 vectors of 8 logits held in registers (DDT_TOPK_VECS)
+DEFAULT_CHUNK = 8192    # logits per block in the first top-K stage
+MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (sm_120: 99 KB per block)
 
 _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
           "ddt_walk_commit")
-# Two variants of the same kernels (cuda_src/ddtree.cu, DDT_FAST): 0 = the one verified on the H200,
-# 1 = register sorts / fewer pushes / reduction argmax (same results by construction; its GPU tests are
-# parametrised the same way). fast_math stays off: tree scores reproduce the reference bit for bit.
+# Two builders (cuda_src/ddtree.cu, DDT_FAST): 0 = the frontier in shared memory (verified first), 1 =
+# the frontier in registers, one warp reduction per pop (same results by construction; the GPU tests run
+# both). The top-K kernels and the walk are the same code in both. fast_math stays off: tree scores
+# reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access.
 DDTREE_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False,
-    doc="DDTree per-depth top-K (chunked + merge), best-first builder, acceptance walk + commit"))
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
 DDTREE_FAST_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "1"),), hot=True, fast_math=False,
-    doc="DDTree kernels, faster select/argmax variant"))
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "1"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, register-frontier builder"))
 
 
-def _fn(name, fast: bool = True):
-    return get_kernel(DDTREE_FAST_SPEC if fast else DDTREE_SPEC, name)
+def _fn(name, fast: bool = True, max_dynamic_smem: int = 0):
+    return get_kernel(DDTREE_FAST_SPEC if fast else DDTREE_SPEC, name, max_dynamic_smem=max_dynamic_smem)
 
 
 def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
     return (vocab_local + chunk - 1) // chunk
+
+
+def cand_cap(k: int) -> int:
+    """Most candidate keys a stage-1 chunk list holds (cand_cap in ddtree.cu): ~1.2-1.4 k pass the bound
+    on random logits; more (long runs of equal logits) switch that chunk to an exact select."""
+    return 64 if k <= 32 else (128 if k <= 64 else 256)
+
+
+def part_width(k: int) -> int:
+    """uint64 slots per chunk in ``part_keys`` (part_width in ddtree.cu): [bound, count, keys...], or
+    the chunk's largest key alone when k == 1."""
+    return 1 if k == 1 else 2 + cand_cap(k)
+
+
+def merge_smem(P: int, k: int, parts_major: bool) -> int:
+    """Dynamic shared memory of ``ddt_topk_merge``: every list's keys (capacity) plus P lengths."""
+    lcap = cand_cap(k) if (not parts_major and k > 1) else k
+    return P * lcap * 8 + P * 4
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -58,8 +80,9 @@ def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
                  fast: bool = True):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
-    logits: the chunk's top-``k`` keys -> ``part_keys`` uint64 [rows, P, k] and its log-sum-exp partial
-    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
+    logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
+    [rows, P, part_width(k)] and its log-sum-exp partial (max, sum exp(x - max)) -> ``part_ms`` float32
+    [rows, P, 2]; P = ceil(V_local / chunk)."""
     dims: dict = {}
     dev = current_device()
     if logits.dtype == np.float32:
@@ -75,24 +98,23 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     check_range("k", k, 1, MAX_K)
     if k > V:
         raise ValueError(f"k: {k} exceeds the shard's vocabulary V_local={V}")
-    check_range("chunk", chunk, 256, 1 << 20)
-    if chunk % 256:
-        raise ValueError(f"chunk: must be a multiple of 256, got {chunk}")
+    check_range("chunk", chunk, 2048, MAX_CHUNK)
+    if chunk % 2048:
+        raise ValueError(f"chunk: must be a multiple of 2048, got {chunk}")
     P = n_chunks(V, chunk)
-    check_array("part_keys", part_keys, np.uint64, ("rows", P, k), dims, device=dev)
+    check_array("part_keys", part_keys, np.uint64, ("rows", P, part_width(k)), dims, device=dev)
     check_array("part_ms", part_ms, np.float32, ("rows", P, 2), dims, device=dev)
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
-    grid = ((P + TOPK_WARPS - 1) // TOPK_WARPS, rows)
-    _fn(name, fast)(grid, (32 * TOPK_WARPS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
+    _fn(name, fast)((P, rows), (TOPK_THREADS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
                                           np.int32(k), np.int32(chunk), part_keys, part_ms))
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
                fast: bool = True):
-    """Merge P partial top-k lists per row. ``keys`` uint64 [rows, P, k] with ``ms`` float32
+    """Merge P partial lists per row. ``keys`` uint64 [rows, P, part_width(k)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
-    an all-gather over shards). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
+    an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
     float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]."""
     dims: dict = {}
     dev = current_device()
@@ -100,7 +122,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
         check_array("keys", keys, np.uint64, ("P", "rows", k), dims, device=dev)
         check_array("ms", ms, np.float32, ("P", "rows", 2), dims, device=dev)
     else:
-        check_array("keys", keys, np.uint64, ("rows", "P", k), dims, device=dev)
+        check_array("keys", keys, np.uint64, ("rows", "P", part_width(k)), dims, device=dev)
         check_array("ms", ms, np.float32, ("rows", "P", 2), dims, device=dev)
     check_range("k", k, 1, MAX_K)
     check_array("out_keys", out_keys, np.uint64, ("rows", k), dims, device=dev)
@@ -108,9 +130,13 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
-    _fn("ddt_topk_merge", fast)((rows,), (32 * MERGE_WARPS,), (keys, ms, np.int32(rows), np.int32(P), np.int32(k),
-                                                     np.int32(1 if parts_major else 0), out_keys, out_ms,
-                                                     out_lp, out_id))
+    smem = merge_smem(P, k, parts_major)
+    if smem > MAX_MERGE_SMEM:
+        raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
+                         f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
+    _fn("ddt_topk_merge", fast, smem)((rows,), (TOPK_THREADS,), (
+        keys, ms, np.int32(rows), np.int32(P), np.int32(k), np.int32(1 if parts_major else 0), out_keys, out_ms,
+        out_lp, out_id), shared_mem=smem)
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
@@ -189,7 +215,7 @@ class DDTreeWorkspace:
         R, A = MAX_TREE_ROWS, depth + 1
         self.A = A
         i32 = lambda *s: cupy.empty(s, cupy.int32)   # noqa: E731
-        self.part_keys = cupy.empty((rows, self.P, k), cupy.uint64)
+        self.part_keys = cupy.empty((rows, self.P, part_width(k)), cupy.uint64)
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)
