@@ -692,7 +692,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // out[t][n] = bf16( sum_{j < k valid, in order} y[t*k+j][n] (+ residual[t][n]) ). Deterministic (no atomics);
 // a token without any valid id gets the residual (or 0). grid (ceil(H/1024), T), 256 threads x 4 columns.
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
-// fence and an arrival counter -- measured 2-67% slower on the H200 at every T but one: docs/MOE.md.)
+// fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, int k, int E,
                                        int H, const bf16_bits* __restrict__ residual, int has_res,

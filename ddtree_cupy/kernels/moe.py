@@ -429,7 +429,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
 
 def fuse_route_default(T: int, top_k: int) -> bool:
     """The table: the gate/up kernel sorts the routing itself whenever it fits (T*k <= FUSED_MAX_PAIRS; measured
-    0.5-1.2 us faster on the H200 than the separate routing kernel); above, the routing kernel and its L2
+    1.2-1.4 us faster on the H200 than the separate routing kernel at T = 1); above, the routing kernel and its L2
     prefetch blocks. docs/MOE.md."""
     return T * top_k <= FUSED_MAX_PAIRS
 
