@@ -99,8 +99,8 @@ def main():
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
-    ap.add_argument("--variants", action="store_true",
-                    help="also time every case with the deeper-pipeline tile of the same row count")
+    ap.add_argument("--compare", action="store_true",
+                    help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
@@ -177,9 +177,8 @@ def main():
         nbytes = S * ((ctx + n) * 1152 + n * H * (576 + 512) * 2)
         flops = S * 2 * 1088 * H * (n * ctx + vis_rows)
         floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
-        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us,
-                    config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], bytes=nbytes, flops=flops, floor_us=floor,
-                    ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
+        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us, bytes=nbytes, flops=flops, floor_us=floor,
+                    config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
 
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
@@ -193,17 +192,15 @@ def main():
         r["tree_over_chain"] = r["us"] / r["chain_us"]
         r["meets_target"] = bool(r["us"] <= max(1.3 * r["floor_us"], 8.0)) and r["tree_over_chain"] <= 1.5
         r["was_us"] = was.get((S, n, c))
-        if args.variants:   # the same row tile with another pipeline depth, same run
-            for key, vc in A.MLA_CONFIGS.items():
-                if vc.bm == A.MLA_CONFIGS[r["config_key"]].bm and key != r["config_key"] and key.endswith("_deep") \
-                        and vc.smem <= dev.attributes["MaxSharedMemoryPerBlockOptin"]:
-                    r[key + "_us"] = one(S, n, c, "tree", config=vc)["us"]
+        if args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit:   # the candidate tile, same run
+            o = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32"])
+            r["ks32_us"], r["ks32_splits"] = o["us"], o["splits"]
         results.append(r)
         wa = f"{r['was_us']:>7.1f}" if r["was_us"] else f"{'-':>7}"
         print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
               f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} {r['config'][9:]:>20} | "
               f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}" +
-              "".join(f" {k[:-3]}={v:.1f}" for k, v in r.items() if k.endswith("_deep_us")), flush=True)
+              (f" ks32={r['ks32_us']:.1f} ({r['ks32_splits']})" if "ks32_us" in r else ""), flush=True)
 
     probe = []
     if args.probe:
@@ -225,7 +222,6 @@ def main():
                 row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
             row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
             row["auto_splits"] = auto_splits
-            row["model_us"] = A.mla_split_cost_us(auto_splits, S, n, H, c + n, num_sms, auto, A._blocks_per_sm(auto))
             # split count: fixed cost (combine, fill) vs parallelism; the planner's cost model vs measured
             for k in sorted({1, 4, 16, 64, max(1, auto_splits // 2), 2 * auto_splits}):
                 if k != auto_splits and k <= min(A.MAX_SPLITS, -(-(c + n) // auto.bn)):

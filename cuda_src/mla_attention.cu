@@ -5,11 +5,16 @@
 // the memory order of q [total_rows, H, 576] and of the output o_lat [total_rows, H, 512]. Each K/V tile
 // is loaded once per block (cp.async from the paged pool) and serves all BM packed rows of the block.
 //
+// Block = MG x VG warps. Warp (mg, vg) owns packed rows mg*16..+16 and
+//   * in S = Q K^T: the tokens vg*BN/VG..+BN/VG of the tile (full 576-wide reduction),
+//   * in O += P V:  the output columns vg*512/VG..+512/VG (all BN tokens of the tile).
+// The VG warps of one row group exchange row maxima, row sums and P through shared memory, so every warp
+// of the group keeps the same online-softmax state (m, l) for its rows.
+//
 // Split-KV: blockIdx.y = split; each split covers a contiguous run of KV tiles of the stream and writes an
 // fp32 partial (normalised O and log2-sum-exp) that mla_attn_combine merges. With one split the block
-// writes bf16 o_lat directly. The split boundaries depend on the stream's s + n only (not on the causal
-// clipping of a row tile), so a chain in tree mode and the same rows in causal mode add the same terms in
-// the same order (bit-identical results).
+// writes bf16 o_lat directly. Two kernels share this contract: mla_attn_fwd (below; rows x tokens split
+// over the warps) and mla_attn_ksplit (Q in registers, S split over the reduction; used for decode).
 //
 // Visibility of KV position t for query row r of a stream with committed length s and n rows:
 //   t < s: visible;  t = s + j (0 <= j < n): tree mode bit j of mask[stream][r]; causal mode j <= r.
@@ -46,6 +51,10 @@ __device__ __forceinline__ void ldsm_x4(unsigned& r0, unsigned& r1, unsigned& r2
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
 }
+__device__ __forceinline__ void ldsm_x2(unsigned& r0, unsigned& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
+}
 __device__ __forceinline__ void ldsm_x4_t(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_u32(p)));
@@ -63,11 +72,316 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
 }
 
+template <int MG, int VG, int BN, int STAGES>
+struct MlaCfg {
+    static constexpr int BM = MG * 16;
+    static constexpr int THREADS = MG * VG * 32;
+    static constexpr int TOK_W = BN / VG;          // tokens per warp in S
+    static constexpr int NT_S = TOK_W / 8;         // n-tiles per warp in S
+    static constexpr int COL_W = MLA_V_DIM / VG;   // output columns per warp
+    static constexpr int NT_O = COL_W / 8;         // n-tiles per warp in O
+    static constexpr int PSTR = BN + 8;            // P row stride (bf16): odd number of 16 B chunks
+    static constexpr int Q_ELEMS = BM * MLA_SROW;
+    static constexpr int K_ELEMS = BN * MLA_SROW;
+    static constexpr int P_ELEMS = BM * PSTR;
+    static constexpr int SMEM = (Q_ELEMS + STAGES * K_ELEMS + P_ELEMS) * 2 + 2 * VG * BM * 4;
+    static_assert(TOK_W % 8 == 0, "each warp needs whole 8-token n-tiles");
+    static_assert(BN % 16 == 0, "PV k-steps are 16 tokens");
+    static_assert(NT_O % 2 == 0, "V tiles are loaded in pairs");
+    static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
+};
+
+template <int MG, int VG, int BN, int STAGES>
+__global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
+    const bf16_bits* __restrict__ q,           // [total_rows, H, 576]
+    const bf16_bits* __restrict__ pool,        // [num_pages, 64, 576]
+    const int* __restrict__ block_table,       // [S, max_pages]
+    const int* __restrict__ prefix_len,        // [S] committed length s
+    const int* __restrict__ n_rows_arr,        // [S] query rows (tree rows, chunk rows, 1 for decode)
+    const int* __restrict__ row_start,         // [S] first row of the stream in q / out
+    const unsigned* __restrict__ mask,         // [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal)
+    bf16_bits* __restrict__ out,               // [total_rows, H, 512]            (num_splits == 1)
+    float* __restrict__ part_o,                // [num_splits, total_rows*H, 512] (num_splits > 1)
+    float* __restrict__ part_lse,              // [num_splits, total_rows*H]
+    int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {                        // softmax_scale * log2(e)
+    using C = MlaCfg<MG, VG, BN, STAGES>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_bits* Qs = reinterpret_cast<bf16_bits*>(smem_raw);
+    bf16_bits* Ks = Qs + C::Q_ELEMS;
+    bf16_bits* Ps = Ks + STAGES * C::K_ELEMS;
+    float* red_max = reinterpret_cast<float*>(Ps + C::P_ELEMS);   // [VG][BM]
+    float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
+
+    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
+    const int b = blockIdx.z;
+    const int split = blockIdx.y;
+    const int n = n_rows_arr[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
+    const int s = prefix_len[b];
+    const int rs = row_start[b];
+    const int* table = block_table + (size_t)b * max_pages;
+
+    // KV positions this row tile can see: causal rows stop at s + (last row) + 1.
+    int kv_len;
+    if (mask == nullptr) {
+        int r_last = min(n - 1, (m0 + C::BM - 1) / H);
+        kv_len = s + r_last + 1;
+    } else {
+        kv_len = s + n;
+    }
+    const int n_tiles = (kv_len + BN - 1) / BN;
+    // Split boundaries from s + n, not from the clipped causal range, so a chain in tree mode and the same
+    // rows in causal mode add the same terms in the same order (fully masked tiles add exact zeros).
+    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;
+    const int tile_begin = split * per_split;
+    const int tile_end = min(n_tiles, tile_begin + per_split);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int mg = warp % MG, vg = warp / MG;
+    const int g = lane >> 2, q4 = lane & 3;
+
+    // ---- loads -----------------------------------------------------------------------------------
+    // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
+    static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
+    auto load_tile = [&](int tile, int buf) {
+        bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
+        const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);  // t0 < kv_len: the tile holds a valid token
+        const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
+        for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
+            const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
+            const bool ok = t0 + tok < kv_len;
+            cp_async16(dst0 + tok * MLA_SROW + c * 8, ok ? base + tok * MLA_QK_DIM + c * 8 : pool, ok);
+        }
+    };
+    {
+        const int valid_m = n * H - m0;
+        const bf16_bits* qb = q + ((size_t)rs * H + m0) * MLA_QK_DIM;
+        for (int i = tid; i < C::BM * MLA_CHUNKS; i += C::THREADS) {
+            int r = i / MLA_CHUNKS, c = i - r * MLA_CHUNKS;
+            bool ok = r < valid_m;
+            cp_async16(Qs + r * MLA_SROW + c * 8, ok ? qb + (size_t)r * MLA_QK_DIM + c * 8 : q, ok);
+        }
+    }
+    // Group 0 = Q + first tile; then one group per tile (possibly empty, so the wait count stays fixed).
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
+
+    // ---- per-thread row state: rows g and g+8 of the warp's 16 ---------------------------------------
+    int qrow[2];
+    const unsigned* mrow[2];
+    for (int i = 0; i < 2; ++i) {
+        int m = m0 + mg * 16 + g + 8 * i;
+        int r = min(m / H, n - 1);  // padded rows borrow the last row's mask; their output is dropped
+        qrow[i] = r;
+        mrow[i] = mask ? mask + ((size_t)b * mask_rows + r) * DDT_MASK_WORDS : nullptr;
+    }
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    float o[C::NT_O][4];
+#pragma unroll
+    for (int j = 0; j < C::NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int it = tile - tile_begin;
+        const int buf = it % STAGES;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {   // refill the stage that was consumed in the previous iteration
+            int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
+        }
+        const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
+
+        // ---- S = Q K^T for 16 rows x TOK_W tokens --------------------------------------------------
+        // Two accumulator sets (even / odd k-steps) halve the dependent mma chain: with one block of
+        // 4-8 warps per SM the S phase is bound by mma latency, not by tensor throughput.
+        float sacc[C::NT_S][4], sodd[C::NT_S][4];
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[j][e] = sodd[j][e] = 0.f;
+        const bf16_bits* qa = Qs + (mg * 16 + (lane & 15)) * MLA_SROW + (lane >> 4) * 8;
+        const int tokw0 = vg * C::TOK_W;
+#ifndef MLA_PROBE_SKIP_S
+#pragma unroll 2
+        for (int ks2 = 0; ks2 < MLA_QK_DIM / 16; ks2 += 2) {
+#pragma unroll
+            for (int par = 0; par < 2; ++par) {
+                const int ks = ks2 + par;
+                float (*acc)[4] = par ? sodd : sacc;
+                unsigned a0, a1, a2, a3;
+                ldsm_x4(a0, a1, a2, a3, qa + ks * 16);
+#pragma unroll
+                for (int j = 0; j + 1 < C::NT_S; j += 2) {
+                    const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7) + (lane >> 4) * 8) * MLA_SROW +
+                                          ks * 16 + ((lane >> 3) & 1) * 8;
+                    unsigned b0, b1, b2, b3;
+                    ldsm_x4(b0, b1, b2, b3, kp);
+                    mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+                }
+                if (C::NT_S & 1) {
+                    const int j = C::NT_S - 1;
+                    const bf16_bits* kp = Kb + (tokw0 + j * 8 + (lane & 7)) * MLA_SROW + ks * 16 +
+                                          ((lane >> 3) & 1) * 8;
+                    unsigned b0, b1;
+                    ldsm_x2(b0, b1, kp);
+                    mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+                }
+            }
+        }
+#endif
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sacc[j][e] += sodd[j][e];
+
+        // ---- mask, scale, tile row max ------------------------------------------------------------
+        const int t0 = tile * BN + tokw0;
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const int t = t0 + j * 8 + 2 * q4 + (e & 1);
+                bool vis = t < kv_len;
+                if (vis && t >= s) {
+                    int jj = t - s;
+                    vis = mrow[i] ? ((__ldg(mrow[i] + (jj >> 5)) >> (jj & 31)) & 1u) != 0 : jj <= qrow[i];
+                }
+                float x = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+                sacc[j][e] = x;
+                tmax[i] = fmaxf(tmax[i], x);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 1));
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 2));
+        }
+        if (VG > 1) {
+            if (q4 == 0) {
+                red_max[vg * C::BM + mg * 16 + g] = tmax[0];
+                red_max[vg * C::BM + mg * 16 + g + 8] = tmax[1];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int v = 0; v < VG; ++v) mx = fmaxf(mx, red_max[v * C::BM + mg * 16 + g + 8 * i]);
+                tmax[i] = mx;
+            }
+        }
+
+        // ---- probabilities, written to shared memory as the A operand of P V -------------------------
+        float alpha[2], m_use[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float m_new = fmaxf(m_run[i], tmax[i]);
+            m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: keep p = 0
+            alpha[i] = exp2f(m_run[i] - m_use[i]);
+            m_run[i] = m_new;
+        }
+#pragma unroll
+        for (int j = 0; j < C::NT_S; ++j) {
+            float p0 = exp2f(sacc[j][0] - m_use[0]), p1 = exp2f(sacc[j][1] - m_use[0]);
+            float p2 = exp2f(sacc[j][2] - m_use[1]), p3 = exp2f(sacc[j][3] - m_use[1]);
+            psum[0] += p0 + p1;
+            psum[1] += p2 + p3;
+            const int col = tokw0 + j * 8 + 2 * q4;
+            *reinterpret_cast<unsigned*>(Ps + (mg * 16 + g) * C::PSTR + col) = pack_bf16x2(p0, p1);
+            *reinterpret_cast<unsigned*>(Ps + (mg * 16 + g + 8) * C::PSTR + col) = pack_bf16x2(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
+            psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
+        }
+        if (VG > 1 && q4 == 0) {
+            red_sum[vg * C::BM + mg * 16 + g] = psum[0];
+            red_sum[vg * C::BM + mg * 16 + g + 8] = psum[1];
+        }
+        __syncthreads();
+        if (VG > 1) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float sm = 0.f;
+#pragma unroll
+                for (int v = 0; v < VG; ++v) sm += red_sum[v * C::BM + mg * 16 + g + 8 * i];
+                psum[i] = sm;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + psum[i];
+#pragma unroll
+        for (int j = 0; j < C::NT_O; ++j) {
+            o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+        }
+
+        // ---- O += P V (V = the first 512 columns of the same latent rows) ---------------------------
+        const int col0 = vg * C::COL_W;
+#ifndef MLA_PROBE_SKIP_PV
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            unsigned a0, a1, a2, a3;
+            ldsm_x4(a0, a1, a2, a3, Ps + (mg * 16 + (lane & 15)) * C::PSTR + kk * 16 + (lane >> 4) * 8);
+            const bf16_bits* vrow = Kb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * MLA_SROW + col0 +
+                                    (lane >> 4) * 8;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; j += 2) {
+                unsigned b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, vrow + j * 8);
+                mma_bf16(o[j], a0, a1, a2, a3, b0, b1);
+                mma_bf16(o[j + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+#endif
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue -----------------------------------------------------------------------------------
+    const int valid_m = n * H - m0;
+    const int col0 = vg * C::COL_W;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int ml = mg * 16 + g + 8 * i;
+        if (ml >= valid_m) continue;
+        const size_t gm = (size_t)rs * H + m0 + ml;  // packed row in [total_rows * H]
+        const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+        if (num_splits == 1) {
+            bf16_bits* orow = out + gm * MLA_V_DIM + col0 + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; ++j)
+                *reinterpret_cast<unsigned*>(orow + j * 8) = pack_bf16x2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+        } else {
+            const size_t prow = (size_t)split * total_packed + gm;
+            float* orow = part_o + prow * MLA_V_DIM + col0 + 2 * q4;
+#pragma unroll
+            for (int j = 0; j < C::NT_O; ++j)
+                *reinterpret_cast<float2*>(orow + j * 8) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+            if (vg == 0 && q4 == 0)
+                part_lse[prow] = l_run[i] > 0.f ? m_run[i] + log2f(l_run[i]) : -INFINITY;
+        }
+    }
+}
+
 // ---- mla_attn_ksplit<MT, BN, STAGES>: Q in registers, S split over the reduction, 2 barriers per tile ----
 //
-// (The kernel it replaced re-read Q from shared memory for every KV tile and every token group, ~420 KB of
-// ldmatrix traffic per 64-row x 32-token tile, with 3 barriers per tile.) A block of 8 warps takes
-// BM = 16 * MT packed rows and:
+// The mla_attn_fwd layout above re-reads Q from shared memory for every KV tile and every token group
+// (~420 KB of ldmatrix traffic per 64-row x 32-token tile) and needs 3 barriers per tile. Here a block of 8
+// warps takes BM = 16 * MT packed rows and:
 //   S phase:  warp w = (kq = w % 4, th = w / 4) computes the partial S over the reduction columns
 //             kq * 144 .. +144 for all BM rows and the tokens th * BN/2 .. +BN/2 of the tile. Its Q
 //             fragments (MT x 9 k-steps) stay in registers for the whole KV range, so each K tile is read
@@ -105,18 +419,11 @@ struct MlaKsCfg {
 
 template <int MT, int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
-    const bf16_bits* __restrict__ q,           // [total_rows, H, 576]
-    const bf16_bits* __restrict__ pool,        // [num_pages, 64, 576]
-    const int* __restrict__ block_table,       // [S, max_pages]
-    const int* __restrict__ prefix_len,        // [S] committed length s
-    const int* __restrict__ n_rows_arr,        // [S] query rows (tree rows, chunk rows, 1 for decode)
-    const int* __restrict__ row_start,         // [S] first row of the stream in q / out
-    const unsigned* __restrict__ mask,         // [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal)
-    bf16_bits* __restrict__ out,               // [total_rows, H, 512]            (num_splits == 1)
-    float* __restrict__ part_o,                // [num_splits, total_rows*H, 512] (num_splits > 1)
-    float* __restrict__ part_lse,              // [num_splits, total_rows*H]
-    int max_pages, int mask_rows, int H, int total_packed, int num_splits,
-    float scale_log2) {   // softmax_scale * log2(e)
+    const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,
+    const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
+    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, float* __restrict__ part_o,
+    float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {   // same arguments as mla_attn_fwd
     using C = MlaKsCfg<MT, BN, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Ks = reinterpret_cast<bf16_bits*>(smem_raw);                        // [STAGES][BN][SROW]
@@ -128,19 +435,20 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
-    const int m0 = blockIdx.x * C::BM;
-    // The three per-stream values are loaded before the early exit so their latencies overlap.
     const int n = n_rows_arr[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int s = prefix_len[b];
     const int rs = row_start[b];
-    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int* table = block_table + (size_t)b * max_pages;
     const int valid_m = n * H - m0;
     int kv_len;   // causal rows stop at s + (last row of the tile) + 1
     if (mask == nullptr) kv_len = s + min(n - 1, (m0 + C::BM - 1) / H) + 1;
     else kv_len = s + n;
     const int n_tiles = (kv_len + BN - 1) / BN;
-    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;   // from s + n only
+    // Split boundaries from s + n, not from the clipped causal range, so a chain in tree mode and the same
+    // rows in causal mode add the same terms in the same order (fully masked tiles add exact zeros).
+    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;
     const int tile_begin = split * per_split;
     const int tile_end = min(n_tiles, tile_begin + per_split);
 
@@ -160,6 +468,12 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
             cp_async16(dst0 + tok * MLA_SROW + c * 8, ok ? base + tok * MLA_QK_DIM + c * 8 : pool, ok);
         }
     };
+    // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
+
     // Q A-fragments of this warp's reduction quarter, straight from global memory (padded rows are zero):
     // a0 / a1 = rows g / g+8 at columns 2*q4, a2 / a3 the same rows 8 columns on.
     unsigned qf[MT][C::KSTEPS][4];
@@ -178,12 +492,6 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
                     qf[mt][kk][2 + hi] = ok ? src[kk * 8 + 4] : 0u;
                 }
             }
-    }
-
-    // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
-        cp_async_commit();
     }
 
     // Softmax ownership: row srow of the tile, tokens spart * TPT .. +TPT.
@@ -378,6 +686,6 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combi
 }
 
 // Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):
-// tiles of 32 / 16 packed rows, 3 stages (H200) or 2 (<= 99 KB: sm_120).
+// tiles of 64 / 32 / 16 packed rows, for > 160 KB (H200) and <= 99 KB (sm_120) of shared memory.
 // MLA_PROBE_SKIP_{S,PV,LOAD} drop one phase; bench/attention.py --probe times them to show where the
 // time goes (the results are wrong by construction; never set them elsewhere).

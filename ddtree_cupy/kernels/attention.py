@@ -33,52 +33,53 @@ MAX_SPLITS = 256
 
 @dataclass(frozen=True)
 class MlaTileConfig:
-    """One instantiation of mla_attn_ksplit<MT, BN, STAGES> (8 warps; see the .cu header)."""
-    mt: int          # 16-row m-tiles per block (BM = 16 * mt packed rows)
-    bn: int          # KV tokens per tile
-    stages: int      # cp.async pipeline depth
-    tile_us: float   # time per KV tile of one block with every SM busy (H200, bench/attention.py --probe);
-                     # the split planner's unit of work
+    """One instantiation of mla_attn_fwd<MG, VG, BN, STAGES> or, with ``ksplit``, of
+    mla_attn_ksplit<MG, BN, STAGES> (8 warps, Q in registers; ``vg`` unused). See the .cu header."""
+    mg: int       # 16-row groups per block (BM = 16 * mg packed rows)
+    vg: int       # warps sharing a row group (split of the tile's tokens in S, of the 512 columns in O)
+    bn: int       # KV tokens per tile
+    stages: int   # cp.async pipeline depth
+    ksplit: bool = False
 
     @property
     def name(self) -> str:
-        return f"mla_attn_ksplit<{self.mt}, {self.bn}, {self.stages}>"
+        if self.ksplit:
+            return f"mla_attn_ksplit<{self.mg}, {self.bn}, {self.stages}>"
+        return f"mla_attn_fwd<{self.mg}, {self.vg}, {self.bn}, {self.stages}>"
 
     @property
     def bm(self) -> int:
-        return 16 * self.mt
+        return 16 * self.mg
 
     @property
     def threads(self) -> int:
-        return 256
+        return 256 if self.ksplit else 32 * self.mg * self.vg
 
     @property
     def smem(self) -> int:
-        # K stages (rows padded to 584) | 4 fp32 partial S tiles | P (bf16) | alpha, 1/l
-        return (self.stages * self.bn * (ROW_DIM + 8) * 2 + 4 * self.bm * (self.bn + 8) * 4
-                + self.bm * (self.bn + 8) * 2 + 2 * self.bm * 4)
+        srow = ROW_DIM + 8
+        if self.ksplit:   # K stages | 4 fp32 partial S tiles | P | alpha, 1/l
+            return (self.stages * self.bn * srow * 2 + 4 * self.bm * (self.bn + 8) * 4
+                    + self.bm * (self.bn + 8) * 2 + 2 * self.bm * 4)
+        return (self.bm * srow + self.stages * self.bn * srow + self.bm * (self.bn + 8)) * 2 + 2 * self.vg * self.bm * 4
 
 
-# Tiles of 32 / 16 packed (row, head) rows; 3 cp.async stages where shared memory allows (H200), 2 within
-# the 99 KB of sm_120. plan_mla takes the 16-row tile for decode (8 heads x 1 row) and the 32-row tile
-# otherwise. The 2-stage tile_us figures were not measured on an RTX PRO 6000 (H200 figures x ~1.1).
+# Tiles of 64 / 32 / 16 packed (row, head) rows; plan_mla picks the smallest tile that holds a stream's
+# packed rows (less padding for decode and short trees), preferring the wider / deeper variant where its
+# shared memory fits (H200: all; sm_120, 99 KB per block: "small", "ks32_2stage", "ks16_2stage").
+# 16 rows (decode at 8 heads) use mla_attn_ksplit: faster than the mla_attn_fwd 16-row tiles it replaced in
+# every decode case measured (docs/ATTENTION.md). ks32* (mla_attn_ksplit, 32 rows) are tested, opt-in
+# candidates for the larger shapes: faster in ~40% of them with the current split rule, not yet planned.
 MLA_CONFIGS = {
-    "ks32": MlaTileConfig(mt=2, bn=32, stages=3, tile_us=1.8),         # 132 KB
-    "ks32_2stage": MlaTileConfig(mt=2, bn=32, stages=2, tile_us=2.0),  # 96 KB (sm_120)
-    "ks16": MlaTileConfig(mt=1, bn=32, stages=3, tile_us=1.5),         # 121 KB
-    "ks16_2stage": MlaTileConfig(mt=1, bn=32, stages=2, tile_us=1.7),  # 84 KB (sm_120)
-    # deeper pipelines: more bytes in flight per SM (a lone block streams ~25 GB/s with 2 tiles in flight)
-    "ks32_deep": MlaTileConfig(mt=2, bn=32, stages=4, tile_us=1.8),    # 169 KB
-    "ks16_deep": MlaTileConfig(mt=1, bn=32, stages=5, tile_us=1.5),    # 194 KB
+    "large": MlaTileConfig(mg=4, vg=2, bn=32, stages=3),        # 188 KB
+    "mid": MlaTileConfig(mg=2, vg=4, bn=32, stages=3),          # 150 KB
+    "small": MlaTileConfig(mg=2, vg=2, bn=16, stages=3),        # 93 KB
+    "ks32": MlaTileConfig(mg=2, vg=0, bn=32, stages=3, ksplit=True),         # 132 KB
+    "ks32_2stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=2, ksplit=True),  # 96 KB (sm_120)
+    "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
+    "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
 }
-_PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("ks32", "ks32_2stage")}
-
-# Split planner cost model (microseconds, fitted to the H200 probe in docs/ATTENTION.md): per block a fixed
-# BLOCK_US (Q and first-tile latency, epilogue) plus tile_us per KV tile, in waves of SMs x resident blocks;
-# a split launch adds the combine: COMBINE_US + 4 KB of fp32 partial traffic per (packed row, split).
-BLOCK_US = 2.0
-COMBINE_US = 3.0
-COMBINE_US_PER_ROW_SPLIT = 4096 / 3.0e6   # 4 KB at ~3 TB/s (L2-resident partials)
+_PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
@@ -117,11 +118,12 @@ def _smem_per_sm() -> int:
 
 
 def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int = 1 << 30) -> MlaTileConfig:
-    """The tile configuration for streams of up to ``packed_rows`` = rows x heads: 16 rows when they fit
-    (decode at 8 heads: half the padding of a 32-row tile), else 32; the 3-stage variant where it fits."""
+    """The tile configuration for streams of up to ``packed_rows`` = rows x heads: the smallest row tile
+    that holds them (the largest one past 64), among those whose shared memory fits the device."""
     if max_smem_per_block is None:
         max_smem_per_block = _device_attrs()[1]
-    order = (16, 32) if packed_rows <= 16 else (32, 16)
+    order = [bm for bm in (16, 32, 64) if bm >= packed_rows] or [64]
+    order += [bm for bm in (64, 32, 16) if bm not in order]
     for bm in order:
         for key in _PREFERENCE[bm]:
             if MLA_CONFIGS[key].smem <= max_smem_per_block:
@@ -129,30 +131,15 @@ def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int
     raise ValueError(f"no MLA tile configuration fits {max_smem_per_block} bytes of shared memory per block")
 
 
-def mla_split_cost_us(k: int, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, num_sms: int,
-                      config: MlaTileConfig, blocks_per_sm: int = 1) -> float:
-    """Modelled time of one call with ``k`` splits (see BLOCK_US): waves x per-block time + combine."""
-    m_tiles = -(-max_rows * n_heads // config.bm)
-    kv_tiles = -(-max_kv_len // config.bn)
-    waves = -(-n_streams * m_tiles * k // (num_sms * blocks_per_sm))
-    t = waves * (-(-kv_tiles // k) * config.tile_us + BLOCK_US)
-    if k > 1:
-        t += COMBINE_US + k * n_streams * max_rows * n_heads * COMBINE_US_PER_ROW_SPLIT
-    return t
-
-
 def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, num_sms: int,
                    config: MlaTileConfig, blocks_per_sm: int = 1) -> int:
-    """Split-KV count from sizes only (so a captured graph keeps it): the k that minimises
-    mla_split_cost_us. Filling the SMs pays only while the combine's partial traffic stays small, and
-    block counts just past a multiple of the resident slots (a nearly empty last wave) are avoided."""
+    """Split-KV count from sizes only (so a captured graph keeps it): enough blocks to fill every SM
+    (``blocks_per_sm`` resident blocks each), but at least 2 KV tiles per split."""
+    m_tiles = -(-max_rows * n_heads // config.bm)
+    blocks = n_streams * m_tiles
     kv_tiles = -(-max_kv_len // config.bn)
-    best_k, best_t = 1, float("inf")
-    for k in range(1, min(kv_tiles, MAX_SPLITS) + 1):
-        t = mla_split_cost_us(k, n_streams, max_rows, n_heads, max_kv_len, num_sms, config, blocks_per_sm)
-        if t < best_t * 0.999:    # ties go to fewer splits
-            best_k, best_t = k, t
-    return best_k
+    want = -(-num_sms * blocks_per_sm // blocks)
+    return max(1, min(want, kv_tiles // 2, MAX_SPLITS))
 
 
 def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
@@ -163,9 +150,12 @@ def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
 
 
 def _blocks_per_sm(cfg: MlaTileConfig) -> int:
-    """Resident blocks per SM: shared memory, and registers (the 32-row tile needs ~220 per thread, the
-    2-stage 16-row one 128 on sm_90)."""
-    return max(1, min(_smem_per_sm() // (cfg.smem + 1024), 1 if cfg.mt > 1 else 2))
+    """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit: 217 per thread
+    for 32 rows (one 8-warp block), 141 for 16 rows with 3 stages (sm_90 ptxas report)."""
+    bps = max(1, min(_smem_per_sm() // (cfg.smem + 1024), 2048 // cfg.threads))
+    if cfg.ksplit and cfg.mg > 1:
+        bps = 1
+    return bps
 
 
 class MlaWorkspace:
