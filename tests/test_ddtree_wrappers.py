@@ -1,0 +1,57 @@
+"""CPU checks of the DDTree wrapper's layout helpers (kernels/ddtree.py) against cuda_src/ddtree.cu: the
+per-chunk candidate-list width must be the same function of k on both sides, and the merge's shared memory
+must fit the target GPU for the engine's shapes (Kimi K2.6: V = 163840, TP 1..8, k <= 128)."""
+import re
+from pathlib import Path
+
+import pytest
+
+from ddtree_cupy.kernels import ddtree as ddt
+
+SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
+
+
+def _cu_ternary(name):
+    """`__device__ ... int name(int k) { return <c ? a : b chains>; }` from the .cu as a Python function of k
+    (the C conditional operator rewritten as Python's, innermost parentheses first)."""
+    m = re.search(r"int " + name + r"\(int k\) \{ return ([^;]+); \}", SRC)
+    assert m, f"{name} not found in cuda_src/ddtree.cu"
+    expr = m.group(1).replace("cand_cap(k)", "cc(k)")
+
+    def py(e):   # "c ? a : b" without parentheses inside the branches -> "(a if c else b)"
+        c, rest = e.split("?", 1)
+        a, b = rest.split(":", 1)
+        return f"({a.strip()} if {c.strip()} else {b.strip()})"
+    while "?" in expr:
+        inner = re.search(r"\(([^()]*\?[^()]*)\)", expr)
+        if inner:
+            expr = expr[:inner.start()] + py(inner.group(1)) + expr[inner.end():]
+        else:
+            expr = py(expr)
+    return eval("lambda k: " + expr, {"cc": ddt.cand_cap})
+
+
+@pytest.mark.parametrize("k", list(range(1, ddt.MAX_K + 1)))
+def test_candidate_layout_matches_the_kernel(k):
+    assert _cu_ternary("cand_cap")(k) == ddt.cand_cap(k)
+    assert _cu_ternary("part_width")(k) == ddt.part_width(k)
+    assert ddt.cand_cap(k) >= max(k, 2) and ddt.cand_cap(k) <= 256   # s_cand holds DDT_SORT_CAP keys
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 8, 64, 128])
+def test_merge_shared_memory_fits_engine_shapes(tp, k):
+    V_local = 163840 // tp
+    P = ddt.n_chunks(V_local)
+    assert ddt.merge_smem(P, k, parts_major=False) <= ddt.MAX_MERGE_SMEM
+    assert ddt.merge_smem(tp, k, parts_major=True) <= ddt.MAX_MERGE_SMEM
+    # the limit leaves room for the merge's static shared memory under sm_120's 99 KB per block
+    assert ddt.MAX_MERGE_SMEM + 4 * 1024 <= 99 * 1024
+
+
+def test_chunk_constants_match_the_kernel():
+    threads = int(re.search(r"#define DDT_TOPK_THREADS (\d+)", SRC).group(1))
+    vecs = int(re.search(r"#define DDT_TOPK_VECS (\d+)", SRC).group(1))
+    assert ddt.TOPK_THREADS == threads
+    assert ddt.MAX_CHUNK == threads * 8 * vecs
+    assert ddt.DEFAULT_CHUNK % (threads * 8) == 0 and ddt.DEFAULT_CHUNK <= ddt.MAX_CHUNK
