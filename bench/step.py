@@ -14,8 +14,9 @@ and drafter context filled with random rows) it reports:
 * one MoE layer (layer 1) as its own graph, and each of its stages (``GpuTarget.layer_stages``) as its own
   graph: us per layer and per stage. Caveat: a graph of one layer (stage) replayed back to back re-reads the
   same weights, so small ones come from L2; verify / layers is the honest per-layer figure;
-* with ``--pdl`` (when kernels/launch.py exists): the step graph re-captured with programmatic dependent
-  launch on, timed the same way (step_pdl_ms), then captured again with it off;
+* with ``--pdl 1``: the step graph re-captured with programmatic dependent launch (``GpuEngine(pdl=True)``'s
+  capture; the main figures use pdl=False), timed the same way (step_pdl_ms), its logits and packed output
+  compared bit for bit with the plain graph's, then captured again without;
 * floor: the bytes the step must read (every weight of the rank once, the routed experts the routing
   actually touched -- counted per layer from the router's outputs on this step's rows -- the latent cache
   and drafter context, the logits) over the read bandwidth measured in this run; ratio = step / floor;
@@ -168,10 +169,6 @@ def main(argv=None) -> int:
     from ddtree_cupy.engine.kv_pool import KVPool
     from ddtree_cupy.kernels import engine_glue as g
 
-    try:
-        from ddtree_cupy.kernels import launch as launch_mod
-    except ImportError:                      # no PDL launch path in this tree
-        launch_mod = None
     t_start = time.perf_counter()
     dev = cupy.cuda.Device()
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
@@ -183,7 +180,7 @@ def main(argv=None) -> int:
     per_stream = a.ctx + R_max + 64
     eng = GpuEngine(tcfg, None, dcfg, None, comm=comm, max_streams=S_max, max_budget=R_max - 1,
                     kv_tokens=S_max * (-(-per_stream // 64)) * 64, random_weights=1, prefill_chunk=64,
-                    max_context=per_stream,
+                    max_context=per_stream, pdl=False,
                     buckets=tuple(sorted(set(a.streams) | {S_max})))
     build_s = time.perf_counter() - t0
     fill_random(eng.kv.pools, seed=1)
@@ -256,9 +253,17 @@ def main(argv=None) -> int:
                     layer_us = time_graph(lambda: [fn() for _, fn in stages], iters=10, reps=3)
                     for sname, fn in stages:
                         stage_us[sname] = time_graph(fn, iters=10, reps=3)
-            step_pdl_s = None
-            if a.pdl and launch_mod is not None:
-                launch_mod.set_pdl(True)
+            step_pdl_s, pdl_check = None, None
+            if a.pdl:
+                # replays with the same ctrl are a pure function of the unchanged state (the cache prefix and
+                # the drafter context below s are never written), so the outputs must repeat bit for bit;
+                # the PDL graph must give the same bits as the plain one
+                def outputs():
+                    step.graph.launch(st)
+                    st.synchronize()
+                    return step.batch.logits.get(), step.packed.get()
+                base1, base2 = outputs(), outputs()
+                eng.models.pdl = True           # the same step graph captured with PDL launches
                 try:
                     step.capture()
                     step.upload(ctrl)
@@ -269,10 +274,13 @@ def main(argv=None) -> int:
                     ev1.record(st)
                     ev1.synchronize()
                     step_pdl_s = cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+                    pdl_out = outputs()
+                    same = lambda x, y: all(np.array_equal(u.view(np.uint8), v.view(np.uint8)) for u, v in zip(x, y))  # noqa: E731,E501
+                    pdl_check = dict(plain_repeats=same(base1, base2), pdl_equals_plain=same(base1, pdl_out))
                 except Exception as e:          # report and go on: the PDL path is optional
                     print(f"    PDL capture/replay failed: {type(e).__name__}: {e}", flush=True)
                 finally:
-                    launch_mod.set_pdl(False)
+                    eng.models.pdl = False
                 st.synchronize()
                 step.capture()
                 step.upload(ctrl)
@@ -291,15 +299,15 @@ def main(argv=None) -> int:
                        layer_launches=sum(lc_layer.counts.values()), layer_launch_counts=dict(lc_layer.counts),
                        verify_us_per_layer=phases.get("verify", 0) * 1e6 / tcfg.num_hidden_layers,
                        layer_graph_us=layer_us, stage_us=stage_us,
-                       step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3)
+                       step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3, pdl_check=pdl_check)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
                   f"{rec['mean_unique_experts']:5.1f}; phases " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items())
                   + f"; PRO 6000 {pro_s * 1e3:.1f} ms -> {a.tau * S / pro_s:.0f} tok/s", flush=True)
             print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
-                  + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms"
-                                                                  if step_pdl_s else ""), flush=True)
+                  + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms "
+                                                                  f"{pdl_check}" if step_pdl_s else ""), flush=True)
             if stage_us:
                 print(f"    MoE layer graph {layer_us:.1f} us (verify/layer {rec['verify_us_per_layer']:.1f} us); "
                       "stages us: " + " ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)

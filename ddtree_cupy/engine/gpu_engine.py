@@ -42,13 +42,15 @@ class GpuEngine:
                  kv_tokens: Optional[int] = None, eager: bool = False, prefill_chunk: int = 256,
                  profile: bool = False, reserve_bytes: Optional[int] = None, random_weights: Optional[int] = None,
                  progress: bool = False, buckets: Optional[Sequence[int]] = None,
-                 max_context: Optional[int] = None):
+                 max_context: Optional[int] = None, pdl="auto"):
         """``random_weights``: a seed: random rank-shaped weights instead of a checkpoint (benchmarks).
         ``kv_tokens``: latent-cache tokens for all streams together (default: from free memory).
         ``profile``: time phases with CUDA events (forces eager steps: a replayed graph is one launch).
         ``max_context``: cache tokens one stream may use (prompt + output + one step's tree rows); default
         the position limit + the largest tree. Smaller values size the attention's split plan and the
-        drafter ring for shorter contexts (longer requests are refused at admission)."""
+        drafter ring for shorter contexts (longer requests are refused at admission).
+        ``pdl``: 'auto' (decode-step graphs of <= step.PDL_MAX_ROWS verify rows are captured with programmatic
+        dependent launch, where it measured faster), True (every step graph) or False (none)."""
         import cupy
         from ..dist import SingleRank
         from ..models.drafter import GpuDrafter, GpuDrafterWeights
@@ -62,6 +64,8 @@ class GpuEngine:
                               ("prefill_chunk", prefill_chunk, 1, 4096)):
             if not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
                 raise ValueError(f"GpuEngine: {nm} must be an integer in [{lo}, {hi}], got {v!r}")
+        if pdl not in ("auto", True, False):
+            raise ValueError(f"GpuEngine: pdl must be 'auto', True or False, got {pdl!r}")
         if kv_tokens is not None and (not isinstance(kv_tokens, (int, np.integer)) or kv_tokens < 1):
             raise ValueError(f"GpuEngine: kv_tokens must be a positive integer, got {kv_tokens!r}")
         self.tcfg, self.dcfg = tcfg, dcfg
@@ -120,7 +124,7 @@ class GpuEngine:
         self.max_pages_per_stream = min(self.max_pages_per_stream, num_pages)
         self.num_pages = num_pages
         self.kv = GpuLatentCache(L, num_pages, self.max_streams, self.max_pages_per_stream)
-        self.models = Models(tcfg, dcfg, self.target, self.drafter, self.kv, self.comm, self.stream)
+        self.models = Models(tcfg, dcfg, self.target, self.drafter, self.kv, self.comm, self.stream, pdl=pdl)
         self.prefill_runner = Prefill(self.models, prefill_chunk, graphs=not self.eager)
         self.steps: Dict[Tuple, object] = {}
         self.last_pool: Optional[KVPool] = None

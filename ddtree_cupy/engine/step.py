@@ -48,12 +48,25 @@ def slot_seed(seed: int, sample_stream: int) -> int:
     return splitmix64((int(seed) ^ splitmix64(int(sample_stream) + 1)) & 0xFFFFFFFFFFFFFFFF)
 
 
-class Models:
-    """What every step and the prefill share: configs, target, drafter, latent cache, communicator, stream."""
+# Programmatic dependent launch (kernels/launch.py) for captured decode steps of at most this many verify
+# rows: measured on the H200 (bench/step.py, docs/ENGINE.md) 3-8% faster at 8-64 rows, where the step is
+# launch-latency bound, and 0-3.5% slower at 80-320 rows; outputs bit-identical with and without.
+PDL_MAX_ROWS = 64
 
-    def __init__(self, tcfg, dcfg, target, drafter, kv, comm, stream):
+
+def use_pdl(setting, rows: int) -> bool:
+    """setting 'auto': PDL for steps of <= PDL_MAX_ROWS rows; True / False: always / never."""
+    return rows <= PDL_MAX_ROWS if setting == "auto" else bool(setting)
+
+
+class Models:
+    """What every step and the prefill share: configs, target, drafter, latent cache, communicator, stream;
+    ``pdl``: when decode-step graphs are captured with programmatic dependent launch (``use_pdl``)."""
+
+    def __init__(self, tcfg, dcfg, target, drafter, kv, comm, stream, pdl="auto"):
         self.tcfg, self.dcfg, self.target, self.drafter, self.kv, self.comm = tcfg, dcfg, target, drafter, kv, comm
         self.stream = stream
+        self.pdl = pdl
         self.tp, self.rank = comm.size, comm.rank
         self.V_local = tcfg.vocab_size // self.tp
         self.id_offset = self.rank * self.V_local
@@ -261,18 +274,26 @@ class DecodeStep:
     # ---- capture / replay -----------------------------------------------------------------------------
     def capture(self) -> None:
         """Warm up eagerly with every slot idle (compiles kernels, allocates first-call workspaces; changes
-        no stream's state), then capture the same sequence as one CUDA graph."""
+        no stream's state), then capture the same sequence as one CUDA graph; with programmatic dependent
+        launch for the kernels that allow it when ``use_pdl(m.pdl, rows)`` (recorded in the graph)."""
+        from ..kernels import launch
         st = self.m.stream
-        with st:
-            self.ctrl.fill(0)
-            self.enqueue()
-            st.synchronize()
-            st.begin_capture()
-            try:
+        before = launch.pdl_enabled()
+        self.pdl = use_pdl(self.m.pdl, self.T)
+        launch.set_pdl(self.pdl)
+        try:
+            with st:
+                self.ctrl.fill(0)
                 self.enqueue()
-            finally:
-                self.graph = st.end_capture()
-            st.synchronize()
+                st.synchronize()
+                st.begin_capture()
+                try:
+                    self.enqueue()
+                finally:
+                    self.graph = st.end_capture()
+                st.synchronize()
+        finally:
+            launch.set_pdl(before)
 
     def upload(self, ctrl: np.ndarray, running=None) -> None:
         """Host -> device: the control block (and, sampled, the running streams' sampling parameters)."""
