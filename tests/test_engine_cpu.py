@@ -515,6 +515,20 @@ def test_engine_equals_reference_loop(fake_gpu, mode, budget, cap_k, chain, eage
     pool = eng.last_pool
     assert pool.free_pages == pool.num_pages
     assert (eng.steps and all((st.graph is None) == eager for st in eng.steps.values()))
+    # default pdl='auto': graphs of <= PDL_MAX_ROWS rows were captured with PDL, the global switch restored
+    from ddtree_cupy.engine.step import PDL_MAX_ROWS
+    from ddtree_cupy.kernels import launch
+    assert all(st.pdl == (st.T <= PDL_MAX_ROWS) for st in eng.steps.values() if st.graph is not None)
+    assert not launch.pdl_enabled()
+
+
+def test_pdl_setting(fake_gpu):
+    from ddtree_cupy.engine.gpu_engine import GpuEngine
+    from ddtree_cupy.engine.step import PDL_MAX_ROWS, use_pdl
+    assert use_pdl("auto", PDL_MAX_ROWS) and not use_pdl("auto", PDL_MAX_ROWS + 1)
+    assert use_pdl(True, 10 ** 6) and not use_pdl(False, 1)
+    with pytest.raises(ValueError, match="pdl must be"):
+        GpuEngine(SPEC.target_config(), None, SPEC.drafter_config(), None, random_weights=0, pdl="yes")
 
 
 def test_continuous_batching_and_refusal(fake_gpu):

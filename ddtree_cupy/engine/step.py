@@ -209,6 +209,7 @@ class DecodeStep:
             self.k_max = min(k_max_sample, V)
             self.sbuf = SampleBuffers(T, V, self.k_max)
         self.graph = None
+        self.pdl = False               # whether the captured graph uses PDL launches (capture sets it)
 
     # ---- the stage sequence ---------------------------------------------------------------------------
     def phases(self):
