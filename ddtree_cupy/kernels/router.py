@@ -59,7 +59,8 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
             raise ValueError(f"gate_up: width must be 2I with I a multiple of 8, got {gate_up.shape[1]}")
         I = gate_up.shape[1] // 2
         os_ = check_rows("act_out", act_out, np.uint16, ("T", I), dims)
-        act_blocks = max(1, min(4 * 132, -(-T * I // 8 // (32 * WARPS))))
+        # one 16-byte vector per thread; the SwiGLU blocks loop grid-stride, so the cap only bounds the grid
+        act_blocks = max(1, min(512, -(-T * I // 8 // (32 * WARPS))))
     elif act_out is not None:
         raise ValueError("act_out: given without gate_up")
     if T:
