@@ -192,7 +192,7 @@ def test_decode_equals_tree_of_one_and_chain_equals_causal(config):
         check(c2, chain_tree, "chain")
 
 
-@pytest.mark.parametrize("config", [None, "ks16"])
+@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
 @pytest.mark.parametrize("H", [8, 64])
 def test_prefill_chunks_equal_one_causal_pass(H, config):
     rng = np.random.default_rng(11 + H)
