@@ -1,12 +1,16 @@
 """Benchmark: absorbed MLA tree-verify attention (8 local heads) vs the measured ceilings of the same run.
 
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
+                                               [--compare] [--was OLD.json]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
 
 For streams x tree rows x context: time per call (CUDA-graph replay), bytes (latent KV read once + q +
 o_lat), FLOPs (2 x (576 + 512) per visible (row, head, key)), the floor max(bytes / read ceiling,
 FLOPs / mma.sync bf16 rate) with both ceilings measured here, the ratio to the floor, and the same rows
-as a chain (causal) at the same prefix. Also the DFlash drafter attention (8 q heads / 1 kv head).
+as a chain (causal) at the same prefix, the earlier results' time ("was", default: the committed JSON) and
+the launch floor (empty kernels replayed from a graph). --compare also times the opt-in ks32 tile where
+plan_mla picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan and
+builds without one phase. Also the DFlash drafter attention (8 q heads / 1 kv head).
 Prints tables; never asserts a speed.
 """
 from __future__ import annotations
