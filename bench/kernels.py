@@ -13,7 +13,7 @@ Parts: 'gemm' every skinny GEMM at TP=8 rank shapes; 'layers' the small layer ke
 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router sequence (10 kernels, 6 of
 them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed cost shows in context;
 'sweep' the split-K factor of a few GEMMs, against gemm.choose_split's pick. --pdl: run with programmatic
-dependent launch off (0), on (1) or both (the row names say which).
+dependent launch off (0), on (1) or both (default; '[pdl]' marks the rows with it).
 """
 from __future__ import annotations
 
@@ -216,7 +216,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--parts", default="gemm,layers,chain", help="comma list of gemm, layers, chain, sweep")
-    ap.add_argument("--pdl", default="0", choices=("0", "1", "both"), help="programmatic dependent launch")
+    ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
+                    help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     args = ap.parse_args(argv)
     from ddtree_cupy.kernels import launch
     parts = set(args.parts.split(","))

@@ -7,14 +7,12 @@
 //  * weight and token tiles go global -> shared with cp.async in a STAGES-deep ring, so many bytes are
 //    in flight per SM, and shared -> registers with ldmatrix from an XOR-swizzled layout (no bank
 //    conflicts);
-//  * split-K > 1 writes fp32 partials to a workspace [batch][split][T][N]; the last block of a column
-//    tile to finish (one atomic ticket per tile) sums them in split order, so the result is deterministic
-//    and there is no separate reduction launch (a graph node costs ~1.5 us, more than a 5 MB weight's
-//    streaming time). The tickets reset themselves, so the kernel replays in a CUDA graph;
-//  * PDL (common.cuh): the first weight stages are requested before DDT_PDL_WAIT(), so with programmatic
-//    dependent launch the weight stream starts while the previous kernel drains; activations, the
-//    workspace, the tickets and the output are only touched after it.
+//  * split-K > 1 writes fp32 partials to a workspace [batch][split][T][N] and gemm_splitk_reduce sums
+//    them in a fixed order (deterministic, graph-capturable, no atomics).
 // A batch index (gridDim.z) with element strides serves per-head products (MLA absorbed W_UK / W_UV).
+// PDL (common.cuh): both kernels wait before their first global access, and let the next kernel launch at
+// once, so with programmatic dependent launch (kernels/launch.py) a kernel's launch and block scheduling
+// overlap its predecessor's tail (docs/KERNELS.md "PDL").
 #include "common.cuh"
 
 #define GEMM_BN 64          // weight rows (output features) per block
@@ -42,8 +40,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, (NT <= 8 ? 2 : 0))
 gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                  const bf16_bits* __restrict__ w, long long w_batch_stride,
                  void* __restrict__ out, long long out_batch_stride, int out_row_stride,
-                 float* __restrict__ ws, int T, int N, int K, int k_tiles_per_split,
-                 int* __restrict__ tickets) {
+                 float* __restrict__ ws, int T, int N, int K, int k_tiles_per_split) {
     extern __shared__ uint4 smem[];
     uint4* w_s = smem;                                   // [STAGES][GEMM_BN * 8]
     uint4* x_s = smem + STAGES * GEMM_BN * 8;            // [STAGES][NT * 8 * 8]
@@ -55,8 +52,10 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
     const int nkt = min(k_tiles_per_split, k_tiles - kt0);
     x += b * x_batch_stride;
     w += b * w_batch_stride;
+    DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
+    DDT_PDL_WAIT();                         // x, ws and out belong to earlier kernels in the stream
 
-    auto load_w = [&](int slot, int kt) {
+    auto load_stage = [&](int slot, int kt) {
         uint4* ws_ = w_s + slot * GEMM_BN * 8;
         const int k = kt * GEMM_BK;
 #pragma unroll
@@ -66,9 +65,6 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
             const bf16_bits* src = n < N ? w + (long long)n * K + k + c * 8 : w;
             cp_async16(smem_addr(ws_ + swz(r, c)), src, n < N ? 16 : 0);
         }
-    };
-    auto load_x = [&](int slot, int kt) {
-        const int k = kt * GEMM_BK;
         uint4* xs_ = x_s + slot * NT * 64;
 #pragma unroll
         for (int j = 0; j < (NT * 64 + GEMM_THREADS - 1) / GEMM_THREADS; ++j) {
@@ -85,16 +81,9 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-    // Prologue. Weights are constant, so their first STAGES-1 tiles are requested before the PDL wait;
-    // they join the first commit group, which the first cp_async_wait below covers anyway.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-        if (s < nkt) load_w(s, kt0 + s);
-    DDT_PDL_LAUNCH_DEPENDENTS();           // the next kernel may launch; it waits for this whole grid
-    DDT_PDL_WAIT();                        // x (and ws / tickets / out) belong to earlier kernels
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nkt) load_x(s, kt0 + s);
+        if (s < nkt) load_stage(s, kt0 + s);
         cp_async_commit();                 // commit even when empty: the group count stays in step
     }
 
@@ -102,10 +91,7 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
         cp_async_wait<STAGES - 2>();       // stage `it` has landed (for this thread) ...
         __syncthreads();                   // ... for every thread, and slot (it-1) % STAGES is free
         const int nxt = it + STAGES - 1;
-        if (nxt < nkt) {
-            load_w(nxt % STAGES, kt0 + nxt);
-            load_x(nxt % STAGES, kt0 + nxt);
-        }
+        if (nxt < nkt) load_stage(nxt % STAGES, kt0 + nxt);
         cp_async_commit();
 
         const uint4* ws_ = w_s + (it % STAGES) * GEMM_BN * 8;
@@ -149,7 +135,6 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
 
     // D fragment: c0,c1 = (feature lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = feature + 8.
     const int nf = n0 + warp * 16 + (lane >> 2);
-    const long long tn = (long long)T * N;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -158,7 +143,7 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
             if (n < N && t < T) {
                 const float v = acc[j][e];
                 if (split > 1) {
-                    ws[((long long)b * split + sidx) * tn + (long long)t * N + n] = v;
+                    ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
                 } else if (OUT_F32) {
                     ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
                 } else {
@@ -168,54 +153,23 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
             }
         }
     }
-    if (split == 1) return;
+}
 
-    // Split-K: the last of the `split` blocks of this column tile sums every partial (threadfence
-    // reduction: publish the partials, then take a ticket; the block holding the last ticket sees them all).
-    __shared__ int last_block;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        int* ticket = tickets + (long long)b * gridDim.x + blockIdx.x;
-        const int prev = atomicAdd(ticket, 1);
-        last_block = prev == split - 1;
-        if (last_block) *ticket = 0;       // every block of this tile has taken its ticket: reset for reuse
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
-
-    // 16 groups of 4 features x T tokens; each group reads `split` float4 partials through L2 (ld.cg: the
-    // other blocks' writes are not in this SM's L1), several loads in flight, summed in split order.
-    const float* wsb = ws + (long long)b * split * tn;
-    const int ngroups = 16 * T;
-    for (int g = tid; g < ngroups; g += GEMM_THREADS) {
-        const int t = g >> 4, n = n0 + (g & 15) * 4;
-        if (n >= N) continue;              // N % 16 == 0: a group is entirely inside or outside
-        const float4* p = (const float4*)(wsb + (long long)t * N + n);
-        const long long step = tn / 4;     // float4s between consecutive splits (tn % 16 == 0)
-        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-        int k = 0;
-        for (; k + 4 <= split; k += 4) {
-            const float4 v0 = __ldcg(p), v1 = __ldcg(p + step), v2 = __ldcg(p + 2 * step),
-                         v3 = __ldcg(p + 3 * step);
-            s.x += v0.x; s.y += v0.y; s.z += v0.z; s.w += v0.w;
-            s.x += v1.x; s.y += v1.y; s.z += v1.z; s.w += v1.w;
-            s.x += v2.x; s.y += v2.y; s.z += v2.z; s.w += v2.w;
-            s.x += v3.x; s.y += v3.y; s.z += v3.z; s.w += v3.w;
-            p += 4 * step;
-        }
-        for (; k < split; ++k, p += step) {
-            const float4 v = __ldcg(p);
-            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
+// Sum the split-K partials in split order (deterministic) and write bf16 or fp32.
+template <bool OUT_F32>
+__global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int T, int N,
+                                   void* __restrict__ out, long long out_batch_stride, int out_row_stride) {
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    DDT_PDL_WAIT();                         // the partials come from the GEMM just before
+    const int b = blockIdx.y;
+    const long long tn = (long long)T * N;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < tn; i += (long long)gridDim.x * blockDim.x) {
+        const float* p = ws + (long long)b * split * tn + i;
+        float s = 0.f;
+        for (int k = 0; k < split; ++k) s += p[k * tn];
+        const int t = (int)(i / N), n = (int)(i % N);
         const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
-        if (OUT_F32) {
-            float* op = (float*)out + o;
-            op[0] = s.x; op[1] = s.y; op[2] = s.z; op[3] = s.w;
-        } else {
-            bf16_bits* op = (bf16_bits*)out + o;
-            op[0] = f32_to_bf16(s.x); op[1] = f32_to_bf16(s.y); op[2] = f32_to_bf16(s.z); op[3] = f32_to_bf16(s.w);
-        }
+        if (OUT_F32) ((float*)out)[o] = s;
+        else ((bf16_bits*)out)[o] = f32_to_bf16(s);
     }
 }

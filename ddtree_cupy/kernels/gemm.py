@@ -1,9 +1,8 @@
 """Skinny bf16 GEMM (cuda_src/gemm_bf16.cu): y[T, N] = x[T, K] @ W[N, K]^T, fp32 accumulate.
 
 Decode shapes: T = 1..160 tokens, K 64..7168, N 16..20480. The weight is streamed once; split-K spreads a
-narrow weight over every SM, and the last block of each column tile sums the partials (no reduction launch;
-per-tile tickets in a small zeroed int32 buffer that resets itself). The kernel obeys the PDL rule
-(``pdl=True``): with ``launch.set_pdl(True)`` its weight prefetch overlaps the previous kernel. Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
+narrow weight over every SM. Both kernels obey the PDL rule (``pdl=True``): with ``launch.set_pdl(True)``
+they launch through cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py). Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
 out [B, T, N]; x and out may be strided views (inner dimension contiguous, 16-byte aligned rows).
 """
 from __future__ import annotations
@@ -37,13 +36,13 @@ def _name(nt: int, out_f32: bool) -> str:
 
 SPEC = register(KernelSpec(
     src="gemm_bf16.cu",
-    names=tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES),
-    hot=True, pdl=True,
-    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K reduced in the kernel"))
+    names=tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
+    + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
+    hot=True, pdl=True,      # both kernels start with DDT_PDL_WAIT(): launched with PDL when enabled
+    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K"))
 
 _SM_COUNT = {}
 _WORKSPACE = {}
-_TICKETS = {}       # (device, workspace pointer) -> zeroed int32 tickets, one per (batch, column tile)
 
 
 def _sm_count() -> int:
@@ -54,25 +53,13 @@ def _sm_count() -> int:
     return _SM_COUNT[dev]
 
 
-def _balance(k_tiles: int, col_blocks: int, split: int, sm_count: int) -> float:
-    """Useful k-tiles / (SMs x k-tiles of the busiest SM) when the blocks are dealt evenly over the SMs."""
-    per = math.ceil(k_tiles / split)
-    blocks = col_blocks * math.ceil(k_tiles / per)
-    return col_blocks * k_tiles / (sm_count * math.ceil(blocks / sm_count) * per)
-
-
 def choose_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
-    """Split-K factor. Up to ~4 blocks per SM (bytes in flight), fp32 partials at most ~25% of the weight
-    bytes, and among those the split whose blocks spread most evenly over the SMs (a 1.09-wave grid costs
-    a second wave: gate+up's 8 x 72 blocks on 132 SMs), the largest one within 2% of the best."""
+    """Split-K factor: enough blocks for ~4 per SM, but fp32 partials at most ~25% of the weight bytes."""
     k_tiles = K // BK
     col_blocks = math.ceil(N / BN) * batch
     want = math.ceil(4 * sm_count / col_blocks)
     cap = max(1, min(k_tiles, K // (8 * T)))
-    top = max(1, min(want, cap))
-    score = {s: _balance(k_tiles, col_blocks, s, sm_count) for s in range(1, top + 1)}
-    best = max(score.values())
-    split = max(s for s, v in score.items() if v >= best - 0.02)
+    split = max(1, min(want, cap))
     per = math.ceil(k_tiles / split)
     return math.ceil(k_tiles / per)       # no empty splits
 
@@ -94,22 +81,6 @@ def _workspace(nbytes: int, workspace):
         ws = cupy.empty(max(nbytes // 4, 1 << 20), dtype=np.float32)
         _WORKSPACE[dev] = ws
     return ws
-
-
-def _tickets(ws, count: int):
-    """The zeroed ticket counters that go with workspace ``ws`` (allocated on first use, never during capture:
-    each grid leaves them zero again)."""
-    import cupy
-    key = (cupy.cuda.Device().id, ws.data.ptr)
-    t = _TICKETS.get(key)
-    if t is None or t.size < count:
-        stream = cupy.cuda.get_current_stream()
-        if getattr(stream, "is_capturing", lambda: False)():
-            raise ValueError("workspace: the split-K tickets for this workspace must be allocated, which cannot "
-                             "happen during graph capture; run the same GEMM once before capturing")
-        t = cupy.zeros(max(count, 4096), dtype=np.int32)
-        _TICKETS[key] = t
-    return t
 
 
 def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = None, workspace=None):
@@ -147,18 +118,16 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     split = math.ceil(K // BK / per)
     nt = next(c for c in NT_CHOICES if 8 * c >= T)
     out_f32 = out_dtype == np.float32
-    cols = math.ceil(N / BN)
-    if split > 1:
-        ws = _workspace(B * split * T * N * 4, workspace)
-        if ws.data.ptr % 16:
-            raise ValueError("workspace: must be 16-byte aligned (the reduction reads float4)")
-        tickets = _tickets(ws, B * cols)
-    else:
-        ws, tickets = out, np.uint64(0)       # unused: the kernel writes out directly
+    ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
     smem = smem_bytes(nt)
     kern = get_kernel(SPEC, _name(nt, out_f32), max_dynamic_smem=smem)
     w_bs = N * K if batched else 0
-    kern((cols, split, B), (THREADS,),
+    kern((math.ceil(N / BN), split, B), (THREADS,),
          (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
-          ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per), tickets), shared_mem=smem)
+          ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)
+    if split > 1:
+        red = get_kernel(SPEC, f"gemm_splitk_reduce<{'true' if out_f32 else 'false'}>")
+        blocks = min(math.ceil(T * N / 256), 4 * _sm_count())
+        red((blocks, B), (256,), (ws, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
+                                  np.int32(os_[1])))
     return out

@@ -1,5 +1,5 @@
-"""Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off (reduced inside the kernel),
-batched strided views, fp32 output, and replay inside a CUDA graph."""
+"""Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off, batched strided views,
+fp32 output, and replay inside a CUDA graph."""
 import numpy as np
 import pytest
 
@@ -49,13 +49,13 @@ def test_gemm_split_and_fp32_out(T, split):
 
 
 @pytest.mark.parametrize("T,K,N,B,split,f32", [
-    (1, 7168, 336, 1, 56, False),     # many splits (batched 4-wide loads + remainder), N % 64 != 0
+    (1, 7168, 336, 1, 56, False),     # many splits, N % 64 != 0
     (5, 2304, 1040, 3, 6, True),      # batched, partial last column tile, fp32 out
-    (160, 7168, 2112, 1, 5, False),   # the largest token tile: 80 outputs per thread in the reduction
+    (160, 7168, 2112, 1, 5, False),   # the largest token tile
     (17, 512, 48, 2, 8, False),       # a single narrow column tile per batch, every k tile its own split
 ])
-def test_gemm_fused_splitk_reduction(T, K, N, B, split, f32):
-    """The last block of each column tile sums the split-K partials; the tickets reset, so the same
+def test_gemm_splitk_batched_and_reused_workspace(T, K, N, B, split, f32):
+    """Split-K with batches, many splits, partial column tiles and the largest token tile; the same
     workspace serves back-to-back launches with other shapes and splits."""
     import cupy as cp
     from ddtree_cupy.kernels.gemm import gemm_bf16
