@@ -1,9 +1,10 @@
 """Skinny bf16 GEMM (cuda_src/gemm_bf16.cu): y[T, N] = x[T, K] @ W[N, K]^T, fp32 accumulate.
 
 Decode shapes: T = 1..160 tokens, K 64..7168, N 16..20480. The weight is streamed once; split-K spreads a
-narrow weight over every SM. Both kernels obey the PDL rule (``pdl=True``): with ``launch.set_pdl(True)``
-they launch through cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py). Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
+narrow weight over every SM. Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
 out [B, T, N]; x and out may be strided views (inner dimension contiguous, 16-byte aligned rows).
+Both kernels obey the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
+cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
 from __future__ import annotations
 
