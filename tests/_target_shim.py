@@ -214,7 +214,7 @@ def _mem_u16(addr, n):
 
 
 def _gemm(name, grid, args):
-    x, xs0, xs1, w, w_bs, out, os0, os1, _ws, T, N, K, _per = args[:13]     # then: split-K tickets
+    x, xs0, xs1, w, w_bs, out, os0, os1, _ws, T, N, K, _per = args
     B, T, N, K = grid[2], int(T), int(N), int(K)
     y = np.einsum("btk,bnk->btn", _f(_view(x, (B, T, K), (xs0, xs1, 1))), _f(_view(w, (B, N, K), (w_bs, K, 1))))
     f32_out = name.rstrip(">").split(",")[-1].strip() == "true"
@@ -352,7 +352,7 @@ def _noop(name, grid, args):
 
 _TABLE = [("gemm_bf16_kernel", _gemm), ("gemm_splitk_reduce", _noop), ("rmsnorm_kernel", _norm),
           ("rope_kernel", _rope), ("silu_mul_kernel", _silu), ("embed_gather_kernel", _embed),
-          ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_combine", _noop),
+          ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_ksplit", _mla), ("mla_attn_combine", _noop),
           ("kv_write_latent", _kv_write), ("moe_", _noop), ("mla_qkv_a_post", _qkv_a_post),
           ("mla_head_gemm", _head_gemm)]
 
