@@ -311,6 +311,27 @@ def _captured_equals_eager(cfg, tgt_eager, tgt_graph, feat, label):
     print(f"\n{label}: graph replays equal eager (bitwise on {sum(out)}/{len(out)} stream checks)")
 
 
+def test_fused_launch_sequence(tiny, gpu_tp1):
+    """The kernels one forward launches (counted through the wrappers, engine.profile.count_launches): the
+    fused MLA kernels once / twice per layer, and no separate q_a / kv_a norm, RoPE, latent write or shared
+    expert SwiGLU launch left (docs/MODELS.md "Per-layer kernel sequence")."""
+    from ddtree_cupy.engine.profile import count_launches
+    from ddtree_cupy.models.target import GpuTarget
+    cfg, feat = tiny["cfg"], tiny["feat"]
+    tgt = GpuTarget(cfg, gpu_tp1, None, max_tokens=48, feature_layers=feat)
+    rng = np.random.default_rng(5)
+    kv = make_kv(cfg, 2, 1, rng)
+    with count_launches() as lc:
+        _prefilled(cfg, tgt, kv, rng, 2, 24, np.array([24, 17]), len(feat))
+    L = cfg.num_hidden_layers
+    n_moe = sum(1 for i in range(L) if cfg.is_moe_layer(i))
+    c = lc.counts
+    assert c["embed_gather_kernel"] == 1 and c["rmsnorm_kernel"] == 2 * L + 1, dict(c)
+    assert c["mla_qkv_a_post"] == L and c["mla_head_gemm"] == 2 * L, dict(c)
+    assert c["router_topk"] == n_moe and c["silu_mul_kernel"] == L - n_moe, dict(c)    # dense layers only
+    assert not {"rope_kernel", "kv_write_latent"} & set(c), dict(c)
+
+
 def test_graph_capture_replay_equals_eager(tiny, gpu_tp1):
     from ddtree_cupy.models.target import GpuTarget
     cfg, feat = tiny["cfg"], tiny["feat"]
