@@ -1,15 +1,18 @@
 """DDTree stage timings on the GPU (CUDA-graph replay) next to the numpy reference's CPU heap builder.
 
-    PYTHONPATH=$PWD python3 bench/tree.py [--streams 1 4 10] [--budgets 8 16 32 64] [--json out.json]
+    PYTHONPATH=$PWD python3 bench/tree.py [--streams 1 4 10] [--budgets 8 16 32 64] [--pdl] [--json out.json]
 
 Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case), top-K = budget.
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
-same graph launched with programmatic dependent launch, when the launch path is available). The top-K
-stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in the same
-run. "was": the total of the same case in the previous results file (--was). Target
-(docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64. Prints a table; asserts nothing
-about speed.
+same graph launched with programmatic dependent launch, when the launch path is available). Every kernel
+variant of kernels/ddtree.py (VARIANTS: verified / fast = the default / v2) runs on the same inputs; "same"
+says its outputs equal the verified variant's bit for bit (all but the stage-1 buffers). The top-K stage
+reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in the same run.
+"was": the build and total of the same case and variant in the previous results file (--was); for a
+variant that file lacks (v2) the default variant's previous figures. The last lines compare v2 with the
+default in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
+Prints a table; asserts nothing about speed.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ceilings import measure_read_bandwidth, time_graph  # noqa: E402
-from ddtree_cupy.kernels.ddtree import MAX_TREE_ROWS, DDTreeWorkspace, topk_partial  # noqa: E402
+from ddtree_cupy.kernels.ddtree import (DEFAULT_VARIANT, MAX_TREE_ROWS, VARIANTS, DDTreeWorkspace,  # noqa: E402
+                                        topk_partial)
 from ddtree_cupy.reference import ddtree as dd  # noqa: E402
 
 D, V = 7, 163840
@@ -49,8 +53,10 @@ def _deep_post(tokens, parents, n1, rng):
 
 
 def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
+    """Times one case with kernel variant ``fast`` (0 / 1 / 2); returns its outputs, its result row, and
+    the top-K arrays (for the CPU builder)."""
     import cupy as cp
-    rng = np.random.default_rng(seed)   # same inputs for both kernel variants
+    rng = np.random.default_rng(seed)   # same inputs for every kernel variant
     x = (rng.standard_normal((S, D, V)) * 2.0).astype(np.float32)
     x[:, :, rng.integers(0, V, size=8)] += 10.0
     logits = cp.asarray(_bf16_bits(x) if dtype == "bf16" else x)
@@ -87,30 +93,32 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
     ws.walk_commit(post, prefix, row_off)
     n_acc = ws.n_acc.get()
     snap = {k: v.get() for k, v in ws.outputs().items() if k not in ("part_keys", "part_ms")}
-
-    # the numpy reference's heap builder on the same top-K arrays (what a CPU-side DDTree would run)
-    top_lp, top_id = ws.top_lp.get(), ws.top_id.get()
-    t0 = time.perf_counter()
-    reps = 3
-    for _ in range(reps):
-        for s in range(S):
-            dd.build_tree(top_lp[s], top_id[s], B)
-    t_cpu = (time.perf_counter() - t0) / reps * 1e6
     nbytes = logits.nbytes
-    return snap, dict(streams=S, budget=B, dtype=dtype, variant="fast" if fast else "verified",
-                      topk_us=t_topk, topk_stage1_us=t_part, build_us=t_build, total_pdl_us=t_pdl, walk_commit_us=t_walk, total_us=t_all,
-                      cpu_heap_builder_us=t_cpu, mean_accepted=float(n_acc.mean()),
-                      topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
+    row = dict(streams=S, budget=B, dtype=dtype, variant=VARIANTS[fast],
+               topk_us=t_topk, topk_stage1_us=t_part, build_us=t_build, total_pdl_us=t_pdl,
+               walk_commit_us=t_walk, total_us=t_all, mean_accepted=float(n_acc.mean()),
+               topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
+    return snap, row, (ws.top_lp.get(), ws.top_id.get())
 
 
-def profile_case(S, B):
-    """Eager launches of every stage (bf16 logits, fast variant) for a profiler to pick up."""
+def cpu_heap_builder_us(top_lp, top_id, B, reps=3):
+    """The numpy reference's heap builder on the GPU's top-K arrays, all streams (what a CPU-side DDTree
+    would run)."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for s in range(top_lp.shape[0]):
+            dd.build_tree(top_lp[s], top_id[s], B)
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def profile_case(S, B, fast=DEFAULT_VARIANT):
+    """Eager launches of every stage (bf16 logits, kernel variant ``fast``) for a profiler to pick up."""
     import cupy as cp
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((S, D, V)) * 2.0).astype(np.float32)
     x[:, :, rng.integers(0, V, size=8)] += 10.0
     logits = cp.asarray(_bf16_bits(x))
-    ws = DDTreeWorkspace(S, D, V, B, fast=True)
+    ws = DDTreeWorkspace(S, D, V, B, fast=fast)
     budgets = cp.full(S, B, cp.int32)
     prefix = cp.full(S, 1000, cp.int32)
     bonus = cp.zeros(S, cp.int32)
@@ -135,14 +143,18 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
+    ap.add_argument("--variants", type=int, nargs="+", default=sorted(VARIANTS),
+                    help="kernel variants to time (0 = verified, 1 = fast, the default, 2 = v2); 0 is the "
+                         "reference of the 'same' column and always runs")
     args = ap.parse_args(argv)
     if args.profile:
-        return profile_case(args.streams[0], args.budgets[0])
+        return profile_case(args.streams[0], args.budgets[0], max(args.variants))
+    variants = sorted(set(args.variants) | {0})
     was = {}
     if args.was and os.path.exists(args.was):
         with open(args.was) as f:
             for r in json.load(f)["rows"]:
-                was[(r["streams"], r["budget"], r["dtype"], r["variant"])] = r["total_us"]
+                was[(r["streams"], r["budget"], r["dtype"], r["variant"])] = (r["build_us"], r["total_us"])
     import cupy as cp
     bw = measure_read_bandwidth(1 << 30)
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
@@ -150,31 +162,35 @@ def main(argv=None):
     cases.append((max(args.streams), max(args.budgets), "f32"))
     rows = []
     hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'variant':>8} {'top-K':>7} {'(%ceil)':>7} "
-           f"{'stage1':>7} {'build':>7} {'walk+cm':>7} {'total':>7} {'PDL':>7} {'was':>7} {'CPU heap':>9} "
+           f"{'stage1':>7} {'build':>15} {'walk+cm':>7} {'total':>15} {'PDL':>7} {'CPU heap':>9} "
            f"{'acc':>4} {'same':>5}")
 
     def line(r):
         return (f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['variant']:>8} {r['topk_us']:7.1f} "
-                f"{100 * r['topk_read_frac']:6.0f}% {r['topk_stage1_us']:7.1f} {r['build_us']:7.1f} "
-                f"{r['walk_commit_us']:7.1f} {r['total_us']:7.1f} {r['total_pdl_us']:7.1f} {r['was_total_us']:7.1f} "
+                f"{100 * r['topk_read_frac']:6.0f}% {r['topk_stage1_us']:7.1f} "
+                f"{r['was_build_us']:6.1f} ->{r['build_us']:6.1f} {r['walk_commit_us']:7.1f} "
+                f"{r['was_total_us']:6.1f} ->{r['total_us']:6.1f} {r['total_pdl_us']:7.1f} "
                 f"{r['cpu_heap_builder_us']:9.0f} {r['mean_accepted']:4.1f} {'yes' if r['matches_verified'] else 'NO':>5}")
+    print("build and total: was -> now", flush=True)
     print(hdr, flush=True)   # rows as they come: a time limit still leaves the finished ones
     for i, (S, B, dt) in enumerate(cases):
-        ref_snap, r0 = bench_case(S, B, dt, i, bw, fast=False)
-        snap, r1 = bench_case(S, B, dt, i, bw, fast=True, pdl=args.pdl)
-        # the two builders must give the same trees; the top-K stage is the same code in both
-        same = all(np.array_equal(snap[k], ref_snap[k]) for k in snap)
-        r1["matches_verified"] = bool(same)
-        r0["matches_verified"] = True
-        for r in (r0, r1):
-            r["was_total_us"] = was.get((S, B, dt, r["variant"]), float("nan"))
-        rows += [r0, r1]
-        print(line(r0) + "\n" + line(r1), flush=True)
+        ref_snap = None
+        for v in variants:
+            snap, r, top = bench_case(S, B, dt, i, bw, fast=v, pdl=args.pdl and v > 0)
+            if ref_snap is None:
+                ref_snap, t_cpu = snap, cpu_heap_builder_us(*top, B)
+            # every variant must give the verified variant's outputs (trees, top-K, walk) bit for bit
+            r["matches_verified"] = all(np.array_equal(snap[k], ref_snap[k]) for k in snap)
+            r["cpu_heap_builder_us"] = t_cpu
+            w = was.get((S, B, dt, r["variant"]), was.get((S, B, dt, VARIANTS[DEFAULT_VARIANT])))
+            r["was_build_us"], r["was_total_us"] = w if w else (float("nan"), float("nan"))
+            rows.append(r)
+            print(line(r), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=dev, read_ceiling_gbs=bw, rows=rows), f, indent=1)
     print(f"\nDDTree stages on {dev}, depth {D}, V {V}; read ceiling {bw:.0f} GB/s (same run); "
-          f"CUDA-graph replay, us per step")
+          f"CUDA-graph replay, us per step; build and total: was -> now")
     print(hdr)
     for r in rows:
         print(line(r))
@@ -188,10 +204,20 @@ def main(argv=None):
         t1 = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms, chunk=chunk))
         t = time_graph(lambda: ws.topk(logits))
         print(f"chunk {chunk}: {S} streams, budget {B}, bf16: top-K {t:.1f} us (stage 1 {t1:.1f} us, P = {ws.P})")
+    by = {(r["streams"], r["budget"], r["dtype"], r["variant"]): r for r in rows}
     for r in rows:
         if r["streams"] == 10 and r["budget"] == 64 and r["dtype"] == "bf16":
             print(f"target: 10 streams, budget 64, {r['variant']}: {r['was_total_us']:.1f} -> {r['total_us']:.1f} us "
                   f"(PDL {r['total_pdl_us']:.1f}; target <= 30 us)")
+    dname = VARIANTS[DEFAULT_VARIANT]
+    for (S, B, dt, v), r in by.items():   # the candidate against the default, same run, same inputs
+        d = by.get((S, B, dt, dname))
+        if v == "v2" and d is not None:
+            print(f"v2 vs {dname} (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
+                  f"({d['build_us'] / r['build_us']:.2f}x), top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f}, "
+                  f"total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us; same outputs: "
+                  f"{'yes' if r['matches_verified'] else 'NO'}")
+
 
 if __name__ == "__main__":
     main()

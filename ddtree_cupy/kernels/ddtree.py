@@ -36,9 +36,12 @@ MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (
 
 _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
           "ddt_walk_commit")
-# Two builders (cuda_src/ddtree.cu, DDT_FAST): 0 = the frontier in shared memory (verified first), 1 =
-# the frontier in registers, one warp reduction per pop (same results by construction; the GPU tests run
-# both). The top-K kernels and the walk are the same code in both. fast_math stays off: tree scores
+# Builder variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False =
+# the frontier in shared memory (verified first), 1 / True = the frontier in registers, one warp reduction
+# per pop (the default), 2 = "v2": only the frontier's scores in registers, the rest of an entry in shared
+# memory read by the winner alone, plus the merge's final sort sized to k (candidate for the default once
+# measured on a GPU; see docs/DDTREE.md). Same results by construction; the GPU tests run all three. The
+# rest of the top-K kernels and the walk are the same code in all. fast_math stays off: tree scores
 # reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access.
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
@@ -46,10 +49,24 @@ DDTREE_SPEC = register(KernelSpec(
 DDTREE_FAST_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "1"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, register-frontier builder"))
+DDTREE_V2_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "2"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, builder v2 (scores in registers, entries in shared memory), merge sort sized to k"))
+_SPECS = (DDTREE_SPEC, DDTREE_FAST_SPEC, DDTREE_V2_SPEC)
+VARIANTS = {0: "verified", 1: "fast", 2: "v2"}   # the value of ``fast`` -> its name in tests and bench
+DEFAULT_VARIANT = 1
 
 
-def _fn(name, fast: bool = True, max_dynamic_smem: int = 0):
-    return get_kernel(DDTREE_FAST_SPEC if fast else DDTREE_SPEC, name, max_dynamic_smem=max_dynamic_smem)
+def variant(fast) -> int:
+    """``fast`` (bool, or 0 / 1 / 2) -> the DDT_FAST variant number."""
+    v = int(fast)
+    if v not in VARIANTS:
+        raise ValueError(f"fast: expected False/True or a variant in {sorted(VARIANTS)}, got {fast!r}")
+    return v
+
+
+def _fn(name, fast=True, max_dynamic_smem: int = 0):
+    return get_kernel(_SPECS[variant(fast)], name, max_dynamic_smem=max_dynamic_smem)
 
 
 def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
@@ -78,7 +95,7 @@ def merge_smem(P: int, k: int, parts_major: bool) -> int:
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
-                 fast: bool = True):
+                 fast=True):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
     [rows, P, part_width(k)] and its log-sum-exp partial (max, sum exp(x - max)) -> ``part_ms`` float32
@@ -111,7 +128,7 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
-               fast: bool = True):
+               fast=True):
     """Merge P partial lists per row. ``keys`` uint64 [rows, P, part_width(k)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
@@ -140,7 +157,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
-               mask, cap_k: int = 0, include_chain: bool = False, fast: bool = True):
+               mask, cap_k: int = 0, include_chain: bool = False, fast=True):
     """The best-first tree of every stream: ``top_lp`` float32 / ``top_id`` int32 [S, D, K] (sorted
     descending per depth), ``budgets``/``prefix_len``/``bonus`` int32 [S] (read on the device; budgets
     clamp to [0, 128]). Outputs int32 [S, 129] tokens/parents/depths/positions, n_rows int32 [S] (= nodes
@@ -163,7 +180,7 @@ def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, dept
 
 
 def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows, n_acc, kv_src, kv_dst,
-                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast: bool = True):
+                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast=True):
     """Accept a path per stream and plan its commit. ``post`` int32 [S, 129]: the target's token at each
     tree row (argmax, or a sample). Outputs [S, A] int32 (A = max accepted, D + 1), padded with -1:
     acc_rows, kv_src (= prefix + row), kv_dst (= prefix + j), feat_rows (= row_offset + row); out_tokens
@@ -197,13 +214,14 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 # ----------------------------------------------------------------------------------------------------
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
-    top-``k`` per depth (k >= the largest budget, or the cap). Every method launches on the current
+    top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (False /
+    True or 0 / 1 / 2, see VARIANTS). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
-                 fast: bool = True):
+                 fast=DEFAULT_VARIANT):
         import cupy
-        self.fast = bool(fast)
+        self.fast = variant(fast)   # 0 / 1 / 2 (see VARIANTS); passed to every launch
         check_range("streams", streams, 1, 1 << 16)
         check_range("depth", depth, 1, MAX_DEPTH)
         check_range("k", k, 1, MAX_K)
