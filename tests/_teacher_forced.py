@@ -26,7 +26,8 @@ import numpy as np
 
 NEAR_TIE = 5e-2      # std units: bf16 logit noise bound (see above; bench/diag_verify.py measures it)
 FLIP_TIE = 1.0       # std units: the largest gap accepted at a position with a routing near-tie
-ROUTER_TIE = 5e-3    # selection-score units: a k-th / (k+1)-th expert margin the bf16 router can flip
+ROUTER_TIE = 1e-2    # selection-score units: a k-th / (k+1)-th expert margin the bf16 router can flip
+                     # (the GPU router's measured selection-score error reaches 7e-3, ENGINE.md)
 
 
 def router_margins(cfg, gate_w: np.ndarray, bias: np.ndarray, x: np.ndarray) -> np.ndarray:
