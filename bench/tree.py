@@ -6,12 +6,12 @@ Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case),
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). Every kernel
-variant of kernels/ddtree.py (VARIANTS: verified / fast = the default / v2) runs on the same inputs; "same"
+variant of kernels/ddtree.py (VARIANTS: verified / fast = the default / v2 / v3) runs on the same inputs; "same"
 says its outputs equal the verified variant's bit for bit (all but the stage-1 buffers). The top-K stage
 reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in the same run.
 "was": the build and total of the same case and variant in the previous results file (--was); for a
-variant that file lacks (v2) the default variant's previous figures. The last lines compare v2 with the
-default in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
+variant that file lacks (v2, v3) the default variant's previous figures. The last lines compare v2 and
+v3 with the default in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _deep_post(tokens, parents, n1, rng):
 
 
 def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
-    """Times one case with kernel variant ``fast`` (0 / 1 / 2); returns its outputs, its result row, and
+    """Times one case with kernel variant ``fast`` (0 .. 3); returns its outputs, its result row, and
     the top-K arrays (for the CPU builder)."""
     import cupy as cp
     rng = np.random.default_rng(seed)   # same inputs for every kernel variant
@@ -144,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
     ap.add_argument("--variants", type=int, nargs="+", default=sorted(VARIANTS),
-                    help="kernel variants to time (0 = verified, 1 = fast, the default, 2 = v2); 0 is the "
+                    help="kernel variants to time (0 = verified, 1 = fast, the default, 2 = v2, 3 = v3); 0 is the "
                          "reference of the 'same' column and always runs")
     args = ap.parse_args(argv)
     if args.profile:
@@ -212,8 +212,8 @@ def main(argv=None):
     dname = VARIANTS[DEFAULT_VARIANT]
     for (S, B, dt, v), r in by.items():   # the candidate against the default, same run, same inputs
         d = by.get((S, B, dt, dname))
-        if v == "v2" and d is not None:
-            print(f"v2 vs {dname} (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
+        if v in ("v2", "v3") and d is not None:
+            print(f"{v} vs {dname} (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
                   f"({d['build_us'] / r['build_us']:.2f}x), top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f}, "
                   f"total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us; same outputs: "
                   f"{'yes' if r['matches_verified'] else 'NO'}")

@@ -16,9 +16,11 @@
 // DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
 // butterfly argmax), 1 = frontier in registers, one warp reduction per pop, 2 = "v2": only the frontier's
 // scores in registers, the rest of each entry in shared memory read by the winner alone (a shorter
-// dependent chain per pop). Variant 2 also sizes the merge's final sort to k (DDT_MERGE_SCAP); the
-// rest of the top-K kernels and the walk are the same in all. Same results by construction (the GPU
-// tests run every variant against the reference); see docs/DDTREE.md.
+// dependent chain per pop), 3 = "v3": as 2, but the popped position is warp-uniform (every lane reads
+// the entry, no divergent winner, no shuffles) and entries carry their successors' log-probs. Variants
+// >= 2 also size the merge's final sort to k; the rest of the top-K kernels and the walk are the same
+// in all. Same results by construction (the GPU tests run every variant against the reference); see
+// docs/DDTREE.md.
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
@@ -784,7 +786,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
                n_rows, mask);
 }
-#else   // DDT_FAST == 2
+#elif DDT_FAST == 2
 // Frontier: position p (appended in order, never moved) belongs to lane p % 32, slot p / 32; positions
 // used <= pops + 1 <= budget + D + 1 <= 137 < 32 * DDT_SLOTS. Only each entry's ordered score (0 = empty)
 // is in registers; its rank tuple, info word and parent score are in shared memory at [p]. A pop is one
@@ -924,6 +926,153 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
             ++live;
         }
         __syncwarp();   // the winner's shared writes are visible to the lane that pops them later
+    }
+    __syncwarp();
+    write_tree(st, nodes, pre, lane, t_tok, t_par, t_dep, tokens, parents, depths, positions, n_rows, mask);
+}
+#else   // DDT_FAST == 3
+// Like variant 2 (position p = slot p / 32 of lane p % 32, only the ordered scores in registers), but the
+// popped position is made known to every lane (one ballot per slot: in the usual case of a single holder
+// of the maximum the slot and the lane follow without a per-lane search), so every lane reads the entry
+// from shared memory (a broadcast), computes both successors, and no branch diverges: no shuffles, no
+// divergent winner block. An entry also carries the log-probs its successors need (next sibling's and
+// first child's, written when the entry is created), so one 16-byte shared load feeds the scores of the
+// next pop; the loads for the new entries' log-probs are off that path.
+#define DDT_SLOTS 5
+extern "C" __global__ void __launch_bounds__(32)
+ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
+               const int* __restrict__ budgets, const int* __restrict__ prefix_len,
+               const int* __restrict__ bonus, int cap_k, int include_chain,
+               int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
+               int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
+    __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
+    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
+    // entry p: {info word, parent score, next sibling's log-prob, first child's log-prob} (floats as bits)
+    __shared__ int4 e_ent[32 * DDT_SLOTS];
+    __shared__ u64 e_tup[32 * DDT_SLOTS];
+    __shared__ int t_tok[DDT_MAX_TREE_ROWS], t_par[DDT_MAX_TREE_ROWS], t_dep[DDT_MAX_TREE_ROWS];
+
+    const int lane = threadIdx.x, st = blockIdx.x;
+    const int R = DDT_MAX_TREE_ROWS;
+    DDT_PDL_WAIT();
+    const int budget = min(max(budgets[st], 0), R - 1);
+    const int kf = cap_k > 0 ? min(K, cap_k) : K;
+    const int nkd = D * K;
+    {   // every load issued before the first store (D * K <= 1024: 32 per lane)
+        const float* lp = top_lp + (size_t)st * nkd;
+        const int* ids = top_id + (size_t)st * nkd;
+        float a[DDT_MAX_DEPTH * DDT_MAX_K / 32];
+        int b[DDT_MAX_DEPTH * DDT_MAX_K / 32];
+#pragma unroll
+        for (int j = 0; j < DDT_MAX_DEPTH * DDT_MAX_K / 32; ++j) {
+            const int i = j * 32 + lane;
+            if (i < nkd) { a[j] = lp[i]; b[j] = ids[i]; }
+        }
+#pragma unroll
+        for (int j = 0; j < DDT_MAX_DEPTH * DDT_MAX_K / 32; ++j) {
+            const int i = j * 32 + lane;
+            if (i < nkd) { s_lp[i] = ftz_in(a[j]); s_id[i] = b[j]; }
+        }
+    }
+    const int nc = include_chain ? min(D, budget) : 0;
+    const int bon = bonus[st], pre = prefix_len[st];
+    if (lane == 0) { t_tok[0] = bon; t_par[0] = -1; t_dep[0] = 0; }
+    __syncwarp();
+    // forced top-1 chain: rows 1..nc, row d = depth d
+    if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
+
+    uint32_t os[DDT_SLOTS];
+#pragma unroll
+    for (int s = 0; s < DDT_SLOTS; ++s) os[s] = 0u;
+    int nodes = nc, live = 0, npos = 0;
+    if (budget > 0) {   // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
+        if (lane == 0) {
+            os[0] = f32_to_ordered(score_add(0.f, s_lp[0]));
+            e_ent[0] = make_int4(pack_info(1, 0, 0, nc >= 1), __float_as_int(0.f), __float_as_int(s_lp[min(1, K - 1)]),
+                                 __float_as_int(s_lp[min(1, D - 1) * K]));
+            e_tup[0] = tuple_digit(1, 0);
+        }
+        live = npos = 1;
+    }
+    __syncwarp();
+    while (live > 0 && nodes < budget) {
+        uint32_t bo = os[0];
+#pragma unroll
+        for (int s = 1; s < DDT_SLOTS; ++s) bo = max(bo, os[s]);
+        const uint32_t M = __reduce_max_sync(FULL_MASK, bo);   // > 0: the frontier is not empty
+        unsigned w[DDT_SLOTS], any = 0u;
+        int cnt = 0;
+#pragma unroll
+        for (int s = 0; s < DDT_SLOTS; ++s) {
+            w[s] = __ballot_sync(FULL_MASK, os[s] == M);
+            any |= w[s];
+            cnt += __popc(w[s]);
+        }
+        int bs, wl;   // warp-uniform: the popped slot and lane
+        if (cnt == 1) {
+            bs = 0;
+#pragma unroll
+            for (int s = 1; s < DDT_SLOTS; ++s) bs = w[s] ? s : bs;
+            wl = __ffs(any) - 1;
+        } else {   // equal best scores: the smallest rank tuple among them (tuples are unique)
+            u64 bt = ~0ull;
+            int lbs = -1;
+#pragma unroll
+            for (int s = 0; s < DDT_SLOTS; ++s)
+                if (os[s] == M) {
+                    const u64 t = e_tup[s * 32 + lane];
+                    if (t < bt) { bt = t; lbs = s; }
+                }
+            const uint32_t mh = __reduce_min_sync(FULL_MASK, (uint32_t)(bt >> 32));
+            const uint32_t tl = (uint32_t)(bt >> 32) == mh ? (uint32_t)bt : 0xffffffffu;
+            const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
+            wl = __ffs(__ballot_sync(FULL_MASK, lbs >= 0 && bt == (((u64)mh << 32) | ml))) - 1;
+            bs = __shfl_sync(FULL_MASK, lbs, wl);
+        }
+        const int p = bs * 32 + wl;
+        const int4 e = e_ent[p];   // every lane reads the same entry (broadcast)
+        const u64 tup = e_tup[p];
+        const int d = e.x & 15, r = (e.x >> 4) & 255, prow = (e.x >> 12) & 255, chain = (e.x >> 20) & 1;
+        const bool has_sib = r + 1 < kf, has_child = d < D;
+        const float sc = ordered_to_f32(M);
+        const uint32_t sib_os = has_sib ? f32_to_ordered(score_add(__int_as_float(e.y), __int_as_float(e.z))) : 0u;
+        const uint32_t child_os = f32_to_ordered(score_add(sc, __int_as_float(e.w)));
+        // registers: the popped slot takes the next sibling (same parent score) or empties; the first
+        // child goes to the next position
+        if (lane == wl) {
+#pragma unroll
+            for (int s = 0; s < DDT_SLOTS; ++s)
+                if (s == bs) os[s] = sib_os;
+        }
+        if (has_child && lane == (npos & 31)) {
+#pragma unroll
+            for (int s = 0; s < DDT_SLOTS; ++s)
+                if (s == (npos >> 5)) os[s] = child_os;
+        }
+        // shared memory (lane 0): the emitted row, the sibling's entry in place, the child's entry
+        const int row = chain ? d : nodes + 1;
+        const int tok = s_id[(d - 1) * K + r];
+        const float l_sib2 = s_lp[(d - 1) * K + min(r + 2, K - 1)];   // the sibling's own next sibling
+        const float l_c1 = s_lp[min(d, D - 1) * K + min(1, K - 1)];     // the child's next sibling
+        const float l_cc = s_lp[min(d + 1, D - 1) * K];                 // the child's first child
+        __syncwarp();   // every lane has read entry p before lane 0 overwrites it
+        if (lane == 0) {
+            if (!chain) { t_tok[row] = tok; t_par[row] = prow; t_dep[row] = d; }
+            if (has_sib) {
+                e_ent[p].x = pack_info(d, r + 1, prow, 0);
+                e_ent[p].z = __float_as_int(l_sib2);
+                e_tup[p] = tup + tuple_digit(d, 0);   // rank digit + 1
+            }
+            if (has_child) {
+                e_ent[npos] = make_int4(pack_info(d + 1, 0, row, chain && d + 1 <= nc), __float_as_int(sc),
+                                        __float_as_int(l_c1), __float_as_int(l_cc));
+                e_tup[npos] = tup + tuple_digit(d + 1, 0);
+            }
+        }
+        nodes += chain ? 0 : 1;
+        live += (has_child ? 1 : 0) - (has_sib ? 0 : 1);
+        npos += has_child ? 1 : 0;
+        __syncwarp();   // lane 0's entries are visible to every lane before the next pop reads them
     }
     __syncwarp();
     write_tree(st, nodes, pre, lane, t_tok, t_par, t_dep, tokens, parents, depths, positions, n_rows, mask);

@@ -39,8 +39,10 @@ _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "dd
 # Builder variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False =
 # the frontier in shared memory (verified first), 1 / True = the frontier in registers, one warp reduction
 # per pop (the default), 2 = "v2": only the frontier's scores in registers, the rest of an entry in shared
-# memory read by the winner alone, plus the merge's final sort sized to k (candidate for the default once
-# measured on a GPU; see docs/DDTREE.md). Same results by construction; the GPU tests run all three. The
+# memory read by the winner alone, 3 = "v3": v2 with the popped position known to every lane (no divergent
+# winner, no shuffles) and entries carrying their successors' log-probs; 2 and 3 also size the merge's
+# final sort to k. 2 and 3 are candidates for the default once measured on a GPU (docs/DDTREE.md); the
+# slower ones are then deleted. Same results by construction; the GPU tests run every variant. The
 # rest of the top-K kernels and the walk are the same code in all. fast_math stays off: tree scores
 # reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access.
 DDTREE_SPEC = register(KernelSpec(
@@ -52,13 +54,16 @@ DDTREE_FAST_SPEC = register(KernelSpec(
 DDTREE_V2_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "2"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, builder v2 (scores in registers, entries in shared memory), merge sort sized to k"))
-_SPECS = (DDTREE_SPEC, DDTREE_FAST_SPEC, DDTREE_V2_SPEC)
-VARIANTS = {0: "verified", 1: "fast", 2: "v2"}   # the value of ``fast`` -> its name in tests and bench
+DDTREE_V3_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, builder v3 (v2 with a warp-uniform pop, no divergent winner), merge sort sized to k"))
+_SPECS = (DDTREE_SPEC, DDTREE_FAST_SPEC, DDTREE_V2_SPEC, DDTREE_V3_SPEC)
+VARIANTS = {0: "verified", 1: "fast", 2: "v2", 3: "v3"}   # the value of ``fast`` -> its name in tests and bench
 DEFAULT_VARIANT = 1
 
 
 def variant(fast) -> int:
-    """``fast`` (bool, or 0 / 1 / 2) -> the DDT_FAST variant number."""
+    """``fast`` (bool, or 0 / 1 / 2 / 3) -> the DDT_FAST variant number."""
     v = int(fast)
     if v not in VARIANTS:
         raise ValueError(f"fast: expected False/True or a variant in {sorted(VARIANTS)}, got {fast!r}")
@@ -215,13 +220,13 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
     top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (False /
-    True or 0 / 1 / 2, see VARIANTS). Every method launches on the current
+    True or 0 .. 3, see VARIANTS). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
                  fast=DEFAULT_VARIANT):
         import cupy
-        self.fast = variant(fast)   # 0 / 1 / 2 (see VARIANTS); passed to every launch
+        self.fast = variant(fast)   # 0 .. 3 (see VARIANTS); passed to every launch
         check_range("streams", streams, 1, 1 << 16)
         check_range("depth", depth, 1, MAX_DEPTH)
         check_range("k", k, 1, MAX_K)

@@ -14,9 +14,9 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 1, 2], ids=["verified", "fast", "v2"])
+@pytest.fixture(params=[0, 1, 2, 3], ids=["verified", "fast", "v2", "v3"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0 / 1 / 2, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Every kernel variant (DDT_FAST = 0 .. 3, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -173,7 +173,7 @@ def test_topk_vocab_shards_merge(shards, k, dtype, fast):
 def _tie_top(rng, S, D, K, levels=4, step=0.5):
     """Sorted log-probs on a dyadic grid: exact score ties. 4 levels of 0.5: many-way ties across lanes;
     128 levels of 0.125 ("sparse"): often exactly two maxima, sometimes in two slots of one lane of the
-    register builders where the slot order is not the rank-tuple order (tests/test_ddtree_builder_v2_model.py:
+    register builders where the slot order is not the rank-tuple order (tests/test_ddtree_builder_model.py:
     a builder that took the lower slot there fails these inputs in a few streams)."""
     vals = -rng.integers(0, levels, size=(S, D, K)).astype(np.float32) * step
     lp = -np.sort(-vals, axis=-1)

@@ -1,11 +1,14 @@
-"""CPU model of the v2 tree builder (cuda_src/ddtree.cu, DDT_FAST == 2), lane by lane, against the numpy
-reference builder (ddtree_cupy/reference/ddtree.py). The model follows the kernel's per-lane state: the
+"""CPU models of the v2 and v3 tree builders (cuda_src/ddtree.cu, DDT_FAST == 2 / 3), lane by lane, against
+the numpy reference builder (ddtree_cupy/reference/ddtree.py). The models follow the kernels' state: the
 ordered scores in registers (32 lanes x DDT_SLOTS slots, position p = slot p // 32 of lane p % 32), the
-rest of each entry (rank tuple, info word, parent score) in shared memory at [p], the fast pop (one warp
-max, a single holder) and the tie pop (per-lane smallest tuple among its slots equal to the max, then a
-min over the high and the low 32 bits). It also checks what the GPU cannot report: every shared entry
-read was written first, positions stay inside the register slots, and the tie paths are exercised.
-The GPU tests (tests/gpu/test_ddtree_gpu.py) run the kernel itself against the same reference."""
+rest of each entry in shared memory at [p] (v2: rank tuple, info word, parent score; v3: also the log-probs
+of the entry's next sibling and first child, set when the entry is written), the fast pop (one warp max, a
+single holder: v2 finds it per lane, v3 from one ballot per slot) and the tie pop (per-lane smallest tuple
+among its slots equal to the max, then a min over the high and the low 32 bits). They also check what the
+GPU cannot report: every shared entry read was written first, positions stay inside the register slots,
+and the tie paths are exercised. The GPU tests (tests/gpu/test_ddtree_gpu.py) run the kernels themselves
+against the same reference.
+"""
 from __future__ import annotations
 
 import re
@@ -17,8 +20,10 @@ import pytest
 from ddtree_cupy.reference import ddtree as dd
 
 SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
-V2 = SRC[SRC.index("#else   // DDT_FAST == 2"):]
+V2 = SRC[SRC.index("#elif DDT_FAST == 2"):SRC.index("#else   // DDT_FAST == 3")]
+V3 = SRC[SRC.index("#else   // DDT_FAST == 3"):]
 SLOTS = int(re.search(r"#define DDT_SLOTS (\d+)", V2).group(1))
+assert SLOTS == int(re.search(r"#define DDT_SLOTS (\d+)", V3).group(1))
 MAX_ROWS = dd.MAX_TREE_ROWS
 MASK32 = 0xFFFFFFFF
 
@@ -144,6 +149,98 @@ def build_v2(lp_in, ids, budget, cap_k, include_chain, stats):
             np.array([t_dep[i] for i in range(1, n + 1)], np.int32))
 
 
+def build_v3(lp_in, ids, budget, cap_k, include_chain, stats):
+    """The v3 kernel's builder for one stream: returns (tokens, parents, depths) of rows 1..n. Every lane
+    knows the popped position; entries are (info, parent score, next sibling's lp, first child's lp)."""
+    D, K = lp_in.shape
+    lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
+                  lp_in).astype(np.float32)
+    s_lp = lp.reshape(-1)
+    s_id = ids.reshape(-1)
+    budget = min(max(int(budget), 0), MAX_ROWS - 1)
+    kf = min(K, cap_k) if cap_k > 0 else K
+    nc = min(D, budget) if include_chain else 0
+    t_tok, t_par, t_dep = Shared(MAX_ROWS), Shared(MAX_ROWS), Shared(MAX_ROWS)
+    for lane in range(1, nc + 1):
+        t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane
+    os_ = np.zeros((32, SLOTS), np.int64)
+    e_ent, e_tup = Shared(32 * SLOTS), Shared(32 * SLOTS)
+    nodes, live, npos = nc, 0, 0
+    if budget > 0:
+        os_[0, 0] = ordered(dd.add_f32(0.0, s_lp[0]))
+        e_ent[0] = [pack(1, 0, 0, int(nc >= 1)), np.float32(0.0), s_lp[min(1, K - 1)], s_lp[min(1, D - 1) * K]]
+        e_tup[0] = digit(1, 0)
+        live = npos = 1
+    while live > 0 and nodes < budget:
+        M = int(os_.max())
+        assert M > 0, "the frontier is not empty while live > 0"
+        w = [sum(1 << lane for lane in range(32) if os_[lane, s] == M) for s in range(SLOTS)]   # ballots
+        cnt = sum(bin(x).count("1") for x in w)
+        if cnt == 1:
+            stats["fast"] += 1
+            bs = 0
+            for s in range(1, SLOTS):
+                bs = s if w[s] else bs
+            anyw = 0
+            for x in w:
+                anyw |= x
+            wl = (anyw & -anyw).bit_length() - 1
+        else:
+            stats["tie"] += 1
+            stats["same_lane"] += int(any(sum(os_[lane] == M) > 1 for lane in range(32)))
+            bt, lbs = [(1 << 64) - 1] * 32, [-1] * 32
+            for lane in range(32):
+                for s in range(SLOTS):
+                    if os_[lane, s] == M:
+                        t = e_tup[s * 32 + lane]
+                        if t < bt[lane]:
+                            bt[lane], lbs[lane] = t, s
+            mh = min(t >> 32 for t in bt)
+            tl = [(t & MASK32) if (t >> 32) == mh else MASK32 for t in bt]
+            ml = min(tl)
+            who = [lane for lane in range(32) if lbs[lane] >= 0 and bt[lane] == (mh << 32 | ml)]
+            assert len(who) == 1, "rank tuples are unique"
+            wl = who[0]
+            bs = lbs[wl]                         # __shfl_sync(lbs, wl)
+        p = bs * 32 + wl
+        info, ps, lsib, lchild = e_ent[p]
+        tup = e_tup[p]
+        d, r, prow, chain = info & 15, (info >> 4) & 255, (info >> 12) & 255, (info >> 20) & 1
+        # the carried log-probs are the ones the reference uses
+        if r + 1 < kf:
+            assert lsib == s_lp[(d - 1) * K + r + 1]
+        if d < D:
+            assert lchild == s_lp[d * K]
+        has_sib, has_child = r + 1 < kf, d < D
+        sc = from_ordered(M)
+        sib_os = ordered(dd.add_f32(ps, lsib)) if has_sib else 0
+        child_os = ordered(dd.add_f32(sc, lchild))
+        os_[wl, bs] = sib_os
+        if has_child:
+            assert npos < 32 * SLOTS, "positions fit the register slots"
+            os_[npos & 31, npos >> 5] = child_os
+        row = d if chain else nodes + 1
+        tok = int(s_id[(d - 1) * K + r])
+        l_sib2 = s_lp[(d - 1) * K + min(r + 2, K - 1)]
+        l_c1 = s_lp[min(d, D - 1) * K + min(1, K - 1)]
+        l_cc = s_lp[min(d + 1, D - 1) * K]
+        if not chain:
+            t_tok[row], t_par[row], t_dep[row] = tok, prow, d
+        if has_sib:
+            e_ent[p] = [pack(d, r + 1, prow, 0), ps, l_sib2, lchild]
+            e_tup[p] = tup + digit(d, 0)
+        if has_child:
+            e_ent[npos] = [pack(d + 1, 0, row, int(bool(chain) and d + 1 <= nc)), sc, l_c1, l_cc]
+            e_tup[npos] = tup + digit(d + 1, 0)
+        nodes += 0 if chain else 1
+        live += (1 if has_child else 0) - (0 if has_sib else 1)
+        npos += 1 if has_child else 0
+    n = nodes
+    return (np.array([t_tok[i] for i in range(1, n + 1)], np.int32),
+            np.array([t_par[i] for i in range(1, n + 1)], np.int32),
+            np.array([t_dep[i] for i in range(1, n + 1)], np.int32))
+
+
 def _top(rng, D, K, kind):
     if kind == "normal":
         vals = np.minimum((rng.standard_normal((D, K)) * 2 - 3).astype(np.float32), 0)
@@ -164,8 +261,9 @@ def _top(rng, D, K, kind):
 KINDS = ["normal", "dyadic", "quarter", "zero", "subnormal"]
 
 
+@pytest.mark.parametrize("model", [build_v2, build_v3], ids=["v2", "v3"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_builder_v2_model_equals_reference(kind):
+def test_builder_model_equals_reference(kind, model):
     rng = np.random.default_rng(KINDS.index(kind) + 1)
     stats = dict(fast=0, tie=0, same_lane=0)
     for trial in range(120 if kind == "quarter" else 60):
@@ -177,7 +275,7 @@ def test_builder_v2_model_equals_reference(kind):
         cap = int(rng.choice([0, 1, 3, 8, 200]))
         chain = bool(rng.integers(0, 2))
         t = dd.build_tree(lp, ids, min(max(budget, 0), MAX_ROWS - 1), cap_k=cap or None, include_chain=chain)
-        tok, par, dep = build_v2(lp, ids, budget, cap, chain, stats)
+        tok, par, dep = model(lp, ids, budget, cap, chain, stats)
         msg = f"trial {trial}: D {D} K {K} budget {budget} cap {cap} chain {chain}"
         np.testing.assert_array_equal(tok, t.tokens, err_msg=msg)
         np.testing.assert_array_equal(par, t.parents, err_msg=msg)
@@ -188,9 +286,9 @@ def test_builder_v2_model_equals_reference(kind):
         assert stats["tie"] > 0 and stats["same_lane"] > 0, stats
 
 
-def test_model_reads_the_kernels_slot_count():
+def test_models_follow_the_kernels():
     assert SLOTS * 32 >= (MAX_ROWS - 1) + dd.MAX_DEPTH + 1   # pops + 1 <= budget + D + 1 positions
-    # the kernel's key statements the model follows (a change there must be mirrored here)
+    # the kernels' key statements the models follow (a change there must be mirrored here)
     for stmt in ("const uint32_t M = __reduce_max_sync(FULL_MASK, bo);",
                  "if (__any_sync(FULL_MASK, neq > 1) || (who & (who - 1))) {",
                  "who = __ballot_sync(FULL_MASK, bs >= 0 && bt == (((u64)mh << 32) | ml));",
@@ -198,3 +296,13 @@ def test_model_reads_the_kernels_slot_count():
                  "e_tup[npos] = tup + tuple_digit(d + 1, 0);",
                  "if (lane == wl) e_info[npos] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);"):
         assert stmt in V2, stmt
+    for stmt in ("w[s] = __ballot_sync(FULL_MASK, os[s] == M);",
+                 "for (int s = 1; s < DDT_SLOTS; ++s) bs = w[s] ? s : bs;",
+                 "wl = __ffs(any) - 1;",
+                 "bs = __shfl_sync(FULL_MASK, lbs, wl);",
+                 "const float l_sib2 = s_lp[(d - 1) * K + min(r + 2, K - 1)];",
+                 "const float l_c1 = s_lp[min(d, D - 1) * K + min(1, K - 1)];",
+                 "const float l_cc = s_lp[min(d + 1, D - 1) * K];",
+                 "e_ent[p].z = __float_as_int(l_sib2);",
+                 "e_tup[npos] = tup + tuple_digit(d + 1, 0);"):
+        assert stmt in V3, stmt
