@@ -210,6 +210,29 @@ def test_build_tree_matches_reference(source, cap_k, chain, fast):
     _check_tree(ws, top_lp, top_id, budgets, prefix, bonus, cap_k, chain)
 
 
+@pytest.mark.parametrize("D,K", [(1, 1), (1, 5), (3, 1), (2, 2), (8, 3), (5, 128)])
+@pytest.mark.parametrize("chain", [False, True])
+def test_build_tree_small_shapes(D, K, chain, fast):
+    """Depth 1, K = 1 and the like: the frontier's clamped log-prob indices (v3 carries the next sibling's
+    and first child's log-probs in each entry) and budgets larger than the whole tree."""
+    cp = _cp()
+    from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
+    rng = np.random.default_rng(D * 1000 + K + 7 * chain)
+    budgets = np.array([0, 1, 2, 5, 17, 128], np.int32)
+    S = budgets.shape[0]
+    ws = DDTreeWorkspace(S, D, 4096, K, fast=fast)
+    lp, ids = _tie_top(rng, S, D, K, 8, 0.25)
+    lp[1] = -np.sort(rng.random((D, K)).astype(np.float32) * 3, axis=-1)   # stream 1 without ties
+    prefix = rng.integers(0, 5000, size=S).astype(np.int32)
+    bonus = rng.integers(0, 163840, size=S).astype(np.int32)
+    for cap_k in (0, 1, 2):
+        _poison(ws)
+        ws.top_lp[...] = cp.asarray(lp)
+        ws.top_id[...] = cp.asarray(ids)
+        ws.build(cp.asarray(budgets), cp.asarray(prefix), cp.asarray(bonus), cap_k=cap_k, include_chain=chain)
+        _check_tree(ws, lp, ids, budgets, prefix, bonus, cap_k, chain)
+
+
 def _post_for(rng, tokens, parents, n1):
     """Per-row target tokens that follow a random root-to-row path, with near-misses elsewhere."""
     post = rng.choice(tokens[:n1], size=R).astype(np.int32)           # often a token of the tree
