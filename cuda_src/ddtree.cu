@@ -939,6 +939,13 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
 // first child's, written when the entry is created), so one 16-byte shared load feeds the scores of the
 // next pop; the loads for the new entries' log-probs are off that path.
 #define DDT_SLOTS 5
+// f32_to_ordered(score_add(a, b)) in fewer dependent steps: a zero or subnormal sum (either sign) is the
+// key of +0.0; otherwise the same bit map (negative: flip all bits, positive: set the sign bit).
+__device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
+    const float r = __fadd_rn(a, b);
+    const uint32_t u = fabsf(r) < 1.17549435e-38f ? 0u : __float_as_uint(r);
+    return u ^ ((uint32_t)((int)u >> 31) | 0x80000000u);
+}
 extern "C" __global__ void __launch_bounds__(32)
 ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
                const int* __restrict__ budgets, const int* __restrict__ prefix_len,
@@ -987,7 +994,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     int nodes = nc, live = 0, npos = 0;
     if (budget > 0) {   // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
         if (lane == 0) {
-            os[0] = f32_to_ordered(score_add(0.f, s_lp[0]));
+            os[0] = ordered_sum(0.f, s_lp[0]);
             e_ent[0] = make_int4(pack_info(1, 0, 0, nc >= 1), __float_as_int(0.f), __float_as_int(s_lp[min(1, K - 1)]),
                                  __float_as_int(s_lp[min(1, D - 1) * K]));
             e_tup[0] = tuple_digit(1, 0);
@@ -1035,20 +1042,15 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
         const int d = e.x & 15, r = (e.x >> 4) & 255, prow = (e.x >> 12) & 255, chain = (e.x >> 20) & 1;
         const bool has_sib = r + 1 < kf, has_child = d < D;
         const float sc = ordered_to_f32(M);
-        const uint32_t sib_os = has_sib ? f32_to_ordered(score_add(__int_as_float(e.y), __int_as_float(e.z))) : 0u;
-        const uint32_t child_os = f32_to_ordered(score_add(sc, __int_as_float(e.w)));
+        const uint32_t sib_os = has_sib ? ordered_sum(__int_as_float(e.y), __int_as_float(e.z)) : 0u;
+        const uint32_t child_os = ordered_sum(sc, __int_as_float(e.w));
         // registers: the popped slot takes the next sibling (same parent score) or empties; the first
         // child goes to the next position
-        if (lane == wl) {
+        // (selects, not branches: no divergent region in the loop; the two targets are different slots)
+        const int sp = lane == wl ? bs : -1;
+        const int cp = has_child && lane == (npos & 31) ? npos >> 5 : -1;
 #pragma unroll
-            for (int s = 0; s < DDT_SLOTS; ++s)
-                if (s == bs) os[s] = sib_os;
-        }
-        if (has_child && lane == (npos & 31)) {
-#pragma unroll
-            for (int s = 0; s < DDT_SLOTS; ++s)
-                if (s == (npos >> 5)) os[s] = child_os;
-        }
+        for (int s = 0; s < DDT_SLOTS; ++s) os[s] = s == sp ? sib_os : (s == cp ? child_os : os[s]);
         // shared memory (lane 0): the emitted row, the sibling's entry in place, the child's entry
         const int row = chain ? d : nodes + 1;
         const int tok = s_id[(d - 1) * K + r];

@@ -43,6 +43,15 @@ def from_ordered(o: int) -> np.float32:
     return np.array([b], np.uint32).view(np.float32)[0]
 
 
+def ordered_sum(a, b) -> int:
+    """v3's ordered_sum: the float32 sum, zero or subnormal (either sign) -> the key of +0.0, else the
+    ordered bit map; must equal ordered(add_f32(a, b)) (tested below)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = np.float32(np.float32(a) + np.float32(b))
+    u = 0 if abs(r) < np.float32(1.17549435e-38) else _bits(r)
+    return u ^ ((MASK32 if u & 0x80000000 else 0) | 0x80000000)
+
+
 def digit(d: int, r: int) -> int:      # tuple_digit
     return (r + 1) << (8 * (8 - d))
 
@@ -167,7 +176,7 @@ def build_v3(lp_in, ids, budget, cap_k, include_chain, stats):
     e_ent, e_tup = Shared(32 * SLOTS), Shared(32 * SLOTS)
     nodes, live, npos = nc, 0, 0
     if budget > 0:
-        os_[0, 0] = ordered(dd.add_f32(0.0, s_lp[0]))
+        os_[0, 0] = ordered_sum(0.0, s_lp[0])
         e_ent[0] = [pack(1, 0, 0, int(nc >= 1)), np.float32(0.0), s_lp[min(1, K - 1)], s_lp[min(1, D - 1) * K]]
         e_tup[0] = digit(1, 0)
         live = npos = 1
@@ -213,8 +222,8 @@ def build_v3(lp_in, ids, budget, cap_k, include_chain, stats):
             assert lchild == s_lp[d * K]
         has_sib, has_child = r + 1 < kf, d < D
         sc = from_ordered(M)
-        sib_os = ordered(dd.add_f32(ps, lsib)) if has_sib else 0
-        child_os = ordered(dd.add_f32(sc, lchild))
+        sib_os = ordered_sum(ps, lsib) if has_sib else 0
+        child_os = ordered_sum(sc, lchild)
         os_[wl, bs] = sib_os
         if has_child:
             assert npos < 32 * SLOTS, "positions fit the register slots"
@@ -300,9 +309,26 @@ def test_models_follow_the_kernels():
                  "for (int s = 1; s < DDT_SLOTS; ++s) bs = w[s] ? s : bs;",
                  "wl = __ffs(any) - 1;",
                  "bs = __shfl_sync(FULL_MASK, lbs, wl);",
+                 "for (int s = 0; s < DDT_SLOTS; ++s) os[s] = s == sp ? sib_os : (s == cp ? child_os : os[s]);",
+                 "return u ^ ((uint32_t)((int)u >> 31) | 0x80000000u);",
                  "const float l_sib2 = s_lp[(d - 1) * K + min(r + 2, K - 1)];",
                  "const float l_c1 = s_lp[min(d, D - 1) * K + min(1, K - 1)];",
                  "const float l_cc = s_lp[min(d + 1, D - 1) * K];",
                  "e_ent[p].z = __float_as_int(l_sib2);",
                  "e_tup[npos] = tup + tuple_digit(d + 1, 0);"):
         assert stmt in V3, stmt
+
+
+def test_ordered_sum_equals_the_ordered_score_sum():
+    """v3 folds score_add's flush and f32_to_ordered's -0.0 canonicalisation into one step."""
+    rng = np.random.default_rng(5)
+    tiny = np.float32(1.17549435e-38)
+    edge = np.array([0.0, -0.0, tiny, -tiny, tiny / 2, -tiny / 2, np.float32(1e-45), -np.float32(1e-45),
+                     1.5 * tiny, -1.5 * tiny, -1.0, -0.5, -np.inf, -3.4e38, 2.0 * tiny], np.float32)
+    a = np.concatenate([edge, -np.abs(rng.standard_normal(400).astype(np.float32)) * 8,
+                        (rng.standard_normal(200) * 1e-37).astype(np.float32)])
+    for x in a:
+        for y in edge:
+            assert ordered_sum(x, y) == ordered(dd.add_f32(x, y)), (x, y)
+            assert ordered_sum(y, x) == ordered(dd.add_f32(y, x)), (y, x)
+
