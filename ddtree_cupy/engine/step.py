@@ -174,7 +174,7 @@ class DecodeStep:
         self.cap_k = 0 if (mode != "ddtree" or cap_k is None) else int(cap_k)
         self.include_chain = bool(include_chain) and mode == "ddtree"
         self.k = tree_k(mode, budget, m.tcfg.vocab_size, m.V_local, cap_k)
-        self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k, fast=True)
+        self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k, fast=ddt.DEFAULT_VARIANT)
         self.A = self.ws.A
         T = self.T = S * self.R
         i32 = cupy.int32
