@@ -2,7 +2,7 @@
 same run.
 
     PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep] [--pdl 0|1|both]
-                                         [--json out.json]
+                                         [--variant auto|splitk|decode|both] [--rows 1,8,16] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
 enough weight copies (> 2x L2) that every call streams its weight from DRAM, as in a real decode step
@@ -13,7 +13,10 @@ Parts: 'gemm' every skinny GEMM at TP=8 rank shapes; 'layers' the small layer ke
 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router sequence (10 kernels, 6 of
 them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed cost shows in context;
 'sweep' the split-K factor of a few GEMMs, against gemm.choose_split's pick. --pdl: run with programmatic
-dependent launch off (0), on (1) or both (default; '[pdl]' marks the rows with it).
+dependent launch off (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: the GEMM
+kernel (gemm.set_variant): the rule ('auto'), one forced, or 'both' (default: every GEMM and chain at
+T <= 16 with the split-K kernel and with the decode kernel, '[dec]' marks the latter), followed by a
+side-by-side table.
 """
 from __future__ import annotations
 
@@ -53,7 +56,27 @@ def _rand_bf16(cp, shape, scale=1.0):
     return cp.asarray(to_bf16_bits(np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * scale))
 
 
-def gemm_cases(cp, rows):
+def _variants(T, variants):
+    return [v for v in variants if v != "decode" or T <= 16]
+
+
+def _tag(v):
+    return " [dec]" if v == "decode" else ""
+
+
+def _with_variant(v, fn):
+    from ddtree_cupy.kernels import gemm
+
+    def run():
+        old = gemm.set_variant(v)
+        try:
+            fn()
+        finally:
+            gemm.set_variant(old)
+    return run
+
+
+def gemm_cases(cp, rows, variants=("auto",)):
     from ddtree_cupy.kernels.gemm import gemm_bf16
     out = []
     for name, N, K, B in GEMMS:
@@ -72,11 +95,13 @@ def gemm_cases(cp, rows):
                 gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
                 it[0] += 1
             nbytes = wbytes + x.nbytes + y.nbytes
-            out.append((f"gemm {name}", f"T={T} N={N} K={K}" + (f" x{B}" if B > 1 else ""), nbytes, fn))
+            for v in _variants(T, variants):
+                out.append((f"gemm {name}{_tag(v)}", f"T={T} N={N} K={K}" + (f" x{B}" if B > 1 else ""), nbytes,
+                            _with_variant(v, fn)))
     return out
 
 
-def layer_cases(cp, rows):
+def layer_cases(cp, rows, variants=None):
     from ddtree_cupy.kernels import layers, router, sample, topk
     from ddtree_cupy.config import RopeConfig
     from ddtree_cupy.reference import yarn_inv_freq
@@ -174,7 +199,7 @@ SWEEP = [("dense MLP gate+up", 2 * 2304, 7168), ("q_a+kv_a (fused)", 2112, 7168)
          ("q_b", 1536, 1536)]
 
 
-def sweep_cases(cp, rows):
+def sweep_cases(cp, rows, variants=None):
     """Split-K factors around gemm.choose_split's pick (each distinct effective split once)."""
     from ddtree_cupy.kernels import gemm
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -210,6 +235,24 @@ def _row(results, bw, kname, shape, nbytes, us, pdl):
     sys.stdout.flush()
 
 
+def _side_by_side(results):
+    """One line per (GEMM or chain, shape): split-K vs decode, PDL off and on (us, frac of the ceiling)."""
+    rows = {}
+    for r in results:
+        k = r["kernel"]
+        dec, pdl = " [dec]" in k, " [pdl]" in k
+        base = k.replace(" [dec]", "").replace(" [pdl]", "")
+        rows.setdefault((base, r["shape"]), {})[(dec, pdl)] = r
+    print(f"\n{'split-K vs decode (us / frac)':44} {'shape':22} {'splitk':>12} {'decode':>12} "
+          f"{'splitk[pdl]':>12} {'decode[pdl]':>12}")
+    for (base, shape), d in rows.items():
+        if (True, False) not in d and (True, True) not in d:
+            continue
+        cells = [f"{d[c]['us']:6.2f}/{d[c]['frac']:.2f}" if c in d else "-"
+                 for c in ((False, False), (True, False), (False, True), (True, True))]
+        print(f"{base:44} {shape[:22]:22} " + " ".join(f"{c:>12}" for c in cells))
+
+
 def main(argv=None):
     import cupy as cp
     ap = argparse.ArgumentParser()
@@ -218,7 +261,11 @@ def main(argv=None):
     ap.add_argument("--parts", default="gemm,layers,chain", help="comma list of gemm, layers, chain, sweep")
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
+    ap.add_argument("--variant", default="both", choices=("auto", "splitk", "decode", "both"),
+                    help="GEMM kernel: the rule, one forced, or split-K and decode side by side ([dec])")
+    ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     args = ap.parse_args(argv)
+    variants = ("splitk", "decode") if args.variant == "both" else (args.variant,)
     from ddtree_cupy.kernels import launch
     parts = set(args.parts.split(","))
     modes = {"0": [False], "1": [True], "both": [False, True]}[args.pdl]
@@ -230,6 +277,8 @@ def main(argv=None):
     tf = measure_mma_bf16_tflops()
     print(f"device: {name} (sm_{dev.compute_capability}); read ceiling {bw:.0f} GB/s; mma.sync bf16 {tf:.0f} TFLOP/s")
     g_rows = [1, 8, 16, 64, 160] if not args.quick else [1, 16, 160]
+    if args.rows:
+        g_rows = [int(r) for r in args.rows.split(",")]
     l_rows = [1, 16, 160] if not args.quick else [1, 160]
     results = []
     print(f"{'kernel':34} {'shape':28} {'us':>8} {'MB':>8} {'GB/s':>7} {'frac':>6}")
@@ -238,7 +287,7 @@ def main(argv=None):
     for cases, rows, part in groups:
         if part not in parts:
             continue
-        built = cases(cp, rows)
+        built = cases(cp, rows, variants)
         for pdl in (modes if part != "sweep" else modes[-1:]):
             launch.set_pdl(pdl)
             tag = " [pdl]" if pdl else ""
@@ -254,20 +303,23 @@ def main(argv=None):
     if "chain" in parts:
         for T in g_rows:
             wbytes, fn = chain_case(cp, T)
-            for pdl in modes:
-                launch.set_pdl(pdl)
-                try:
-                    us = time_graph(fn, iters=4, reps=9)
-                except Exception as e:
-                    print(f"chain [pdl={int(pdl)}] T={T} ERROR {type(e).__name__}: {str(e)[:80]}")
-                    continue
-                _row(results, bw, f"chain {CHAIN_LAYERS} layers" + (" [pdl]" if pdl else ""),
-                     f"T={T} 80 kernels, 48 GEMMs", wbytes, us, pdl)
-                print(f"{'':34} {'  per layer':28} {us / CHAIN_LAYERS:8.2f} us; weight stream alone "
-                      f"{wbytes / CHAIN_LAYERS / bw / 1e3:.2f} us")
+            for v in _variants(T, variants):
+                for pdl in modes:
+                    launch.set_pdl(pdl)
+                    try:
+                        us = time_graph(_with_variant(v, fn), iters=4, reps=9)
+                    except Exception as e:
+                        print(f"chain [pdl={int(pdl)}]{_tag(v)} T={T} ERROR {type(e).__name__}: {str(e)[:80]}")
+                        continue
+                    _row(results, bw, f"chain {CHAIN_LAYERS} layers{_tag(v)}" + (" [pdl]" if pdl else ""),
+                         f"T={T} 80 kernels, 48 GEMMs", wbytes, us, pdl)
+                    print(f"{'':34} {'  per layer':28} {us / CHAIN_LAYERS:8.2f} us; weight stream alone "
+                          f"{wbytes / CHAIN_LAYERS / bw / 1e3:.2f} us")
             del fn
             cp.get_default_memory_pool().free_all_blocks()
     launch.set_pdl(False)
+    if len(variants) == 2:
+        _side_by_side(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, read_ceiling_gbps=bw, mma_bf16_tflops=tf, pdl=args.pdl, results=results),

@@ -173,3 +173,145 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
         else ((bf16_bits*)out)[o] = f32_to_bf16(s);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Decode variant (T <= 16, issue #4): parallel over output rows, K split INSIDE the block.
+//  * a block = 16 weight rows (one m16 tile) x all of K x all tokens (NT <= 2 n8 tiles); grid = N / 16,
+//    so a 2112-row weight already gives one block per H200 SM and no inter-block split is needed;
+//  * each of the DEC_WARPS warps streams its own contiguous K-slice through its own cp.async ring
+//    (weights + token tile per stage), so the main loop synchronises with __syncwarp only;
+//  * the first STAGES-1 weight stages are issued before DDT_PDL_WAIT() (weights never depend on earlier
+//    kernels), one cp.async group each; the token tiles of those stages are then loaded with plain loads
+//    after the wait, so no weight group waits on a token group issued after it (run C's bubble);
+//  * at the end the warps' fp32 fragments meet in shared memory and are summed in warp order
+//    (deterministic), one output per thread: no workspace, no second launch.
+// Same argument list as gemm_bf16_kernel (ws and k_tiles_per_split unused), so both launch alike.
+#define DEC_WARPS 8
+#define DEC_THREADS (DEC_WARPS * 32)
+
+template <int NT, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(DEC_THREADS, 2)
+gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                        const bf16_bits* __restrict__ w, long long w_batch_stride,
+                        void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                        float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    constexpr int WST = 16 * 8;                 // uint4 per weight stage: 16 rows x 8 chunks of 16 B
+    constexpr int XST = NT * 64;                // uint4 per token stage: NT*8 rows x 8 chunks
+    constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
+    static_assert(DEC_WARPS * 16 * RS * 4 <= DEC_WARPS * STAGES * (WST + XST) * 16, "reduction fits the rings");
+    extern __shared__ uint4 smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint4* w_s = smem + warp * STAGES * (WST + XST);    // this warp's ring: [STAGES][WST] then [STAGES][XST]
+    uint4* x_s = w_s + STAGES * WST;
+    const int n0 = blockIdx.x * 16, b = blockIdx.z;
+    const int k_tiles = K / GEMM_BK;
+    const int kt0 = warp * k_tiles / DEC_WARPS;         // balanced slices: sizes differ by at most one tile
+    const int nkt = (warp + 1) * k_tiles / DEC_WARPS - kt0;
+    x += b * x_batch_stride;
+    w += b * w_batch_stride + (long long)n0 * K;        // N % 16 == 0 (wrapper): all 16 rows exist
+
+    auto load_w = [&](int slot, int kt) {
+        uint4* d = w_s + slot * WST;
+        const bf16_bits* src = w + kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < WST / 32; ++j) {
+            const int i = lane + 32 * j, r = i >> 3, c = i & 7;
+            cp_async16(smem_addr(d + swz(r, c)), src + (long long)r * K + c * 8, 16);
+        }
+    };
+    auto load_x = [&](int slot, int kt, bool async) {
+        uint4* d = x_s + slot * XST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < XST / 32; ++j) {
+            const int i = lane + 32 * j, r = i >> 3, c = i & 7;
+            const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
+            if (async) {
+                cp_async16(smem_addr(d + swz(r, c)), r < T ? src : x, r < T ? 16 : 0);
+            } else {
+                d[swz(r, c)] = r < T ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+
+    DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // weights only: allowed before the wait
+        if (s < nkt) load_w(s, kt0 + s);
+        cp_async_commit();                  // one group per stage, even when empty: the count stays in step
+    }
+    DDT_PDL_WAIT();                         // x and out belong to earlier kernels in the stream
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nkt) load_x(s, kt0 + s, false);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();       // this lane's copies of stage `it` have landed ...
+        __syncwarp();                      // ... every lane's, and slot (it-1) % STAGES is no longer read
+        const int nxt = it + STAGES - 1;
+        if (nxt < nkt) {
+            load_w(nxt % STAGES, kt0 + nxt);
+            load_x(nxt % STAGES, kt0 + nxt, true);
+        }
+        cp_async_commit();
+
+        const uint4* ws_ = w_s + (it % STAGES) * WST;
+        const uint4* xs_ = x_s + (it % STAGES) * XST;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+            uint32_t a0, a1, a2, a3, b0, b1, b2 = 0, b3 = 0;
+            {   // A: 16 weight rows x 16 k; lanes 0-15 address rows at k 0-7, lanes 16-31 at k 8-15
+                const int r = lane & 15, c = kk * 2 + (lane >> 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(smem_addr(ws_ + swz(r, c))));
+            }
+            const int c = kk * 2 + ((lane >> 3) & 1);
+            if (NT == 2) {      // matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,k0-7) (t8-15,k8-15)
+                const int r = (lane & 7) + ((lane >> 4) << 3);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+            } else {
+                const int r = lane & 7;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                             : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+            }
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+            if (NT == 2) {
+                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                             : "+f"(acc[NT - 1][0]), "+f"(acc[NT - 1][1]), "+f"(acc[NT - 1][2]),
+                               "+f"(acc[NT - 1][3])
+                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
+            }
+        }
+    }
+    cp_async_wait<0>();                     // only empty groups can remain; keep the count clean anyway
+    __syncthreads();                        // every warp is done with its ring: reuse it for the reduction
+
+    // D fragment: c0,c1 = (row lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = row + 8.
+    float* red = reinterpret_cast<float*>(smem);        // [DEC_WARPS][16 rows][RS]
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            red[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * RS + j * 8 + 2 * (lane & 3) + (e & 1)] = acc[j][e];
+    __syncthreads();
+    for (int i = tid; i < 16 * NT * 8; i += DEC_THREADS) {
+        const int r = i & 15, t = i >> 4;   // consecutive threads: consecutive output features
+        if (t < T) {
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < DEC_WARPS; ++q) s += red[(q * 16 + r) * RS + t];
+            const long long o = b * out_batch_stride + (long long)t * out_row_stride + n0 + r;
+            if (OUT_F32) ((float*)out)[o] = s;
+            else ((bf16_bits*)out)[o] = f32_to_bf16(s);
+        }
+    }
+}

@@ -3,7 +3,12 @@
 Decode shapes: T = 1..160 tokens, K 64..7168, N 16..20480. The weight is streamed once; split-K spreads a
 narrow weight over every SM. Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
 out [B, T, N]; x and out may be strided views (inner dimension contiguous, 16-byte aligned rows).
-Both kernels obey the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
+Two kernels serve a call, chosen by ``use_decode`` (a rule per T and shape, overridable with ``set_variant``):
+ * "splitk": ``gemm_bf16_kernel`` (64 weight rows per block, split-K across blocks, fp32 partials in a
+   workspace summed by ``gemm_splitk_reduce``, a second launch); every T <= 160;
+ * "decode": ``gemm_bf16_kernel_decode`` (T <= 16: 16 weight rows per block, K split across the block's
+   8 warps and reduced in shared memory: one launch, no workspace).
+Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
 from __future__ import annotations
@@ -35,12 +40,60 @@ def _name(nt: int, out_f32: bool) -> str:
     return f"gemm_bf16_kernel<{nt}, {stages_for(nt)}, {'true' if out_f32 else 'false'}>"
 
 
+# Decode variant: 16 weight rows per block, DEC_WARPS warps each with its own ring of (16 + 8 NT) rows x BK.
+DEC_ROWS, DEC_WARPS = 16, 8
+DEC_THREADS = 32 * DEC_WARPS
+DEC_MAX_T = 16
+DEC_NT = (1, 2)
+
+
+def dec_stages(nt: int) -> int:
+    """Ring depth per warp: as many stages (<= 6) as fit the shared-memory budget (NT 1: 4, NT 2: 3)."""
+    return min(6, SMEM_BUDGET // (DEC_WARPS * (DEC_ROWS + 8 * nt) * BK * 2))
+
+
+def dec_smem_bytes(nt: int) -> int:
+    return DEC_WARPS * dec_stages(nt) * (DEC_ROWS + 8 * nt) * BK * 2
+
+
+def _dec_name(nt: int, out_f32: bool) -> str:
+    return f"gemm_bf16_kernel_decode<{nt}, {dec_stages(nt)}, {'true' if out_f32 else 'false'}>"
+
+
 SPEC = register(KernelSpec(
     src="gemm_bf16.cu",
     names=tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
+    + tuple(_dec_name(nt, f) for f in (False, True) for nt in DEC_NT)
     + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
-    hot=True, pdl=True,      # both kernels start with DDT_PDL_WAIT(): launched with PDL when enabled
-    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K"))
+    hot=True, pdl=True,      # every kernel waits (DDT_PDL_WAIT) before reading activations or writing
+    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K or in-block K split"))
+
+VARIANTS = ("auto", "splitk", "decode")
+_VARIANT = ["auto"]
+# The rule's switch: False until the decode kernel is measured correct and faster on the GPU (docs/KERNELS.md
+# "Decode variant"); while False, "auto" always picks "splitk".
+DECODE_BY_DEFAULT = False
+# Blocks (N / 16 x batch) below which "auto" keeps split-K: the decode grid would leave most SMs idle.
+DECODE_MIN_BLOCKS_PER_SM = 0.5
+
+
+def set_variant(variant: str) -> str:
+    """Force a kernel for every call ("splitk" / "decode"), or back to the rule ("auto"); returns the old
+    setting. "decode" still falls back to split-K where it cannot serve (T > 16, explicit ``split_k``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: one of {VARIANTS}, got {variant!r}")
+    old, _VARIANT[0] = _VARIANT[0], variant
+    return old
+
+
+def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> bool:
+    """The selection rule: the decode kernel for T <= 16 when forced, or (auto, DECODE_BY_DEFAULT) when its
+    grid of N / 16 x batch blocks covers at least DECODE_MIN_BLOCKS_PER_SM of the SMs."""
+    if T > DEC_MAX_T or _VARIANT[0] == "splitk":
+        return False
+    if _VARIANT[0] == "decode":
+        return True
+    return DECODE_BY_DEFAULT and (N // DEC_ROWS) * batch >= DECODE_MIN_BLOCKS_PER_SM * sm_count
 
 _SM_COUNT = {}
 _WORKSPACE = {}
@@ -89,7 +142,8 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     out [T, N] / [B, T, N] uint16 (bf16) or float32 (``out_dtype``). Returns ``out``.
 
     Split-K partials go to ``workspace`` (float32, >= B*split*T*N) or a per-device shared buffer (one
-    stream at a time; call once before graph capture so it is large enough).
+    stream at a time; call once before graph capture so it is large enough). Where ``use_decode`` picks the
+    decode kernel (never with an explicit ``split_k``), neither a workspace nor a second launch is used.
     """
     import cupy
     out_dtype = np.dtype(out_dtype)
@@ -114,15 +168,23 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     os_ = check_rows("out", out, out_dtype, oshape, align=out_dtype.itemsize)
     if not batched:
         os_ = (0,) + os_
+    out_f32 = out_dtype == np.float32
+    w_bs = N * K if batched else 0
+    if split_k is None and use_decode(T, N, K, B, _sm_count()):
+        nt = 1 if T <= 8 else 2
+        smem = dec_smem_bytes(nt)
+        kern = get_kernel(SPEC, _dec_name(nt, out_f32), max_dynamic_smem=smem)
+        kern((N // DEC_ROWS, 1, B), (DEC_THREADS,),
+             (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
+              out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=smem)
+        return out
     split = choose_split(T, N, K, B, _sm_count()) if split_k is None else check_range("split_k", split_k, 1, K // BK)
     per = math.ceil(K // BK / split)
     split = math.ceil(K // BK / per)
     nt = next(c for c in NT_CHOICES if 8 * c >= T)
-    out_f32 = out_dtype == np.float32
     ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
     smem = smem_bytes(nt)
     kern = get_kernel(SPEC, _name(nt, out_f32), max_dynamic_smem=smem)
-    w_bs = N * K if batched else 0
     kern((math.ceil(N / BN), split, B), (THREADS,),
          (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
           ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)

@@ -1,5 +1,8 @@
 """Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off, batched strided views,
-fp32 output, and replay inside a CUDA graph."""
+fp32 output, and replay inside a CUDA graph; both kernels ("splitk", "decode") at every engine shape for
+T <= 16, graph replay == eager, and a PDL-launched chain == the plain one."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -138,3 +141,188 @@ def test_gemm_bad_args():
         gemm_bf16(cp.zeros((161, 128), np.uint16), cp.zeros((64, 128), np.uint16))
     with pytest.raises(ValueError, match="x"):
         gemm_bf16(cp.zeros((4, 128), np.float32), cp.zeros((64, 128), np.uint16))
+
+
+# ---- both kernels at the engine's decode shapes (gemm.set_variant forces one) ----------------------------
+ENGINE = [  # (name, N, K, batch, fp32 out): one TP=8 rank's GEMMs (bench/kernels.py GEMMS, lm_head aside)
+    ("q_a+kv_a", 2112, 7168, 1, False), ("q_b", 1536, 1536, 1, False), ("W_UK^T", 512, 128, 8, False),
+    ("W_UV", 128, 512, 8, False), ("o_proj", 7168, 1024, 1, False), ("dense gate+up", 4608, 7168, 1, False),
+    ("dense down", 7168, 2304, 1, False), ("shared gate+up", 512, 7168, 1, False),
+    ("shared down", 7168, 256, 1, False), ("router", 384, 7168, 1, True), ("drafter qkv", 1280, 7168, 1, False),
+]
+DECODE_T = (1, 2, 5, 8, 13, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _weight(N, K, B):
+    """(device bits, float64 values) of a [B, N, K] weight, made once per shape (the inputs are fresh)."""
+    import cupy as cp
+    wb, w = rand_bf16(np.random.default_rng(N * 131 + K * 7 + B), (B, N, K), 0.05)
+    return cp.asarray(wb), w
+
+
+@pytest.fixture(params=["splitk", "decode"])
+def variant(request, monkeypatch):
+    """Forces one kernel; yields (variant, names of the kernels launched since)."""
+    from ddtree_cupy.kernels import gemm
+    launched = []
+    real = gemm.get_kernel
+
+    def recording(spec, name, **kw):
+        launched.append(name)
+        return real(spec, name, **kw)
+    monkeypatch.setattr(gemm, "get_kernel", recording)
+    old = gemm.set_variant(request.param)
+    yield request.param, launched
+    gemm.set_variant(old)
+
+
+def _assert_kernel(variant, launched):
+    v, names = variant, launched
+    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "splitk" for n in names
+            if n.startswith("gemm_bf16_kernel")}
+    assert used == {v}, (v, names)
+
+
+@pytest.mark.parametrize("T", DECODE_T)
+@pytest.mark.parametrize("name,N,K,B,f32", ENGINE, ids=[e[0] for e in ENGINE])
+def test_engine_shapes_both_kernels(variant, name, N, K, B, f32, T):
+    """Every engine shape through the forced kernel; odd T use strided x / out views (batched shapes always:
+    per-head slices of [T, heads, width] rows), and the padding around a view must stay poisoned."""
+    import cupy as cp
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    v, launched = variant
+    rng = np.random.default_rng(T * 1009 + N + K + (v == "decode"))
+    w_dev, w = _weight(N, K, B)
+    dt = np.float32 if f32 else np.uint16
+    strided = B > 1 or T % 2 == 1
+    xb, x = rand_bf16(rng, (B, T, K))
+    if strided:     # x: [T, B, K + 64] rows, the view skips the first 64 columns; out: [T, B, N + 32]
+        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
+        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
+        obuf = poisoned(cp, (T, B, N + 32), dt)
+        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:, :, 16:16 + N].transpose(1, 0, 2)
+    else:
+        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
+    if B == 1:
+        x_dev, out = x_dev[0], out[0]
+    gemm_bf16(x_dev, w_dev if B > 1 else w_dev[0], out, out_dtype=dt)
+    _assert_kernel(v, launched)
+    ref = np.matmul(x, w.transpose(0, 2, 1))     # BLAS: einsum would take seconds at 4608 x 7168
+    got = out.get().astype(np.float64) if f32 else f64(out)
+    got = got.reshape(B, T, N)
+    tol = 1e-5 if f32 else BF16_TOL           # fp32 out: only the accumulation order differs
+    assert rel_err(got, ref) < tol
+    # per token and per 16-feature block (one decode block): a wrong row or block offset cannot hide
+    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
+    assert err_bt.max() < 4 * tol, err_bt.max()
+    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731
+    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
+    assert err_blk.max() < 16 * tol, err_blk.max()
+    if strided:
+        pad = obuf.get()
+        if f32:
+            assert np.all(np.isnan(pad[:, :, :16])) and np.all(np.isnan(pad[:, :, 16 + N:])), "wrote outside"
+        else:
+            assert np.all(pad[:, :, :16] == 0xFFFF) and np.all(pad[:, :, 16 + N:] == 0xFFFF), "wrote outside"
+
+
+@pytest.mark.parametrize("T,N,K,f32", [(8, 2112, 7168, False), (13, 384, 7168, True), (16, 7168, 1024, False)])
+def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
+    """Captured once, replayed with new inputs written into the static buffer: bit-identical to an eager
+    call on the same inputs (both kernels are deterministic), and right against float64."""
+    import cupy as cp
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    v, launched = variant
+    rng = np.random.default_rng(T + N)
+    w_dev, w = _weight(N, K, 1)
+    w_dev, w = w_dev[0], w[0]
+    dt = np.float32 if f32 else np.uint16
+    x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
+    x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
+    gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        g = s.end_capture()
+    _assert_kernel(v, launched)
+    for _ in range(3):
+        xb, x = rand_bf16(rng, (T, K))
+        x_dev.set(xb)
+        out.fill(np.nan if f32 else 0xFFFF)
+        with s:
+            g.launch(s)
+            gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
+        s.synchronize()
+        assert cp.array_equal(out, eager)
+        got = out.get().astype(np.float64) if f32 else f64(out)
+        assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_engine_pdl_chain_equals_plain(variant, T):
+    """q_a -> q_b (strided input) -> gate+up -> down (strided input) -> router (fp32), each GEMM reading the
+    one before, 3 rounds of new inputs: with PDL (eager and graph replay, intermediates poisoned between
+    replays) bit-identical to plain launches; the first stage against float64; every launch went through
+    the PDL path (sm_90+)."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm, launch
+    v, launched = variant
+    rng = np.random.default_rng(77 + T)
+    ws = {k: _weight(*s, 1) for k, s in dict(qa=(2112, 7168), qb=(7168, 1536), gu=(4608, 7168),
+                                             dn=(7168, 2304), rt=(384, 7168)).items()}
+    xs = [rand_bf16(rng, (T, 7168)) for _ in range(3)]
+    x_dev = cp.asarray(np.stack([b for b, _ in xs]))
+    mid = dict(qa=cp.empty((T, 2112), np.uint16), qb=cp.empty((T, 7168), np.uint16),
+               gu=cp.empty((T, 4608), np.uint16), dn=cp.empty((T, 7168), np.uint16))
+
+    def chain(lg):
+        for r in range(3):
+            gemm.gemm_bf16(x_dev[r], ws["qa"][0][0], mid["qa"])
+            gemm.gemm_bf16(mid["qa"][:, :1536], ws["qb"][0][0], mid["qb"])
+            gemm.gemm_bf16(mid["qb"], ws["gu"][0][0], mid["gu"])
+            gemm.gemm_bf16(mid["gu"][:, :2304], ws["dn"][0][0], mid["dn"])
+            gemm.gemm_bf16(mid["dn"], ws["rt"][0][0], lg[r], out_dtype=np.float32)
+
+    n_pdl = [0]
+    real = launch.launch_pdl
+
+    def counting(*a, **k):
+        n_pdl[0] += 1
+        return real(*a, **k)
+    launch.launch_pdl = counting
+    s = cp.cuda.Stream(non_blocking=True)
+    try:
+        ref = cp.full((3, T, 384), np.nan, np.float32)
+        launch.set_pdl(False)
+        with s:
+            chain(ref)
+        s.synchronize()
+        first = f64(mid["qa"])      # round 2's q_a output, against float64
+        assert rel_err(first, xs[2][1] @ ws["qa"][1][0].T) < BF16_TOL
+        assert np.all(np.isfinite(ref.get()))
+        launch.set_pdl(True)
+        got = cp.full((3, T, 384), np.nan, np.float32)
+        with s:
+            chain(got)
+        s.synchronize()
+        assert cp.array_equal(got, ref)
+        with s:
+            s.begin_capture()
+            chain(got)
+            g = s.end_capture()
+        for _ in range(2):
+            got.fill(np.nan)
+            for m in mid.values():
+                m.fill(0xFFFF)      # a consumer reading before its producer finished would see NaN
+            with s:
+                g.launch(s)
+            s.synchronize()
+            assert cp.array_equal(got, ref)
+    finally:
+        launch.set_pdl(False)
+        launch.launch_pdl = real
+    _assert_kernel(v, launched)
+    if int(cp.cuda.Device().compute_capability) >= 90:
+        assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus split-K reduces)
