@@ -1,7 +1,7 @@
 """Benchmark: absorbed MLA tree-verify attention (8 local heads) vs the measured ceilings of the same run.
 
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
-                                               [--compare] [--was OLD.json]
+                                               [--compare] [--was OLD.json] [--policy measured|model|both]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
 
 For streams x tree rows x context: time per call (CUDA-graph replay), bytes (latent KV read once + q +
@@ -11,6 +11,10 @@ as a chain (causal) at the same prefix, the earlier results' time ("was", defaul
 the launch floor (empty kernels replayed from a graph). --compare also times the opt-in ks32 tile where
 plan_mla picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan and
 builds without one phase. Also the DFlash drafter attention (8 q heads / 1 kv head).
+--policy picks the planner policy (plan_mla(policy=...)); "both" times the "measured" (was) and the "model"
+(now) plan of every shape in the same run (once where both policies plan the same), plus a few 64-head
+(TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
+speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
 Prints tables; never asserts a speed.
 """
 from __future__ import annotations
@@ -64,8 +68,9 @@ def write_svg(summary: dict, path: str) -> None:
     import math
     series = [(1, 1), (1, 16), (4, 16), (10, 16), (10, 64)]
     colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
-    ctxs = sorted({r["ctx"] for r in summary["mla"] if r["ctx"] <= 65536})
-    pts = {k: sorted((r["ctx"], r["us"], r["floor_us"]) for r in summary["mla"]
+    mla = [r for r in summary["mla"] if r.get("heads", 8) == 8]
+    ctxs = sorted({r["ctx"] for r in mla if r["ctx"] <= 65536})
+    pts = {k: sorted((r["ctx"], r["us"], r["floor_us"]) for r in mla
                      if (r["streams"], r["rows"]) == k and r["ctx"] <= 65536) for k in series}
     ys = [v for p in pts.values() for _, a, b in p for v in (a, b)]
     y0, y1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
@@ -96,6 +101,78 @@ def write_svg(summary: dict, path: str) -> None:
         f.write("\n".join(out) + "\n")
 
 
+TP1_CASES = ((1, 1, 4096), (1, 8, 4096), (1, 65, 4096), (1, 1, 32768), (1, 8, 32768), (4, 8, 4096))
+
+
+def policy_both(one, cases, results, args, was):
+    """Time the "measured" (was) and "model" (now) plans of every case in the same run; a shape both
+    policies plan alike is timed once (ratio 1 by construction). Adds the 64-head (TP1) shapes."""
+    from ddtree_cupy.kernels import attention as A
+    print(f"{'S':>3} {'rows':>4} {'H':>3} {'ctx':>7} | {'measured (was)':>24} | {'model (now)':>24} | "
+          f"{'now/was':>7} {'floor':>7} {'was/fl':>6} {'now/fl':>6} | {'pred was':>8} {'pred now':>8}")
+    all_cases = [(S, n, c, 8) for S, n, c in cases] + [(S, n, c, 64) for S, n, c in (TP1_CASES if not args.quick
+                                                                                       else TP1_CASES[:2])]
+    for S, n, c, heads in all_cases:
+        plans = {p: A.plan_mla(S, n, heads, c + n, policy=p) for p in A.MLA_POLICIES}
+        r = one(S, n, c, "tree", policy="measured", heads=heads)
+        m = r if plans["model"] == plans["measured"] else one(S, n, c, "tree", policy="model", heads=heads)
+        r.update(chain_us=r["us"], tree_over_chain=1.0, was_us=was.get((S, n, c)) if heads == 8 else None,
+                 model_us=m["us"], model_config=m["config"], model_splits=m["splits"], model_pred_us=m["pred_us"],
+                 same_plan=m is r, speedup=r["us"] / m["us"])
+        r["meets_target"] = bool(min(r["us"], m["us"]) <= max(1.3 * r["floor_us"], 8.0))
+        results.append(r)
+        cfg_s = lambda x: f"{x['config'][4:].replace('attn_', ''):>15} {x['splits']:>3} {x['us']:>5.0f}" \
+            if x["us"] >= 1000 else f"{x['config'][4:].replace('attn_', ''):>15} {x['splits']:>3} {x['us']:>5.1f}"
+        pw = f"{r['pred_us']:>8.1f}" if r["pred_us"] is not None else f"{'-':>8}"
+        pn = f"{m['pred_us']:>8.1f}" if m["pred_us"] is not None else f"{'-':>8}"
+        print(f"{S:>3} {n:>4} {heads:>3} {c:>7} | {cfg_s(r)} | {cfg_s(m) if m is not r else 'same plan':>24} | "
+              f"{m['us'] / r['us']:>7.2f} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} {m['ratio']:>6.2f} | "
+              f"{pw} {pn}", flush=True)
+
+
+def policy_summary(results):
+    """Median / worst now/was over all shapes and per row bucket (decode, 2-16 rows, 17-65 rows), for the
+    model policy as run and as it would plan with a stricter margin: the model's best plan does not depend
+    on MLA_MODEL_MARGIN (only whether it replaces the measured plan: modelled now <= margin x modelled was),
+    so both timings of this run answer that without another run."""
+    def pick(r, margin):
+        if margin is None or r["same_plan"] or r["pred_us"] is None or r["model_pred_us"] is None:
+            return r["model_us"]
+        return r["model_us"] if r["model_pred_us"] <= margin * r["pred_us"] else r["us"]
+
+    def stats(rs, margin=None):
+        if not rs:
+            return None
+        q = np.array([pick(r, margin) / r["us"] for r in rs])
+        w = int(q.argmax())
+        return dict(n=len(rs), median_now_over_was=float(np.median(q)), best=float(q.min()), worst=float(q.max()),
+                    worst_shape=[rs[w]["streams"], rs[w]["rows"], rs[w]["heads"], rs[w]["ctx"]],
+                    slower_5pct=int((q > 1.05).sum()), faster_5pct=int((q < 0.95).sum()),
+                    changed=int(sum(pick(r, margin) is not r["us"] for r in rs)))
+    buckets = {"all": results, "rows=1": [r for r in results if r["rows"] == 1],
+               "rows 2-16": [r for r in results if 2 <= r["rows"] <= 16],
+               "rows 17-65": [r for r in results if r["rows"] > 16]}
+    out = {k: stats(v) for k, v in buckets.items()}
+    for m in (0.8, 0.7):
+        out[f"all, margin {m}"] = stats(results, m)
+    return out
+
+
+def print_policy_summary(ps):
+    print("\n# planner policies, now = model / was = measured (time ratio < 1: model faster); 'margin m': the model "
+          "plan only where it models <= m x the measured plan's time (as run: MLA_MODEL_MARGIN)")
+    for k, s in ps.items():
+        if s:
+            print(f"  {k:>15}: {s['n']:>3} shapes, {s['changed']:>3} re-planned, median now/was "
+                  f"{s['median_now_over_was']:.3f}, best {s['best']:.2f}, worst {s['worst']:.2f} at S x rows x H x ctx "
+                  f"= {' x '.join(map(str, s['worst_shape']))}; {s['faster_5pct']} faster / {s['slower_5pct']} "
+                  f"slower by > 5%")
+    a = ps["all"]
+    print(f"# POLICY SUMMARY: median speed-up {1 / a['median_now_over_was']:.3f}x, worst case {a['worst']:.2f}x the "
+          f"measured time ({' x '.join(map(str, a['worst_shape']))}), {a['slower_5pct']} of {a['n']} shapes > 5% "
+          f"slower")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -105,6 +182,8 @@ def main():
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     ap.add_argument("--compare", action="store_true",
                     help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
+    ap.add_argument("--policy", choices=("measured", "model", "both"), default="measured",
+                    help="planner policy; both: time the measured and the model plan of every shape")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
@@ -139,6 +218,8 @@ def main():
     rows_list = [1, 8, 16, 32, 64]
     if args.quick:
         ctxs, streams, rows_list = [4096, 32768], [1, 10], [1, 16]
+        if args.policy == "both":
+            ctxs, streams, rows_list = [4096, 65536], [1, 10], [1, 8, 64]
     max_ctx = max(ctxs) + 128
     pages_per_stream = -(-max_ctx // 64)
     long_ctx = 262144
@@ -150,12 +231,12 @@ def main():
 
     results = []
 
-    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None):
+    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H):
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
         T = S * n
-        q = random_bf16(cp, (T, H, 576), 0.5)
-        out = cp.empty((T, H, 512), cp.uint16)
+        q = random_bf16(cp, (T, heads, 576), 0.5)
+        out = cp.empty((T, heads, 512), cp.uint16)
         prefix = cp.full((S,), ctx, cp.int32)
         n_rows = cp.full((S,), n, cp.int32)
         row_start = cp.arange(S, dtype=cp.int32) * n
@@ -164,29 +245,36 @@ def main():
         if mode == "tree":
             bits, vis_rows = tree_mask(rng, n)
             mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
-        cfg, splits = A.plan_mla(S, n, H, ctx + n)
+        cfg, splits = A.plan_mla(S, n, heads, ctx + n, policy=policy or args.policy.replace("both", "measured"))
         if config is not None and config != cfg:
-            cfg, splits = config, A.mla_num_splits(S, n, H, ctx + n, num_sms, config, A._blocks_per_sm(config))
+            cfg, splits = config, A.mla_num_splits(S, n, heads, ctx + n, num_sms, config, A._blocks_per_sm(config))
         if splits_override is not None:
             splits = splits_override
-        ws = A.MlaWorkspace(splits, T, H) if splits > 1 else None
+        ws = A.MlaWorkspace(splits, T, heads) if splits > 1 else None
 
         def call():
             A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
                             max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec,
                             num_splits=splits)
-        work = (ctx + n) * n * H
+        work = (ctx + n) * n * heads
         iters = 20 if work * S > 64 * 65536 * H else 50
         us = time_graph(call, iters=iters, reps=5)
-        nbytes = S * ((ctx + n) * 1152 + n * H * (576 + 512) * 2)
-        flops = S * 2 * 1088 * H * (n * ctx + vis_rows)
+        nbytes = S * ((ctx + n) * 1152 + n * heads * (576 + 512) * 2)
+        flops = S * 2 * 1088 * heads * (n * ctx + vis_rows)
         floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
-        return dict(mode=mode, streams=S, rows=n, ctx=ctx, us=us, bytes=nbytes, flops=flops, floor_us=floor,
+        key = [k for k, v in A.MLA_CONFIGS.items() if v == cfg][0]
+        pred = A.mla_cost_us(key, splits, S, n, heads, ctx + n, num_sms, A._blocks_per_sm(cfg)) \
+            if key in A.MLA_TILE_US else None
+        return dict(mode=mode, streams=S, rows=n, ctx=ctx, heads=heads, us=us, pred_us=pred, bytes=nbytes,
+                    flops=flops, floor_us=floor,
                     config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
 
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
         cases += [(1, n, long_ctx) for n in rows_list]
+    if args.policy == "both":
+        policy_both(one, cases, results, args, was)
+        cases = []
     print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} "
           f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
     for S, n, c in cases:
@@ -238,7 +326,7 @@ def main():
     drafter = []
     print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
     print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6}")
-    for S in (1, 10):
+    for S in ((1, 10) if args.policy != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
             kb = random_bf16(cp, (S, 8, 1, 128))
@@ -263,6 +351,8 @@ def main():
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,
                    drafter=drafter, seconds=time.time() - t_start)
+    if args.policy == "both":
+        summary["policy_summary"] = policy_summary(results)
     print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (floor us, ratio, tree/chain)")
     for S, n, c in ((1, 1, 4096), (1, 16, 4096), (4, 16, 4096), (10, 16, 4096), (1, 16, 32768), (10, 16, 32768),
                     (1, 1, 65536), (10, 64, 65536)):
@@ -270,6 +360,8 @@ def main():
             if (r["streams"], r["rows"], r["ctx"]) == (S, n, c):
                 print(f"  {S:>2} x {n:>2} @ {c:>6}: {r['us']:8.1f} us  ({r['floor_us']:7.1f}, {r['ratio']:5.2f}x, "
                       f"{r['tree_over_chain']:.2f})")
+    if args.policy == "both":
+        print_policy_summary(summary["policy_summary"])
     met = sum(r["meets_target"] for r in results)
     print(f"\n# {met}/{len(results)} MLA cases meet (<= max(1.3 x floor, 8 us) and tree <= 1.5 x chain); "
           f"bench took {summary['seconds']:.0f} s")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -134,7 +135,7 @@ def choose_mla_config(max_smem_per_block: Optional[int] = None, packed_rows: int
 def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, num_sms: int,
                    config: MlaTileConfig, blocks_per_sm: int = 1) -> int:
     """Split-KV count from sizes only (so a captured graph keeps it): enough blocks to fill every SM
-    (``blocks_per_sm`` resident blocks each), but at least 2 KV tiles per split."""
+    (``blocks_per_sm`` resident blocks each), but at least 2 KV tiles per split (the "measured" rule)."""
     m_tiles = -(-max_rows * n_heads // config.bm)
     blocks = n_streams * m_tiles
     kv_tiles = -(-max_kv_len // config.bn)
@@ -142,17 +143,156 @@ def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
     return max(1, min(want, kv_tiles // 2, MAX_SPLITS))
 
 
-def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
-    """(config, num_splits) for a shape bucket on the current device."""
+# ---- the split / tile planner ------------------------------------------------------------------------------
+# Two policies (docs/ATTENTION.md, "Planner"):
+#   "measured": choose_mla_config + mla_num_splits (fill the SMs once, >= 2 tiles per split), the rule every
+#               committed figure was measured with;
+#   "model":    the (tile, split count) pair with the least modelled time, mla_cost_us below.
+# MLA_POLICY is the module-wide default (plan_mla(policy=None) and mla_attention read it at call time), set
+# from the environment (DDT_MLA_POLICY) or with set_mla_policy before the engine plans its shapes: the
+# engine sizes its split workspace with plan_mla and mla_attention re-plans with the same switch, so the
+# switch must not change between the two (between building the engine and capturing its graphs).
+MLA_POLICIES = ("measured", "model")
+MLA_POLICY = os.environ.get("DDT_MLA_POLICY", "measured")
+if MLA_POLICY not in MLA_POLICIES:
+    raise ValueError(f"DDT_MLA_POLICY: expected one of {MLA_POLICIES}, got {MLA_POLICY!r}")
+
+
+def set_mla_policy(policy: str) -> str:
+    """Set the module-wide planner policy; returns the previous one."""
+    global MLA_POLICY
+    if policy not in MLA_POLICIES:
+        raise ValueError(f"policy: expected one of {MLA_POLICIES}, got {policy!r}")
+    prev, MLA_POLICY = MLA_POLICY, policy
+    return prev
+
+
+# Cost model, microseconds, fitted (least squares on log time) to the 136 H200 points of
+# bench/results/attention_h200.json (every planned config, the opt-in ks32 tile and the split-count probes;
+# rms error 6.6%, worst 0.80x / 1.28x):
+#   one call = max(makespan, KV bytes / MLA_DRAM_GBPS + MLA_BLOCK_US)
+#              + (splits > 1) x (MLA_COMBINE_US + splits x packed rows x MLA_COMBINE_US_PER_ROW_SPLIT)
+# The makespan lists the blocks in launch order (m-tile fastest, then split, then stream) and gives each
+# to the earliest free slot (SMs x resident blocks); a block takes MLA_BLOCK_US + its KV tiles x
+# MLA_TILE_US[config] (one block's time per config.bn-token tile with every SM busy). The last split of a
+# stream is short (ceil division), which is why a block count just past a multiple of the slots costs a
+# whole second wave on long contexts and nearly nothing on short ones. The 2-stage figures are the H200
+# ones x 1.15 (the 2-stage tiles were 14-17% slower than their 3-stage twins in the H200 probe); "small" is
+# fitted on its one probe point. None of the sm_120 figures was measured on an RTX PRO 6000.
+MLA_TILE_US = {"ks16": 1.52, "ks16_2stage": 1.75, "ks32": 1.82, "ks32_2stage": 2.10, "large": 3.38,
+               "small": 2.13}
+MLA_BLOCK_US = 2.75
+MLA_COMBINE_US = 5.3
+MLA_COMBINE_US_PER_ROW_SPLIT = 0.98e-3    # 4 KB of fp32 partials written + read per (packed row, split)
+MLA_DRAM_GBPS = 2626.0                    # what the 2-3-stage tiles stream from DRAM with every SM busy
+MLA_MODEL_MARGIN = 0.9   # leave the "measured" plan only for a modelled gain > 10% (1.5x the fit's rms error)
+MLA_MAX_WORKSPACE = 256 << 20   # split partials (fp32 o + lse) of one shape bucket, bytes
+_MODEL_GROUPS = (("ks16", "ks16_2stage"), ("ks32", "ks32_2stage"), ("large", "small"))
+
+
+def _model_candidates(packed_rows: int, max_smem_per_block: int):
+    """Configs the "model" policy weighs: from each group the first that fits the device (the deeper
+    pipeline where it fits: 3 stages beat 2 in every H200 probe); the 16-row tile only where one m-tile
+    holds a stream (it was never timed on longer row ranges)."""
+    keys = []
+    for group in _MODEL_GROUPS:
+        fits = [k for k in group if MLA_CONFIGS[k].smem <= max_smem_per_block]
+        if fits and (MLA_CONFIGS[fits[0]].bm > 16 or packed_rows <= 16):
+            keys.append(fits[0])
+    return keys
+
+
+def _makespan_us(n_streams: int, m_tiles: int, splits: int, kv_tiles: int, tile_us: float, slots: int) -> float:
+    """Greedy list schedule of the grid's blocks over ``slots`` resident-block slots, in launch order.
+    A stream's blocks form at most 3 runs of equal duration (full splits, the short last one, empty ones),
+    so each run is applied whole: q rounds to every slot, then the remainder to the earliest-free ones."""
+    per = -(-kv_tiles // splits)
+    full, last = divmod(kv_tiles, per)
+    empty = splits - full - (1 if last else 0)
+    runs = [(full * m_tiles, per * tile_us + MLA_BLOCK_US)]
+    if last:
+        runs.append((m_tiles, last * tile_us + MLA_BLOCK_US))
+    if empty:
+        runs.append((empty * m_tiles, MLA_BLOCK_US))
+    t = np.zeros(slots)
+    for _ in range(n_streams):
+        for count, dur in runs:
+            q, rem = divmod(count, slots)
+            t += q * dur
+            if rem:
+                t[:rem] += dur
+                t.sort()
+    return float(t.max())
+
+
+def mla_cost_us(config_key: str, splits: int, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
+                num_sms: int, blocks_per_sm: int) -> float:
+    """Modelled time of one call (forward + combine) in microseconds; see MLA_TILE_US."""
+    cfg = MLA_CONFIGS[config_key]
+    m_tiles = -(-max_rows * n_heads // cfg.bm)
+    kv_tiles = -(-max_kv_len // cfg.bn)
+    t = _makespan_us(n_streams, m_tiles, splits, kv_tiles, MLA_TILE_US[config_key], num_sms * blocks_per_sm)
+    t = max(t, n_streams * max_kv_len * ROW_DIM * 2 / (MLA_DRAM_GBPS * 1e3) + MLA_BLOCK_US)
+    if splits > 1:
+        t += MLA_COMBINE_US + splits * n_streams * max_rows * n_heads * MLA_COMBINE_US_PER_ROW_SPLIT
+    return t
+
+
+def mla_split_candidates(config: MlaTileConfig, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
+    """Split counts the model policy considers: no empty split (k splits of ceil(tiles / k) tiles must all
+    hold a tile: an empty one costs a block and a combine term for nothing), at most MAX_SPLITS, and the
+    workspace bound (fp32 partials of every packed row per split)."""
+    kv_tiles = -(-max_kv_len // config.bn)
+    per_split = n_streams * max_rows * n_heads * (LATENT_DIM + 1) * 4
+    top = max(1, min(kv_tiles, MAX_SPLITS, MLA_MAX_WORKSPACE // per_split))
+    return [k for k in range(1, top + 1) if (k - 1) * -(-kv_tiles // k) < kv_tiles]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_mla_for(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, policy: str, num_sms: int,
+                 max_smem_per_block: int, smem_per_sm: int):
+    """(config, num_splits) for a shape bucket on a device described by its SM count and shared memory
+    (host only, no GPU needed: the CPU tests plan for the H200 and the RTX PRO 6000 with it)."""
+    if policy not in MLA_POLICIES:
+        raise ValueError(f"policy: expected one of {MLA_POLICIES}, got {policy!r}")
+    measured = choose_mla_config(max_smem_per_block, max_rows * n_heads)
+    splits = mla_num_splits(n_streams, max_rows, n_heads, max_kv_len, num_sms, measured,
+                            _blocks_per_sm(measured, smem_per_sm))
+    if policy == "measured":
+        return measured, splits
+    best = None   # (modelled us, config, splits)
+    for key in _model_candidates(max_rows * n_heads, max_smem_per_block):
+        cfg = MLA_CONFIGS[key]
+        bps = _blocks_per_sm(cfg, smem_per_sm)
+        for k in mla_split_candidates(cfg, n_streams, max_rows, n_heads, max_kv_len):
+            t = mla_cost_us(key, k, n_streams, max_rows, n_heads, max_kv_len, num_sms, bps)
+            if best is None or t < best[0] * 0.999:   # near-ties: fewer splits, earlier (smaller) tile
+                best = (t, cfg, k)
+    if best is None:
+        raise ValueError(f"no modelled MLA tile configuration fits {max_smem_per_block} bytes of shared memory")
+    # leave the measured plan only for a modelled gain larger than the fit's error
+    key = next(k for k, c in MLA_CONFIGS.items() if c == measured)
+    if key in MLA_TILE_US:
+        t_measured = mla_cost_us(key, splits, n_streams, max_rows, n_heads, max_kv_len, num_sms,
+                                 _blocks_per_sm(measured, smem_per_sm))
+        if best[0] > MLA_MODEL_MARGIN * t_measured:
+            return measured, splits
+    return best[1], best[2]
+
+
+def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, policy: Optional[str] = None):
+    """(config, num_splits) for a shape bucket on the current device; policy None = MLA_POLICY."""
     num_sms, smem_block = _device_attrs()
-    cfg = choose_mla_config(smem_block, max_rows * n_heads)
-    return cfg, mla_num_splits(n_streams, max_rows, n_heads, max_kv_len, num_sms, cfg, _blocks_per_sm(cfg))
+    return plan_mla_for(n_streams, max_rows, n_heads, max_kv_len, policy or MLA_POLICY, num_sms, smem_block,
+                        _smem_per_sm())
 
 
-def _blocks_per_sm(cfg: MlaTileConfig) -> int:
+def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int:
     """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit: 217 per thread
     for 32 rows (one 8-warp block), 141 for 16 rows with 3 stages (sm_90 ptxas report)."""
-    bps = max(1, min(_smem_per_sm() // (cfg.smem + 1024), 2048 // cfg.threads))
+    if smem_per_sm is None:
+        smem_per_sm = _smem_per_sm()
+    bps = max(1, min(smem_per_sm // (cfg.smem + 1024), 2048 // cfg.threads))
     if cfg.ksplit and cfg.mg > 1:
         bps = 1
     return bps

@@ -3,7 +3,11 @@
 Random trees (parents drawn at random, parent before child), random prefix lengths crossing page
 boundaries, shuffled page tables, 1-10 streams, 1/8/64 heads, every tile configuration (the sm_120 ones
 run on any GPU), split-KV on and off. Outputs are poisoned before every launch; rows no stream owns must
-stay poisoned. The mask is proven by perturbing every K/V row a query row must not see."""
+stay poisoned. The mask is proven by perturbing every K/V row a query row must not see.
+
+config "model" = the (tile, split count) the planner's "model" policy picks for the test's shape on this GPU
+(plan_mla(..., policy="model")), so every plan that policy can make here runs through the same checks as the
+default ("measured", config None) plan and the explicit tiles."""
 import numpy as np
 import pytest
 
@@ -74,7 +78,11 @@ def run(c, d=None, config=None, num_splits=None, out=None):
     d = d or to_dev(c)
     if out is None:
         out = x.full((c["T"], c["H"], 512), POISON, dtype=x.uint16)
-    cfg = a.MLA_CONFIGS[config] if config else None
+    if config == "model":
+        cfg, planned = a.plan_mla(c["S"], c["max_rows"], c["H"], c["max_kv"], policy="model")
+        num_splits = planned if num_splits is None else num_splits
+    else:
+        cfg = a.MLA_CONFIGS[config] if config else None
     a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
                     softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
                     config=cfg, num_splits=num_splits)
@@ -108,12 +116,12 @@ def check(c, got, label="", ref=None):
     return ref
 
 
-@pytest.mark.parametrize("config", ["large", "mid", "small", "ks32", "ks32_2stage", "ks16", "ks16_2stage"])
+@pytest.mark.parametrize("config", ["large", "mid", "small", "ks32", "ks32_2stage", "ks16", "ks16_2stage", "model"])
 @pytest.mark.parametrize("H", [1, 8, 64])
 def test_tree_verify_random(config, H):
     x = cp()
     a = attn()
-    if a.MLA_CONFIGS[config].smem > x.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+    if config != "model" and a.MLA_CONFIGS[config].smem > x.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
         pytest.skip(f"{config} tiles do not fit this GPU's shared memory")
     rng = np.random.default_rng(100 + H + len(config))
     for trial in range(3):
@@ -129,13 +137,13 @@ def test_tree_verify_random(config, H):
             check(c, got, f"{config} H={H} trial {trial} splits={splits}", ref)
 
 
-@pytest.mark.parametrize("config", ["large", "small", "ks32", "ks16", "ks16_2stage"])
+@pytest.mark.parametrize("config", ["large", "small", "ks32", "ks16", "ks16_2stage", "model"])
 def test_mask_hides_every_invisible_row(config):
     """Perturb the K/V of every tree slot that a chosen row must not see (and every page no stream
     owns): that row's outputs must not change by a single bit, while rows that see a perturbed slot do."""
     x = cp()
     a = attn()
-    if a.MLA_CONFIGS[config].smem > x.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+    if config != "model" and a.MLA_CONFIGS[config].smem > x.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
         pytest.skip("tiles do not fit")
     rng = np.random.default_rng(7)
     S, H = 6, 8
@@ -170,7 +178,7 @@ def test_mask_hides_every_invisible_row(config):
     check(c2, got, "perturbed")
 
 
-@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
 def test_decode_equals_tree_of_one_and_chain_equals_causal(config):
     rng = np.random.default_rng(9)
     S, H = 5, 8
@@ -192,7 +200,7 @@ def test_decode_equals_tree_of_one_and_chain_equals_causal(config):
         check(c2, chain_tree, "chain")
 
 
-@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
 @pytest.mark.parametrize("H", [8, 64])
 def test_prefill_chunks_equal_one_causal_pass(H, config):
     rng = np.random.default_rng(11 + H)
@@ -213,7 +221,7 @@ def test_prefill_chunks_equal_one_causal_pass(H, config):
     assert np.linalg.norm(g - o) / np.linalg.norm(ref) < TOL
 
 
-@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
 def test_split_count_does_not_change_results_beyond_rounding(config):
     rng = np.random.default_rng(13)
     c = make_case(rng, 2, 8, [16, 9], [5000, 2100], "tree")
@@ -228,7 +236,7 @@ def test_split_count_does_not_change_results_beyond_rounding(config):
         assert np.linalg.norm(o[own] - outs[0][own]) / np.linalg.norm(ref[own]) < TOL
 
 
-@pytest.mark.parametrize("config", [None, "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
 def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
     x = cp()
     a = attn()
@@ -244,8 +252,8 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
         have = int((c["table"][b] >= 0).sum())
         c["table"][b, have:32] = extra[b * 32:b * 32 + 32 - have]
     d = to_dev(c)
-    cfg, splits = a.plan_mla(S, 32, H, 2048)
-    if config is not None:
+    cfg, splits = a.plan_mla(S, 32, H, 2048, policy="model" if config == "model" else None)
+    if config not in (None, "model"):
         cfg = a.MLA_CONFIGS[config]
         splits = a.mla_num_splits(S, 32, H, 2048, x.cuda.Device().attributes["MultiProcessorCount"], cfg)
     assert splits > 1, "the graph test must cover the split + combine path"
@@ -304,7 +312,8 @@ def test_bad_inputs_name_the_argument():
                         **dict(kw, softmax_scale=float("nan")))
 
 
-def test_pdl_chain_equals_plain_launches():
+@pytest.mark.parametrize("policy", ["measured", "model"])
+def test_pdl_chain_equals_plain_launches(policy):
     """kv_write_latent -> mla_attention (split + combine) with programmatic dependent launch: every round
     rewrites the whole context of every stream (a multi-wave producer grid) and then attends over it, so
     an attention block that read the cache, the queries or the partials before its DDT_PDL_WAIT() would
@@ -322,6 +331,7 @@ def test_pdl_chain_equals_plain_launches():
     lengths = c["prefix"] + c["n"]
     sid = x.asarray(np.concatenate([np.full(L, b, np.int32) for b, L in enumerate(lengths)]))
     pos = x.asarray(np.concatenate([np.arange(L, dtype=np.int32) for L in lengths]))
+    prev_policy = a.set_mla_policy(policy)
     cfg, splits = a.plan_mla(S, n, H, c["max_kv"])
     assert splits > 1, "the chain must include the combine launch"
     ws = a.MlaWorkspace(splits, c["T"], H)
@@ -372,3 +382,30 @@ def test_pdl_chain_equals_plain_launches():
                 assert np.array_equal(replay, out.get()), f"round {rnd}: graph replay with PDL differs"
     finally:
         launch.set_pdl(False)
+        a.set_mla_policy(prev_policy)
+
+
+def test_module_policy_switch_reaches_the_launch():
+    """set_mla_policy("model") changes what mla_attention launches without a config (a shape where the two
+    policies plan differently on this GPU): bit-identical to the explicit model plan, and correct."""
+    x = cp()
+    a = attn()
+    rng = np.random.default_rng(29)
+    S, H = 4, 8
+    shape = None
+    for n_try in (16, 19, 32, 8):
+        args = (S, n_try, H, 2000 + n_try)
+        if a.plan_mla(*args, policy="model") != a.plan_mla(*args, policy="measured"):
+            shape = n_try
+            break
+    assert shape is not None, "no test shape where the two policies differ on this GPU"
+    c = make_case(rng, S, H, [shape] * S, [2000, 1700, 64, 999], "tree", gap=False)
+    c["max_kv"] = 2000 + shape
+    explicit = run(c, config="model")
+    prev = a.set_mla_policy("model")
+    try:
+        switched = run(c)
+    finally:
+        a.set_mla_policy(prev)
+    assert np.array_equal(explicit, switched)
+    check(c, switched, "module policy model")
