@@ -275,8 +275,9 @@ def main():
     if args.policy == "both":
         policy_both(one, cases, results, args, was)
         cases = []
-    print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} "
-          f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
+    else:
+        print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} "
+              f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
     for S, n, c in cases:
         r = one(S, n, c, "tree")
         ch = one(S, n, c, "chain") if n > 1 else None
@@ -324,8 +325,9 @@ def main():
 
     # DFlash drafter attention, TP8 rank shape: 8 q heads / 1 kv head, block 8.
     drafter = []
-    print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
-    print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6}")
+    if args.policy != "both":
+        print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
+        print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6}")
     for S in ((1, 10) if args.policy != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
@@ -357,7 +359,7 @@ def main():
     for S, n, c in ((1, 1, 4096), (1, 16, 4096), (4, 16, 4096), (10, 16, 4096), (1, 16, 32768), (10, 16, 32768),
                     (1, 1, 65536), (10, 64, 65536)):
         for r in results:
-            if (r["streams"], r["rows"], r["ctx"]) == (S, n, c):
+            if (r["streams"], r["rows"], r["ctx"], r.get("heads", H)) == (S, n, c, H):
                 print(f"  {S:>2} x {n:>2} @ {c:>6}: {r['us']:8.1f} us  ({r['floor_us']:7.1f}, {r['ratio']:5.2f}x, "
                       f"{r['tree_over_chain']:.2f})")
     if args.policy == "both":
