@@ -70,11 +70,13 @@ SPEC = register(KernelSpec(
 
 VARIANTS = ("auto", "splitk", "decode")
 _VARIANT = ["auto"]
-# The rule's switch: False until the decode kernel is measured correct and faster on the GPU (docs/KERNELS.md
-# "Decode variant"); while False, "auto" always picks "splitk".
-DECODE_BY_DEFAULT = False
-# Blocks (N / 16 x batch) below which "auto" keeps split-K: the decode grid would leave most SMs idle.
-DECODE_MIN_BLOCKS_PER_SM = 0.5
+# The rule (docs/KERNELS.md "Decode variant"), from the H200 run of this kernel (bench/results/
+# gemm_decode_h200.json, PDL on as the engine runs): the decode kernel won at every engine shape for T <= 8;
+# at T = 9..16 (two token tiles, 3-stage rings) it lost only where its grid is tiny (router: 24 blocks; the
+# 32-block shared gate+up still won) or just past one wave of resident blocks (gate+up: 288 blocks in 264).
+DECODE_BY_DEFAULT = True          # False: "auto" always picks split-K
+DECODE_MIN_BLOCKS_PER_SM = 0.2    # T > 8: fewer blocks than this x SMs -> split-K
+DECODE_TAIL_WAVES = (1.0, 1.25)   # T > 8: waves of resident blocks in (lo, hi] -> split-K
 
 
 def set_variant(variant: str) -> str:
@@ -86,16 +88,26 @@ def set_variant(variant: str) -> str:
     return old
 
 
-def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> bool:
-    """The selection rule: the decode kernel for T <= 16 when forced, or (auto, DECODE_BY_DEFAULT) when its
-    grid of N / 16 x batch blocks covers at least DECODE_MIN_BLOCKS_PER_SM of the SMs."""
+def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132, slots_per_sm: int = 2) -> bool:
+    """The selection rule: the decode kernel for T <= 16 when forced; under "auto" (and DECODE_BY_DEFAULT)
+    for T <= 8 always, for T = 9..16 unless the grid of N / 16 x batch blocks is below
+    DECODE_MIN_BLOCKS_PER_SM x SMs or ends in a thin second wave (``slots_per_sm`` resident blocks per SM)."""
     if T > DEC_MAX_T or _VARIANT[0] == "splitk":
         return False
     if _VARIANT[0] == "decode":
         return True
-    return DECODE_BY_DEFAULT and (N // DEC_ROWS) * batch >= DECODE_MIN_BLOCKS_PER_SM * sm_count
+    if not DECODE_BY_DEFAULT:
+        return False
+    if T <= 8:
+        return True
+    blocks = (N // DEC_ROWS) * batch
+    waves = blocks / (slots_per_sm * sm_count)
+    lo, hi = DECODE_TAIL_WAVES
+    return blocks >= DECODE_MIN_BLOCKS_PER_SM * sm_count and not lo < waves <= hi
+
 
 _SM_COUNT = {}
+_DEC_SLOTS = {}
 _WORKSPACE = {}
 
 
@@ -105,6 +117,16 @@ def _sm_count() -> int:
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = cupy.cuda.Device().attributes["MultiProcessorCount"]
     return _SM_COUNT[dev]
+
+
+def _dec_slots_per_sm() -> int:
+    """Resident decode blocks per SM by shared memory (H200 228 KB: 2; sm_120 ~100 KB: 1); 2 if unknown."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _DEC_SLOTS:
+        per_sm = cupy.cuda.Device().attributes.get("MaxSharedMemoryPerMultiprocessor", 0)
+        _DEC_SLOTS[dev] = max(1, per_sm // (dec_smem_bytes(2) + 1024)) if per_sm else 2
+    return _DEC_SLOTS[dev]
 
 
 def choose_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
@@ -170,7 +192,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         os_ = (0,) + os_
     out_f32 = out_dtype == np.float32
     w_bs = N * K if batched else 0
-    if split_k is None and use_decode(T, N, K, B, _sm_count()):
+    if split_k is None and use_decode(T, N, K, B, _sm_count(), _dec_slots_per_sm()):
         nt = 1 if T <= 8 else 2
         smem = dec_smem_bytes(nt)
         kern = get_kernel(SPEC, _dec_name(nt, out_f32), max_dynamic_smem=smem)
