@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
                                                [--compare] [--was OLD.json] [--policy measured|model|both]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
+    python3 bench/attention.py --refit bench/results/attention_h200.json [more.json]   # CPU: refit the model
 
 For streams x tree rows x context: time per call (CUDA-graph replay), bytes (latent KV read once + q +
 o_lat), FLOPs (2 x (576 + 512) per visible (row, head, key)), the floor max(bytes / read ceiling,
@@ -173,11 +174,81 @@ def print_policy_summary(ps):
           f"slower")
 
 
+def fit_points(summary: dict):
+    """(config key, streams, rows, heads, kv_len, splits, us) of every timed plan in a results JSON: the
+    planned configs, --compare's ks32, --policy both's model plans, the probe's split sweeps."""
+    from ddtree_cupy.kernels import attention as A
+    key_of = {c.name: k for k, c in A.MLA_CONFIGS.items()}
+    pts = []
+    for r in summary["mla"]:
+        S, n, h, L = r["streams"], r["rows"], r.get("heads", H), r["ctx"] + r["rows"]
+        pts.append((key_of[r["config"]], S, n, h, L, r["splits"], r["us"]))
+        if r.get("ks32_us"):
+            pts.append(("ks32", S, n, h, L, r["ks32_splits"], r["ks32_us"]))
+        if r.get("model_us") and not r.get("same_plan"):
+            pts.append((key_of[r["model_config"]], S, n, h, L, r["model_splits"], r["model_us"]))
+    for p in summary.get("probe", []):
+        key = p.get("auto", "ks16" if p["rows"] == 1 else "ks32")
+        for k, v in p.items():
+            if k.startswith("splits"):
+                pts.append((key, p["streams"], p["rows"], H, p["ctx"] + p["rows"], int(k[6:]), v))
+    return [p for p in pts if p[0] in A.MLA_TILE_US]
+
+
+def refit(paths):
+    """Least squares on log time of the cost model's constants (per-config tile times of the configs with
+    points, block, combine and DRAM terms) to the timed plans of the given results; prints the constants
+    and the fit error. Host only (needs scipy)."""
+    from scipy.optimize import minimize
+    from ddtree_cupy.kernels import attention as A
+    pts = []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        sms = d.get("num_sms", 132)
+        pts += [p + (sms,) for p in fit_points(d)]
+    keys = sorted({p[0] for p in pts})
+    names = [f"MLA_TILE_US[{k}]" for k in keys] + ["MLA_BLOCK_US", "MLA_COMBINE_US", "MLA_COMBINE_US_PER_ROW_SPLIT",
+                                                   "MLA_DRAM_GBPS"]
+    saved = (dict(A.MLA_TILE_US), A.MLA_BLOCK_US, A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT, A.MLA_DRAM_GBPS)
+    scale = np.array([1.0] * len(keys) + [1.0, 1.0, 1e-3, 1e3])
+
+    def apply(x):
+        v = x * scale
+        for k, t in zip(keys, v):
+            A.MLA_TILE_US[k] = float(t)
+        A.MLA_BLOCK_US, A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT, A.MLA_DRAM_GBPS = map(float, v[len(keys):])
+
+    def logerr(x):
+        apply(x)
+        # resident blocks as on the H200 (233472 B per SM): the results JSONs do not record the device smem
+        return np.array([np.log(A.mla_cost_us(k, sp, S, n, h, L, sms, A._blocks_per_sm(A.MLA_CONFIGS[k], 233472))
+                                / us) for k, S, n, h, L, sp, us, sms in pts])
+
+    x0 = np.array([saved[0][k] for k in keys] + [saved[1], saved[2], saved[3] * 1e3, saved[4] * 1e-3])
+    try:
+        loss = lambda x: float((logerr(x) ** 2).sum()) if (x > 0).all() else 1e9
+        e0 = logerr(x0)
+        res = x0
+        for _ in range(3):
+            res = minimize(loss, res, method="Nelder-Mead", options=dict(maxiter=20000, xatol=1e-5, fatol=1e-8)).x
+        e1 = logerr(res)
+    finally:
+        A.MLA_TILE_US.clear()
+        A.MLA_TILE_US.update(saved[0])
+        A.MLA_BLOCK_US, A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT, A.MLA_DRAM_GBPS = saved[1:]
+    print(f"# {len(pts)} timed plans; rms log error {np.sqrt((e0 ** 2).mean()):.3f} with the committed constants, "
+          f"{np.sqrt((e1 ** 2).mean()):.3f} refitted (worst {np.exp(e1).min():.2f}x / {np.exp(e1).max():.2f}x)")
+    for nm, a, b in zip(names, x0 * scale, res * scale):
+        print(f"  {nm:>32}: {a:10.4g} -> {b:10.4g}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--svg-from", default=None, help="only draw the SVG plot of an existing results JSON")
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
+    ap.add_argument("--refit", nargs="+", default=None, help="refit the planner's cost model to results JSONs")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     ap.add_argument("--compare", action="store_true",
@@ -188,6 +259,9 @@ def main():
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
     args = ap.parse_args()
+    if args.refit:
+        refit(args.refit)
+        return
     if args.svg_from:
         with open(args.svg_from) as f:
             write_svg(json.load(f), args.svg or os.path.splitext(args.svg_from)[0] + ".svg")
