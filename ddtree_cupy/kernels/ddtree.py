@@ -18,6 +18,8 @@ format between ``topk_partial`` and ``topk_merge``; see cuda_src/ddtree.cu).
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import numpy as np
@@ -59,7 +61,13 @@ DDTREE_V3_SPEC = register(KernelSpec(
     doc="DDTree kernels, builder v3 (v2 with a warp-uniform pop, no divergent winner), merge sort sized to k"))
 _SPECS = (DDTREE_SPEC, DDTREE_FAST_SPEC, DDTREE_V2_SPEC, DDTREE_V3_SPEC)
 VARIANTS = {0: "verified", 1: "fast", 2: "v2", 3: "v3"}   # the value of ``fast`` -> its name in tests and bench
+# The builder the engine uses; DDT_TREE_VARIANT (0-3) overrides it, so a whole engine run can be checked
+# with a candidate builder before it becomes the default.
 DEFAULT_VARIANT = 1
+if os.environ.get("DDT_TREE_VARIANT"):
+    DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
+    if DEFAULT_VARIANT not in VARIANTS:
+        raise ValueError(f"DDT_TREE_VARIANT: expected one of {sorted(VARIANTS)}, got {DEFAULT_VARIANT}")
 
 
 def variant(fast) -> int:
