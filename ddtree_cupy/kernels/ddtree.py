@@ -19,7 +19,6 @@ format between ``topk_partial`` and ``topk_merge``; see cuda_src/ddtree.cu).
 from __future__ import annotations
 
 import os
-
 from typing import Optional
 
 import numpy as np
