@@ -5,13 +5,13 @@
 Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case), top-K = budget.
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
-same graph launched with programmatic dependent launch, when the launch path is available). Every kernel
-variant of kernels/ddtree.py (VARIANTS: verified / fast = the default / v2 / v3) runs on the same inputs; "same"
-says its outputs equal the verified variant's bit for bit (all but the stage-1 buffers). The top-K stage
+same graph launched with programmatic dependent launch, when the launch path is available). Both kernel
+variants of kernels/ddtree.py (VARIANTS: verified, the plain twin / v3, the default) run on the same inputs;
+"same" says the default's outputs equal the verified variant's bit for bit (all but the stage-1 buffers). The top-K stage
 reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in the same run.
 "was": the build and total of the same case and variant in the previous results file (--was); for a
-variant that file lacks (v2, v3) the default variant's previous figures. The last lines compare v2 and
-v3 with the default in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
+variant that file lacks, the previous default's figures. The last lines compare the default with the
+verified variant in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
     ap.add_argument("--variants", type=int, nargs="+", default=sorted(VARIANTS),
-                    help="kernel variants to time (0 = verified, 1 = fast, the default, 2 = v2, 3 = v3); 0 is the "
+                    help="kernel variants to time (0 = verified, 3 = v3, the default); 0 is the "
                          "reference of the 'same' column and always runs")
     args = ap.parse_args(argv)
     if args.profile:
@@ -210,10 +210,10 @@ def main(argv=None):
             print(f"target: 10 streams, budget 64, {r['variant']}: {r['was_total_us']:.1f} -> {r['total_us']:.1f} us "
                   f"(PDL {r['total_pdl_us']:.1f}; target <= 30 us)")
     dname = VARIANTS[DEFAULT_VARIANT]
-    for (S, B, dt, v), r in by.items():   # the candidate against the default, same run, same inputs
-        d = by.get((S, B, dt, dname))
-        if v in ("v2", "v3") and d is not None:
-            print(f"{v} vs {dname} (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
+    for (S, B, dt, v), r in by.items():   # the default against the plain verified twin, same run and inputs
+        d = by.get((S, B, dt, "verified"))
+        if v == dname and d is not None:
+            print(f"{v} vs verified (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
                   f"({d['build_us'] / r['build_us']:.2f}x), top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f}, "
                   f"total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us; same outputs: "
                   f"{'yes' if r['matches_verified'] else 'NO'}")

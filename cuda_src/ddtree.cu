@@ -14,15 +14,19 @@
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
 // DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
-// butterfly argmax), 1 = frontier in registers, one warp reduction per pop, 2 = "v2": only the frontier's
-// scores in registers, the rest of each entry in shared memory read by the winner alone (a shorter
-// dependent chain per pop), 3 = "v3": as 2, but the popped position is warp-uniform (every lane reads
-// the entry, no divergent winner, no shuffles) and entries carry their successors' log-probs. Variants
-// >= 2 also size the merge's final sort to k; the rest of the top-K kernels and the walk are the same
-// in all. Same results by construction (the GPU tests run every variant against the reference); see
-// docs/DDTREE.md.
+// butterfly argmax; kept as the plain, obviously-correct twin), 3 = the default: only the frontier's
+// ordered scores in registers (position p = slot p / 32 of lane p % 32), the rest of each entry in shared
+// memory, the popped position warp-uniform (every lane reads the entry: no divergent winner, no
+// shuffles), entries carrying their successors' log-probs. Variant 3 also sizes the merge's final sort to
+// k; the rest of the top-K kernels and the walk are the same in both. Two intermediate builders (1:
+// frontier in registers with one warp reduction per pop; 2: variant 3 without the warp-uniform pop) were
+// measured slower (docs/DDTREE.md) and removed. Same results by construction (the GPU tests run both
+// variants against the reference).
 #ifndef DDT_FAST
 #define DDT_FAST 0
+#endif
+#if DDT_FAST != 0 && DDT_FAST != 3
+#error "DDT_FAST: builder variants are 0 (verified) and 3 (default)"
 #endif
 
 typedef unsigned long long u64;
@@ -454,7 +458,7 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
     }
     __syncthreads();
     const int N = s_n;
-    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variant 2
+    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variant 3
     // narrows to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
     // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
 #if DDT_FAST >= 2
@@ -668,271 +672,10 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
                n_rows, mask);
 }
-#elif DDT_FAST == 1
-// Frontier in registers: position p (appended in order, never moved) is slot p / 32 of lane p % 32.
-// Positions used <= pops + 1 <= budget + D + 1 <= 137 < 32 * DDT_SLOTS. An entry holds its ordered score
-// (0 = empty), parent score, rank-tuple key and info word. A pop: each lane's best slot, one warp max of
-// the ordered score (the rank tuple only decides when that max is in several lanes), then the winning
-// lane replaces its slot by the next sibling (or empties it) and the child goes to the next position.
-// Every lane precomputes the successors of its own best entry while the reduction runs, so the winner's
-// are ready when it is known.
-#define DDT_SLOTS 5
-extern "C" __global__ void __launch_bounds__(32)
-ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
-               const int* __restrict__ budgets, const int* __restrict__ prefix_len,
-               const int* __restrict__ bonus, int cap_k, int include_chain,
-               int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-               int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
-    __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
-    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
-    __shared__ int t_tok[DDT_MAX_TREE_ROWS], t_par[DDT_MAX_TREE_ROWS], t_dep[DDT_MAX_TREE_ROWS];
-
-    const int lane = threadIdx.x, st = blockIdx.x;
-    const int R = DDT_MAX_TREE_ROWS;
-    DDT_PDL_WAIT();
-    const int budget = min(max(budgets[st], 0), R - 1);
-    const int kf = cap_k > 0 ? min(K, cap_k) : K;
-    const float* lp = top_lp + (size_t)st * D * K;
-    const int* ids = top_id + (size_t)st * D * K;
-    for (int i = lane; i < D * K; i += 32) { s_lp[i] = ftz_in(lp[i]); s_id[i] = ids[i]; }
-    const int nc = include_chain ? min(D, budget) : 0;
-    if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
-    __syncwarp();
-    // forced top-1 chain: rows 1..nc, row d = depth d
-    if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
-
-    uint32_t f_os[DDT_SLOTS];
-    float f_ps[DDT_SLOTS];
-    u64 f_tup[DDT_SLOTS];
-    int f_info[DDT_SLOTS];
-#pragma unroll
-    for (int s = 0; s < DDT_SLOTS; ++s) { f_os[s] = 0u; f_ps[s] = 0.f; f_tup[s] = 0ull; f_info[s] = 0; }
-    int nodes = nc, live = 0, npos = 0;
-    if (budget > 0) {
-        if (lane == 0) {
-            f_os[0] = f32_to_ordered(score_add(0.f, s_lp[0]));
-            f_tup[0] = tuple_digit(1, 0);
-            f_info[0] = pack_info(1, 0, 0, nc >= 1);
-        }
-        live = npos = 1;
-    }
-    while (live > 0 && nodes < budget) {
-        // this lane's best entry
-        uint32_t bo = 0u; u64 bt = ~0ull; float bps = 0.f; int binfo = 0, bs = 0;
-#pragma unroll
-        for (int s = 0; s < DDT_SLOTS; ++s) {
-            const bool better = f_os[s] > bo || (f_os[s] == bo && bo != 0u && f_tup[s] < bt);
-            if (better) { bo = f_os[s]; bt = f_tup[s]; bps = f_ps[s]; binfo = f_info[s]; bs = s; }
-        }
-        // its successors, computed before the winner is known (loads overlap the reduction)
-        const int bd = binfo & 15, br = (binfo >> 4) & 255;
-        const float bsc = ordered_to_f32(bo);
-        const float lsib = s_lp[(max(bd, 1) - 1) * K + min(br + 1, K - 1)];
-        const float lchild = s_lp[min(bd, D - 1) * K];
-        const uint32_t sib_os = f32_to_ordered(score_add(bps, lsib));
-        const uint32_t child_os = f32_to_ordered(score_add(bsc, lchild));
-        const u64 child_tup = bt + tuple_digit(min(bd + 1, DDT_MAX_DEPTH), 0);
-
-        const uint32_t M = __reduce_max_sync(FULL_MASK, bo);
-        unsigned who = __ballot_sync(FULL_MASK, bo == M);
-        if (who & (who - 1)) {   // equal best scores in several lanes: the smallest rank tuple wins
-            const uint32_t th = bo == M ? (uint32_t)(bt >> 32) : 0xffffffffu;
-            const uint32_t mh = __reduce_min_sync(FULL_MASK, th);
-            const uint32_t tl = (bo == M && th == mh) ? (uint32_t)bt : 0xffffffffu;
-            const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
-            who = __ballot_sync(FULL_MASK, bo == M && th == mh && tl == ml);   // one lane: tuples are unique
-        }
-        const int wl = __ffs(who) - 1;
-        const int info = __shfl_sync(FULL_MASK, binfo, wl);
-        const uint32_t cos_ = __shfl_sync(FULL_MASK, child_os, wl);
-        const u64 ctup = __shfl_sync(FULL_MASK, child_tup, wl);
-        const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
-        const int chain = (info >> 20) & 1;
-        int row;
-        if (chain) {
-            row = depth;                          // already emitted by the chain prologue
-        } else {
-            row = ++nodes;
-            if (lane == wl) { t_tok[row] = s_id[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
-        }
-        const bool has_sib = rank + 1 < kf;
-        if (lane == wl) {   // the next sibling takes the popped slot (same parent score), or it empties
-#pragma unroll
-            for (int s = 0; s < DDT_SLOTS; ++s)
-                if (s == bs) {
-                    f_os[s] = has_sib ? sib_os : 0u;
-                    f_tup[s] = bt + tuple_digit(depth, 0);   // rank digit + 1
-                    f_info[s] = pack_info(depth, rank + 1, prow, 0);
-                }
-        }
-        live -= has_sib ? 0 : 1;
-        if (depth < D) {    // the first child goes to the next position
-            if (lane == (npos & 31)) {
-                const int ps = npos >> 5;
-#pragma unroll
-                for (int s = 0; s < DDT_SLOTS; ++s)
-                    if (s == ps) {
-                        f_os[s] = cos_;
-                        f_ps[s] = ordered_to_f32(M);
-                        f_tup[s] = ctup;
-                        f_info[s] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);
-                    }
-            }
-            ++npos;
-            ++live;
-        }
-    }
-    __syncwarp();
-    write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
-               n_rows, mask);
-}
-#elif DDT_FAST == 2
-// Frontier: position p (appended in order, never moved) belongs to lane p % 32, slot p / 32; positions
-// used <= pops + 1 <= budget + D + 1 <= 137 < 32 * DDT_SLOTS. Only each entry's ordered score (0 = empty)
-// is in registers; its rank tuple, info word and parent score are in shared memory at [p]. A pop is one
-// warp max of the ordered scores; only when that max occurs twice (same lane or several lanes) does the
-// rank tuple decide (a second, exact path). The winning lane then reads its entry, emits it, replaces it
-// by its next sibling in place (or empties it) and writes the first child at the next position. The
-// per-pop path is kept short (one warp, no other work to hide latency): ~70 instructions.
-#define DDT_SLOTS 5
-extern "C" __global__ void __launch_bounds__(32)
-ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
-               const int* __restrict__ budgets, const int* __restrict__ prefix_len,
-               const int* __restrict__ bonus, int cap_k, int include_chain,
-               int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-               int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
-    __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
-    __shared__ int s_id[DDT_MAX_DEPTH * DDT_MAX_K];
-    __shared__ u64 e_tup[32 * DDT_SLOTS];
-    __shared__ int e_info[32 * DDT_SLOTS];
-    __shared__ float e_ps[32 * DDT_SLOTS];
-    __shared__ int t_tok[DDT_MAX_TREE_ROWS], t_par[DDT_MAX_TREE_ROWS], t_dep[DDT_MAX_TREE_ROWS];
-
-    const int lane = threadIdx.x, st = blockIdx.x;
-    const int R = DDT_MAX_TREE_ROWS;
-    DDT_PDL_WAIT();
-    const int budget = min(max(budgets[st], 0), R - 1);
-    const int kf = cap_k > 0 ? min(K, cap_k) : K;
-    const int nkd = D * K;
-    {   // every load issued before the first store (D * K <= 1024: 32 per lane)
-        const float* lp = top_lp + (size_t)st * nkd;
-        const int* ids = top_id + (size_t)st * nkd;
-        float a[DDT_MAX_DEPTH * DDT_MAX_K / 32];
-        int b[DDT_MAX_DEPTH * DDT_MAX_K / 32];
-#pragma unroll
-        for (int j = 0; j < DDT_MAX_DEPTH * DDT_MAX_K / 32; ++j) {
-            const int i = j * 32 + lane;
-            if (i < nkd) { a[j] = lp[i]; b[j] = ids[i]; }
-        }
-#pragma unroll
-        for (int j = 0; j < DDT_MAX_DEPTH * DDT_MAX_K / 32; ++j) {
-            const int i = j * 32 + lane;
-            if (i < nkd) { s_lp[i] = ftz_in(a[j]); s_id[i] = b[j]; }
-        }
-    }
-    const int nc = include_chain ? min(D, budget) : 0;
-    const int bon = bonus[st], pre = prefix_len[st];
-    if (lane == 0) { t_tok[0] = bon; t_par[0] = -1; t_dep[0] = 0; }
-    __syncwarp();
-    // forced top-1 chain: rows 1..nc, row d = depth d
-    if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
-
-    uint32_t os[DDT_SLOTS];
-#pragma unroll
-    for (int s = 0; s < DDT_SLOTS; ++s) os[s] = 0u;
-    int nodes = nc, live = 0, npos = 0;
-    if (budget > 0) {
-        if (lane == 0) {
-            os[0] = f32_to_ordered(score_add(0.f, s_lp[0]));
-            e_tup[0] = tuple_digit(1, 0);
-            e_info[0] = pack_info(1, 0, 0, nc >= 1);
-            e_ps[0] = 0.f;
-        }
-        live = npos = 1;
-    }
-    __syncwarp();
-    while (live > 0 && nodes < budget) {
-        uint32_t bo = os[0];
-#pragma unroll
-        for (int s = 1; s < DDT_SLOTS; ++s) bo = max(bo, os[s]);
-        const uint32_t M = __reduce_max_sync(FULL_MASK, bo);   // > 0: the frontier is not empty
-        int neq = 0;
-#pragma unroll
-        for (int s = 0; s < DDT_SLOTS; ++s) neq += os[s] == M ? 1 : 0;
-        unsigned who = __ballot_sync(FULL_MASK, neq > 0);
-        int bs = -1;   // the winner's slot (valid in the winning lane)
-        if (__any_sync(FULL_MASK, neq > 1) || (who & (who - 1))) {
-            // equal best scores: the smallest rank tuple among them (tuples are unique)
-            u64 bt = ~0ull;
-#pragma unroll
-            for (int s = 0; s < DDT_SLOTS; ++s)
-                if (os[s] == M) {
-                    const u64 t = e_tup[s * 32 + lane];
-                    if (t < bt) { bt = t; bs = s; }
-                }
-            const uint32_t mh = __reduce_min_sync(FULL_MASK, (uint32_t)(bt >> 32));
-            const uint32_t tl = (uint32_t)(bt >> 32) == mh ? (uint32_t)bt : 0xffffffffu;
-            const uint32_t ml = __reduce_min_sync(FULL_MASK, tl);
-            who = __ballot_sync(FULL_MASK, bs >= 0 && bt == (((u64)mh << 32) | ml));
-        } else {
-#pragma unroll
-            for (int s = DDT_SLOTS - 1; s >= 0; --s)
-                if (os[s] == M) bs = s;
-        }
-        const int wl = __ffs(who) - 1;
-        // the winner reads its entry and computes both successors
-        int info = 0;
-        uint32_t sib_os = 0u, child_os = 0u;
-        if (lane == wl) {
-            const int p = bs * 32 + lane;
-            info = e_info[p];
-            const u64 tup = e_tup[p];
-            const float ps = e_ps[p];
-            const int d = info & 15, r = (info >> 4) & 255, prow = (info >> 12) & 255;
-            const float sc = ordered_to_f32(M);
-            if (r + 1 < kf) {
-                sib_os = f32_to_ordered(score_add(ps, s_lp[(d - 1) * K + r + 1]));
-                e_tup[p] = tup + tuple_digit(d, 0);   // rank digit + 1
-                e_info[p] = pack_info(d, r + 1, prow, 0);
-            }
-            if (d < D) {
-                child_os = f32_to_ordered(score_add(sc, s_lp[d * K]));
-                e_tup[npos] = tup + tuple_digit(d + 1, 0);
-                e_ps[npos] = sc;
-            }
-            if (!((info >> 20) & 1)) {   // not a forced-chain node: emit it at the next row
-                const int row = nodes + 1;
-                t_tok[row] = s_id[(d - 1) * K + r]; t_par[row] = prow; t_dep[row] = d;
-            }
-#pragma unroll
-            for (int s = 0; s < DDT_SLOTS; ++s)
-                if (s == bs) os[s] = sib_os;   // 0 (empty) without a next sibling
-        }
-        info = __shfl_sync(FULL_MASK, info, wl);
-        child_os = __shfl_sync(FULL_MASK, child_os, wl);
-        const int depth = info & 15, rank = (info >> 4) & 255;
-        const int chain = (info >> 20) & 1;
-        const int row = chain ? depth : ++nodes;
-        live -= rank + 1 < kf ? 0 : 1;
-        if (depth < D) {   // the first child goes to the next position
-            if (lane == (npos & 31)) {
-                const int ps = npos >> 5;
-#pragma unroll
-                for (int s = 0; s < DDT_SLOTS; ++s)
-                    if (s == ps) os[s] = child_os;
-            }
-            if (lane == wl) e_info[npos] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);
-            ++npos;
-            ++live;
-        }
-        __syncwarp();   // the winner's shared writes are visible to the lane that pops them later
-    }
-    __syncwarp();
-    write_tree(st, nodes, pre, lane, t_tok, t_par, t_dep, tokens, parents, depths, positions, n_rows, mask);
-}
-#else   // DDT_FAST == 3
-// Like variant 2 (position p = slot p / 32 of lane p % 32, only the ordered scores in registers), but the
-// popped position is made known to every lane (one ballot per slot: in the usual case of a single holder
+#else   // DDT_FAST == 3 (the default)
+// Position p = slot p / 32 of lane p % 32; only the ordered scores are in registers (the removed variant 2
+// kept the rest of an entry for the winning lane alone). Here the popped
+// position is made known to every lane (one ballot per slot: in the usual case of a single holder
 // of the maximum the slot and the lane follow without a per-lane search), so every lane reads the entry
 // from shared memory (a broadcast), computes both successors, and no branch diverges: no shuffles, no
 // divergent winner block. An entry also carries the log-probs its successors need (next sibling's and

@@ -1,10 +1,10 @@
-"""CPU models of the v2 and v3 tree builders (cuda_src/ddtree.cu, DDT_FAST == 2 / 3), lane by lane, against
-the numpy reference builder (ddtree_cupy/reference/ddtree.py). The models follow the kernels' state: the
+"""A CPU model of the default tree builder (cuda_src/ddtree.cu, DDT_FAST == 3, "v3"), lane by lane, against
+the numpy reference builder (ddtree_cupy/reference/ddtree.py). The model follows the kernel's state: the
 ordered scores in registers (32 lanes x DDT_SLOTS slots, position p = slot p // 32 of lane p % 32), the
-rest of each entry in shared memory at [p] (v2: rank tuple, info word, parent score; v3: also the log-probs
-of the entry's next sibling and first child, set when the entry is written), the fast pop (one warp max, a
-single holder: v2 finds it per lane, v3 from one ballot per slot) and the tie pop (per-lane smallest tuple
-among its slots equal to the max, then a min over the high and the low 32 bits). They also check what the
+rest of each entry in shared memory at [p] (rank tuple, info word, parent score and the log-probs of the
+entry's next sibling and first child, set when the entry is written), the fast pop (one warp max, a
+single holder found from one ballot per slot) and the tie pop (per-lane smallest tuple
+among its slots equal to the max, then a min over the high and the low 32 bits). It also checks what the
 GPU cannot report: every shared entry read was written first, positions stay inside the register slots,
 and the tie paths are exercised. The GPU tests (tests/gpu/test_ddtree_gpu.py) run the kernels themselves
 against the same reference.
@@ -20,10 +20,8 @@ import pytest
 from ddtree_cupy.reference import ddtree as dd
 
 SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
-V2 = SRC[SRC.index("#elif DDT_FAST == 2"):SRC.index("#else   // DDT_FAST == 3")]
 V3 = SRC[SRC.index("#else   // DDT_FAST == 3"):]
-SLOTS = int(re.search(r"#define DDT_SLOTS (\d+)", V2).group(1))
-assert SLOTS == int(re.search(r"#define DDT_SLOTS (\d+)", V3).group(1))
+SLOTS = int(re.search(r"#define DDT_SLOTS (\d+)", V3).group(1))
 MAX_ROWS = dd.MAX_TREE_ROWS
 MASK32 = 0xFFFFFFFF
 
@@ -72,90 +70,6 @@ class Shared:
 
     def __setitem__(self, i, x):
         self.v[i] = x
-
-
-def build_v2(lp_in, ids, budget, cap_k, include_chain, stats):
-    """The kernel's builder for one stream: returns (tokens, parents, depths) of rows 1..n."""
-    D, K = lp_in.shape
-    lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
-                  lp_in).astype(np.float32)                                   # ftz_in in the prologue
-    s_lp = lp.reshape(-1)
-    s_id = ids.reshape(-1)
-    budget = min(max(int(budget), 0), MAX_ROWS - 1)
-    kf = min(K, cap_k) if cap_k > 0 else K
-    nc = min(D, budget) if include_chain else 0
-    t_tok, t_par, t_dep = Shared(MAX_ROWS), Shared(MAX_ROWS), Shared(MAX_ROWS)
-    for lane in range(1, nc + 1):                                            # forced chain
-        t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane
-    os_ = np.zeros((32, SLOTS), np.int64)
-    e_tup, e_info, e_ps = Shared(32 * SLOTS), Shared(32 * SLOTS), Shared(32 * SLOTS)
-    nodes, live, npos = nc, 0, 0
-    if budget > 0:
-        os_[0, 0] = ordered(dd.add_f32(0.0, s_lp[0]))
-        e_tup[0], e_info[0], e_ps[0] = digit(1, 0), pack(1, 0, 0, int(nc >= 1)), np.float32(0.0)
-        live = npos = 1
-    while live > 0 and nodes < budget:
-        M = int(os_.max())                       # per-lane max of the slots, then __reduce_max_sync
-        assert M > 0, "the frontier is not empty while live > 0"
-        neq = (os_ == M).sum(axis=1)
-        who = [lane for lane in range(32) if neq[lane] > 0]
-        bs = [-1] * 32
-        if (neq > 1).any() or len(who) > 1:      # tie path: the smallest rank tuple among the maxima
-            stats["tie"] += 1
-            stats["same_lane"] += int((neq > 1).any())
-            bt = [(1 << 64) - 1] * 32
-            for lane in range(32):
-                for s in range(SLOTS):
-                    if os_[lane, s] == M:
-                        t = e_tup[s * 32 + lane]
-                        if t < bt[lane]:
-                            bt[lane], bs[lane] = t, s
-            mh = min(t >> 32 for t in bt)
-            tl = [(t & MASK32) if (t >> 32) == mh else MASK32 for t in bt]
-            ml = min(tl)
-            who = [lane for lane in range(32) if bs[lane] >= 0 and bt[lane] == (mh << 32 | ml)]
-            assert len(who) == 1, "rank tuples are unique"
-        else:
-            stats["fast"] += 1
-            lane = who[0]
-            for s in range(SLOTS - 1, -1, -1):
-                if os_[lane, s] == M:
-                    bs[lane] = s
-        wl = who[0]                              # __ffs(who) - 1
-        p = bs[wl] * 32 + wl
-        info, tup, ps = e_info[p], e_tup[p], e_ps[p]
-        d, r, prow = info & 15, (info >> 4) & 255, (info >> 12) & 255
-        sc = from_ordered(M)
-        sib_os = child_os = 0
-        if r + 1 < kf:                           # the next sibling takes the popped slot
-            sib_os = ordered(dd.add_f32(ps, s_lp[(d - 1) * K + r + 1]))
-            e_tup[p] = tup + digit(d, 0)
-            e_info[p] = pack(d, r + 1, prow, 0)
-        if d < D:
-            child_os = ordered(dd.add_f32(sc, s_lp[d * K]))
-            assert npos < 32 * SLOTS, "positions fit the register slots"
-            e_tup[npos] = tup + digit(d + 1, 0)
-            e_ps[npos] = sc
-        chain = (info >> 20) & 1
-        if not chain:
-            row = nodes + 1
-            t_tok[row], t_par[row], t_dep[row] = int(s_id[(d - 1) * K + r]), prow, d
-        os_[wl, bs[wl]] = sib_os
-        if chain:
-            row = d
-        else:
-            nodes += 1
-            row = nodes
-        live -= 0 if r + 1 < kf else 1
-        if d < D:                                # the first child at the next position
-            os_[npos & 31, npos >> 5] = child_os
-            e_info[npos] = pack(d + 1, 0, row, int(bool(chain) and d + 1 <= nc))
-            npos += 1
-            live += 1
-    n = nodes
-    return (np.array([t_tok[i] for i in range(1, n + 1)], np.int32),
-            np.array([t_par[i] for i in range(1, n + 1)], np.int32),
-            np.array([t_dep[i] for i in range(1, n + 1)], np.int32))
 
 
 def build_v3(lp_in, ids, budget, cap_k, include_chain, stats):
@@ -270,9 +184,9 @@ def _top(rng, D, K, kind):
 KINDS = ["normal", "dyadic", "quarter", "zero", "subnormal"]
 
 
-@pytest.mark.parametrize("model", [build_v2, build_v3], ids=["v2", "v3"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_builder_model_equals_reference(kind, model):
+def test_builder_model_equals_reference(kind):
+    model = build_v3
     rng = np.random.default_rng(KINDS.index(kind) + 1)
     stats = dict(fast=0, tie=0, same_lane=0)
     for trial in range(120 if kind == "quarter" else 60):
@@ -298,13 +212,6 @@ def test_builder_model_equals_reference(kind, model):
 def test_models_follow_the_kernels():
     assert SLOTS * 32 >= (MAX_ROWS - 1) + dd.MAX_DEPTH + 1   # pops + 1 <= budget + D + 1 positions
     # the kernels' key statements the models follow (a change there must be mirrored here)
-    for stmt in ("const uint32_t M = __reduce_max_sync(FULL_MASK, bo);",
-                 "if (__any_sync(FULL_MASK, neq > 1) || (who & (who - 1))) {",
-                 "who = __ballot_sync(FULL_MASK, bs >= 0 && bt == (((u64)mh << 32) | ml));",
-                 "e_tup[p] = tup + tuple_digit(d, 0);",
-                 "e_tup[npos] = tup + tuple_digit(d + 1, 0);",
-                 "if (lane == wl) e_info[npos] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);"):
-        assert stmt in V2, stmt
     for stmt in ("w[s] = __ballot_sync(FULL_MASK, os[s] == M);",
                  "for (int s = 1; s < DDT_SLOTS; ++s) bs = w[s] ? s : bs;",
                  "wl = __ffs(any) - 1;",

@@ -14,9 +14,9 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 1, 2, 3], ids=["verified", "fast", "v2", "v3"])
+@pytest.fixture(params=[0, 3], ids=["verified", "v3"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0 .. 3, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Both kernel variants (DDT_FAST = 0 and 3, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
