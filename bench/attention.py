@@ -1,7 +1,7 @@
 """Benchmark: absorbed MLA tree-verify attention (8 local heads) vs the measured ceilings of the same run.
 
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
-                                               [--compare] [--was OLD.json] [--policy measured|model|both]
+                                               [--compare] [--was OLD.json] [--policy auto|measured|model|both]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
     python3 bench/attention.py --refit bench/results/attention_h200.json [more.json]   # CPU: refit the model
 
@@ -12,7 +12,7 @@ as a chain (causal) at the same prefix, the earlier results' time ("was", defaul
 the launch floor (empty kernels replayed from a graph). --compare also times the opt-in ks32 tile where
 plan_mla picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan and
 builds without one phase. Also the DFlash drafter attention (8 q heads / 1 kv head).
---policy picks the planner policy (plan_mla(policy=...)); "both" times the "measured" (was) and the "model"
+--policy picks the planner policy (plan_mla(policy=...); default auto, as the engine); "both" times the "measured" (was) and the "model"
 (now) plan of every shape in the same run (once where both policies plan the same), plus a few 64-head
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
 speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
@@ -253,8 +253,9 @@ def main():
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     ap.add_argument("--compare", action="store_true",
                     help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
-    ap.add_argument("--policy", choices=("measured", "model", "both"), default="measured",
-                    help="planner policy; both: time the measured and the model plan of every shape")
+    ap.add_argument("--policy", choices=("auto", "measured", "model", "both"), default="auto",
+                    help="planner policy (auto: the engine's default, kernels/attention.py resolve_policy); "
+                         "both: time the measured and the model plan of every shape")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")

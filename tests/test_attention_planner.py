@@ -43,7 +43,7 @@ def cost(cfg, k, S, n, H, ctx, arch):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("policy", A.MLA_POLICIES)
+@pytest.mark.parametrize("policy", ("measured", "model"))
 def test_every_engine_shape_gets_a_valid_plan(policy, arch):
     limit = ARCHS[arch][1]
     seen = set()
@@ -179,7 +179,7 @@ def test_model_splits_long_contexts_and_avoids_the_nearly_empty_second_wave():
     """Decode of one stream at 256K is split over (nearly) every SM by either policy; where the measured
     rule lands just past a multiple of the SM count on a long context (10 x 64 rows x 64K: 160 blocks of
     1025 tiles; 1 x 64 x 64K: 136 blocks) the model plans a clearly cheaper grid."""
-    for policy in A.MLA_POLICIES:
+    for policy in ("measured", "model"):
         cfg, k = plan(1, 1, 8, 262144, policy, "h200")
         assert k >= 100, (policy, k)
     for S, n in ((10, 64), (1, 64)):
@@ -191,8 +191,15 @@ def test_model_splits_long_contexts_and_avoids_the_nearly_empty_second_wave():
 def test_policy_switch(monkeypatch):
     monkeypatch.setattr(A, "_device_attrs", lambda: H200[:2])
     monkeypatch.setattr(A, "_smem_per_sm", lambda: H200[2])
+    monkeypatch.setattr(A, "_device_arch", lambda: "sm_90")
     prev = A.set_mla_policy("model")
     try:
+        # "auto": the fitted model on sm_90, the measured rule elsewhere
+        assert A.plan_mla(10, 16, 8, 32784, policy="auto") == A.plan_mla_for(10, 16, 8, 32784, "model", *H200)
+        assert A.resolve_policy("auto", "sm_90") == "model" and A.resolve_policy("auto", "sm_120") == "measured"
+        assert A.resolve_policy("measured", "sm_90") == "measured"
+        with pytest.raises(ValueError, match="auto"):
+            A.plan_mla_for(10, 16, 8, 32784, "auto", *H200)
         assert A.MLA_POLICY == "model"
         assert A.plan_mla(10, 16, 8, 32784) == A.plan_mla_for(10, 16, 8, 32784, "model", *H200)
         assert A.plan_mla(10, 16, 8, 32784, policy="measured") == A.plan_mla_for(10, 16, 8, 32784, "measured", *H200)
