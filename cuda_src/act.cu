@@ -1,6 +1,6 @@
 // SwiGLU activation: out[t, i] = bf16(silu(gate[t, i]) * up[t, i]) with in = [gate | up] ([T, 2I], the fused
 // gate+up GEMM output), fp32 math. 8 elements (16 bytes) per thread step.
-#include "common.cuh"
+#include "layer_math.cuh"
 
 extern "C" __global__ void silu_mul_kernel(const bf16_bits* __restrict__ in, long long in_stride,
                                            bf16_bits* __restrict__ out, long long out_stride, int T, int I) {
@@ -15,15 +15,6 @@ extern "C" __global__ void silu_mul_kernel(const bf16_bits* __restrict__ in, lon
         const int t = (int)(g / nv), v = (int)(g % nv);
         const uint4 gv = ((const uint4*)(in + t * in_stride))[v];
         const uint4 uv = ((const uint4*)(in + t * in_stride + I))[v];
-        const bf16_bits* gh = (const bf16_bits*)&gv;
-        const bf16_bits* uh = (const bf16_bits*)&uv;
-        uint4 o;
-        bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float gf = bf16_to_f32(gh[e]);
-            oh[e] = f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(uh[e]));
-        }
-        ((uint4*)(out + t * out_stride))[v] = o;
+        ((uint4*)(out + t * out_stride))[v] = silu_mul8(gv, uv);
     }
 }

@@ -12,24 +12,10 @@
 //    split-K reduce (+ the q_pe rope). mma.sync m16n8k16 with fragments loaded straight from global
 //    memory: the head's weight slice is tiny (32 columns x K per block), so no shared-memory pipeline is
 //    needed; the weight fragments are loaded before DDT_PDL_WAIT() (weights never change).
-#include "common.cuh"
+#include "layer_math.cuh"
 
 #define FL_THREADS 256
 #define FL_QMAXV 2          // c_q vectors of 8 per thread: q_lora <= 8 * 2 * 256 = 4096
-
-// Block sum in the same order as norm.cu's block_sum (bit-identical norms); `red` must not be reused by
-// a later call without a barrier in between, so each norm has its own.
-__device__ __forceinline__ float fl_block_sum(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < FL_THREADS / 32; ++i) s += red[i];
-    return s;
-}
 
 // One block per row t. qkv row: [q_a (ql) | kv_a (512) | k_pe (64)]. Threads: c_q vectors i, i + 256;
 // c_kv vector i (< 64); k_pe pair i - 64 (threads 64..95).
@@ -83,8 +69,8 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
         const int page = block_table[(long long)stream_ids[t] * max_pages + p / KV_PAGE_SIZE];
         dst = pool + ((long long)page * KV_PAGE_SIZE + p % KV_PAGE_SIZE) * KV_ROW_DIM;
     }
-    const float rq = rsqrtf(fl_block_sum(ss, red_q) / (float)ql + eps);
-    const float rkv = rsqrtf(fl_block_sum(ss_kv, red_kv) / (float)KV_LATENT_DIM + eps);
+    const float rq = rsqrtf(block_sum<FL_THREADS>(ss, red_q) / (float)ql + eps);
+    const float rkv = rsqrtf(block_sum<FL_THREADS>(ss_kv, red_kv) / (float)KV_LATENT_DIM + eps);
     uint4* cq = (uint4*)(c_q + t * cq_stride);
 #pragma unroll
     for (int j = 0; j < FL_QMAXV; ++j) {

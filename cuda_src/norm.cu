@@ -3,22 +3,10 @@
 // bf16 (the residual stream is bf16) and that rounded value is both written back as the new residual and
 // normalised. Rows may be strided views, and out_rows (optional) scatters row t to out row out_rows[t]
 // (the latent KV cache slot), so the kv_a norm can write straight into the paged cache.
-#include "common.cuh"
+#include "layer_math.cuh"
 
 #define NORM_THREADS 256
 #define NORM_MAXV 4          // 16-byte vectors per thread held in registers: H <= 8 * 4 * 256 = 8192
-
-__device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < NORM_THREADS / 32; ++i) s += red[i];
-    return s;
-}
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
@@ -62,7 +50,7 @@ rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
             for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
         }
     }
-    const float rstd = rsqrtf(block_sum(ss, red) / (float)H + eps);
+    const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
     const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
     uint4* outr = (uint4*)(out + orow * out_stride);
     const uint4* wr = (const uint4*)w;

@@ -14,7 +14,7 @@
 // router and the shared expert's gate_up GEMM both read the normed rows and are independent, so issuing
 // the router GEMM and the gate_up GEMM first lets one small launch finish both (one launch per MoE layer
 // fewer). Everything read here comes from earlier kernels except the bias: DDT_PDL_WAIT() comes first.
-#include "common.cuh"
+#include "layer_math.cuh"
 
 #define ROUTER_WARPS 4
 #define ROUTER_MAX_E 512
@@ -47,16 +47,7 @@ router_topk(const float* __restrict__ logits, int T, int E, const float* __restr
             const int t = (int)(gi / nv), v = (int)(gi % nv);
             const uint4 gv = ((const uint4*)(gate_up + t * gu_stride))[v];
             const uint4 uv = ((const uint4*)(gate_up + t * gu_stride + I))[v];
-            const bf16_bits* gh = (const bf16_bits*)&gv;
-            const bf16_bits* uh = (const bf16_bits*)&uv;
-            uint4 o;
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float gf = bf16_to_f32(gh[e]);
-                oh[e] = f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(uh[e]));
-            }
-            ((uint4*)(act + t * act_stride))[v] = o;
+            ((uint4*)(act + t * act_stride))[v] = silu_mul8(gv, uv);
         }
         return;
     }
