@@ -1,6 +1,6 @@
 """The GPU engine with the REAL GpuTarget on the CPU (run in a subprocess by tests/test_engine_cpu.py):
-tests/_target_shim.py supplies the numpy CuPy stand-in and the target's kernels (bf16 rounding where the
-kernels round); the step's own kernels (DDTree top-K / walk, engine glue) come from test_engine_cpu's
+tests/_target_shim.py installs the numpy CuPy stand-in (tests/_fake_cupy.py) and supplies the target's
+kernels (bf16 rounding where the kernels round); the step's own kernels (DDTree top-K / walk, engine glue) come from test_engine_cpu's
 emulations. Autoregressive greedy decoding of the tiny checkpoint (no drafter: its kernels are not emulated)
 through chunked prefill and the captured step (graphs and eager) must give the float64 reference's tokens,
 a differing token only at a real near-tie. The same for 'ddtree' and 'chain' with an oracle drafter in the
@@ -17,48 +17,16 @@ import _target_shim as shim  # noqa: E402  (installs the fake cupy first)
 import numpy as np  # noqa: E402
 
 import test_engine_cpu as emu  # noqa: E402
-
-# what the shim's stand-in lacks and the engine uses
-cp = sys.modules["cupy"]
-cp.copyto = lambda d, s: shim._run(lambda: np.copyto(d, s))
-cp.cuda.alloc_pinned_memory = lambda n: bytearray(n)
-shim._Device.synchronize = lambda self: None
-
-
-def _get(self, stream=None, order="C", out=None, blocking=True):
-    assert not shim.CAPTURE["on"], "device-to-host copy during capture"
-    if out is not None:
-        out[...] = np.asarray(self).view(np.ndarray)
-        return out
-    return np.array(self).view(np.ndarray)
-
-
-shim.DeviceArray.get = _get
-_target_get_kernel = shim._get_kernel
-
-
-def kv_compact_by_address(pool_ptrs, block_table, maxpages, prefix_len, n_accept, acc_rows, A):
-    """kv_compact_latent on the shim's memory: pools are addressed by their raw device pointers."""
-    bt = np.asarray(block_table).view(np.ndarray)
-    row = lambda base, p: shim._mem_u16(int(base) + 2 * 576 * (int(bt_s[p // 64]) * 64 + p % 64), 576)  # noqa
-    for base in np.asarray(pool_ptrs).view(np.ndarray):
-        for s in range(bt.shape[0]):
-            bt_s, pre = bt[s], int(prefix_len[s])
-            for j in range(1, int(n_accept[s])):
-                row(base, pre + j)[...] = row(base, pre + int(acc_rows[s, j])).copy()
-
-
-emu.KERNELS["kv_compact_latent"] = kv_compact_by_address
+from _fake_cupy import run_or_record  # noqa: E402
 
 
 def get_kernel(spec, name, max_dynamic_smem=0):
+    """The step's own kernels from test_engine_cpu (its kv_compact_latent dereferences the pool pointers
+    through the shared stand-in's allocation table, so it moves the real target's latent rows), the
+    target's from the shim."""
     if name in emu.KERNELS:
-        impl = emu.KERNELS[name]
-
-        def launch(grid, block, args, shared_mem=0):
-            shim._run(lambda: impl(*args))
-        return launch
-    return _target_get_kernel(spec, name, max_dynamic_smem)
+        return emu.fake_get_kernel(spec, name)
+    return shim._get_kernel(spec, name, max_dynamic_smem)
 
 
 from ddtree_cupy.kernels import ddtree as _kd, engine_glue as _kg, kv_cache as _kk  # noqa: E402
@@ -85,7 +53,7 @@ class OracleGpuDrafter:
 
         def op():
             self.appended += int((np.asarray(positions) >= 0).sum())
-        shim._run(op)
+        run_or_record(op)
 
     def draft(self, bonus, start_pos, ctx_len, out):
         def op():
@@ -102,7 +70,7 @@ class OracleGpuDrafter:
                         if (s + d) % 3 == 0:        # a wrong top-1: the right token is rank 1, off the chain
                             host[b, d - 1, (t + 5) % V] = 13.0
             np.asarray(out).view(np.ndarray)[...] = host
-        shim._run(op)
+        run_or_record(op)
         return out
 
 

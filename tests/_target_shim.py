@@ -1,187 +1,23 @@
 """CPU stand-in for CuPy and the kernels GpuTarget launches, for running tests/gpu/test_target_model.py
 without a GPU (tests/test_models_cpu.py::test_gpu_target_tests_on_cpu_emulation runs it in a subprocess).
 
-Import this module BEFORE anything imports cupy: it installs a numpy-backed ``cupy`` module (arrays are an
-ndarray subclass with ``.data.ptr``, ``.get()``, ``.set()``), replaces ``get_kernel`` in the kernel wrapper
-modules so that the REAL wrappers run (every argument check, stride and pointer computation) and their
-launches execute numpy emulations that decode the raw launch arguments (pointers, element strides, grid),
-and records launches between ``begin_capture`` / ``end_capture`` into a replayable graph (allocation during a
-capture raises, as it must never happen in a captured forward). Emulated numerics round to bf16 where the
+Import this module BEFORE anything imports cupy: it installs the numpy-backed ``cupy`` of
+tests/_fake_cupy.py (real buffer addresses, graph capture and replay, allocation during a capture raises),
+replaces ``get_kernel`` in the kernel wrapper modules so that the REAL wrappers run (every argument check,
+stride and pointer computation) and their launches execute (or, in a capture, record) numpy emulations that
+decode the raw launch arguments (pointers, element strides, grid). Emulated numerics round to bf16 where the
 kernels do (GEMM/norm/RoPE/attention outputs, the MoE intermediate), accumulating in float64. The MoE is
 emulated at ``moe_forward`` level from the dequantised experts (``pack_moe_weights`` keeps them), after the
 real launch plan has checked the arguments. NCCL is absent (its test skips).
 """
 import ctypes
-import importlib.machinery
-import sys
-import types
 
+import _fake_cupy as fake      # the callers put tests/ on sys.path
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-CAPTURE = {"on": False, "ops": None}
+fake.install()
 LOG2E = 1.4426950408889634
-
-
-# ---------------------------------------------------------------------------------------------------
-# fake cupy
-# ---------------------------------------------------------------------------------------------------
-class _Ptr:
-    def __init__(self, p):
-        self.ptr = p
-
-
-class _Device:
-    id = 0
-    compute_capability = "90"
-    attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448,
-                  "MaxSharedMemoryPerMultiprocessor": 233472, "L2CacheSize": 50 * 2**20}
-
-    def __init__(self, i=0):
-        pass
-
-    def use(self):
-        pass
-
-
-class DeviceArray(np.ndarray):
-    @property
-    def data(self):
-        return _Ptr(self.__array_interface__["data"][0])
-
-    @property
-    def device(self):
-        return _Device()
-
-    def get(self, stream=None):
-        return np.array(self).view(np.ndarray)
-
-    def set(self, a, stream=None):
-        self[...] = np.asarray(a)
-
-
-def _alloc(a):
-    if CAPTURE["on"]:
-        raise RuntimeError("device allocation during graph capture")
-    return a.view(DeviceArray)
-
-
-def _empty(shape, dtype=float):
-    dt = np.dtype(dtype)
-    a = np.empty(shape, dt)
-    if dt.kind == "f":
-        a.fill(np.nan)
-    else:
-        a.fill(np.iinfo(dt).max)
-    return _alloc(a)        # "uninitialised" memory is poison, never zeros by luck
-
-
-cp = types.ModuleType("cupy")
-cp.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
-cp.ndarray = DeviceArray
-for _n in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32", "float64"):
-    setattr(cp, _n, getattr(np, _n))
-cp.empty = _empty
-cp.zeros = lambda shape, dtype=float: _alloc(np.zeros(shape, dtype))
-cp.full = lambda shape, v, dtype=None: _alloc(np.full(shape, v, dtype))
-cp.full_like = lambda a, v: _alloc(np.full_like(np.asarray(a), v))
-cp.asarray = lambda a, dtype=None: _alloc(np.array(a, dtype=dtype, copy=True))
-cp.ascontiguousarray = lambda a: _alloc(np.array(np.asarray(a), order="C", copy=True))
-cp.array_equal = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
-
-
-def _run(op):
-    """Execute a launch now, or record it while a capture is open."""
-    if CAPTURE["on"]:
-        CAPTURE["ops"].append(op)
-    else:
-        op()
-
-
-class _Graph:
-    def __init__(self, ops):
-        self.ops = ops
-
-    def launch(self, stream=None):
-        for op in self.ops:
-            op()
-
-
-class _Stream:
-    ptr = 1
-
-    def __init__(self, non_blocking=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def synchronize(self):
-        pass
-
-    def is_capturing(self):
-        return CAPTURE["on"]
-
-    def begin_capture(self):
-        CAPTURE["on"], CAPTURE["ops"] = True, []
-
-    def end_capture(self):
-        ops = CAPTURE["ops"]
-        CAPTURE["on"], CAPTURE["ops"] = False, None
-        return _Graph(ops)
-
-
-class _Event:
-    def record(self, *a):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-_STREAM = _Stream()
-cuda = types.ModuleType("cupy.cuda")
-cuda.Device, cuda.Stream, cuda.Event = _Device, _Stream, _Event
-cuda.get_current_stream = lambda: _STREAM
-cuda.get_elapsed_time = lambda a, b: 0.0
-runtime = types.ModuleType("cupy.cuda.runtime")
-runtime.memcpyDeviceToDevice = 3
-runtime.getDeviceCount = lambda: 1
-
-
-def _memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
-    def op():
-        for r in range(height):
-            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
-    _run(op)
-
-
-runtime.memcpy2DAsync = _memcpy2d
-cuda.runtime = runtime
-cp.cuda = cuda
-
-
-class _RandomState:
-    def __init__(self, seed):
-        self.r = np.random.default_rng(seed)
-
-    def standard_normal(self, size=None, dtype=float):
-        return _alloc(self.r.standard_normal(size).astype(dtype))
-
-    def randint(self, lo, hi=None, size=None, dtype=int):
-        return _alloc(self.r.integers(lo, hi, size).astype(dtype))
-
-    def uniform(self, lo=0.0, hi=1.0, size=None, dtype=float):
-        return _alloc(self.r.uniform(lo, hi, size).astype(dtype))
-
-
-random = types.ModuleType("cupy.random")
-random.RandomState = _RandomState
-cp.random = random
-sys.modules.update({"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.random": random})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,9 +198,7 @@ def _get_kernel(spec, name, max_dynamic_smem=0):
     the reduction / combine launches are no-ops)."""
     for prefix, fn in _TABLE:
         if name.startswith(prefix):
-            def launch(grid, block, args, shared_mem=0, _fn=fn, _name=name):
-                _run(lambda: _fn(_name, grid, args))
-            return launch
+            return fake.launcher(lambda grid, args, _fn=fn: _fn(name, grid, args))
     raise KeyError(f"no emulation for kernel {name}")
 
 
@@ -406,7 +240,7 @@ def _moe_forward(x, topk_ids, topk_weights, weights, ws, out=None, residual=None
                     g, u = X[t] @ G[e].T, X[t] @ U[e].T
                     acc[t] += wts[t, j] * (_f(_bits(g / (1 + np.exp(-g)) * u)) @ D[e].T)
         np.asarray(out).view(np.ndarray)[...] = _bits(acc)
-    _run(op)
+    fake.run_or_record(op)
     return out
 
 

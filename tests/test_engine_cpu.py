@@ -1,5 +1,5 @@
 """Dry run of the GPU engine's own code (engine/step.py, engine/gpu_engine.py, the kernel wrappers it calls)
-on the CPU: CuPy is replaced by a numpy stand-in, every kernel the step launches (DDTree top-K / builder /
+on the CPU: CuPy is replaced by the numpy stand-in of tests/_fake_cupy.py, every kernel the step launches (DDTree top-K / builder /
 walk, KV compaction, the engine glue) by a numpy implementation that reads its raw launch arguments in the
 order of the .cu signature, and the target / drafter by toy models with the same interfaces. CUDA-graph
 capture is emulated: launches during capture are recorded and replayed later against the same buffers
@@ -16,143 +16,18 @@ from __future__ import annotations
 
 import sys
 import threading
-import types
 from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import _fake_cupy as fake
+from _fake_cupy import run_or_record
+
 from ddtree_cupy.reference import ddtree as rdt
 from ddtree_cupy.reference.loop import DecodeLoop, Request
 from ddtree_cupy.tinymodel import TinySpec
-
-# ---------------------------------------------------------------------------------------------------
-# a numpy stand-in for the parts of CuPy the engine touches
-# ---------------------------------------------------------------------------------------------------
-_PTRS: dict = {}
-_TLS = threading.local()     # per thread (the TP test runs one engine per thread): open captures
-
-
-def _cap() -> list:
-    if not hasattr(_TLS, "stack"):
-        _TLS.stack = []
-    return _TLS.stack
-
-
-def run_or_record(fn):
-    if _cap():
-        _cap()[-1].append(fn)
-    else:
-        fn()
-
-
-class _Ptr:
-    def __init__(self, p):
-        self.ptr = p
-
-
-class FakeArr(np.ndarray):
-    @property
-    def data(self):
-        p = self.__array_interface__["data"][0]
-        base = self
-        while isinstance(base.base, np.ndarray):
-            base = base.base
-        _PTRS[p] = self
-        return _Ptr(p)
-
-    @property
-    def device(self):
-        return SimpleNamespace(id=0)
-
-    def get(self, stream=None, order="C", out=None, blocking=True):
-        assert not _cap(), "device-to-host copy during capture"
-        if out is not None:
-            out[...] = np.asarray(self)
-            return out
-        return np.array(self)
-
-    def set(self, arr, stream=None):
-        assert not _cap(), "host-to-device copy during capture"
-        self[...] = np.asarray(arr)
-
-
-def _w(a):
-    return np.asarray(a).view(FakeArr)
-
-
-class _Stream:
-    def __init__(self, non_blocking=False):
-        self.ptr = id(self)
-
-    def __enter__(self):
-        _FAKE.cuda._stack.append(self)
-        return self
-
-    def __exit__(self, *a):
-        _FAKE.cuda._stack.pop()
-
-    def synchronize(self):
-        pass
-
-    def begin_capture(self):
-        _cap().append([])
-
-    def end_capture(self):
-        return _Graph(_cap().pop())
-
-    def is_capturing(self):
-        return bool(_cap())
-
-
-class _Graph:
-    def __init__(self, ops):
-        self.ops = ops
-
-    def launch(self, stream=None):
-        for op in self.ops:
-            op()
-
-
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-def _make_fake_cupy():
-    cp = types.ModuleType("cupy")
-    cp.ndarray = FakeArr
-    for n in ("int32", "int64", "uint16", "uint32", "uint64", "float32", "uint8"):
-        setattr(cp, n, getattr(np, n))
-    cp.zeros = lambda s, dtype=np.float64: _w(np.zeros(s, dtype))
-    cp.empty = lambda s, dtype=np.float64: _w(np.full(s, 0x5A, dtype) if np.dtype(dtype).kind in "iu"
-                                             else np.full(s, np.nan, dtype))
-    cp.full = lambda s, v, dtype=None: _w(np.full(s, v, dtype))
-    cp.ones = lambda s, dtype=np.float64: _w(np.ones(s, dtype))
-    cp.arange = lambda *a, **k: _w(np.arange(*a, **k))
-    cp.asarray = lambda a, dtype=None: _w(np.array(a, dtype=dtype))
-    cp.ascontiguousarray = lambda a: _w(np.ascontiguousarray(a))
-    cp.copyto = lambda d, s: run_or_record(lambda: np.copyto(d, s))
-    cuda = types.SimpleNamespace()
-    cuda._stack = []
-    cuda.Stream = _Stream
-    cuda.Event = _Event
-    cuda.get_elapsed_time = lambda a, b: 0.01
-    cuda.alloc_pinned_memory = lambda n: bytearray(n)
-    cuda.get_current_stream = lambda: cuda._stack[-1] if cuda._stack else _Stream()
-    cuda.Device = lambda *a: SimpleNamespace(id=0, synchronize=lambda: None, compute_capability="90",
-                                             attributes={"MultiProcessorCount": 132})
-    cuda.runtime = SimpleNamespace(memGetInfo=lambda: (8 << 30, 16 << 30), getDeviceCount=lambda: 1)
-    cp.cuda = cuda
-    cp.get_default_memory_pool = lambda: SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0)
-    return cp
-
-
-_FAKE = _make_fake_cupy()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,8 +116,7 @@ def k_walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, A, acc_
 
 
 def k_kv_compact(pool_ptrs, block_table, maxpages, prefix_len, n_accept, acc_rows, A):
-    pools = [_PTRS[int(p)] for p in np.asarray(pool_ptrs)]
-    for pool in pools:
+    for pool in map(fake.array_at, np.asarray(pool_ptrs)):     # the pointer table, dereferenced
         for s in range(block_table.shape[0]):
             pre = int(prefix_len[s])
             for j in range(1, int(n_accept[s])):
@@ -293,10 +167,7 @@ KERNELS = {"ddt_topk_partial_f32": k_topk_partial, "ddt_topk_merge": k_topk_merg
 
 def fake_get_kernel(spec, name, max_dynamic_smem=0):
     impl = KERNELS[name]
-
-    def launch(grid, block, args, shared_mem=0):
-        run_or_record(lambda: impl(*args))
-    return launch
+    return fake.launcher(lambda grid, args: impl(*args))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,7 +330,8 @@ class FakeGpuDrafter:
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def fake_gpu(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", _FAKE)
+    for name, mod in fake.MODULES.items():
+        monkeypatch.setitem(sys.modules, name, mod)
     from ddtree_cupy.kernels import ddtree as kd
     from ddtree_cupy.kernels import engine_glue as kg
     from ddtree_cupy.kernels import kv_cache as kk
@@ -472,7 +344,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(md.GpuDrafterWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=0)))
     monkeypatch.setattr(mt, "GpuTarget", FakeGpuTarget)
     monkeypatch.setattr(md, "GpuDrafter", FakeGpuDrafter)
-    _PTRS.clear()
     yield
 
 
@@ -665,7 +536,7 @@ class ThreadComm:
         key = (x.shape, x.dtype.str, x.__array_interface__["data"][0])
         buf = self._bufs.get(key)
         if buf is None:
-            buf = self._bufs[key] = _w(np.zeros((self.size,) + x.shape, x.dtype))
+            buf = self._bufs[key] = fake.cp.zeros((self.size,) + x.shape, x.dtype)
         sh = self.shared
 
         def op():
