@@ -1,6 +1,6 @@
 """Compile every registered kernel for the given architectures without a GPU and report resources.
 
-    python -m ddtree_cupy.build --arch sm_120 sm_90 [--hot-only] [--json]
+    python -m ddtree_cupy.build --arch sm_120 sm_90 [--hot-only] [--src FILE.cu ...] [--json]
 
 Imports every module under ``ddtree_cupy.kernels`` (each registers its ``KernelSpec``s at import), compiles
 each spec with NVRTC directly (``cupy_backends.cuda.libs.nvrtc``; the options are
@@ -151,9 +151,13 @@ def import_kernel_modules() -> List[str]:
     return names
 
 
-def build(archs: Sequence[str], hot_only: bool = False) -> List[SpecReport]:
+def build(archs: Sequence[str], hot_only: bool = False, srcs: Optional[Sequence[str]] = None) -> List[SpecReport]:
     import_kernel_modules()
-    specs = [s for s in kc.registered_specs() if s.hot or not hot_only]
+    specs = [s for s in kc.registered_specs() if (s.hot or not hot_only) and (not srcs or s.src in srcs)]
+    if srcs:
+        unknown = sorted(set(srcs) - {s.src for s in kc.registered_specs()})
+        if unknown:
+            raise SystemExit(f"--src: no registered spec compiles {', '.join(unknown)}")
     return [compile_spec(s, a) for a in archs for s in specs]
 
 
@@ -161,12 +165,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.build", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", nargs="+", default=["sm_120", "sm_90"], help="e.g. sm_120 sm_90")
     ap.add_argument("--hot-only", action="store_true", help="only the specs marked hot")
+    ap.add_argument("--src", nargs="+", metavar="FILE.cu",
+                    help="only the specs of these cuda_src files (a quick check of one kernel family)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     if not kc.cuda_include_dirs():
         print("warning: no CUDA runtime headers found (pip install nvidia-cuda-runtime-cu12, or set "
               "CUDA_PATH); kernels including <cuda_bf16.h> will fail", file=sys.stderr)
-    reports = build(args.arch, args.hot_only)
+    reports = build(args.arch, args.hot_only, args.src)
     problems = [p for r in reports for p in r.problems()]
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1))
