@@ -20,6 +20,10 @@ and drafter context filled with random rows) it reports:
 * floor: the bytes the step must read (every weight of the rank once, the routed experts the routing
   actually touched -- counted per layer from the router's outputs on this step's rows -- the latent cache
   and drafter context, the logits) over the read bandwidth measured in this run; ratio = step / floor;
+* routing (``--routing``): ``uniform`` (default) makes the MoE read 8 distinct uniformly random experts per
+  row and layer (``UniformRouting``), the spread of real routing (~60 unique experts per layer at 8 rows);
+  ``model`` keeps the random model's router output, which collapses to ~8 experts for all rows and so
+  understates the expert bytes and the MoE time of a real step;
 * projection to 8x RTX PRO 6000: memory-bound time x (read ceiling here / 1.79 TB/s) + all-reduces per step
   x a per-call latency (the step's real collective count at TP = 8), tokens/s = tau x streams / step time.
   Every assumption is printed and stored with the results.
@@ -100,7 +104,47 @@ def fill_random(arrays, std=0.5, seed=0):
         a[...] = blk
 
 
-def count_experts(step, S, R, cfg):
+class UniformRouting:
+    """``--routing uniform``: the MoE kernels read, per layer, a fixed table of 8 distinct experts per row drawn
+    uniformly at random (PERFORMANCE.md's model of real routing), instead of the random model's router output.
+
+    Why: with random weights the residual stream of every row is dominated by the same attention/MLP outputs,
+    so all tree rows route to nearly the same experts (8.5 unique per layer at 8 rows, where uniform routing
+    touches ~60): the step would read far fewer expert bytes than a real model's. The router still runs (its
+    kernels and their cost stay in the step); only ``moe_forward``'s ``ids`` argument is replaced, so the
+    graph has no extra node. Tables are made on the first (eager) call of each (layer, rows) -- the capture's
+    warm-up -- and reused by the captured graph."""
+
+    def __init__(self, E: int, k: int, seed: int = 7):
+        from ddtree_cupy.kernels import moe as moe_mod
+        self.mod, self.orig = moe_mod, moe_mod.moe_forward
+        self.E, self.k, self.rng = E, k, np.random.default_rng(seed)
+        self.tables = {}            # (id(experts), T) -> (device table, host copy)
+        self.used = []              # host tables in call order (counted by count_experts)
+
+    def __enter__(self):
+        self.mod.moe_forward = self._forward
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.moe_forward = self.orig
+
+    def _forward(self, x, ids, *a, **kw):
+        import cupy
+        experts = a[1] if len(a) > 1 else kw["experts"]
+        key = (id(experts), ids.shape[0])
+        tab = self.tables.get(key)
+        if tab is None:
+            if cupy.cuda.get_current_stream().is_capturing():
+                raise RuntimeError("UniformRouting: a routing table was first needed during capture")
+            host = np.stack([self.rng.choice(self.E, self.k, replace=False) for _ in range(ids.shape[0])])
+            host = host.astype(ids.dtype)
+            tab = self.tables[key] = (cupy.asarray(host), host)
+        self.used.append(tab[1])
+        return self.orig(x, tab[0], *a, **kw)
+
+
+def count_experts(step, S, R, cfg, uniform=None):
     """Unique routed experts per MoE layer over the real rows of one eager step (router outputs recorded)."""
     import cupy
     from ddtree_cupy.kernels import router as router_mod
@@ -120,6 +164,8 @@ def count_experts(step, S, R, cfg):
         router_mod.route_logits = orig
     n_rows = step.batch.n_rows.get()
     rows = np.concatenate([np.arange(s * R, s * R + int(n_rows[s])) for s in range(S)])
+    if uniform is not None:         # what the MoE kernels read: the tables of the verify forward's layers
+        seen = uniform.used[-len(seen):]
     return [int(np.unique(ids[rows]).size) for ids in seen], int(rows.size)
 
 
@@ -159,6 +205,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
     ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
+    ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
+                    help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "
+                         "routing's spread); model: the random model's own router output (collapses to ~8 experts)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     a = ap.parse_args(argv)
 
@@ -176,6 +225,9 @@ def main(argv=None) -> int:
     tcfg, dcfg = load_configs(a.layers, a.ctx)
     S_max, R_max = max(a.streams), max(a.rows)
     comm = RankComm(0, 8)
+    uniform = UniformRouting(tcfg.n_routed_experts, tcfg.num_experts_per_tok) if a.routing == "uniform" else None
+    if uniform is not None:
+        uniform.__enter__()         # for the whole run: every captured step reads the tables
     t0 = time.perf_counter()
     per_stream = a.ctx + R_max + 64
     eng = GpuEngine(tcfg, None, dcfg, None, comm=comm, max_streams=S_max, max_budget=R_max - 1,
@@ -211,7 +263,7 @@ def main(argv=None) -> int:
             st = eng.stream
             # collectives issued by one step (eager run, counted)
             r0, g0 = comm.n_reduce, comm.n_gather
-            uniq, n_real = count_experts(step, S, R, tcfg)
+            uniq, n_real = count_experts(step, S, R, tcfg, uniform)
             n_reduce, n_gather = comm.n_reduce - r0, comm.n_gather - g0
             # graph replays back to back
             ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
@@ -315,6 +367,8 @@ def main(argv=None) -> int:
         "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,
         "allreduce_us_per_call": a.allreduce_us, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
+        "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
+                    if uniform is not None else "model: the random model's router output"),
         "collectives": "no-op here (one rank without peers); projection adds allreduces x latency",
         "projection": "step_ms x (read ceiling here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
         "floor": "all rank weights once (embedding excluded: a lookup), routed experts actually touched x per-expert "

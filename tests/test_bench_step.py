@@ -1,0 +1,53 @@
+"""bench/step.py's uniform-routing override (CPU, with the numpy stand-in for CuPy): what the MoE reads."""
+import sys
+
+import numpy as np
+import pytest
+
+import _fake_cupy as fake
+
+
+@pytest.fixture
+def routing(monkeypatch):
+    for name, mod in fake.MODULES.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    from ddtree_cupy.kernels import moe as moe_mod
+    seen = []
+    monkeypatch.setattr(moe_mod, "moe_forward", lambda x, ids, wts, experts, ws, out=None, residual=None:
+                        seen.append((experts, np.asarray(ids).copy())))
+    from bench.step import UniformRouting
+    return UniformRouting(E=384, k=8, seed=3), moe_mod, seen
+
+
+def test_uniform_tables_per_layer_and_reused(routing):
+    u, moe_mod, seen = routing
+    ids = fake.cp.full((8, 8), 5, np.int32)              # the router's collapsed choice: expert 5 for all
+    layers = [object(), object()]
+    with u:
+        assert moe_mod.moe_forward is not u.orig
+        for _ in range(2):                                 # warm-up, then "replay"
+            for L in layers:
+                moe_mod.moe_forward(None, ids, None, L, None, out=None)
+    assert moe_mod.moe_forward is u.orig                 # restored
+    assert len(seen) == 4 and len(u.tables) == 2
+    t0, t1 = seen[0][1], seen[1][1]
+    assert not np.array_equal(t0, t1)                     # one table per layer
+    np.testing.assert_array_equal(seen[2][1], t0)         # reused on the next call of the same layer
+    for t in (t0, t1):
+        assert t.shape == (8, 8) and t.dtype == np.int32
+        assert all(len(set(r)) == 8 for r in t.tolist())  # distinct experts per row, like top-8
+        assert t.min() >= 0 and t.max() < 384
+    # 8 rows x 8 distinct of 384: ~60 unique expected, far from the collapsed 8
+    assert np.unique(t0).size > 40
+
+
+def test_uniform_table_refused_during_capture(routing):
+    u, moe_mod, _ = routing
+    st, ids = fake.cp.cuda.Stream(), fake.cp.full((4, 8), 1, np.int32)
+    with u, st:
+        st.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="first needed during capture"):
+                moe_mod.moe_forward(None, ids, None, object(), None)
+        finally:
+            st.end_capture()
