@@ -175,40 +175,91 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Decode variant (T <= 16, issue #4): parallel over output rows, K split INSIDE the block.
-//  * a block = 16 weight rows (one m16 tile) x all of K x all tokens (NT <= 2 n8 tiles); grid = N / 16,
-//    so a 2112-row weight already gives one block per H200 SM and no inter-block split is needed;
-//  * each of the DEC_WARPS warps streams its own contiguous K-slice through its own cp.async ring
-//    (weights + token tile per stage), so the main loop synchronises with __syncwarp only;
+// Decode family (T <= 16, issue #4): parallel over output rows, K split inside the block and, optionally,
+// across the CS blocks of a thread-block cluster.
+//  * a block = RT m16 tiles of weight rows (16 RT output features) x its K range x all tokens (NT <= 2 n8
+//    tiles); its DEC_WARPS warps are RT row tiles x KS = DEC_WARPS / RT contiguous K slices (sizes differ
+//    by at most one 64-wide tile). RT > 1 serves short K (o_proj K = 1024: 2 tiles per warp at RT = 1, so
+//    the ring's fill and drain were most of a block's life) and fits a grid into one wave of resident
+//    blocks (dense down: 448 -> 224 blocks for 264 slots);
+//  * CS > 1 (RT = 1): the CS blocks of a cluster (grid.y) split K further, for weights with too few row
+//    tiles to fill the GPU (drafter qkv: 80 row tiles on 132 SMs; router 24). Their partial sums meet
+//    through distributed shared memory (no workspace, no counters, nothing to reset between graph replays)
+//    and every output is summed in cluster-rank order: deterministic, bit-identical run to run;
+//  * each warp streams its slice through its own cp.async ring (weights + token tile per stage), so the
+//    main loop synchronises with __syncwarp only;
 //  * the first STAGES-1 weight stages are issued before DDT_PDL_WAIT() (weights never depend on earlier
 //    kernels), one cp.async group each; the token tiles of those stages are then loaded with plain loads
 //    after the wait, so no weight group waits on a token group issued after it (run C's bubble);
-//  * at the end the warps' fp32 fragments meet in shared memory and are summed in warp order
-//    (deterministic), one output per thread: no workspace, no second launch.
-// Same argument list as gemm_bf16_kernel (ws and k_tiles_per_split unused), so both launch alike.
+//  * at the end the warps' fp32 fragments meet in shared memory (reusing the rings) and are summed in
+//    K-slice order, one output per thread: no second launch.
+// Same argument list as gemm_bf16_kernel (ws and the last int unused), so all launch alike.
 #define DEC_WARPS 8
 #define DEC_THREADS (DEC_WARPS * 32)
 
-template <int NT, int STAGES, bool OUT_F32>
-__global__ void __launch_bounds__(DEC_THREADS, 2)
-gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
-                        const bf16_bits* __restrict__ w, long long w_batch_stride,
-                        void* __restrict__ out, long long out_batch_stride, int out_row_stride,
-                        float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define DDT_HAS_CLUSTERS 1
+#endif
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+#ifdef DDT_HAS_CLUSTERS
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+// Every thread of every block of the cluster arrives; release/acquire make the shared-memory writes before
+// the barrier visible to the other blocks' loads after it.
+__device__ __forceinline__ void cluster_sync_all() {
+#ifdef DDT_HAS_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// Load a float from the same shared-memory offset in cluster block `rank` (distributed shared memory).
+__device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
+#ifdef DDT_HAS_CLUSTERS
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
+// The light ring (NT = 1, 3 stages, 72 KB) exists so 3 blocks fit an H200 SM: cap registers at 80 for it.
+template <int NT, int STAGES>
+struct DecOcc { static constexpr int value = (NT == 1 && STAGES == 3) ? 3 : 2; };
+
+template <int NT, int STAGES, bool OUT_F32, int RT, int CS>
+__device__ __forceinline__ void gemm_decode_body(
+        const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+        const bf16_bits* __restrict__ w, long long w_batch_stride,
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K) {
     constexpr int WST = 16 * 8;                 // uint4 per weight stage: 16 rows x 8 chunks of 16 B
     constexpr int XST = NT * 64;                // uint4 per token stage: NT*8 rows x 8 chunks
     constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
-    static_assert(DEC_WARPS * 16 * RS * 4 <= DEC_WARPS * STAGES * (WST + XST) * 16, "reduction fits the rings");
+    constexpr int KS = DEC_WARPS / RT;          // K slices per block
+    constexpr int OUTS = 16 * RT * NT * 8;      // outputs per block (incl. token padding)
+    static_assert(DEC_WARPS % RT == 0 && (CS == 1 || RT == 1), "RT divides the warps; clusters use RT = 1");
+    static_assert((DEC_WARPS * 16 * RS + (CS > 1 ? OUTS : 0)) * 4 <= DEC_WARPS * STAGES * (WST + XST) * 16,
+                  "reduction fits the rings");
     extern __shared__ uint4 smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rt = warp % RT, ks = warp / RT;
     uint4* w_s = smem + warp * STAGES * (WST + XST);    // this warp's ring: [STAGES][WST] then [STAGES][XST]
     uint4* x_s = w_s + STAGES * WST;
-    const int n0 = blockIdx.x * 16, b = blockIdx.z;
+    const int n0 = blockIdx.x * 16 * RT, b = blockIdx.z;
+    const int crank = CS > 1 ? (int)cluster_rank() : 0;
     const int k_tiles = K / GEMM_BK;
-    const int kt0 = warp * k_tiles / DEC_WARPS;         // balanced slices: sizes differ by at most one tile
-    const int nkt = (warp + 1) * k_tiles / DEC_WARPS - kt0;
+    const int kb0 = crank * k_tiles / CS, nb = (crank + 1) * k_tiles / CS - kb0;   // this block's K tiles
+    const int kt0 = kb0 + ks * nb / KS;                 // this warp's slice
+    const int nkt = kb0 + (ks + 1) * nb / KS - kt0;
     x += b * x_batch_stride;
-    w += b * w_batch_stride + (long long)n0 * K;        // N % 16 == 0 (wrapper): all 16 rows exist
+    w += b * w_batch_stride + (long long)(n0 + rt * 16) * K;   // N % (16 RT) == 0 (wrapper): rows exist
 
     auto load_w = [&](int slot, int kt) {
         uint4* d = w_s + slot * WST;
@@ -303,15 +354,65 @@ gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_strid
         for (int e = 0; e < 4; ++e)
             red[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * RS + j * 8 + 2 * (lane & 3) + (e & 1)] = acc[j][e];
     __syncthreads();
-    for (int i = tid; i < 16 * NT * 8; i += DEC_THREADS) {
-        const int r = i & 15, t = i >> 4;   // consecutive threads: consecutive output features
-        if (t < T) {
-            float s = 0.f;
+    // Output i of the block: feature row r = i % (16 RT) (consecutive threads -> consecutive features),
+    // token t = i / (16 RT). The block's sum over its K slices, in slice order.
+    auto block_sum = [&](int i) {
+        const int r = i % (16 * RT), t = i / (16 * RT);
+        const float* p = red + ((r >> 4) * 16 + (r & 15)) * RS + t;     // warp (ks = 0, rt = r / 16)
+        float s = 0.f;
 #pragma unroll
-            for (int q = 0; q < DEC_WARPS; ++q) s += red[(q * 16 + r) * RS + t];
+        for (int q = 0; q < KS; ++q) s += p[q * RT * 16 * RS];
+        return s;
+    };
+    auto store = [&](int i, float s) {
+        const int r = i % (16 * RT), t = i / (16 * RT);
+        if (t < T) {
             const long long o = b * out_batch_stride + (long long)t * out_row_stride + n0 + r;
             if (OUT_F32) ((float*)out)[o] = s;
             else ((bf16_bits*)out)[o] = f32_to_bf16(s);
         }
+    };
+    if (CS == 1) {
+        for (int i = tid; i < OUTS; i += DEC_THREADS)
+            if (i / (16 * RT) < T) store(i, block_sum(i));
+    } else {
+        float* part = red + DEC_WARPS * 16 * RS;        // [OUTS] this block's partial, read by the cluster
+        for (int i = tid; i < OUTS; i += DEC_THREADS) part[i] = block_sum(i);
+        cluster_sync_all();                 // every block's partial is written and visible cluster-wide
+        // Block `crank` finishes the outputs [crank, crank + 1) * OUTS / CS, summing ranks 0..CS-1 in order.
+        const int i0 = crank * OUTS / CS, i1 = (crank + 1) * OUTS / CS;
+        for (int i = i0 + tid; i < i1; i += DEC_THREADS) {
+            if (i / (16 * RT) >= T) continue;
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < CS; ++q) s += ld_cluster_f32(part + i, (uint32_t)q);
+            store(i, s);
+        }
+        cluster_sync_all();                 // no block leaves (freeing its shared memory) while read remotely
     }
 }
+
+// RT row tiles per block, no cluster.
+template <int NT, int STAGES, bool OUT_F32, int RT>
+__global__ void __launch_bounds__(DEC_THREADS, (DecOcc<NT, STAGES>::value))
+gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                        const bf16_bits* __restrict__ w, long long w_batch_stride,
+                        void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                        float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_decode_body<NT, STAGES, OUT_F32, RT, 1>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                                 out_batch_stride, out_row_stride, T, N, K);
+}
+
+#ifdef DDT_HAS_CLUSTERS
+// One m16 row tile per block, K split over a cluster of CS blocks along grid.y (compile-time cluster shape:
+// an ordinary launch, or the PDL one, needs no cluster attribute).
+template <int NT, int STAGES, bool OUT_F32, int CS>
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(DEC_THREADS, 2)
+gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                           const bf16_bits* __restrict__ w, long long w_batch_stride,
+                           void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                           float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_decode_body<NT, STAGES, OUT_F32, 1, CS>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                                 out_batch_stride, out_row_stride, T, N, K);
+}
+#endif

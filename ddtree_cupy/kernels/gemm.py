@@ -3,18 +3,20 @@
 Decode shapes: T = 1..160 tokens, K 64..7168, N 16..20480. The weight is streamed once; split-K spreads a
 narrow weight over every SM. Optional batch dimension (per-head products): x [B, T, K], w [B, N, K],
 out [B, T, N]; x and out may be strided views (inner dimension contiguous, 16-byte aligned rows).
-Two kernels serve a call, chosen by ``use_decode`` (a rule per T and shape, overridable with ``set_variant``):
+Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``set_variant``):
  * "splitk": ``gemm_bf16_kernel`` (64 weight rows per block, split-K across blocks, fp32 partials in a
    workspace summed by ``gemm_splitk_reduce``, a second launch); every T <= 160;
- * "decode": ``gemm_bf16_kernel_decode`` (T <= 16: 16 weight rows per block, K split across the block's
-   8 warps and reduced in shared memory: one launch, no workspace).
+ * "decode": ``gemm_bf16_kernel_decode`` / ``_decode_cl`` (T <= 16: 16 RT weight rows per block, K split
+   across the block's 8 warps and, for CS > 1, across a cluster of CS blocks, reduced in (distributed)
+   shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
+   forces one).
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -40,43 +42,99 @@ def _name(nt: int, out_f32: bool) -> str:
     return f"gemm_bf16_kernel<{nt}, {stages_for(nt)}, {'true' if out_f32 else 'false'}>"
 
 
-# Decode variant: 16 weight rows per block, DEC_WARPS warps each with its own ring of (16 + 8 NT) rows x BK.
+# Decode family (T <= 16): a block = RT m16 row tiles x its K range x all tokens (NT n8 tiles); the block's
+# DEC_WARPS warps are RT row tiles x (DEC_WARPS / RT) K slices, each with its own ring of (16 + 8 NT) rows
+# x BK per stage; CS > 1 splits K over a cluster of CS blocks (distributed shared memory reduction).
 DEC_ROWS, DEC_WARPS = 16, 8
 DEC_THREADS = 32 * DEC_WARPS
 DEC_MAX_T = 16
 DEC_NT = (1, 2)
 
 
+class DecodeConfig(NamedTuple):
+    nt: int        # n8 token tiles (T <= 8 nt)
+    stages: int    # ring depth per warp
+    rt: int        # m16 row tiles per block
+    cs: int        # blocks per cluster splitting K (1: no cluster)
+
+    def smem(self) -> int:
+        return DEC_WARPS * self.stages * (DEC_ROWS + 8 * self.nt) * BK * 2
+
+    def rows(self) -> int:
+        return DEC_ROWS * self.rt
+
+    def name(self, out_f32: bool) -> str:
+        f = "true" if out_f32 else "false"
+        if self.cs == 1:
+            return f"gemm_bf16_kernel_decode<{self.nt}, {self.stages}, {f}, {self.rt}>"
+        return f"gemm_bf16_kernel_decode_cl<{self.nt}, {self.stages}, {f}, {self.cs}>"
+
+
 def dec_stages(nt: int) -> int:
-    """Ring depth per warp: as many stages (<= 6) as fit the shared-memory budget (NT 1: 4, NT 2: 3)."""
+    """Full ring depth per warp: as many stages (<= 6) as fit the shared-memory budget (NT 1: 4, NT 2: 3)."""
     return min(6, SMEM_BUDGET // (DEC_WARPS * (DEC_ROWS + 8 * nt) * BK * 2))
 
 
 def dec_smem_bytes(nt: int) -> int:
-    return DEC_WARPS * dec_stages(nt) * (DEC_ROWS + 8 * nt) * BK * 2
+    return DecodeConfig(nt, dec_stages(nt), 1, 1).smem()
 
 
-def _dec_name(nt: int, out_f32: bool) -> str:
-    return f"gemm_bf16_kernel_decode<{nt}, {dec_stages(nt)}, {'true' if out_f32 else 'false'}>"
+# Every compiled decode config (the selection below picks only from these; the tests run each one).
+# The light ring (NT = 1, 3 stages, 72 KB) lets 3 blocks share an H200 SM (gate+up: 288 blocks, 396 slots).
+DEC_CONFIGS = tuple(DecodeConfig(nt, dec_stages(nt), rt, cs) for nt in DEC_NT
+                    for rt, cs in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4))) + (DecodeConfig(1, 3, 1, 1),)
+DEC_MIN_TILES_PER_WARP = 3     # fewer 64-wide k tiles per warp: the ring's fill/drain dominates
 
 
+def _dec_base(nt: int) -> DecodeConfig:
+    return DecodeConfig(nt, dec_stages(nt), 1, 1)
+
+
+def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+                  smem_per_sm: int = 228 * 1024) -> DecodeConfig:
+    """The decode config for a call (docs/KERNELS.md "Decode family"): among the configs whose grid fits one
+    wave of resident blocks (``smem_per_sm`` decides blocks per SM) with >= DEC_MIN_TILES_PER_WARP k tiles
+    per warp, the one with the most blocks (then deeper rings, fewer row tiles, smaller clusters). If that
+    has under half the blocks of the base config (RT = CS = 1) and the base fits one wave, the base; if
+    none qualifies, the one-wave config with the most k tiles per warp, else the base."""
+    nt = 1 if T <= 8 else 2
+    base = _dec_base(nt)
+    k_tiles = K // BK
+    ok, wave = [], []
+    for c in DEC_CONFIGS:
+        if c.nt != nt or N % c.rows():
+            continue
+        blocks = N // c.rows() * c.cs * batch
+        slots = sm_count * max(1, smem_per_sm // (c.smem() + 1024))
+        if blocks > slots:
+            continue
+        tpw = k_tiles / c.cs / (DEC_WARPS // c.rt)
+        wave.append((tpw, blocks, c))
+        if tpw >= DEC_MIN_TILES_PER_WARP:
+            ok.append(((blocks, c.stages, -c.rt, -c.cs), blocks, c))
+    base_blocks = N // DEC_ROWS * batch
+    base_fits = any(c == base for _, _, c in wave)
+    if ok:
+        _, blocks, best = max(ok, key=lambda e: e[0])
+        if 2 * blocks < base_blocks and base_fits:
+            return base
+        return best
+    if wave:
+        return max(wave, key=lambda e: (e[0], e[1]))[2]
+    return base
+
+
+_SPLITK_NAMES = tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
 SPEC = register(KernelSpec(
     src="gemm_bf16.cu",
-    names=tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
-    + tuple(_dec_name(nt, f) for f in (False, True) for nt in DEC_NT)
+    names=_SPLITK_NAMES + tuple(c.name(f) for f in (False, True) for c in DEC_CONFIGS)
     + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
     hot=True, pdl=True,      # every kernel waits (DDT_PDL_WAIT) before reading activations or writing
-    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K or in-block K split"))
+    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring, split-K or in-block/cluster K split"))
 
 VARIANTS = ("auto", "splitk", "decode")
 _VARIANT = ["auto"]
-# The rule (docs/KERNELS.md "Decode variant"), from the H200 run of this kernel (bench/results/
-# gemm_decode_h200.json, PDL on as the engine runs): the decode kernel won at every engine shape for T <= 8;
-# at T = 9..16 (two token tiles, 3-stage rings) it lost only where its grid is tiny (router: 24 blocks; the
-# 32-block shared gate+up still won) or just past one wave of resident blocks (gate+up: 288 blocks in 264).
-DECODE_BY_DEFAULT = True          # False: "auto" always picks split-K
-DECODE_MIN_BLOCKS_PER_SM = 0.2    # T > 8: fewer blocks than this x SMs -> split-K
-DECODE_TAIL_WAVES = (1.0, 1.25)   # T > 8: waves of resident blocks in (lo, hi] -> split-K
+_FORCED_DEC = [None]
 
 
 def set_variant(variant: str) -> str:
@@ -88,26 +146,25 @@ def set_variant(variant: str) -> str:
     return old
 
 
-def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132, slots_per_sm: int = 2) -> bool:
-    """The selection rule: the decode kernel for T <= 16 when forced; under "auto" (and DECODE_BY_DEFAULT)
-    for T <= 8 always, for T = 9..16 unless the grid of N / 16 x batch blocks is below
-    DECODE_MIN_BLOCKS_PER_SM x SMs or ends in a thin second wave (``slots_per_sm`` resident blocks per SM)."""
+def set_decode_config(cfg: Optional[DecodeConfig]) -> Optional[DecodeConfig]:
+    """Force one decode config (tests, bench) for every decode call, or None for ``choose_decode``; a
+    config that cannot serve a call (other NT, N not a multiple of its rows) raises ValueError there."""
+    if cfg is not None and cfg not in DEC_CONFIGS:
+        raise ValueError(f"cfg: not a compiled decode config: {cfg!r} (see DEC_CONFIGS)")
+    old, _FORCED_DEC[0] = _FORCED_DEC[0], cfg
+    return old
+
+
+def use_decode(T: int, N: int, K: int, batch: int = 1) -> bool:
+    """Which kernel family serves a call: the decode family for every T <= 16 (its configs cover the narrow
+    and short-K shapes that used to go to split-K), split-K above, or whatever ``set_variant`` forces."""
     if T > DEC_MAX_T or _VARIANT[0] == "splitk":
         return False
-    if _VARIANT[0] == "decode":
-        return True
-    if not DECODE_BY_DEFAULT:
-        return False
-    if T <= 8:
-        return True
-    blocks = (N // DEC_ROWS) * batch
-    waves = blocks / (slots_per_sm * sm_count)
-    lo, hi = DECODE_TAIL_WAVES
-    return blocks >= DECODE_MIN_BLOCKS_PER_SM * sm_count and not lo < waves <= hi
+    return True
 
 
 _SM_COUNT = {}
-_DEC_SLOTS = {}
+_SMEM_PER_SM = {}
 _WORKSPACE = {}
 
 
@@ -119,14 +176,13 @@ def _sm_count() -> int:
     return _SM_COUNT[dev]
 
 
-def _dec_slots_per_sm() -> int:
-    """Resident decode blocks per SM by shared memory (H200 228 KB: 2; sm_120 ~100 KB: 1); 2 if unknown."""
+def _smem_per_sm() -> int:
+    """Shared memory per SM (H200 228 KB: 2 full-ring decode blocks, 3 light ones; sm_120 ~100 KB: 1)."""
     import cupy
     dev = cupy.cuda.Device().id
-    if dev not in _DEC_SLOTS:
-        per_sm = cupy.cuda.Device().attributes.get("MaxSharedMemoryPerMultiprocessor", 0)
-        _DEC_SLOTS[dev] = max(1, per_sm // (dec_smem_bytes(2) + 1024)) if per_sm else 2
-    return _DEC_SLOTS[dev]
+    if dev not in _SMEM_PER_SM:
+        _SMEM_PER_SM[dev] = cupy.cuda.Device().attributes.get("MaxSharedMemoryPerMultiprocessor", 0) or 228 * 1024
+    return _SMEM_PER_SM[dev]
 
 
 def choose_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
@@ -192,11 +248,13 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         os_ = (0,) + os_
     out_f32 = out_dtype == np.float32
     w_bs = N * K if batched else 0
-    if split_k is None and use_decode(T, N, K, B, _sm_count(), _dec_slots_per_sm()):
-        nt = 1 if T <= 8 else 2
-        smem = dec_smem_bytes(nt)
-        kern = get_kernel(SPEC, _dec_name(nt, out_f32), max_dynamic_smem=smem)
-        kern((N // DEC_ROWS, 1, B), (DEC_THREADS,),
+    if split_k is None and use_decode(T, N, K, B):
+        cfg = _FORCED_DEC[0] or choose_decode(T, N, K, B, _sm_count(), _smem_per_sm())
+        if cfg.nt * 8 < T or N % cfg.rows():
+            raise ValueError(f"decode config {cfg} cannot serve T={T}, N={N} (forced by set_decode_config)")
+        smem = cfg.smem()
+        kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=smem)
+        kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,),
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
               out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=smem)
         return out
