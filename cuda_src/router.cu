@@ -5,74 +5,105 @@
 //   groups (ties: lower group), experts of other groups are out;
 //   ids = the k best choice values among the kept experts (ties: lower expert id), in descending order;
 //   weights = s[ids] / (sum s[ids] + 1e-20 when normalising) * routed_scaling_factor.
-// One warp per token, no block-wide barriers: each candidate is a unique 64-bit key
-// (order-preserving bits of choice << 32 | ~id) in the warp's shared-memory slice; k rounds of a warp
-// max-reduction pick the experts (the winner's key is zeroed). E <= ROUTER_MAX_E, n_group <= 32.
 //
-// The same launch optionally runs the shared expert's SwiGLU activation (act.cu's silu_mul arithmetic,
-// bit-identical): blocks >= route_blocks compute act[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]. The
-// router and the shared expert's gate_up GEMM both read the normed rows and are independent, so issuing
-// the router GEMM and the gate_up GEMM first lets one small launch finish both (one launch per MoE layer
-// fewer). Everything read here comes from earlier kernels except the bias: DDT_PDL_WAIT() comes first.
+// Selection (v2): one warp per token, every candidate in REGISTERS. Lane l owns experts l + 32 j
+// (j < ROUTER_PER_LANE, coalesced loads) and keeps its own best live candidate (ord key, id, s). One pick
+// is two warp reductions (__reduce_max_sync of the order-preserving 32-bit choice key, then
+// __reduce_min_sync of the ids holding that key: ties go to the lowest id exactly as the reference) and one
+// shuffle of the winner's s; only the owner lane retires the winner and rescans its 16 registers. v1 kept
+// the candidates in shared memory and rescanned all of them every round (12 shared loads + a 64-bit
+// shuffle butterfly of 10 shuffles per pick). The bias (a weight) is loaded before DDT_PDL_WAIT().
+// Group-limited routing (n_group > 1, rare: Kimi K2 has n_group 1) scores the groups through a per-warp
+// shared-memory copy of the choice values, one lane per group scanning its experts in id order.
+//
+// The same launch optionally runs the shared expert's SwiGLU: blocks >= route_blocks compute
+// act[t, i] = bf16(silu(g) * u) with g, u = bf16(gate_up[t, i]), bf16(gate_up[t, I + i]) from the FP32
+// columns of the fused router | shared gate_up GEMM (one GEMM reads the normed rows for both). Rounding
+// the fp32 accumulators to bf16 first reproduces the bf16-output GEMM + silu_mul chain bit for bit
+// (same f32_to_bf16, same silu_mul8 arithmetic as act.cu).
 #include "layer_math.cuh"
 
 #define ROUTER_WARPS 4
 #define ROUTER_MAX_E 512
+#define ROUTER_PER_LANE (ROUTER_MAX_E / 32)
 typedef unsigned long long u64;
 
 __device__ __forceinline__ uint32_t ord_key(float f) {
     const uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-__device__ __forceinline__ float ord_val(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
 __device__ __forceinline__ u64 warp_max(u64 m) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
     return m;
 }
+// 8 fp32 accumulators -> 8 bf16 values (16 bytes), the GEMM epilogue's rounding.
+__device__ __forceinline__ uint4 round8_bf16(const float4 a, const float4 b) {
+    uint4 o;
+    o.x = (uint32_t)f32_to_bf16(a.x) | ((uint32_t)f32_to_bf16(a.y) << 16);
+    o.y = (uint32_t)f32_to_bf16(a.z) | ((uint32_t)f32_to_bf16(a.w) << 16);
+    o.z = (uint32_t)f32_to_bf16(b.x) | ((uint32_t)f32_to_bf16(b.y) << 16);
+    o.w = (uint32_t)f32_to_bf16(b.z) | ((uint32_t)f32_to_bf16(b.w) << 16);
+    return o;
+}
 
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_topk(const float* __restrict__ logits, int T, int E, const float* __restrict__ bias, int n_group,
-            int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids, float* __restrict__ out_w,
-            int route_blocks, const bf16_bits* __restrict__ gate_up, long long gu_stride,
+router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
+            int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
+            float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
             bf16_bits* __restrict__ act, long long act_stride, int I) {
-    DDT_PDL_WAIT();
-    if ((int)blockIdx.x >= route_blocks) {      // shared expert SwiGLU, 8 values (16 bytes) per step
+    // PDL: the next kernel (the shared down GEMM / the MoE) may start its weight prefetch now; its own
+    // DDT_PDL_WAIT() still waits for this whole grid.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    if ((int)blockIdx.x >= route_blocks) {      // shared expert SwiGLU, 8 values per step
+        DDT_PDL_WAIT();
         const int nv = I / 8;
         const long long total = (long long)T * nv;
         for (long long gi = (long long)(blockIdx.x - route_blocks) * blockDim.x + threadIdx.x; gi < total;
              gi += (long long)(gridDim.x - route_blocks) * blockDim.x) {
             const int t = (int)(gi / nv), v = (int)(gi % nv);
-            const uint4 gv = ((const uint4*)(gate_up + t * gu_stride))[v];
-            const uint4 uv = ((const uint4*)(gate_up + t * gu_stride + I))[v];
-            ((uint4*)(act + t * act_stride))[v] = silu_mul8(gv, uv);
+            const float4* g = (const float4*)(gate_up + t * gu_stride) + 2 * v;
+            const float4* u = (const float4*)(gate_up + t * gu_stride + I) + 2 * v;
+            ((uint4*)(act + t * act_stride))[v] = silu_mul8(round8_bf16(g[0], g[1]), round8_bf16(u[0], u[1]));
         }
         return;
     }
-    __shared__ u64 keys_s[ROUTER_WARPS][ROUTER_MAX_E];
-    __shared__ float s_s[ROUTER_WARPS][ROUTER_MAX_E];
-    __shared__ int pick_s[ROUTER_WARPS][32];
+    __shared__ float c_s[ROUTER_WARPS][ROUTER_MAX_E];      // choice values, group-limited path only
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * ROUTER_WARPS + warp;
-    if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
-    u64* keys = keys_s[warp];
-    float* s = s_s[warp];
-    for (int e = lane; e < E; e += 32) {
-        const float sg = 1.f / (1.f + expf(-logits[(long long)t * E + e]));
-        s[e] = sg;
-        keys[e] = ((u64)ord_key(sg + bias[e]) << 32) | (u64)(~(uint32_t)e);
+    float b_r[ROUTER_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        b_r[j] = e < E ? bias[e] : 0.f;
     }
-    __syncwarp();
+    DDT_PDL_WAIT();
+    if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
+    uint32_t key[ROUTER_PER_LANE];
+    float s_r[ROUTER_PER_LANE];
+    uint32_t live = 0;              // bit j: expert lane + 32 j is still a candidate
+    const float* lg = logits + (long long)t * lg_stride;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        const float x = e < E ? lg[e] : 0.f;
+        s_r[j] = 1.f / (1.f + expf(-x));
+        key[j] = ord_key(s_r[j] + b_r[j]);
+        if (e < E) live |= 1u << j;
+    }
     if (topk_group < n_group) {
+        float* c = c_s[warp];
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; ++j)
+            if (lane + 32 * j < E) c[lane + 32 * j] = s_r[j] + b_r[j];
+        __syncwarp();
         const int gsize = E / n_group;
         u64 gkey = 0;
         if (lane < n_group) {       // lane g scores group g: the sum of its two best choice values
             float a = -__int_as_float(0x7f800000), b = a;
             for (int e = lane * gsize; e < (lane + 1) * gsize; ++e) {
-                const float c = ord_val((uint32_t)(keys[e] >> 32));
-                if (c > a) { b = a; a = c; } else if (c > b) { b = c; }
+                const float v = c[e];
+                if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
             }
             gkey = ((u64)ord_key(gsize >= 2 ? a + b : a) << 32) | (u64)(~(uint32_t)lane);
         }
@@ -82,25 +113,44 @@ router_topk(const float* __restrict__ logits, int T, int E, const float* __restr
             if (lane == (int)(~(uint32_t)m)) { kept = true; gkey = 0; }
         }
         const unsigned int kept_mask = __ballot_sync(0xffffffffu, kept);
-        for (int e = lane; e < E; e += 32)
-            if (!((kept_mask >> (e / gsize)) & 1u)) keys[e] = 0;
-        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E && !((kept_mask >> (e / gsize)) & 1u)) live &= ~(1u << j);
+        }
     }
-    float sum = 0.f;
+    // the lane's best live candidate: highest key, ties to the lower j (= lower expert id)
+    uint32_t best_key = 0;
+    int best_j = -1;
+    float best_s = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; ++j)
+        if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) { best_key = key[j]; best_j = j; best_s = s_r[j]; }
+    float sum = 0.f, my_s = 0.f;
+    int my_id = 0;
     for (int r = 0; r < k; ++r) {
-        u64 m = 0;
-        for (int e = lane; e < E; e += 32) m = max(m, keys[e]);
-        m = warp_max(m);
-        const int id = (int)(~(uint32_t)m);
-        if (lane == (id & 31)) keys[id] = 0;     // the owner lane retires the winner
-        if (lane == 0) pick_s[warp][r] = id;
-        sum += s[id];
-        __syncwarp();
+        const bool has = best_j >= 0;
+        const uint32_t m = __reduce_max_sync(0xffffffffu, has ? best_key : 0u);
+        const uint32_t cand = (has && best_key == m) ? (uint32_t)(lane + 32 * best_j) : 0xffffffffu;
+        const int id = (int)__reduce_min_sync(0xffffffffu, cand);
+        const int owner = id & 31;
+        const float sw = __shfl_sync(0xffffffffu, best_s, owner);
+        sum += sw;
+        if (lane == r) { my_id = id; my_s = sw; }
+        if (lane == owner) {        // retire the winner, rescan the lane's registers
+            live &= ~(1u << best_j);
+            best_j = -1;
+            best_key = 0;
+#pragma unroll
+            for (int j = 0; j < ROUTER_PER_LANE; ++j)
+                if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) {
+                    best_key = key[j]; best_j = j; best_s = s_r[j];
+                }
+        }
     }
     const float f = normalize ? scale / (sum + 1e-20f) : scale;
     if (lane < k) {
-        const int id = pick_s[warp][lane];
-        out_ids[(long long)t * k + lane] = id;
-        out_w[(long long)t * k + lane] = s[id] * f;
+        out_ids[(long long)t * k + lane] = my_id;
+        out_w[(long long)t * k + lane] = my_s * f;
     }
 }

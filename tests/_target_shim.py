@@ -102,11 +102,15 @@ def _embed(name, grid, args):
 
 
 def _router(name, grid, args):
-    logits, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, act, as0, I = args
-    if int(I):        # the shared expert's SwiGLU in the extra blocks
-        _silu(name, grid, (gu, gs0, act, as0, T, I))
+    logits, ls0, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, act, as0, I = args
+    T, E, I = int(T), int(E), int(I)
+    if I:             # the shared expert's SwiGLU in the extra blocks, from the fp32 gate|up rounded to bf16
+        G = _f(_bits(_view(gu, (T, 2 * I), (gs0, 1))))
+        g, u = G[:, :I], G[:, I:]
+        _view(act, (T, I), (as0, 1))[...] = _bits(g / (1 + np.exp(-g)) * u)
+    logits = _view(logits, (T, E), (ls0, 1))
     assert int(n_group) == 1, "group-limited routing is not emulated"
-    s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)[:int(T)]))
+    s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
     choice = s + np.asarray(bias, np.float64)[None]
     for t in range(int(T)):
         ids = np.lexsort((np.arange(int(E)), -choice[t]))[:int(k)]     # descending, ties to the lower id

@@ -7,7 +7,10 @@ ids int32 [T, k] in descending choice order (ties: lower expert id), weights flo
 UNBIASED sigmoid scores.
 
 ``route_logits(..., gate_up=, act_out=)`` also computes the shared expert's activation
-act_out [T, I] = silu(gate) * up of gate_up [T, 2I] in the same launch (extra blocks; act.cu's arithmetic).
+act_out [T, I] = bf16(silu(g) * u) with g, u = bf16(gate_up[:, :I]), bf16(gate_up[:, I:]) from the FP32
+gate_up [T, 2I] in the same launch (extra blocks): the target issues ONE fp32-output GEMM for the router
+and the shared expert's gate+up (weight [E + 2I, H]) and passes its column slices as ``logits`` and
+``gate_up``; rounding to bf16 first gives exactly what a bf16-output GEMM + ``silu_mul`` would.
 """
 from __future__ import annotations
 
@@ -30,11 +33,12 @@ def _ptr(a):
 
 def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  normalize: bool = True, out_ids=None, out_weights=None, *, gate_up=None, act_out=None):
-    """Selection from precomputed fp32 logits [T, E]; with ``gate_up`` [T, 2I] bf16 (row-strided view
-    allowed) also ``act_out`` [T, I] = silu(gate) * up in the same launch."""
+    """Selection from precomputed fp32 logits [T, E] (row-strided view allowed); with ``gate_up`` [T, 2I]
+    float32 (row-strided view, 16-byte aligned) also ``act_out`` [T, I] bf16 = silu(gate) * up in the same
+    launch."""
     import cupy
     dims = {}
-    check_array("logits", logits, np.float32, ("T", "E"), dims)
+    ls = check_rows("logits", logits, np.float32, ("T", "E"), dims, align=4)
     check_array("bias", bias, np.float32, ("E",), dims)
     T, E = dims["T"], dims["E"]
     check_range("E (logits.shape[1])", E, 1, MAX_E)
@@ -54,12 +58,13 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
     if gate_up is not None:
         if act_out is None:
             raise ValueError("act_out: required with gate_up")
-        gs = check_rows("gate_up", gate_up, np.uint16, ("T", None), dims)
+        gs = check_rows("gate_up", gate_up, np.float32, ("T", None), dims)
         if gate_up.shape[1] % 16:
             raise ValueError(f"gate_up: width must be 2I with I a multiple of 8, got {gate_up.shape[1]}")
         I = gate_up.shape[1] // 2
         os_ = check_rows("act_out", act_out, np.uint16, ("T", I), dims)
-        # one 16-byte vector per thread; the SwiGLU blocks loop grid-stride, so the cap only bounds the grid
+        # 8 values per thread step (2 x 32 B of fp32 in, 16 B out); the SwiGLU blocks loop grid-stride, so
+        # the cap only bounds the grid
         act_blocks = max(1, min(512, -(-T * I // 8 // (32 * WARPS))))
     elif act_out is not None:
         raise ValueError("act_out: given without gate_up")
@@ -67,7 +72,7 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
         route_blocks = (T + WARPS - 1) // WARPS
         kern = get_kernel(SPEC, "router_topk")
         kern((route_blocks + act_blocks,), (32 * WARPS,),
-             (logits, np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
+             (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
               np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights,
               np.int32(route_blocks), _ptr(gate_up), np.int64(gs[0]), _ptr(act_out), np.int64(os_[0]),
               np.int32(I)))

@@ -14,7 +14,8 @@ Per layer (shapes for T rows, this rank's nh heads; docs/MODELS.md has the full 
     attn   = all_reduce(o @ w_o^T)                    [T, H]
     normed = rms_norm(attn + h)                       fused: h += attn
     mlp    = all_reduce(dense SwiGLU | MoE(routed) + shared expert)   [T, H]
-             (MoE: router GEMM, shared gate_up GEMM, then router top-k + shared SwiGLU in one launch)
+             (MoE: ONE fp32 GEMM for the router logits and the shared expert's gate|up, then the router
+             top-k + the shared SwiGLU in one launch)
     (feature layers: h after the next fused add is copied into batch.features)
     final: normed = rms_norm(mlp + h); logits = normed @ lm_head^T (fp32) into batch.logits [T, V / tp]
 
@@ -94,13 +95,17 @@ class GpuTarget:
         self.mlp_out = z(Tm, H)
         ffn = max(d["F"] if any(not L.is_moe for L in weights.layers) else 0,
                   d["Is"] if any(L.is_moe and L.w_shared_gate_up is not None for L in weights.layers) else 0, 8)
-        self.gate_up = z(Tm, 2 * ffn)
+        self.gate_up = z(Tm, 2 * max(d["F"] if any(not L.is_moe for L in weights.layers) else 0, 8))  # dense
         self.act = z(Tm, ffn)
         self.shared_out = z(Tm, H)
         moe_layers = [L for L in weights.layers if L.is_moe]
+        for L in moe_layers:            # router | shared gate_up as one weight (no-op for the loaders' weights)
+            L.fuse_router_shared()
         if moe_layers:
             k = cfg.num_experts_per_tok
-            self.router_logits = cupy.zeros((Tm, d["E"]), np.float32)
+            # fp32 [router logits E | shared gate Is | shared up Is]: the fused GEMM's output
+            self.router_logits = cupy.zeros((Tm, max(L.w_router.shape[0] + (0 if L.w_shared_gate_up is None else
+                                                     L.w_shared_gate_up.shape[0]) for L in moe_layers)), np.float32)
             self.topk_ids = cupy.zeros((Tm, k), np.int32)
             self.topk_w = cupy.zeros((Tm, k), np.float32)
             self.moe_ws = MoEWorkspace(Tm, k, moe_layers[0].experts)   # same (E, H, I) in every MoE layer
@@ -125,9 +130,10 @@ class GpuTarget:
         s = [(1, ql + ROW, H), (1, nh * (d["dn"] + ROPE), ql), (1, H, nh * d["dv"]), (1, d["V"], H)]
         for L in self.w.layers:
             if L.is_moe:
-                s.append((1, d["E"], H))
                 if L.w_shared_gate_up is not None:
-                    s += [(1, 2 * d["Is"], H), (1, H, d["Is"])]
+                    s += [(1, d["E"] + 2 * d["Is"], H), (1, H, d["Is"])]
+                else:
+                    s.append((1, d["E"], H))
             else:
                 s += [(1, 2 * d["F"], H), (1, H, d["F"])]
         return sorted(set(s))
@@ -268,23 +274,25 @@ class GpuTarget:
                 reduce_out()
             return [("gate_up_gemm", lambda: self._gemm(x, L.w_gate_up, gu)), ("silu", lambda: silu_mul(gu, out=act)),
                     ("down_gemm", down)]
-        logits, ids, wts = self.router_logits[:T], self.topk_ids[:T], self.topk_w[:T]
+        ids, wts = self.topk_ids[:T], self.topk_w[:T]
         shared = L.w_shared_gate_up is not None
-        Is = L.w_shared_down.shape[1] if shared else 0
-        gu, act = self.gate_up[:T, :2 * Is], self.act[:T, :Is]
+        E, Is = L.w_router.shape[0], (L.w_shared_down.shape[1] if shared else 0)
+        fused = self.router_logits[:T, :E + 2 * Is]         # fp32 [logits | shared gate | shared up]
+        act = self.act[:T, :Is]
 
         def moe():
             moe_forward(x, ids, wts, L.experts, self.moe_ws, out=out, residual=self.shared_out[:T] if shared else None)
             reduce_out()
-        # the shared expert's SwiGLU shares the router top-k's launch (router.route_logits), so both GEMMs
-        # reading x come first; route_logits is looked up at call time (bench/step.py records its outputs)
-        st = [("router_gemm", lambda: self._gemm(x, L.w_router, logits, out_dtype=np.float32))]
-        if shared:
-            st.append(("shared_gate_up_gemm", lambda: self._gemm(x, L.w_shared_gate_up, gu)))
+        # ONE GEMM reads x for the router and the shared expert's gate|up (w_router_gate_up, fp32 out); the
+        # route launch also does the shared SwiGLU from the fp32 gate|up columns (rounded to bf16 first, so
+        # the same numbers as a bf16 GEMM + silu_mul). route_logits is looked up at call time (bench/step.py
+        # records its outputs).
+        st = [("router_gate_up_gemm" if shared else "router_gemm", lambda: self._gemm(
+            x, L.w_router_gate_up if shared else L.w_router, fused, out_dtype=np.float32))]
         st.append(("route" + ("_silu" if shared else ""), lambda: router_mod.route_logits(
-            logits, L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
-            cfg.norm_topk_prob, out_ids=ids, out_weights=wts, gate_up=gu if shared else None,
-            act_out=act if shared else None)))
+            fused[:, :E], L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+            cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=ids, out_weights=wts,
+            gate_up=fused[:, E:] if shared else None, act_out=act if shared else None)))
         if shared:
             st.append(("shared_down_gemm", lambda: self._gemm(act, L.w_shared_down, self.shared_out[:T])))
         return st + [("moe", moe)]

@@ -10,7 +10,10 @@ Preparation (once, at load):
   * dense MLP:   ``w_gate_up`` [2F, H] (gate rows then up rows, what silu_mul reads), ``w_down`` [H, F]
   * MoE layer:   ``w_router`` [E, H] bf16 + ``router_bias`` [E] fp32 (replicated), the routed experts
                  repacked by ``kernels.moe.pack_moe_weights`` (``MoEWeights``), the shared expert as
-                 ``w_shared_gate_up`` [2 Is, H] / ``w_shared_down`` [H, Is]
+                 ``w_shared_gate_up`` [2 Is, H] / ``w_shared_down`` [H, Is]. With a shared expert,
+                 ``w_router`` and ``w_shared_gate_up`` are row views of ONE buffer ``w_router_gate_up``
+                 [E + 2 Is, H] (router rows, shared gate rows, shared up rows): the target reads the normed
+                 rows once for both in one fp32-output GEMM. The plan lists the two views (no extra bytes).
   * norms [H] / [q_lora] / [512]; ``embed`` and ``lm_head`` vocabulary slices [V / tp, H].
 bf16 values are uint16 bit patterns. F, Is and the experts' I are this rank's widths (split by tp).
 
@@ -134,13 +137,40 @@ class GpuLayerWeights:
     experts: object = None            # kernels.moe.MoEWeights
     w_shared_gate_up: object = None
     w_shared_down: object = None
+    # [E + 2 Is, H]: w_router and w_shared_gate_up are views of its rows (not in the plan: the views are)
+    w_router_gate_up: object = None
 
     @property
     def is_moe(self) -> bool:
         return self.experts is not None
 
+    def router_shared_fused(self) -> bool:
+        """True when w_router and w_shared_gate_up are the two row blocks of w_router_gate_up."""
+        f, r, s = self.w_router_gate_up, self.w_router, self.w_shared_gate_up
+        if f is None or r is None or s is None:
+            return False
+        E, H = r.shape
+        return (tuple(f.shape) == (E + s.shape[0], H) and r.data.ptr == f.data.ptr
+                and s.data.ptr == f.data.ptr + E * H * f.itemsize and r.flags.c_contiguous and s.flags.c_contiguous)
+
+    def fuse_router_shared(self) -> None:
+        """Make w_router / w_shared_gate_up views of one [E + 2 Is, H] buffer (a no-op when they already are
+        or there is no shared expert). Copies both into a new buffer and drops the old arrays, so the extra
+        device memory is one router + shared gate_up for the moment of the copy."""
+        import cupy
+        if self.w_shared_gate_up is None or self.router_shared_fused():
+            return
+        E = self.w_router.shape[0]
+        self.set_router_shared(cupy.concatenate([self.w_router, self.w_shared_gate_up]), E)
+
+    def set_router_shared(self, fused, E: int) -> None:
+        """Install ``fused`` [E + 2 Is, H] (router rows first) as w_router_gate_up and its two row views."""
+        self.w_router_gate_up = fused
+        self.w_router, self.w_shared_gate_up = fused[:E], fused[E:]
+
     def arrays(self) -> Dict[str, object]:
-        out = {k: v for k, v in self.__dict__.items() if k != "experts" and v is not None}
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("experts", "w_router_gate_up") and v is not None}
         if self.experts is not None:
             for k in ("w13", "s13", "w2", "s2"):
                 out["experts." + k] = getattr(self.experts, k)
@@ -218,7 +248,13 @@ class GpuTargetWeights:
                 del kvb
                 m = p + "mlp."
                 if cfg.is_moe_layer(i):
-                    L.w_router = dev(get(m + "gate.weight"))
+                    if cfg.n_shared_experts:      # router | shared gate | shared up: one buffer, one upload
+                        s = m + "shared_experts."
+                        L.set_router_shared(dev(np.concatenate([get(m + "gate.weight"), get(s + "gate_proj.weight"),
+                                                                get(s + "up_proj.weight")])), d["E"])
+                        L.w_shared_down = dev(get(s + "down_proj.weight"))
+                    else:
+                        L.w_router = dev(get(m + "gate.weight"))
                     L.router_bias = dev(ck.get_shard(m + "gate.e_score_correction_bias", tp_rank, tp_size,
                                                      dtype="F32"))
                     stacks = []
@@ -228,11 +264,6 @@ class GpuTargetWeights:
                         del packed, scale
                     L.experts = pack_moe_weights(*stacks)
                     del stacks
-                    if cfg.n_shared_experts:
-                        s = m + "shared_experts."
-                        L.w_shared_gate_up = dev(np.concatenate([get(s + "gate_proj.weight"),
-                                                                 get(s + "up_proj.weight")]))
-                        L.w_shared_down = dev(get(s + "down_proj.weight"))
                 else:
                     L.w_gate_up = dev(np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
                     L.w_down = dev(get(m + "down_proj.weight"))
@@ -268,16 +299,17 @@ class GpuTargetWeights:
                                 w_uv=_rand_bf16(rs, (nh, dv, LATENT), LATENT ** -0.5), w_o=lin(H, nh * dv))
             if cfg.is_moe_layer(i):
                 E, I = d["E"], d["I"]
-                L.w_router = lin(E, H)
+                if cfg.n_shared_experts:      # router | shared gate | shared up (same N(0, 1/H) draws)
+                    L.set_router_shared(lin(E + 2 * d["Is"], H), E)
+                    L.w_shared_down = lin(H, d["Is"])
+                else:
+                    L.w_router = lin(E, H)
                 L.router_bias = (rs.standard_normal(E, dtype=np.float32) * np.float32(0.05)).astype(np.float32)
                 gp, gs = _rand_int4(rs, (E, I, H))
                 up, us = _rand_int4(rs, (E, I, H))
                 dp, ds = _rand_int4(rs, (E, H, I))
                 L.experts = pack_moe_weights(gp, gs, up, us, dp, ds)
                 del gp, gs, up, us, dp, ds
-                if cfg.n_shared_experts:
-                    L.w_shared_gate_up = lin(2 * d["Is"], H)
-                    L.w_shared_down = lin(H, d["Is"])
             else:
                 L.w_gate_up = lin(2 * d["F"], H)
                 L.w_down = lin(H, d["F"])

@@ -163,31 +163,261 @@ def test_head_gemm_argument_errors():
         mla_head_gemm(x, w, out, positions=cp.zeros(4, np.int32))
 
 
-# ------------------------------------------------------------------------------- router + shared SwiGLU
-@pytest.mark.parametrize("T,I", [(1, 256), (19, 256), (160, 2048)])
-def test_router_with_shared_silu(T, I):
-    """route_logits(..., gate_up=, act_out=): the same ids / weights as the router alone (bitwise), and the
-    shared expert's activation equal to silu_mul's (bitwise) and to the float64 SwiGLU."""
+# ------------------------------------------------------------------------ router | shared gate_up + SwiGLU
+def _route_ref(logits, bias, k, n_group, topk_group, scale=2.827, normalize=True):
+    """reference.route on given logits: x = logits (float64), gate = identity, so x @ gate^T = logits."""
+    from types import SimpleNamespace
+    from ddtree_cupy.reference import route
+    T, E = logits.shape
+    cfg = SimpleNamespace(n_routed_experts=E, num_experts_per_tok=k, hidden_size=E, n_group=n_group,
+                          topk_group=topk_group, norm_topk_prob=normalize, routed_scaling_factor=scale)
+    return route(np.asarray(logits, np.float64), np.eye(E), np.asarray(bias, np.float64), cfg)
+
+
+@pytest.mark.parametrize("T,I,n_group,topk_group", [(1, 256, 1, 1), (8, 256, 1, 1), (19, 256, 8, 4),
+                                                    (37, 128, 1, 1), (160, 2048, 8, 4)])
+def test_router_shared_gate_up_fused(T, I, n_group, topk_group):
+    """The target's MoE head: ONE fp32 GEMM x @ [router | shared gate | shared up]^T, then route_logits on
+    its column slices with the shared SwiGLU in the same launch. ids exactly the float64 reference's,
+    weights within 1e-5; the activation equal bit for bit to silu_mul of the fp32 gate|up rounded to bf16
+    on the host, within bf16 of the float64 SwiGLU, and (T <= 8, where both GEMM widths run the decode
+    kernel, whose per-output sum does not depend on N) equal to the old chain: bf16 shared gate_up GEMM +
+    silu_mul."""
     import cupy as cp
+    from ddtree_cupy.bf16 import to_bf16_bits
+    from ddtree_cupy.kernels.gemm import gemm_bf16
     from ddtree_cupy.kernels.layers import silu_mul
     from ddtree_cupy.kernels.router import route_logits
-    rng = np.random.default_rng(300 + T)
-    E, k = 384, 8
-    logits = cp.asarray(rng.standard_normal((T, E)).astype(np.float32))
-    bias = cp.asarray((rng.standard_normal(E) * 0.05).astype(np.float32))
-    gub, gu = rand_bf16(rng, (T, 2 * I + 16), 2.0)
-    gu_d = cp.asarray(gub)[:, 8:8 + 2 * I]                 # a row-strided view, as the target's buffer
-    gu = gu[:, 8:8 + 2 * I]
+    rng = np.random.default_rng(300 + T + I)
+    E, k, H = 384, 8, 1024
+    xb, x = rand_bf16(rng, (T, H))
+    rb, r = rand_bf16(rng, (E, H), 0.1)           # router logits O(3): a spread of sigmoid scores
+    gb, g = rand_bf16(rng, (2 * I, H), H ** -0.5 * 2)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    w = cp.asarray(np.concatenate([rb, gb]))
+    fused = poisoned(cp, (T, E + 2 * I), np.float32)
+    gemm_bf16(cp.asarray(xb), w, fused, out_dtype=np.float32)
     ids, wts = poisoned(cp, (T, k), np.int32), poisoned(cp, (T, k), np.float32)
-    act = poisoned(cp, (T, I + 8))[:, :I]
-    route_logits(logits, bias, k, 8, 4, 2.827, True, ids, wts, gate_up=gu_d, act_out=act)
+    act = poisoned(cp, (T, I + 8))[:, :I]             # a row-strided output, its tail must stay poisoned
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids, wts,
+                 gate_up=fused[:, E:], act_out=act)
+    fh = fused.get()
+    ids_ref, w_ref = _route_ref(fh[:, :E], bias, k, n_group, topk_group)
+    assert np.array_equal(ids.get(), ids_ref.astype(np.int32))
+    assert rel_err(wts.get(), w_ref) < 1e-5
     ids2, wts2 = poisoned(cp, (T, k), np.int32), poisoned(cp, (T, k), np.float32)
-    route_logits(logits, bias, k, 8, 4, 2.827, True, ids2, wts2)
-    assert np.array_equal(ids.get(), ids2.get())
-    assert np.array_equal(wts.get(), wts2.get())
-    g, u = gu[:, :I], gu[:, I:]
-    ref = g / (1 + np.exp(-g)) * u
-    assert rel_err(f64(act), ref) < BF16_TOL
-    assert np.array_equal(act.get(), silu_mul(gu_d).get())
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids2, wts2)
+    assert np.array_equal(ids.get(), ids2.get()) and np.array_equal(wts.get(), wts2.get())
+    gu_bits = to_bf16_bits(fh[:, E:])
+    assert np.array_equal(act.get(), silu_mul(cp.asarray(gu_bits)).get())
+    assert np.all(act.base.get()[:, I:] == POISON_BF16)
+    gl, ul = x @ g[:I].T, x @ g[I:].T
+    assert rel_err(f64(act), gl / (1 + np.exp(-gl)) * ul) < BF16_TOL
+    assert rel_err(fh[:, :E], x @ r.T) < 1e-5
+    if T <= 8:
+        old = gemm_bf16(cp.asarray(xb), cp.asarray(gb))
+        assert np.array_equal(act.get(), silu_mul(old).get())
+
+
+def test_router_shared_args():
+    import cupy as cp
+    from ddtree_cupy.kernels.router import route_logits
+    lg = cp.zeros((4, 384 + 512), np.float32)
+    bias = cp.zeros(384, np.float32)
+    act = cp.zeros((4, 256), np.uint16)
     with pytest.raises(ValueError, match="act_out"):
-        route_logits(logits, bias, k, 8, 4, 2.827, True, ids, wts, gate_up=gu_d)
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:])
+    with pytest.raises(ValueError, match="gate_up"):
+        route_logits(lg[:, :384], bias, 8, gate_up=cp.zeros((4, 512), np.uint16), act_out=act)   # bf16: old API
+    lg2 = cp.zeros((4, 384 + 512 + 2), np.float32)
+    with pytest.raises(ValueError, match="gate_up: base address"):
+        route_logits(lg2[:, :384], bias, 8, gate_up=lg2[:, 386:898], act_out=act)            # not 16-B aligned
+    with pytest.raises(ValueError, match="act_out"):
+        route_logits(lg[:, :384], bias, 8, act_out=act)
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(384, 8, 1, 1), (384, 8, 8, 4), (72, 6, 3, 2),
+                                                     (512, 32, 16, 3), (48, 8, 1, 1), (256, 8, 8, 1)])
+def test_router_selection_exact_ties_and_groups(E, k, n_group, topk_group):
+    """Register top-k selection vs the float64 reference with CONSTRUCTED ties: equal choice values at the
+    k-th / (k+1)-th place on the same lane (ids 32 apart) and on different lanes (the lower id must win),
+    a row of all-equal logits, whole groups that tie on their top-2 score (the lower group must win), and
+    E that is not a multiple of 32 (lanes with fewer candidates). Outputs poisoned."""
+    import cupy as cp
+    from ddtree_cupy.kernels.router import route_logits
+    rng = np.random.default_rng(E * 7 + k + n_group)
+    T = 13
+    lg = rng.standard_normal((T, E)).astype(np.float32)
+    bias = np.zeros(E, np.float32)
+    bias[rng.choice(E, E // 4, replace=False)] = 0.01 * rng.standard_normal(E // 4)
+    gs = E // n_group
+    # row 0: 2k experts share the top value (bias 0 on them): the k lowest ids must be taken, in id order
+    tied = np.sort(rng.choice(E, 2 * k, replace=False))
+    bias[tied] = 0.0
+    lg[0, tied] = 4.0
+    # row 1: all logits equal (choice = s + bias, the bias alone orders them, then ids)
+    lg[1] = 0.5
+    # row 2: ties on one lane (ids e, e + 32, e + 64) and across lanes at the top
+    for e in (5, 37, 69, 4, 6):
+        if e < E:
+            bias[e] = 0.0
+            lg[2, e] = 5.0
+    # rows 3..: with groups, copy group 0's values into another group (a group-score tie)
+    if n_group > 1:
+        for t in range(3, T):
+            a, b = rng.choice(n_group, 2, replace=False)
+            lg[t, b * gs:(b + 1) * gs] = lg[t, a * gs:(a + 1) * gs] + 3.0
+            lg[t, a * gs:(a + 1) * gs] += 3.0
+            bias[a * gs:(a + 1) * gs] = 0.0
+            bias[b * gs:(b + 1) * gs] = 0.0
+    ids, wts = poisoned(cp, (T, k), np.int32), poisoned(cp, (T, k), np.float32)
+    route_logits(cp.asarray(lg), cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids, wts)
+    ids_ref, w_ref = _route_ref(lg, bias, k, n_group, topk_group)
+    got = ids.get()
+    for t in range(T):
+        assert np.array_equal(got[t], ids_ref[t].astype(np.int32)), (t, got[t], ids_ref[t])
+    assert rel_err(wts.get(), w_ref) < 1e-5
+    assert np.array_equal(got[0], tied[:k].astype(np.int32)) or n_group > 1
+    # unnormalised weights are the plain sigmoid scores times the scale
+    route_logits(cp.asarray(lg), cp.asarray(bias), k, n_group, topk_group, 1.5, False, ids, wts)
+    ids_ref, w_ref = _route_ref(lg, bias, k, n_group, topk_group, 1.5, False)
+    assert np.array_equal(ids.get(), ids_ref.astype(np.int32))
+    assert rel_err(wts.get(), w_ref) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------- benchmark
+def bench(old_src=None, out_json=None, layers=8, reps=20):
+    """The MoE layer's head at Kimi TP = 8 rank shapes, as CUDA graphs with PDL (as the engine captures):
+    ``layers`` copies of [rms_norm -> router | shared gate_up -> route + SwiGLU -> shared down GEMM] with
+    distinct weights (~100 MB: beyond the H200's L2, as consecutive layers are), per layer; and the
+    selection launch alone. ``old_src``: the previous router.cu (bf16 gate_up, no logits stride) compiled
+    from that path, timed in the same process as the old chain (router GEMM fp32 + shared gate_up GEMM
+    bf16 + the old route_silu). Ceiling: the head's weight bytes at the copy bandwidth of this run."""
+    import json
+    import os
+    import cupy as cp
+    from ddtree_cupy.kernels import launch
+    from ddtree_cupy.kernels.compile import CUDA_SRC_DIR, KernelSpec, get_kernel
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    from ddtree_cupy.kernels.layers import rms_norm
+    from ddtree_cupy.kernels.router import WARPS, route_logits
+    launch.set_pdl(True)
+    H, E, Is, k = 7168, 384, 256, 8
+    rng = cp.random.RandomState(1)
+
+    def bf(*shape):     # random bf16 bit patterns (truncated fp32), N(0, 0.02^2)
+        return ((rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).view(np.uint32) >> 16).astype(
+            np.uint16)
+    Ws = [dict(rgu=bf(E + 2 * Is, H), down=bf(H, Is), bias=(rng.standard_normal(E, dtype=np.float32) * 0.05),
+               norm=bf(H)) for _ in range(layers)]
+    for W in Ws:    # the old chain's two weights: views of the same rows (same bytes read)
+        W["router"], W["gu"] = W["rgu"][:E], W["rgu"][E:]
+    big = cp.empty(1 << 30, np.uint8)
+    big2 = cp.empty_like(big)
+    cp.copyto(big2, big)
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    ev0.record()
+    for _ in range(5):
+        cp.copyto(big2, big)
+    ev1.record()
+    ev1.synchronize()
+    bw = 2 * 5 * big.nbytes / (cp.cuda.get_elapsed_time(ev0, ev1) / 1e3)
+    del big, big2
+    old_k = None
+    if old_src:
+        spec = KernelSpec(os.path.relpath(os.path.abspath(old_src), CUDA_SRC_DIR), ("router_topk",), pdl=True)
+        old_k = get_kernel(spec, "router_topk")
+
+    def old_route(lg, bias, ids, wts, gu, act, T):
+        rb = (T + WARPS - 1) // WARPS
+        ab = max(1, min(512, -(-T * Is // 8 // (32 * WARPS))))
+        old_k((rb + ab,), (32 * WARPS,), (lg, np.int32(T), np.int32(E), bias, np.int32(1), np.int32(1), np.int32(k),
+                                         np.int32(1), np.float32(2.827), ids, wts, np.int32(rb), gu,
+                                         np.int64(2 * Is), act, np.int64(Is), np.int32(Is)))
+
+    def timed(fn, st):
+        with st:
+            fn()
+            st.synchronize()
+            st.begin_capture()
+            fn()
+            g = st.end_capture()
+            g.launch(st)
+            st.synchronize()
+            ev0.record(st)
+            for _ in range(reps):
+                g.launch(st)
+            ev1.record(st)
+            ev1.synchronize()
+        return cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
+
+    rows, res = [], []
+    st = cp.cuda.Stream(non_blocking=True)
+    for T in (1, 8, 32, 80, 160):
+        h = bf(T, H)
+        x = cp.empty((T, H), np.uint16)
+        fused = cp.empty((T, E + 2 * Is), np.float32)
+        lg = cp.empty((T, E), np.float32)
+        gu = cp.empty((T, 2 * Is), np.uint16)
+        act = cp.empty((T, Is), np.uint16)
+        sh = cp.empty((T, H), np.uint16)
+        ids, wts = cp.empty((T, k), np.int32), cp.empty((T, k), np.float32)
+        ws = cp.empty(64 << 20, np.float32)
+
+        def new_layers():
+            for W in Ws:
+                rms_norm(h, W["norm"], 1e-6, out=x)
+                gemm_bf16(x, W["rgu"], fused, out_dtype=np.float32, workspace=ws)
+                route_logits(fused[:, :E], W["bias"], k, 1, 1, 2.827, True, ids, wts, gate_up=fused[:, E:],
+                             act_out=act)
+                gemm_bf16(act, W["down"], sh, workspace=ws)
+
+        def old_layers():
+            for W in Ws:
+                rms_norm(h, W["norm"], 1e-6, out=x)
+                gemm_bf16(x, W["router"], lg, out_dtype=np.float32, workspace=ws)
+                gemm_bf16(x, W["gu"], gu, workspace=ws)
+                old_route(lg, W["bias"], ids, wts, gu, act, T)
+                gemm_bf16(act, W["down"], sh, workspace=ws)
+
+        def new_route():
+            for W in Ws:
+                route_logits(fused[:, :E], W["bias"], k, 1, 1, 2.827, True, ids, wts, gate_up=fused[:, E:],
+                             act_out=act)
+
+        def old_route_only():
+            for W in Ws:
+                old_route(lg, W["bias"], ids, wts, gu, act, T)
+
+        def norm_only():
+            for W in Ws:
+                rms_norm(h, W["norm"], 1e-6, out=x)
+        r = dict(T=T, norm_us=timed(norm_only, st) / layers, new_us=timed(new_layers, st) / layers,
+                 new_route_us=timed(new_route, st) / layers,
+                 ceiling_us=(Ws[0]["rgu"].nbytes + Ws[0]["down"].nbytes + Ws[0]["norm"].nbytes) / bw * 1e6)
+        if old_k is not None:
+            r.update(old_us=timed(old_layers, st) / layers, old_route_us=timed(old_route_only, st) / layers)
+        res.append(r)
+    print(f"\nMoE head per layer (norm -> router|shared gate_up -> route+SwiGLU -> shared down), PDL graphs, "
+          f"{layers} layers of distinct weights, copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{'T':>4} {'norm':>6} {'old head':>9} {'new head':>9} {'ceiling':>8} {'old route':>10} {'new route':>10}")
+    for r in res:
+        print(f"{r['T']:>4} {r['norm_us']:>6.1f} {r.get('old_us', float('nan')):>9.1f} {r['new_us']:>9.1f} "
+              f"{r['ceiling_us']:>8.1f} {r.get('old_route_us', float('nan')):>10.1f} {r['new_route_us']:>10.1f}")
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(dict(copy_bw_GBps=bw / 1e9, layers=layers, reps=reps, device=cp.cuda.runtime.getDeviceProperties(
+                0)["name"].decode(), rows=res, note="us per layer; head includes the rms_norm producer"), f, indent=1)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--old-src", default=None, help="the previous router.cu, timed in the same run")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.bench:
+        bench(a.old_src, a.json)

@@ -330,6 +330,15 @@ def test_fused_launch_sequence(tiny, gpu_tp1):
     assert c["mla_qkv_a_post"] == L and c["mla_head_gemm"] == 2 * L, dict(c)
     assert c["router_topk"] == n_moe and c["silu_mul_kernel"] == L - n_moe, dict(c)    # dense layers only
     assert not {"rope_kernel", "kv_write_latent"} & set(c), dict(c)
+    # bf16 GEMMs (48 rows: one chunk): q_a|kv_a, q_b, o_proj per layer; dense gate_up + down; MoE ONE
+    # router|shared gate_up GEMM + the shared down; the lm_head
+    gemms = c["gemm_bf16_kernel"] + c["gemm_bf16_kernel_decode"]
+    assert gemms == 3 * L + 2 * L + 1, dict(c)
+    for i in range(L):
+        if cfg.is_moe_layer(i):
+            Lw = gpu_tp1.layers[i]
+            assert Lw.router_shared_fused() and Lw.w_router_gate_up.shape[0] == cfg.n_routed_experts + 2 * (
+                cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
 def test_graph_capture_replay_equals_eager(tiny, gpu_tp1):
