@@ -9,9 +9,14 @@ For streams x tree rows x context: time per call (CUDA-graph replay), bytes (lat
 o_lat), FLOPs (2 x (576 + 512) per visible (row, head, key)), the floor max(bytes / read ceiling,
 FLOPs / mma.sync bf16 rate) with both ceilings measured here, the ratio to the floor, and the same rows
 as a chain (causal) at the same prefix, the earlier results' time ("was", default: the committed JSON) and
-the launch floor (empty kernels replayed from a graph). --compare also times the opt-in ks32 tile where
-plan_mla picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan and
-builds without one phase. Also the DFlash drafter attention (8 q heads / 1 kv head).
+the launch floor (empty kernels replayed from a graph: 1 kernel per call without a split, 2 with one); the
+column "r_lf" is the time over max(floor, launch floor), which separates what the hardware forbids (launch
+and bytes / FLOPs) from what the kernel loses. --compare also times, at the same split count, the deeper
+pipeline twin of a planned mla_attn_ksplit tile (DEEP_TWIN), and the ks32 / ks32_4stage tiles where plan_mla
+picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan, builds without
+one phase and the combine without its unrolled loads. --set decode keeps the engine's decode-step shapes
+(1/4/10 streams x 1-32 rows at 4K, 1 stream x 1-8 rows at 32K-256K). Also the DFlash drafter attention
+(8 q heads / 1 kv head).
 --policy picks the planner policy (plan_mla(policy=...); default auto, as the engine); "both" times the "measured" (was) and the "model"
 (now) plan of every shape in the same run (once where both policies plan the same), plus a few 64-head
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
@@ -34,6 +39,8 @@ from bench.ceilings import measure_mma_bf16_tflops, measure_read_bandwidth, time
 
 H = 8
 SCALE = 0.14467963
+# planned tile -> the same tile with a deeper cp.async pipeline (timed at the same split count by --compare)
+DEEP_TWIN = {"ks16": ("ks16_5stage", "ks16_bn64"), "ks32": ("ks32_4stage",)}
 
 
 def random_bf16(cp, shape, scale=1.0):
@@ -250,6 +257,8 @@ def main():
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--refit", nargs="+", default=None, help="refit the planner's cost model to results JSONs")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--set", choices=("grid", "decode"), default="grid",
+                    help="grid: issue #6's shapes; decode: the engine's decode-step shapes only")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     ap.add_argument("--compare", action="store_true",
                     help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
@@ -291,13 +300,13 @@ def main():
     ctxs = [1024, 4096, 32768, 65536]
     streams = [1, 4, 10]
     rows_list = [1, 8, 16, 32, 64]
+    long_ctx = 262144
     if args.quick:
         ctxs, streams, rows_list = [4096, 32768], [1, 10], [1, 16]
         if args.policy == "both":
             ctxs, streams, rows_list = [4096, 65536], [1, 10], [1, 8, 64]
     max_ctx = max(ctxs) + 128
     pages_per_stream = -(-max_ctx // 64)
-    long_ctx = 262144
     pages_long = -(-(long_ctx + 128) // 64)
     num_pages = max(max(streams) * pages_per_stream, pages_long)
     pool = random_bf16(cp, (num_pages, 64, 576))
@@ -337,22 +346,31 @@ def main():
         nbytes = S * ((ctx + n) * 1152 + n * heads * (576 + 512) * 2)
         flops = S * 2 * 1088 * heads * (n * ctx + vis_rows)
         floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
+        lfloor = launch[1] if splits > 1 else launch[0]            # forward (+ combine) launches, us
         key = [k for k, v in A.MLA_CONFIGS.items() if v == cfg][0]
         pred = A.mla_cost_us(key, splits, S, n, heads, ctx + n, num_sms, A._blocks_per_sm(cfg)) \
             if key in A.MLA_TILE_US else None
         return dict(mode=mode, streams=S, rows=n, ctx=ctx, heads=heads, us=us, pred_us=pred, bytes=nbytes,
-                    flops=flops, floor_us=floor,
+                    flops=flops, floor_us=floor, launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor),
                     config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
 
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
         cases += [(1, n, long_ctx) for n in rows_list]
+    if args.set == "decode":
+        cases = ([(S, n, 4096) for S in (1, 4, 10) for n in (1, 8, 16, 32)] +
+                 [(1, n, c) for c in (32768, 65536, long_ctx) for n in (1, 4, 8)])
     if args.policy == "both":
         policy_both(one, cases, results, args, was)
         cases = []
     else:
-        print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} "
+        print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} "
               f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
+    comb1 = None
+    if args.compare:   # the combine as before its loads were unrolled (one split per warp in flight)
+        from ddtree_cupy.kernels.compile import KernelSpec
+        comb1 = KernelSpec(src="mla_attention.cu", names=tuple(c.name for c in A.MLA_CONFIGS.values())
+                           + ("mla_attn_combine",), defines=(("ATTN_COMBINE_UNROLL", "1"),))
     for S, n, c in cases:
         r = one(S, n, c, "tree")
         ch = one(S, n, c, "chain") if n > 1 else None
@@ -360,15 +378,32 @@ def main():
         r["tree_over_chain"] = r["us"] / r["chain_us"]
         r["meets_target"] = bool(r["us"] <= max(1.3 * r["floor_us"], 8.0)) and r["tree_over_chain"] <= 1.5
         r["was_us"] = was.get((S, n, c))
-        if args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit:   # the candidate tile, same run
+        extra = ""
+        if args.compare and r["config_key"] in DEEP_TWIN:   # deeper pipelines, same rows and split count
+            r["twins"] = {}
+            for tw in DEEP_TWIN[r["config_key"]]:
+                # the same split count, or the largest below it with no empty split (64-token tiles)
+                k = max(x for x in A.mla_split_candidates(A.MLA_CONFIGS[tw], S, n, H, c + n) if x <= r["splits"])
+                o = one(S, n, c, "tree", config=A.MLA_CONFIGS[tw], splits_override=k)
+                r["twins"][tw] = o["us"]
+                extra += f" {tw}={o['us']:.1f} ({o['us'] / r['us']:.2f})"
+        elif args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit:   # the candidate tiles, same run
             o = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32"])
             r["ks32_us"], r["ks32_splits"] = o["us"], o["splits"]
+            o4 = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32_4stage"], splits_override=o["splits"])
+            r["ks32_4stage_us"] = o4["us"]
+            extra = f" ks32={o['us']:.1f} ks32_4stage={o4['us']:.1f} ({o['splits']})"
+        if comb1 is not None and r["splits"] > 1 and (args.set == "decode" or c <= 4096):
+            r["combine_unroll1_us"] = one(S, n, c, "tree", config=A.MLA_CONFIGS[r["config_key"]],
+                                          splits_override=r["splits"], spec=comb1)["us"]
+            extra += f" combine_unroll1={r['combine_unroll1_us']:.1f}"
         results.append(r)
         wa = f"{r['was_us']:>7.1f}" if r["was_us"] else f"{'-':>7}"
         print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
+              f"{r['ratio_launch']:>5.2f} "
               f"{r['gbps'] / 1e3:>5.2f} {r['tflops']:>5.0f} {r['splits']:>3} {r['config'][9:]:>20} | "
               f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}" +
-              (f" ks32={r['ks32_us']:.1f} ({r['ks32_splits']})" if "ks32_us" in r else ""), flush=True)
+              extra, flush=True)
 
     probe = []
     if args.probe:
@@ -377,8 +412,11 @@ def main():
         shapes = ((1, 1, 32), (1, 1, 4096), (1, 1, 65536), (1, 16, 32), (1, 16, 4096), (1, 16, 32768),
                   (10, 64, 4096), (10, 16, 32768))
         used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))  # compile only these
-        variants = {k: KernelSpec(src="mla_attention.cu", names=used, defines=((f"MLA_PROBE_SKIP_{k}", "1"),))
-                    for k in ("S", "PV", "LOAD")}
+        variants = {k: KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine",),
+                                  defines=((f"MLA_PROBE_SKIP_{k}", "1"),)) for k in ("S", "PV", "LOAD")}
+        # the combine with one split per warp in flight (as before the unrolled loads; results are right)
+        variants["COMBINE_UNROLL1"] = KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine",),
+                                                 defines=(("ATTN_COMBINE_UNROLL", "1"),))
         for S, n, c in shapes:
             row = dict(streams=S, rows=n, ctx=c)
             for key, pc in A.MLA_CONFIGS.items():
@@ -387,7 +425,8 @@ def main():
                 row[key] = one(S, n, c, "tree", config=pc)["us"]
             auto, auto_splits = A.plan_mla(S, n, H, c + n)
             for k, spec in variants.items():
-                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
+                row[("skip_" if k in ("S", "PV", "LOAD") else "") + k] = one(S, n, c, "tree", config=auto,
+                                                                             spec=spec)["us"]
             row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
             row["auto_splits"] = auto_splits
             # split count: fixed cost (combine, fill) vs parallelism; the planner's cost model vs measured
@@ -402,7 +441,7 @@ def main():
     drafter = []
     if args.policy != "both":
         print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
-        print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6}")
+        print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5}")
     for S in ((1, 10) if args.policy != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
@@ -422,21 +461,28 @@ def main():
             nbytes = S * (c + 8) * 2 * 128 * 2
             flops = S * 64 * (c + 8) * 4 * 128
             floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))
-            drafter.append(dict(streams=S, ctx=c, us=us, bytes=nbytes, flops=flops, floor_us=floor))
-            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f}", flush=True)
+            lfloor = launch[1] if sp > 1 else launch[0]
+            drafter.append(dict(streams=S, ctx=c, us=us, bytes=nbytes, flops=flops, floor_us=floor, splits=sp,
+                                launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor)))
+            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f} {us / max(floor, lfloor):>5.2f}",
+                  flush=True)
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,
                    drafter=drafter, seconds=time.time() - t_start)
     if args.policy == "both":
         summary["policy_summary"] = policy_summary(results)
-    print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (floor us, ratio, tree/chain)")
-    for S, n, c in ((1, 1, 4096), (1, 16, 4096), (4, 16, 4096), (10, 16, 4096), (1, 16, 32768), (10, 16, 32768),
-                    (1, 1, 65536), (10, 64, 65536)):
+    print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (was; floor us, ratio, ratio to "
+          "max(floor, launch floor), tree/chain; deeper twin)")
+    for S, n, c in ((1, 1, 4096), (1, 8, 4096), (4, 8, 4096), (10, 8, 4096), (10, 32, 4096), (1, 16, 4096),
+                    (10, 16, 4096), (1, 1, 32768), (1, 8, 32768), (1, 16, 32768), (10, 16, 32768), (1, 1, 65536),
+                    (1, 8, 65536), (10, 64, 65536), (1, 1, 262144), (1, 8, 262144)):
         for r in results:
             if (r["streams"], r["rows"], r["ctx"], r.get("heads", H)) == (S, n, c, H):
-                print(f"  {S:>2} x {n:>2} @ {c:>6}: {r['us']:8.1f} us  ({r['floor_us']:7.1f}, {r['ratio']:5.2f}x, "
-                      f"{r['tree_over_chain']:.2f})")
+                was_s = f"{r['was_us']:7.1f}" if r.get("was_us") else "      -"
+                tw = "".join(f"  {k} {v:.1f}" for k, v in r.get("twins", {}).items())
+                print(f"  {S:>2} x {n:>2} @ {c:>6}: {r['us']:8.1f} us (was {was_s}; {r['floor_us']:7.1f}, "
+                      f"{r['ratio']:5.2f}x, {r['ratio_launch']:5.2f}x, {r['tree_over_chain']:.2f}){tw}")
     if args.policy == "both":
         print_policy_summary(summary["policy_summary"])
     met = sum(r["meets_target"] for r in results)

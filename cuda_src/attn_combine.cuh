@@ -4,10 +4,18 @@
 // (-inf when the split saw no visible key). The row is o = sum_i 2^(lse_i - max) o_i / sum_i 2^(lse_i - max).
 // Partials live at part_o[(i * stride + row) * D], part_lse[i * stride + row].
 //
-// attn_combine_row: one block (NW warps) merges one row; the warps share the splits (a single warp walking
-// 100+ splits one after the other is latency bound), each lane holds D / 32 columns as float4s, the NW
-// partial sums meet in shared memory. Reads go through L2 (__ldcg): the partials were written by other
-// blocks of an earlier kernel.
+// attn_combine_row: one block (NW warps) merges one row in two passes.
+//   1. every thread takes splits tid, tid + NW*32, ...: reads lse, the block reduces the maximum, and the
+//      weights w_i = 2^(lse_i - max) (0 for an empty split) go to shared memory with their sum.
+//   2. the warps share the splits (warp w: splits w, w + NW, ...), each lane holds D / 32 columns as float4s.
+//      The loads of ATTN_COMBINE_UNROLL splits are issued before any is used and nothing they depend on is
+//      read in the loop (the weights are already in shared memory), so a warp has UNROLL x D / 32 floats
+//      per lane in flight instead of one split's worth behind a dependent lse load and a branch: the old
+//      loop (lse load -> branch -> partial load, one split at a time) paid two L2 latencies per split,
+//      ~5 us for 8 splits per warp (docs/ATTENTION.md, "Where the fixed cost goes").
+// The NW partial sums meet in shared memory. Reads go through L2 (__ldcg): the partials were written by
+// other blocks of an earlier kernel. The order of the additions is fixed by (num_splits, NW, UNROLL) alone,
+// so the result is deterministic (graph replay == eager bit for bit).
 #pragma once
 #include "common.cuh"
 
@@ -15,11 +23,16 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+#define ATTN_MAX_SPLITS 256      // kernels/attention.py MAX_SPLITS (the wrappers reject more)
+#ifndef ATTN_COMBINE_UNROLL      // bench/attention.py --probe builds 1 to show what the unrolling buys
+#define ATTN_COMBINE_UNROLL 4    // splits per warp whose loads are in flight together
+#endif
+
 template <int D, int NW>
 struct AttnCombineSmem {
-    float red_max[NW];
-    float red_w[NW];
-    float acc[NW][D];
+    float acc[NW][D];            // first: float4 stores need 16-byte alignment
+    float w[ATTN_MAX_SPLITS];    // per-split weight 2^(lse - max), 0 for an empty split
+    float red[NW];
 };
 
 template <int D, int NW>
@@ -27,41 +40,70 @@ __device__ __forceinline__ void attn_combine_row(const float* __restrict__ part_
                                                  size_t stride, size_t row, int num_splits,
                                                  bf16_bits* __restrict__ dst, AttnCombineSmem<D, NW>& sm) {
     static_assert(D % 128 == 0, "lanes hold whole float4s of the row");
+    static_assert(NW * 32 <= ATTN_MAX_SPLITS, "pass 1 keeps at most one lse per thread in a register");
     constexpr int V4 = D / 128;  // float4s per lane
+    constexpr int U = ATTN_COMBINE_UNROLL;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    // ---- pass 1: weights ------------------------------------------------------------------------------
+    float lse[ATTN_MAX_SPLITS / (NW * 32)];
     float mx = -INFINITY;
-    for (int sp = tid; sp < num_splits; sp += NW * 32) mx = fmaxf(mx, __ldcg(part_lse + sp * stride + row));
+#pragma unroll
+    for (int k = 0; k < ATTN_MAX_SPLITS / (NW * 32); ++k) {
+        const int sp = tid + k * NW * 32;
+        lse[k] = sp < num_splits ? __ldcg(part_lse + sp * stride + row) : -INFINITY;
+        mx = fmaxf(mx, lse[k]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) sm.red_max[warp] = mx;
+    if (lane == 0) sm.red[warp] = mx;
     __syncthreads();
-    mx = sm.red_max[0];
+    mx = sm.red[0];
 #pragma unroll
-    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, sm.red_max[w]);
+    for (int w = 1; w < NW; ++w) mx = fmaxf(mx, sm.red[w]);
+#pragma unroll
+    for (int k = 0; k < ATTN_MAX_SPLITS / (NW * 32); ++k) {
+        const int sp = tid + k * NW * 32;
+        // an empty split (no visible key: lse = -inf) weighs 0; so does every split if all are empty
+        if (sp < num_splits) sm.w[sp] = lse[k] == -INFINITY ? 0.f : exp2f(lse[k] - mx);
+    }
+    __syncthreads();   // the weights are complete; sm.red is free again
 
+    // ---- pass 2: weighted sum of the partials ---------------------------------------------------------
     float4 acc[V4];
 #pragma unroll
     for (int k = 0; k < V4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
     float wsum = 0.f;
-    for (int sp = warp; sp < num_splits; sp += NW) {
-        const float lse = __ldcg(part_lse + sp * stride + row);
-        if (lse == -INFINITY) continue;  // an empty split (no visible key) contributes nothing
-        const float w = exp2f(lse - mx);
-        wsum += w;
-        const float4* src = reinterpret_cast<const float4*>(part_o + (sp * stride + row) * D);
+    for (int sp0 = warp; sp0 < num_splits; sp0 += U * NW) {
+        float4 v[U][V4];
+        float wu[U];
 #pragma unroll
-        for (int k = 0; k < V4; ++k) {
-            const float4 v = __ldcg(src + lane + 32 * k);
-            acc[k].x += w * v.x; acc[k].y += w * v.y; acc[k].z += w * v.z; acc[k].w += w * v.w;
+        for (int u = 0; u < U; ++u) {
+            const int sp = sp0 + u * NW;
+            wu[u] = sp < num_splits ? sm.w[sp] : 0.f;
+            // a zero weight skips the load: an empty split's partial is never read (it may be anything)
+            const float4* src = reinterpret_cast<const float4*>(part_o + ((size_t)sp * stride + row) * D);
+#pragma unroll
+            for (int k = 0; k < V4; ++k)
+                v[u][k] = wu[u] != 0.f ? __ldcg(src + lane + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            wsum += wu[u];
+#pragma unroll
+            for (int k = 0; k < V4; ++k) {
+                acc[k].x += wu[u] * v[u][k].x; acc[k].y += wu[u] * v[u][k].y;
+                acc[k].z += wu[u] * v[u][k].z; acc[k].w += wu[u] * v[u][k].w;
+            }
         }
     }
 #pragma unroll
     for (int k = 0; k < V4; ++k) *reinterpret_cast<float4*>(&sm.acc[warp][4 * (lane + 32 * k)]) = acc[k];
-    if (lane == 0) sm.red_w[warp] = wsum;
+    if (lane == 0) sm.red[warp] = wsum;
     __syncthreads();
     float wt = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) wt += sm.red_w[w];
+    for (int w = 0; w < NW; ++w) wt += sm.red[w];
     const float inv = wt > 0.f ? 1.f / wt : 0.f;
     for (int c = 2 * tid; c < D; c += 2 * NW * 32) {
         float x0 = 0.f, x1 = 0.f;

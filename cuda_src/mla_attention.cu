@@ -116,11 +116,13 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
+    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
+    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
     const int n = n_rows_arr[b];
-    const int m0 = blockIdx.x * C::BM;
-    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int s = prefix_len[b];
     const int rs = row_start[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int* table = block_table + (size_t)b * max_pages;
 
     // KV positions this row tile can see: causal rows stop at s + (last row) + 1.
@@ -435,11 +437,13 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
+    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
+    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
     const int n = n_rows_arr[b];
-    const int m0 = blockIdx.x * C::BM;
-    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int s = prefix_len[b];
     const int rs = row_start[b];
+    const int m0 = blockIdx.x * C::BM;
+    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int* table = block_table + (size_t)b * max_pages;
     const int valid_m = n * H - m0;
     int kv_len;   // causal rows stop at s + (last row of the tile) + 1

@@ -79,6 +79,13 @@ MLA_CONFIGS = {
     "ks32_2stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=2, ksplit=True),  # 96 KB (sm_120)
     "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
     "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
+    # deeper cp.async pipelines (H200 only): 4 / 3 tiles in flight per block instead of 2, for the long
+    # contexts where a block streams many tiles (docs/ATTENTION.md, "Deeper pipelines")
+    "ks16_5stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=5, ksplit=True),  # 194 KB
+    "ks32_4stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=4, ksplit=True),  # 169 KB
+    # 64-token tiles, 2 stages (H200 only): the same bytes in flight as 3 stages of 32 tokens, half the
+    # barriers and softmax rounds per token. (The 32-row twin spills on sm_120: 255 registers.)
+    "ks16_bn64": MlaTileConfig(mg=1, vg=0, bn=64, stages=2, ksplit=True),    # 166 KB
 }
 _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
@@ -347,7 +354,8 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     max_rows / max_kv_len: the shape bucket's bounds (>= every stream's n_rows / s + n_rows); they fix the
                  grid and the split count, so a graph captured for the bucket serves any lengths inside it.
     config / num_splits: override the plan (tests, benchmarks); workspace: preallocated split partials
-                 (required for graph capture when the plan splits); spec: a profiling build of the kernel.
+                 (required for graph capture when the plan splits); spec: a profiling build of the kernels
+                 (it must name the config's kernel and, when the plan splits, mla_attn_combine).
     """
     import cupy
     dims: dict = {}
@@ -406,7 +414,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
         if num_splits > 1:
-            comb = get_kernel(MLA_SPEC, "mla_attn_combine")
+            comb = get_kernel(spec or MLA_SPEC, "mla_attn_combine")
             comb((max_rows * H, S), (256,),
                  (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
     return out

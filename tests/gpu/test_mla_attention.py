@@ -65,6 +65,24 @@ def make_case(rng, S, H, n_list, s_list, mode="tree", gap=True, max_rows=None, e
                 max_rows=max_rows or max(n_list), max_kv=max(lengths))
 
 
+# every tile configuration (kernels/attention.py MLA_CONFIGS); the sm_120 ones run on any GPU
+ALL_CONFIGS = ["large", "mid", "small", "ks32", "ks32_2stage", "ks16", "ks16_2stage", "ks16_5stage", "ks32_4stage",
+               "ks16_bn64"]
+# the mla_attn_ksplit tiles the planner can choose on the H200, each pipeline depth and tile length
+KSPLIT_CONFIGS = ["ks32", "ks16", "ks16_5stage", "ks32_4stage", "ks16_bn64"]
+
+
+def skip_unless_fits(config):
+    x = cp()
+    if config not in (None, "model") and \
+            attn().MLA_CONFIGS[config].smem > x.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]:
+        pytest.skip(f"{config} tiles do not fit this GPU's shared memory")
+
+
+def test_the_lists_cover_every_config():
+    assert sorted(ALL_CONFIGS) == sorted(attn().MLA_CONFIGS)
+
+
 def to_dev(c):
     x = cp()
     d = {k: x.asarray(c[k]) for k in ("q", "pool", "table", "prefix", "n", "row_start")}
@@ -116,7 +134,7 @@ def check(c, got, label="", ref=None):
     return ref
 
 
-@pytest.mark.parametrize("config", ["large", "mid", "small", "ks32", "ks32_2stage", "ks16", "ks16_2stage", "model"])
+@pytest.mark.parametrize("config", ALL_CONFIGS + ["model"])
 @pytest.mark.parametrize("H", [1, 8, 64])
 def test_tree_verify_random(config, H):
     x = cp()
@@ -137,7 +155,7 @@ def test_tree_verify_random(config, H):
             check(c, got, f"{config} H={H} trial {trial} splits={splits}", ref)
 
 
-@pytest.mark.parametrize("config", ["large", "small", "ks32", "ks16", "ks16_2stage", "model"])
+@pytest.mark.parametrize("config", ALL_CONFIGS + ["model"])
 def test_mask_hides_every_invisible_row(config):
     """Perturb the K/V of every tree slot that a chosen row must not see (and every page no stream
     owns): that row's outputs must not change by a single bit, while rows that see a perturbed slot do."""
@@ -178,8 +196,9 @@ def test_mask_hides_every_invisible_row(config):
     check(c2, got, "perturbed")
 
 
-@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model"] + KSPLIT_CONFIGS)
 def test_decode_equals_tree_of_one_and_chain_equals_causal(config):
+    skip_unless_fits(config)
     rng = np.random.default_rng(9)
     S, H = 5, 8
     s_list = [int(rng.integers(1, 3000)) for _ in range(S)]
@@ -221,13 +240,17 @@ def test_prefill_chunks_equal_one_causal_pass(H, config):
     assert np.linalg.norm(g - o) / np.linalg.norm(ref) < TOL
 
 
-@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model"] + KSPLIT_CONFIGS)
 def test_split_count_does_not_change_results_beyond_rounding(config):
+    """Also the combine's edges: split counts that are not a multiple of the splits it loads per round
+    (8 warps x 4), empty splits (64 and 256 splits give the 2109-position stream empty ones: lse = -inf,
+    their partials are never read) and the largest count, 256 (MAX_SPLITS)."""
+    skip_unless_fits(config)
     rng = np.random.default_rng(13)
     c = make_case(rng, 2, 8, [16, 9], [5000, 2100], "tree")
     ref = reference(c)
     outs = []
-    for k in (1, 3, 17, 64):
+    for k in (1, 3, 17, 33, 64, 256):
         got = run(c, num_splits=k, config=config)
         check(c, got, f"splits={k}", ref)
         outs.append(bf16_bits_to_f32(got).astype(np.float64))
@@ -236,8 +259,9 @@ def test_split_count_does_not_change_results_beyond_rounding(config):
         assert np.linalg.norm(o[own] - outs[0][own]) / np.linalg.norm(ref[own]) < TOL
 
 
-@pytest.mark.parametrize("config", [None, "model", "ks32", "ks16"])
+@pytest.mark.parametrize("config", [None, "model"] + KSPLIT_CONFIGS)
 def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
+    skip_unless_fits(config)
     x = cp()
     a = attn()
     rng = np.random.default_rng(17)
@@ -289,6 +313,47 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
         eager = run(c2, d=to_dev(c2), num_splits=splits, config=config)
         assert np.array_equal(replay, eager), f"step {step}: graph replay differs from eager"
         check(c2, replay, f"graph step {step}")
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 32, 33, 100, 256])
+def test_combine_kernel_against_float64(num_splits):
+    """mla_attn_combine on its own (attn_combine.cuh): random partials and log2-sum-exps with some splits
+    empty (lse = -inf, partial NaN: a read of it would poison the row), a row whose splits are all empty
+    (zeros), rows no stream owns (must stay poisoned). Against the float64 merge."""
+    x = cp()
+    a = attn()
+    from ddtree_cupy.kernels.compile import get_kernel
+    rng = np.random.default_rng(23 + num_splits)
+    S, H = 3, 8
+    n = np.array([3, 1, 2], np.int32)
+    row_start = np.array([0, 4, 6], np.int32)     # row 3 belongs to no stream
+    T = 8
+    P = T * H
+    lse = rng.uniform(-8, 8, (num_splits, P)).astype(np.float32)
+    lse[rng.random((num_splits, P)) < 0.3] = -np.inf
+    lse[:, 5] = -np.inf                           # packed row 5 (stream 0, row 0, head 5): nothing visible
+    po = rng.standard_normal((num_splits, P, 512)).astype(np.float32)
+    po[np.isneginf(lse)] = np.nan
+    out = x.full((T, H, 512), POISON, dtype=x.uint16)
+    comb = get_kernel(a.MLA_SPEC, "mla_attn_combine")
+    comb((int(n.max()) * H, S), (256,), (x.asarray(po), x.asarray(lse), x.asarray(n), x.asarray(row_start),
+                                         np.int32(H), np.int32(P), np.int32(num_splits), out))
+    got = bf16_bits_to_f32(out.get()).reshape(P, 512).astype(np.float64)
+    lse64 = lse.astype(np.float64)
+    own = np.zeros(T, bool)
+    for b in range(S):
+        own[row_start[b]:row_start[b] + n[b]] = True
+    own_p = np.repeat(own, H)
+    assert (out.get().reshape(P, 512)[~own_p] == POISON).all(), "rows no stream owns were written"
+    for m in np.nonzero(own_p)[0]:
+        ok = np.isfinite(lse64[:, m])
+        if not ok.any():
+            assert (got[m] == 0).all(), f"row {m}: all splits empty must give zeros"
+            continue
+        w = np.exp2(lse64[ok, m] - lse64[ok, m].max())
+        ref = (w[:, None] * po[ok, m].astype(np.float64)).sum(0) / w.sum()
+        err = np.linalg.norm(got[m] - ref) / np.linalg.norm(ref)
+        assert err < 4e-3, f"row {m}: rel err {err:.2e}"   # bf16 output rounding: <= 2^-9 per element
 
 
 def test_bad_inputs_name_the_argument():
