@@ -5,13 +5,15 @@
 Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case), top-K = budget.
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
-same graph launched with programmatic dependent launch, when the launch path is available). Both kernel
-variants of kernels/ddtree.py (VARIANTS: verified, the plain twin / v3, the default) run on the same inputs;
-"same" says the default's outputs equal the verified variant's bit for bit (all but the stage-1 buffers). The top-K stage
-reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in the same run.
-"was": the build and total of the same case and variant in the previous results file (--was); for a
-variant that file lacks, the previous default's figures. The last lines compare the default with the
-verified variant in this run. Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
+same graph launched with programmatic dependent launch, when the launch path is available). The kernel
+variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan;
+default: 3 and 4, old and new) run on the same inputs; "same" says a variant's outputs equal the reference
+variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
+The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
+the same run. "was": the build and total of the same case and variant in the previous results file
+(--was); for a variant that file lacks, the figures of the variant it replaces (--was-variant, default
+v3). The last lines compare every variant with the reference variant in this run.
+Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -143,13 +145,16 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=sorted(VARIANTS),
-                    help="kernel variants to time (0 = verified, 3 = v3, the default); 0 is the "
-                         "reference of the 'same' column and always runs")
+    ap.add_argument("--variants", type=int, nargs="+", default=[3, 4],
+                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan); the reference of the "
+                         "'same' column is 0 when given, else the lowest")
+    ap.add_argument("--was-variant", default="v3",
+                    help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
     if args.profile:
         return profile_case(args.streams[0], args.budgets[0], max(args.variants))
-    variants = sorted(set(args.variants) | {0})
+    variants = sorted(set(args.variants))
+    ref_name = VARIANTS[variants[0]]
     was = {}
     if args.was and os.path.exists(args.was):
         with open(args.was) as f:
@@ -179,10 +184,11 @@ def main(argv=None):
             snap, r, top = bench_case(S, B, dt, i, bw, fast=v, pdl=args.pdl and v > 0)
             if ref_snap is None:
                 ref_snap, t_cpu = snap, cpu_heap_builder_us(*top, B)
-            # every variant must give the verified variant's outputs (trees, top-K, walk) bit for bit
+            # every variant must give the reference variant's outputs (trees, top-K, walk) bit for bit
             r["matches_verified"] = all(np.array_equal(snap[k], ref_snap[k]) for k in snap)
+            r["reference_variant"] = ref_name
             r["cpu_heap_builder_us"] = t_cpu
-            w = was.get((S, B, dt, r["variant"]), was.get((S, B, dt, VARIANTS[DEFAULT_VARIANT])))
+            w = was.get((S, B, dt, r["variant"]), was.get((S, B, dt, args.was_variant)))
             r["was_build_us"], r["was_total_us"] = w if w else (float("nan"), float("nan"))
             rows.append(r)
             print(line(r), flush=True)
@@ -209,14 +215,13 @@ def main(argv=None):
         if r["streams"] == 10 and r["budget"] == 64 and r["dtype"] == "bf16":
             print(f"target: 10 streams, budget 64, {r['variant']}: {r['was_total_us']:.1f} -> {r['total_us']:.1f} us "
                   f"(PDL {r['total_pdl_us']:.1f}; target <= 30 us)")
-    dname = VARIANTS[DEFAULT_VARIANT]
-    for (S, B, dt, v), r in by.items():   # the default against the plain verified twin, same run and inputs
-        d = by.get((S, B, dt, "verified"))
-        if v == dname and d is not None:
-            print(f"{v} vs verified (same run): {S:2d} x {B:3d} {dt}: build {d['build_us']:5.1f} -> {r['build_us']:5.1f} us "
-                  f"({d['build_us'] / r['build_us']:.2f}x), top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f}, "
-                  f"total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us; same outputs: "
-                  f"{'yes' if r['matches_verified'] else 'NO'}")
+    for (S, B, dt, v), r in by.items():   # every variant against the reference variant, same run and inputs
+        d = by.get((S, B, dt, ref_name))
+        if v != ref_name and d is not None:
+            print(f"{ref_name} -> {v} (same run): {S:2d} x {B:3d} {dt}: top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f} "
+                  f"(stage 1 {d['topk_stage1_us']:5.1f} -> {r['topk_stage1_us']:5.1f}), build {d['build_us']:5.1f} -> "
+                  f"{r['build_us']:5.1f}, total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us "
+                  f"({d['total_us'] / r['total_us']:.2f}x); same outputs: {'yes' if r['matches_verified'] else 'NO'}")
 
 
 if __name__ == "__main__":

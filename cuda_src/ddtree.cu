@@ -25,8 +25,17 @@
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
-#if DDT_FAST != 0 && DDT_FAST != 3
-#error "DDT_FAST: builder variants are 0 (verified) and 3 (default)"
+// DDT_FAST=4 ("scan") is variant 3's builder and walk with a streaming top-K: stage 1 only reads (per
+// thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and re-reads the few
+// 32-logit groups that can hold the row's top-k (see "Stage 1, scan variant" below).
+#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4
+#error "DDT_FAST: variants are 0 (verified), 3 (v3) and 4 (scan)"
+#endif
+// the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
+#if DDT_FAST == 4
+#define DDT_PARTIAL_MIN_BLOCKS 4
+#else
+#define DDT_PARTIAL_MIN_BLOCKS 2
 #endif
 
 typedef unsigned long long u64;
@@ -58,6 +67,14 @@ __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint3
 // kernels/ddtree.py (cand_cap, part_width) mirrors these two functions.
 __device__ __forceinline__ int cand_cap(int k) { return k <= 32 ? 64 : (k <= 64 ? 128 : 256); }
 __device__ __forceinline__ int part_width(int k) { return k == 1 ? 1 : 2 + cand_cap(k); }
+// Scan variant (DDT_FAST=4), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
+// V_local | id_offset << 32, chunk, then the 256 threads' largest keys (group g = thread g's 32 logits:
+// its 4 vectors of 8 at (u * 256 + g) * 8; 0 = a group with no logit in range)]. The header lets the merge
+// re-read logits without new launch arguments (the merge's signature is shared with the engine's CPU
+// emulation of these kernels); it is rewritten on every launch, so a CUDA graph stays valid.
+// kernels/ddtree.py (scan_width) mirrors it.
+#define DDT_SCAN_HDR 3
+__device__ __forceinline__ int scan_width(int k) { return k == 1 ? 1 : DDT_SCAN_HDR + DDT_TOPK_THREADS; }
 
 // Warp-wide bitonic sort, descending, of 32 * E keys held in registers: element i = e * 32 + lane is
 // r[e] of lane `lane`. Partners i ^ j with j >= 32 are in the same lane (register compare-swap), with
@@ -233,6 +250,22 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     }
     // the thread's largest key: its maximum at the lowest index holding it
     u64 tk = 0ull;
+#if DDT_FAST == 4
+    // the scan variant's group key is nonzero for every group with a logit in range, -inf included (the
+    // merge re-reads only groups with nonzero keys, and a row may need -inf entries to fill its top-k);
+    // k == 1 keeps the other variants' key (0 when the thread's maximum is -inf)
+    u64 tk_any = 0ull;
+    {
+        int bi = -1;
+#pragma unroll
+        for (int u = DDT_TOPK_VECS - 1; u >= 0; --u)
+#pragma unroll
+            for (int i = 7; i >= 0; --i)
+                if (ok[u] && v.at(u, i) == tm) bi = (u * DDT_TOPK_THREADS + tid) * 8 + i;
+        if (bi >= 0) tk_any = make_key(tm, id0 + (uint32_t)bi);
+        tk = tm != DDT_NEG_INF ? tk_any : 0ull;
+    }
+#else
     if (tm != DDT_NEG_INF) {
         int bi = 0;
 #pragma unroll
@@ -242,6 +275,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
                 if (ok[u] && v.at(u, i) == tm) bi = (u * DDT_TOPK_THREADS + tid) * 8 + i;
         tk = make_key(tm, id0 + (uint32_t)bi);
     }
+#endif
     {
         float m = tm, s = ts;
 #pragma unroll
@@ -272,6 +306,24 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
         }
         return;
     }
+#if DDT_FAST == 4
+    {   // scan variant: the 256 group keys and the header; the chunk's (m, s) combined as below
+        u64* out = part_keys + slot * (size_t)scan_width(k);
+        out[DDT_SCAN_HDR + tid] = tk_any;
+        if (tid == 0) {
+            out[0] = (u64)(size_t)(logits + (size_t)r * V_local) | (sizeof(T) == 2 ? 1ull : 0ull);
+            out[1] = (u64)(uint32_t)V_local | ((u64)(uint32_t)id_offset << 32);
+            out[2] = (u64)(uint32_t)chunk;
+        }
+        __syncthreads();   // s_ms written by every warp
+        if (tid == 0) {   // the same serial combine as the other variants: bit-identical log-probs
+            float m = DDT_NEG_INF, s = 0.f;
+            for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
+            part_ms[slot] = make_float2(m, s);
+        }
+        return;
+    }
+#else
 
     u64 sk[1] = {tk};
     warp_sort_regs<1, 5>(sk, lane);
@@ -355,51 +407,289 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
         for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
         part_ms[slot] = make_float2(m, s);
     }
+#endif
 }
 
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
                      u64* part_keys, float2* part_ms) {
     topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
                       u64* part_keys, float2* part_ms) {
     topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Stage 2: the row's top-k from P lists, one block per row. Two input layouts:
-//   candidate lists (parts_major = 0, k >= 2): keys [rows, P, part_width(k)], stage 1's output;
-//   exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards' merged top-k,
-//   sorted, zero-padded) or [rows, P, 1]; there L = the list's k-th key (0 if it has fewer).
+// Stage 2: the row's top-k, one block per row. Three input layouts:
+//   candidate lists (parts_major = 0, k >= 2, variants 0 / 3): keys [rows, P, part_width(k)], stage 1's
+//   output; group keys (parts_major = 0, k >= 2, variant 4): keys [rows, P, scan_width(k)] (see the scan
+//   section below); exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards'
+//   merged top-k, sorted, zero-padded) or [rows, P, 1]; there L = the list's k-th key (0 if it has fewer).
 // ms [rows, P] / [P, rows] (float2). A list holds every key of its part >= its L, so the row's k-th largest
 // key is >= L_row = max L, and the row's top-k is among the listed keys >= L_row (gathered into shared
 // memory). A radix select (8-bit digits from the top) narrows them until at most DDT_SORT_CAP keys >= a
 // threshold remain that include the k largest; one warp sorts those in registers.
 // Outputs: out_keys [rows, k], out_ms [rows] (to merge again across shards), out_lp [rows, k] =
 // value - (M + log S), out_id [rows, k] (-1 / -inf where the row has fewer than k candidates).
-// Dynamic shared memory: P * list capacity * 8 + P * 4 bytes (the wrapper computes it).
+// Dynamic shared memory: P * list capacity * 8 + P * 4 bytes (the wrapper computes it; the scan layout's
+// is in merge_scan).
 // ---------------------------------------------------------------------------------------------------
+struct MergeShared {
+    u64 sel[DDT_SORT_CAP];
+    unsigned hist[256];
+    u64 red[DDT_TOPK_THREADS / 32];
+    int n, digit, ng, nz;
+    unsigned above, bin;
+    float m, s;
+};
+
+// The row's log-sum-exp from its P partials, run by one warp; lane 0's (m, s) is stored (a butterfly
+// leaves lane-dependent roundings; one value serves every log-prob of the row).
+__device__ __forceinline__ void row_lse(const float2* in_ms, int rows, int r, int P, int parts_major, int lane,
+                                        MergeShared& sh) {
+    float m = DDT_NEG_INF, s = 0.f;
+    for (int p = lane; p < P; p += 32) {
+        const float2 ms = in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)];
+        lse_combine(m, s, ms.x, ms.y);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
+        lse_combine(m, s, m2, s2);
+    }
+    if (lane == 0) { sh.m = m; sh.s = s; }
+}
+
+// The N keys of s_keys (unique, nonzero) hold the row's top-k: narrow them to a threshold with at most
+// scap keys above it that include the k largest, sort those with one warp, write the row's outputs.
+// Starts after a barrier that made s_keys, N and sh.m / sh.s visible.
+__device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, int r, int tid, int lane, int warp,
+                                             MergeShared& sh, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
+                                             float* __restrict__ out_lp, int* __restrict__ out_id) {
+    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variants 3
+    // and 4 narrow to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
+    // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
+#if DDT_FAST >= 2
+    const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
+#else
+    const unsigned scap = DDT_SORT_CAP;
+#endif
+    u64 thr = 0ull;
+    if ((unsigned)N > scap) {
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+            sh.hist[tid] = 0u;
+            __syncthreads();
+            for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
+                const u64 key = s_keys[i];
+                if ((key & hmask) == thr) atomicAdd(&sh.hist[(key >> shift) & 255], 1u);
+            }
+            __syncthreads();
+            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            thr |= (u64)sh.digit << shift;
+            remaining -= sh.above;
+            above += sh.above;
+            const unsigned in_bin = sh.bin;
+            __syncthreads();   // digit/above/bin read by all before the next pass
+            // uniform; always true once shift == 0: then in_bin == 1 (keys are unique) and above < k <= scap
+            if (above + in_bin <= scap) break;
+        }
+    }
+    if (tid == 0) sh.n = 0;
+    __syncthreads();
+    for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
+        const u64 key = s_keys[i];
+        if (key >= thr) sh.sel[atomicAdd(&sh.n, 1)] = key;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    const int ns = sh.n;
+    u64 top[8];
+    if (ns <= 32) warp_sort_load<1, 5>(sh.sel, ns, lane, top);
+    else if (ns <= 64) warp_sort_load<2, 6>(sh.sel, ns, lane, top);
+    else if (ns <= 128) warp_sort_load<4, 7>(sh.sel, ns, lane, top);
+    else warp_sort_load<8, 8>(sh.sel, ns, lane, top);
+    const float lse = sh.m + logf(sh.s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int i = (e << 5) + lane;
+        if (i < k) {
+            const u64 key = top[e];
+            out_keys[(size_t)r * k + i] = key;
+            out_lp[(size_t)r * k + i] = key ? key_value(key) - lse : DDT_NEG_INF;
+            out_id[(size_t)r * k + i] = key ? key_id(key) : -1;
+        }
+    }
+    if (lane == 0) out_ms[r] = make_float2(sh.m, sh.s);
+}
+
+#if DDT_FAST == 4
+// ---------------------------------------------------------------------------------------------------
+// Stage 2, scan variant (k >= 2, stage-1 group keys). Group g of the row (chunk g / 256, thread g % 256)
+// holds 32 logits; its key is its largest element's key. With thr <= the k-th largest group key, at least
+// k distinct elements are >= thr, so the row's k-th largest element key K_k >= thr; every element key >= K_k
+// lies in a group whose key is >= it, hence >= thr. So the top-k is among the elements >= thr of the groups
+// whose key is >= thr: a radix narrowing of the G = 256 P group keys (8-bit digits from the top) stops at
+// the first threshold with k <= (groups >= thr) <= gcap(k) (= cand_cap(k)), those groups' 32 logits are
+// re-read (from L2: stage 1 read them just before) and every element key >= thr is a candidate (at most
+// 32 gcap(k); on random logits about k + a few). merge_finish does the rest.
+// Dynamic shared memory: max(G, 32 gcap(k)) keys (the group keys, then the candidates in the same place)
+// + gcap(k) ints (the selected groups): scan_merge_smem in kernels/ddtree.py.
+// ---------------------------------------------------------------------------------------------------
+// every lane of the warp calls it: the lanes with `take` store their value at consecutive slots of out
+template <typename V>
+__device__ __forceinline__ void warp_append(bool take, V val, V* out, int* counter, int lane) {
+    const unsigned b = __ballot_sync(FULL_MASK, take);
+    if (b == 0u) return;
+    const int leader = __ffs(b) - 1;
+    int base = 0;
+    if (lane == leader) base = atomicAdd(counter, __popc(b));
+    base = __shfl_sync(FULL_MASK, base, leader);
+    if (take) out[base + __popc(b & ((1u << lane) - 1u))] = val;
+}
+
+// the selected groups' logits -> every element key >= thr appended to out (4 vectors per thread at most:
+// ng * nv <= gcap * 4 <= 1024 items, all loads issued before any use)
+template <typename T>
+__device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t id_offset, int chunk,
+                                            const int* s_gl, int ng, u64 thr, u64* out, int* counter,
+                                            int tid, int lane) {
+    const int nv = chunk / (DDT_TOPK_THREADS * 8);
+    const int items = ng * nv;
+    ChunkRegs<T> v;
+    bool ok[DDT_TOPK_VECS];
+    int base[DDT_TOPK_VECS];
+#pragma unroll
+    for (int t = 0; t < DDT_TOPK_VECS; ++t) {
+        const int j = t * DDT_TOPK_THREADS + tid;
+        ok[t] = false;
+        base[t] = 0;
+        if (j < items) {
+            const int q = j / nv, u = j - q * nv, g = s_gl[q];
+            const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
+            if (i < V_local) { ok[t] = true; base[t] = i; }
+        }
+        if (ok[t]) v.load(xrow + base[t], t);
+        else v.clear(t);
+    }
+#pragma unroll
+    for (int t = 0; t < DDT_TOPK_VECS; ++t) {
+        if (t * DDT_TOPK_THREADS >= items) break;   // uniform
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const u64 key = ok[t] ? make_key(v.at(t, e), id_offset + (uint32_t)(base[t] + e)) : 0ull;
+            warp_append<u64>(key >= thr, key, out, counter, lane);
+        }
+    }
+}
+
+__device__ __forceinline__ int scan_gcap(int k) { return cand_cap(k); }
+
+__device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P,
+                           int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
+                           u64* __restrict__ out_keys, float2* __restrict__ out_ms, float* __restrict__ out_lp,
+                           int* __restrict__ out_id) {
+    const int W = scan_width(k), G = P * DDT_TOPK_THREADS, gcap = scan_gcap(k);
+    const int region = max(G, 32 * gcap);
+    int* s_gl = reinterpret_cast<int*>(s_keys + region);
+    const u64* row = in_keys + (size_t)r * P * W;
+    // header (chunk 0's; every chunk writes the same)
+    const u64 h0 = row[0], h1 = row[1];
+    const int chunk = (int)row[2];
+    const int V_local = (int)(uint32_t)h1;
+    const uint32_t id_offset = (uint32_t)(h1 >> 32);
+    // the group keys into shared memory (8 loads in flight per thread), counting the nonzero ones
+    int nz = 0;
+    for (int t0 = 0; t0 < G; t0 += 8 * DDT_TOPK_THREADS) {
+        u64 kk[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int t = t0 + u * DDT_TOPK_THREADS + tid;
+            kk[u] = t < G ? row[(size_t)(t >> 8) * W + DDT_SCAN_HDR + (t & 255)] : 0ull;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int t = t0 + u * DDT_TOPK_THREADS + tid;
+            if (t < G) s_keys[t] = kk[u];
+            nz += kk[u] != 0ull ? 1 : 0;
+        }
+    }
+    nz = __reduce_add_sync(FULL_MASK, nz);
+    if (tid == 0) { sh.nz = 0; sh.n = 0; sh.ng = 0; }
+    __syncthreads();
+    if (lane == 0) atomicAdd(&sh.nz, nz);
+    if (warp == DDT_TOPK_THREADS / 32 - 1) row_lse(in_ms, rows, r, P, 0, lane, sh);
+    __syncthreads();
+    // thr: fewer than k groups have a logit in range -> all of them (a row may be shorter than 256 k);
+    // else the radix narrowing over the nonzero group keys
+    u64 thr = 0ull;
+    if (sh.nz >= k) {
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+            sh.hist[tid] = 0u;
+            __syncthreads();
+            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
+                const u64 key = s_keys[i];
+                const bool in = key != 0ull && (key & hmask) == thr;
+                const int bin = in ? (int)((key >> shift) & 255) : -1;
+                // most keys share the top digits (one exponent): one atomic per warp and bin, not per key
+                const unsigned peers = __match_any_sync(FULL_MASK, bin);
+                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
+            }
+            __syncthreads();
+            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            thr |= (u64)sh.digit << shift;
+            remaining -= sh.above;
+            above += sh.above;
+            const unsigned in_bin = sh.bin;
+            __syncthreads();   // digit/above/bin read by all before the next pass
+            // uniform; at shift 0 the bin is one key (nonzero keys are unique): above + 1 = k <= gcap
+            if (above + in_bin <= (unsigned)gcap) break;
+        }
+    }
+    thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
+    for (int i = tid; i < G; i += DDT_TOPK_THREADS) warp_append<int>(s_keys[i] >= thr, i, s_gl, &sh.ng, lane);
+    __syncthreads();   // s_gl complete; the group keys are read for the last time
+    const int ng = sh.ng;
+    if (h0 & 1ull)
+        scan_gather<bf16_bits>(reinterpret_cast<const bf16_bits*>(h0 & ~1ull), V_local, id_offset, chunk, s_gl, ng,
+                               thr, s_keys, &sh.n, tid, lane);
+    else
+        scan_gather<float>(reinterpret_cast<const float*>(h0), V_local, id_offset, chunk, s_gl, ng, thr, s_keys,
+                           &sh.n, tid, lane);
+    __syncthreads();
+    merge_finish(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                float* __restrict__ out_lp, int* __restrict__ out_id) {
     extern __shared__ u64 s_keys[];   // [P * lcap] gathered keys, then int [P] list lengths
-    __shared__ u64 s_sel[DDT_SORT_CAP];
-    __shared__ unsigned s_hist[256];
-    __shared__ u64 s_red[DDT_TOPK_THREADS / 32];
-    __shared__ int s_n, s_digit;
-    __shared__ unsigned s_above, s_bin;
-    __shared__ float s_m, s_s;
+    __shared__ MergeShared sh;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = blockIdx.x;
     const bool cand = !parts_major && k > 1;
+    DDT_PDL_WAIT();
+#if DDT_FAST == 4
+    if (cand) {
+        merge_scan(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp, out_id);
+        return;
+    }
+#endif
     const int W = parts_major ? k : part_width(k);       // slots per list in memory
     const int lcap = cand ? cand_cap(k) : k;              // keys per list at most
     const int koff = cand ? 2 : 0;                        // first key slot
     int* s_len = reinterpret_cast<int*>(s_keys + (size_t)P * lcap);
-    DDT_PDL_WAIT();
     auto list = [&](int c) -> const u64* {
         return in_keys + (parts_major ? ((size_t)c * rows + r) : ((size_t)r * P + c)) * W;
     };
@@ -419,26 +709,13 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
         const u64 o = __shfl_xor_sync(FULL_MASK, lb, off);
         lb = o > lb ? o : lb;
     }
-    if (lane == 0) s_red[warp] = lb;
-    if (warp == DDT_TOPK_THREADS / 32 - 1) {
-        float m = DDT_NEG_INF, s = 0.f;
-        for (int p = lane; p < P; p += 32) {
-            const float2 ms = in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)];
-            lse_combine(m, s, ms.x, ms.y);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
-            lse_combine(m, s, m2, s2);
-        }
-        // one lane's rounding for every log-prob of the row (a butterfly leaves lane-dependent ones)
-        if (lane == 0) { s_m = m; s_s = s; }
-    }
-    if (tid == 0) s_n = 0;
+    if (lane == 0) sh.red[warp] = lb;
+    if (warp == DDT_TOPK_THREADS / 32 - 1) row_lse(in_ms, rows, r, P, parts_major, lane, sh);
+    if (tid == 0) sh.n = 0;
     __syncthreads();
     u64 L = 0ull;
 #pragma unroll
-    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) L = s_red[w] > L ? s_red[w] : L;
+    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) L = sh.red[w] > L ? sh.red[w] : L;
     // gather the keys >= L (nonzero), 8 loads in flight per thread
     const int total = P * lcap;
     for (int t0 = 0; t0 < total; t0 += 8 * DDT_TOPK_THREADS) {
@@ -454,68 +731,10 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u)
-            if (kk[u] != 0ull && kk[u] >= L) s_keys[atomicAdd(&s_n, 1)] = kk[u];
+            if (kk[u] != 0ull && kk[u] >= L) s_keys[atomicAdd(&sh.n, 1)] = kk[u];
     }
     __syncthreads();
-    const int N = s_n;
-    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variant 3
-    // narrows to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
-    // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
-#if DDT_FAST >= 2
-    const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
-#else
-    const unsigned scap = DDT_SORT_CAP;
-#endif
-    u64 thr = 0ull;
-    if ((unsigned)N > scap) {
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            s_hist[tid] = 0u;
-            __syncthreads();
-            for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
-                const u64 key = s_keys[i];
-                if ((key & hmask) == thr) atomicAdd(&s_hist[(key >> shift) & 255], 1u);
-            }
-            __syncthreads();
-            if (warp == 0) radix_pick(s_hist, remaining, lane, &s_digit, &s_above, &s_bin);
-            __syncthreads();
-            thr |= (u64)s_digit << shift;
-            remaining -= s_above;
-            above += s_above;
-            const unsigned in_bin = s_bin;
-            __syncthreads();   // s_digit/s_above/s_bin read by all before the next pass
-            // uniform; always true once shift == 0: then in_bin == 1 (keys are unique) and above < k <= scap
-            if (above + in_bin <= scap) break;
-        }
-    }
-    if (tid == 0) s_n = 0;
-    __syncthreads();
-    for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
-        const u64 key = s_keys[i];
-        if (key >= thr) s_sel[atomicAdd(&s_n, 1)] = key;
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    const int ns = s_n;
-    u64 top[8];
-    if (ns <= 32) warp_sort_load<1, 5>(s_sel, ns, lane, top);
-    else if (ns <= 64) warp_sort_load<2, 6>(s_sel, ns, lane, top);
-    else if (ns <= 128) warp_sort_load<4, 7>(s_sel, ns, lane, top);
-    else warp_sort_load<8, 8>(s_sel, ns, lane, top);
-    const float lse = s_m + logf(s_s);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const int i = (e << 5) + lane;
-        if (i < k) {
-            const u64 key = top[e];
-            out_keys[(size_t)r * k + i] = key;
-            out_lp[(size_t)r * k + i] = key ? key_value(key) - lse : DDT_NEG_INF;
-            out_id[(size_t)r * k + i] = key ? key_id(key) : -1;
-        }
-    }
-    if (lane == 0) out_ms[r] = make_float2(s_m, s_s);
+    merge_finish(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
 }
 
 // ---------------------------------------------------------------------------------------------------

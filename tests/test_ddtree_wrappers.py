@@ -28,13 +28,17 @@ def _cu_ternary(name):
             expr = expr[:inner.start()] + py(inner.group(1)) + expr[inner.end():]
         else:
             expr = py(expr)
-    return eval("lambda k: " + expr, {"cc": ddt.cand_cap})
+    consts = {n: int(re.search(r"#define " + n + r" (\d+)", SRC).group(1)) for n in ("DDT_SCAN_HDR", "DDT_TOPK_THREADS")}
+    return eval("lambda k: " + expr, {"cc": ddt.cand_cap, **consts})
 
 
 @pytest.mark.parametrize("k", list(range(1, ddt.MAX_K + 1)))
 def test_candidate_layout_matches_the_kernel(k):
     assert _cu_ternary("cand_cap")(k) == ddt.cand_cap(k)
     assert _cu_ternary("part_width")(k) == ddt.part_width(k)
+    assert _cu_ternary("scan_width")(k) == ddt.scan_width(k)
+    assert ddt.stage1_width(k, 4) == ddt.scan_width(k) and ddt.stage1_width(k, 3) == ddt.part_width(k)
+    assert ddt.stage1_width(k, 0) == ddt.part_width(k)
     assert ddt.cand_cap(k) >= max(k, 2) and ddt.cand_cap(k) <= 256   # s_cand holds DDT_SORT_CAP keys
 
 
@@ -43,8 +47,9 @@ def test_candidate_layout_matches_the_kernel(k):
 def test_merge_shared_memory_fits_engine_shapes(tp, k):
     V_local = 163840 // tp
     P = ddt.n_chunks(V_local)
-    assert ddt.merge_smem(P, k, parts_major=False) <= ddt.MAX_MERGE_SMEM
-    assert ddt.merge_smem(tp, k, parts_major=True) <= ddt.MAX_MERGE_SMEM
+    for fast in ddt.VARIANTS:
+        assert ddt.merge_smem(P, k, parts_major=False, fast=fast) <= ddt.MAX_MERGE_SMEM
+        assert ddt.merge_smem(tp, k, parts_major=True, fast=fast) <= ddt.MAX_MERGE_SMEM
     # the limit leaves room for the merge's static shared memory under sm_120's 99 KB per block
     assert ddt.MAX_MERGE_SMEM + 4 * 1024 <= 99 * 1024
 

@@ -51,10 +51,17 @@ DDTREE_SPEC = register(KernelSpec(
     doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
 DDTREE_V3_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, default builder (scores in registers, warp-uniform pop), merge sort sized to k"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC}
-VARIANTS = {0: "verified", 3: "v3"}   # the value of ``fast`` -> its name in tests and bench
-# The builder the engine uses; DDT_TREE_VARIANT (0 or 3) overrides it (whole-engine checks of a variant).
+    doc="DDTree kernels, builder v3 (scores in registers, warp-uniform pop), merge sort sized to k"))
+# Variant 4 ("scan"): v3's builder and walk with the streaming top-K (stage 1 writes each thread's largest
+# key, the merge narrows those and re-reads the few 32-logit groups that can hold the top-k); same outputs
+# bit for bit (keys exact, log-sum-exp combined in the same order).
+DDTREE_SCAN_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "4"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, streaming top-K (group maxima + re-read of the groups that can hold the top-k), builder v3"))
+_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC}
+VARIANTS = {0: "verified", 3: "v3", 4: "scan"}   # the value of ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (4,)    # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
+# The variant the engine uses; DDT_TREE_VARIANT (0, 3 or 4) overrides it (whole-engine checks of a variant).
 DEFAULT_VARIANT = 3
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
@@ -63,8 +70,8 @@ if os.environ.get("DDT_TREE_VARIANT"):
 
 
 def variant(fast) -> int:
-    """``fast`` (False -> 0, True -> the default 3, or a variant number) -> the DDT_FAST variant."""
-    v = (3 if fast else 0) if isinstance(fast, (bool, np.bool_)) else int(fast)
+    """``fast`` (False -> 0, True -> DEFAULT_VARIANT, or a variant number) -> the DDT_FAST variant."""
+    v = (DEFAULT_VARIANT if fast else 0) if isinstance(fast, (bool, np.bool_)) else int(fast)
     if v not in VARIANTS:
         raise ValueError(f"fast: expected False/True or a variant in {sorted(VARIANTS)}, got {fast!r}")
     return v
@@ -90,8 +97,23 @@ def part_width(k: int) -> int:
     return 1 if k == 1 else 2 + cand_cap(k)
 
 
-def merge_smem(P: int, k: int, parts_major: bool) -> int:
-    """Dynamic shared memory of ``ddt_topk_merge``: every list's keys (capacity) plus P lengths."""
+def scan_width(k: int) -> int:
+    """uint64 slots per chunk in the scan variant's ``part_keys`` (scan_width in ddtree.cu): a 3-slot
+    header (logits row address | bf16 flag, V_local | id_offset << 32, chunk) and the 256 threads'
+    largest keys; k == 1 is the chunk's largest key alone, as in the other variants."""
+    return 1 if k == 1 else 3 + TOPK_THREADS
+
+
+def stage1_width(k: int, fast=True) -> int:
+    """Slots per chunk of ``part_keys`` for kernel variant ``fast``."""
+    return scan_width(k) if variant(fast) in SCAN_VARIANTS else part_width(k)
+
+
+def merge_smem(P: int, k: int, parts_major: bool, fast=False) -> int:
+    """Dynamic shared memory of ``ddt_topk_merge``: every list's keys (capacity) plus P lengths; the scan
+    variant (k >= 2): max(256 P group keys, 32 cand_cap(k) candidates) plus cand_cap(k) group indices."""
+    if not parts_major and k > 1 and variant(fast) in SCAN_VARIANTS:
+        return max(P * TOPK_THREADS, 32 * cand_cap(k)) * 8 + cand_cap(k) * 4
     lcap = cand_cap(k) if (not parts_major and k > 1) else k
     return P * lcap * 8 + P * 4
 
@@ -103,8 +125,9 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
                  fast=True):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
-    [rows, P, part_width(k)] and its log-sum-exp partial (max, sum exp(x - max)) -> ``part_ms`` float32
-    [rows, P, 2]; P = ceil(V_local / chunk)."""
+    [rows, P, stage1_width(k, fast)] (the scan variant: its group keys and a header with the logits'
+    address, so ``logits`` must stay unchanged until the merge) and its log-sum-exp partial
+    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
     dims: dict = {}
     dev = current_device()
     if logits.dtype == np.float32:
@@ -124,7 +147,7 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     if chunk % 2048:
         raise ValueError(f"chunk: must be a multiple of 2048, got {chunk}")
     P = n_chunks(V, chunk)
-    check_array("part_keys", part_keys, np.uint64, ("rows", P, part_width(k)), dims, device=dev)
+    check_array("part_keys", part_keys, np.uint64, ("rows", P, stage1_width(k, fast)), dims, device=dev)
     check_array("part_ms", part_ms, np.float32, ("rows", P, 2), dims, device=dev)
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
@@ -134,7 +157,7 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
                fast=True):
-    """Merge P partial lists per row. ``keys`` uint64 [rows, P, part_width(k)] with ``ms`` float32
+    """Merge P partial lists per row. ``keys`` uint64 [rows, P, stage1_width(k, fast)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
     float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]."""
@@ -144,7 +167,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
         check_array("keys", keys, np.uint64, ("P", "rows", k), dims, device=dev)
         check_array("ms", ms, np.float32, ("P", "rows", 2), dims, device=dev)
     else:
-        check_array("keys", keys, np.uint64, ("rows", "P", part_width(k)), dims, device=dev)
+        check_array("keys", keys, np.uint64, ("rows", "P", stage1_width(k, fast)), dims, device=dev)
         check_array("ms", ms, np.float32, ("rows", "P", 2), dims, device=dev)
     check_range("k", k, 1, MAX_K)
     check_array("out_keys", out_keys, np.uint64, ("rows", k), dims, device=dev)
@@ -152,7 +175,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
-    smem = merge_smem(P, k, parts_major)
+    smem = merge_smem(P, k, parts_major, fast)
     if smem > MAX_MERGE_SMEM:
         raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
                          f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
@@ -238,7 +261,7 @@ class DDTreeWorkspace:
         R, A = MAX_TREE_ROWS, depth + 1
         self.A = A
         i32 = lambda *s: cupy.empty(s, cupy.int32)   # noqa: E731
-        self.part_keys = cupy.empty((rows, self.P, part_width(k)), cupy.uint64)
+        self.part_keys = cupy.empty((rows, self.P, stage1_width(k, self.fast)), cupy.uint64)
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)

@@ -1,0 +1,103 @@
+"""CPU model of the scan variant's top-K (cuda_src/ddtree.cu, DDT_FAST=4: stage 1's group keys, the merge's
+radix narrowing of them, the re-read of the selected groups). The kernel's exactness is tested on the GPU
+(tests/gpu/test_ddtree_gpu.py, variant "scan"); this model checks the argument the merge rests on, with the
+kernel's own constants and stopping rule, on inputs that stress it: the candidates it gathers contain the
+row's top-k (ties and -inf included), at most cand_cap(k) groups are re-read, at most 32 cand_cap(k)
+candidates land in the shared buffer, and the buffer fits the kernel's shared memory (merge_smem)."""
+import numpy as np
+import pytest
+
+from ddtree_cupy.kernels import ddtree as ddt
+
+THREADS, VEC = ddt.TOPK_THREADS, 8
+
+
+def _keys(x: np.ndarray, id0: int = 0) -> np.ndarray:
+    """The kernels' 64-bit keys: order-preserving float bits (-0.0 as +0.0) << 32 | (2^32 - 1 - id)."""
+    b = (x.astype(np.float32) + np.float32(0.0)).view(np.uint32).astype(np.uint64)
+    o = np.where(b >> np.uint64(31) == 1, (~b) & np.uint64(0xFFFFFFFF), b | np.uint64(0x80000000))
+    ids = np.arange(x.size, dtype=np.uint64) + np.uint64(id0)
+    return (o << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - ids)
+
+
+def _group_of(V: int, chunk: int) -> np.ndarray:
+    """Group (chunk * 256 + thread) of every logit: thread t of a chunk holds vectors (u * 256 + t) * 8."""
+    i = np.arange(V)
+    c, j = i // chunk, i % chunk
+    return c * THREADS + (j // VEC) % THREADS
+
+
+def _radix_bound(gk: np.ndarray, k: int, gcap: int):
+    """The merge's narrowing: 8-bit digits from the top over the nonzero group keys, stopping at the first
+    bin prefix thr with (keys >= thr) <= gcap; returns (thr, passes)."""
+    nz = gk[gk != 0]
+    if nz.size < k:
+        return np.uint64(1), 0
+    thr, remaining, above = 0, k, 0
+    for p, shift in enumerate(range(56, -1, -8)):
+        hmask = 0 if shift == 56 else (~0 << (shift + 8)) & (2**64 - 1)
+        sel = nz[(nz & np.uint64(hmask)) == np.uint64(thr)]
+        hist = np.bincount(((sel >> np.uint64(shift)) & np.uint64(255)).astype(np.int64), minlength=256)
+        cum = np.cumsum(hist[::-1])               # keys in bins >= d, d from 255 down
+        d = 255 - int(np.searchsorted(cum, remaining))
+        a = int(hist[d + 1:].sum())
+        thr |= d << shift
+        remaining -= a
+        above += a
+        if above + int(hist[d]) <= gcap:
+            return np.uint64(max(thr, 1)), p + 1
+    raise AssertionError("the narrowing must stop at the last digit")
+
+
+def model_scan_topk(x: np.ndarray, k: int, chunk: int = ddt.DEFAULT_CHUNK, id0: int = 0):
+    V = x.size
+    P = ddt.n_chunks(V, chunk)
+    keys = _keys(x, id0)
+    grp = _group_of(V, chunk)
+    gk = np.zeros(P * THREADS, np.uint64)
+    np.maximum.at(gk, grp, keys)                 # a group's key: its largest element key
+    gcap = ddt.cand_cap(k)
+    thr, passes = _radix_bound(gk, k, gcap)
+    groups = np.flatnonzero(gk >= thr)
+    cand = keys[np.isin(grp, groups) & (keys >= thr)]
+    return dict(cand=cand, n_groups=groups.size, gcap=gcap, passes=passes, P=P)
+
+
+def _rows(rng, V):
+    x = (rng.standard_normal(V) * 2.0).astype(np.float32)
+    x[rng.integers(0, V, size=8)] += 10.0
+    bf = lambda a: ((a.view(np.uint32) + np.uint32(0x8000)) & np.uint32(0xFFFF0000)).view(np.float32)  # noqa: E731
+    equal = np.full(V, 1.25, np.float32)
+    runs = x.copy()
+    runs[3000:9000] = 20.0
+    masked = np.full(V, -np.inf, np.float32)      # a masked vocabulary: fewer finite logits than k
+    masked[rng.integers(0, V, size=40)] = rng.standard_normal(40).astype(np.float32)
+    halves = np.round(x * 2) / 2
+    zeros = np.where(rng.random(V) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    return dict(normal=x, bf16=bf(x), equal=equal, runs=runs, masked=masked, halves=halves, zeros=zeros)
+
+
+@pytest.mark.parametrize("V,k", [(163840, 64), (163840, 128), (163840, 8), (163840, 2), (20480, 128),
+                                 (4096 + 264, 33), (512, 128), (1024, 64), (8192 + 64, 128)])
+def test_candidates_hold_the_top_k(V, k):
+    rng = np.random.default_rng(V + k)
+    for name, x in _rows(rng, V).items():
+        m = model_scan_topk(x, k, id0=7 * V)
+        top = np.sort(_keys(x, 7 * V))[::-1][:k]
+        assert np.isin(top, m["cand"]).all(), name          # the row's top-k is among the candidates
+        assert m["cand"].size >= k, name
+        assert m["n_groups"] <= m["gcap"], name              # s_gl holds gcap group indices
+        assert m["cand"].size <= 32 * m["gcap"], name       # the candidate region
+        smem = ddt.merge_smem(m["P"], k, parts_major=False, fast=4)
+        assert smem >= m["cand"].size * 8 + m["n_groups"] * 4 and smem <= ddt.MAX_MERGE_SMEM, name
+
+
+def test_random_rows_stop_early_with_few_candidates():
+    """The bench's inputs: bf16 N(0, 2) with 8 raised logits. The narrowing stops after two digits (sign and
+    exponent, then the rest of a bf16 value) and the re-read yields about k candidates, which is what makes
+    the merge cheap; a regression here would not be wrong, only slow."""
+    rng = np.random.default_rng(3)
+    for k in (8, 16, 32, 64, 128):
+        m = model_scan_topk(_rows(rng, 163840)["bf16"], k)
+        assert m["passes"] <= 3, (k, m["passes"])
+        assert m["cand"].size <= 2 * k + 16, (k, m["cand"].size)
