@@ -1,22 +1,25 @@
-"""Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as a fraction of the read ceiling measured in the
-same run.
+"""Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as fractions of the read ceiling and of the floor
+(max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
-    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep] [--pdl 0|1|both]
-                                         [--variant auto|splitk|decode|both] [--rows 1,8,16] [--json out.json]
+    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
+                                         [--variant oldnew|auto|old,splitk,decode,tiled] [--rows 1,8,16]
+                                         [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
 enough weight copies (> 2x L2) that every call streams its weight from DRAM, as in a real decode step
 where 61 layers' weights pass through L2 once. bytes = weights + activations read + outputs written;
-GB/s = bytes / time; 'frac' = GB/s / measured read ceiling. Benchmarks print; they never assert.
+GB/s = bytes / time; 'frac' = GB/s / measured read ceiling; 'floor' (us) and 'f/fl' = floor / time.
+Benchmarks print; they never assert.
 
-Parts: 'gemm' every skinny GEMM at TP=8 rank shapes; 'layers' the small layer kernels, top-K, sampling;
-'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router sequence (10 kernels, 6 of
-them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed cost shows in context;
-'sweep' the split-K factor of a few GEMMs, against gemm.choose_split's pick. --pdl: run with programmatic
-dependent launch off (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: the GEMM
-kernel (gemm.set_variant): the rule ('auto'), one forced, or 'both' (default: every GEMM and chain at
-T <= 16 with the split-K kernel and with the decode kernel, '[dec]' marks the latter), followed by a
-side-by-side table.
+Parts: 'gemm' every skinny GEMM at TP=8 rank shapes (T = 1, 8, 16, 32, 64, 160); 'layers' the small layer
+kernels, top-K, sampling; 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router
+sequence (10 kernels, 6 of them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed
+cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode / tiled
+config forced at each shape and T, then the fastest per shape. --pdl: programmatic dependent launch off
+(0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
+GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
+current rule, same run, then a side-by-side table; or a comma list of families forced through
+gemm.set_variant ('[splitk]', '[dec]', '[tiled]'; 'auto' is the rule).
 """
 from __future__ import annotations
 
@@ -60,26 +63,102 @@ def _variants(T, variants):
     return [v for v in variants if v != "decode" or T <= 16]
 
 
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "tiled": " [tiled]", "old": " [old]"}
+
+
 def _tag(v):
-    return " [dec]" if v == "decode" else ""
+    return _TAGS[v] if isinstance(v, str) else f" [{_cfg_str(v)}]"
 
 
-def _with_variant(v, fn):
+def _cfg_str(c):
+    from ddtree_cupy.kernels import gemm
+    if isinstance(c, gemm.DecodeConfig):
+        return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
+    return f"tiled ntw{c.ntw} s{c.stages} cs{c.cs}"
+
+
+# The previous session's rule (commit bbf9da7), kept here only to time "was" against "now" in one run: the
+# decode kernel (RT = CS = 1, full ring) for T <= 8, for T = 9..16 unless its grid is below 0.2 x SMs or in
+# (1, 1.25] waves of 2 resident blocks per SM; the split-K kernel otherwise.
+def old_choice(T, N, K, B, sms, slots_per_sm):
+    from ddtree_cupy.kernels import gemm
+    if T > 16:
+        return "splitk", None
+    base = gemm.DecodeConfig(1 if T <= 8 else 2, gemm.dec_stages(1 if T <= 8 else 2), 1, 1)
+    if T <= 8:
+        return "decode", base
+    blocks = N // 16 * B
+    waves = blocks / (slots_per_sm * sms)
+    if blocks >= 0.2 * sms and not 1.0 < waves <= 1.25:
+        return "decode", base
+    return "splitk", None
+
+
+def _old_gemm(real):
+    """gemm_bf16 with the kernel of ``old_choice`` forced per call (the chain mixes shapes)."""
+    import cupy
+    from ddtree_cupy.kernels import gemm
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def call(x, w, out=None, **kw):
+        T, N, K = x.shape[-2], w.shape[-2], w.shape[-1]
+        B = w.shape[0] if w.ndim == 3 else 1
+        fam, cfg = old_choice(T, N, K, B, sms, 2)
+        ov, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
+        try:
+            return real(x, w, out, **kw)
+        finally:
+            gemm.set_variant(ov)
+            gemm.set_decode_config(od)
+    return call
+
+
+def _with_variant(v, fn, shape=None):
+    """fn run with variant v: a family name ("auto", "splitk", "decode", "tiled"), "old" (old_choice for
+    ``shape`` = (T, N, K, B)), or a DecodeConfig / TiledConfig forced."""
     from ddtree_cupy.kernels import gemm
 
+    if v == "old":
+        def run_old():
+            real = gemm.gemm_bf16
+            gemm.gemm_bf16 = _old_gemm(real)
+            try:
+                fn()
+            finally:
+                gemm.gemm_bf16 = real
+        return run_old
+
     def run():
-        old = gemm.set_variant(v)
+        if isinstance(v, gemm.DecodeConfig):
+            fam, cfg = "decode", v
+        elif isinstance(v, gemm.TiledConfig):
+            fam, cfg = "tiled", v
+        else:
+            fam, cfg = v, None
+        old = gemm.set_variant(fam)
+        od = gemm.set_decode_config(cfg if fam == "decode" else None)
+        ot = gemm.set_tiled_config(cfg if fam == "tiled" else None)
         try:
             fn()
         finally:
             gemm.set_variant(old)
+            gemm.set_decode_config(od)
+            gemm.set_tiled_config(ot)
     return run
 
 
-def gemm_cases(cp, rows, variants=("auto",)):
-    from ddtree_cupy.kernels.gemm import gemm_bf16
+def _flops(T, N, K, B):
+    return 2.0 * T * N * K * B
+
+
+def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
+    """(name, shape, bytes, flops, fn) per GEMM x T x variant; ``configs``: instead of the variants, every
+    compiled config that can serve the call (decode for T <= 16, tiled for T in rows >= 8) forced."""
+    from ddtree_cupy.kernels import gemm
     out = []
     for name, N, K, B in GEMMS:
+        if shapes and not any(k in name for k in shapes):
+            continue
         wbytes = N * K * 2 * B
         copies = max(1, min(64, math.ceil(2 * L2_BYTES / wbytes)))
         shape = (B, N, K) if B > 1 else (N, K)
@@ -92,16 +171,21 @@ def gemm_cases(cp, rows, variants=("auto",)):
             it = [0]
 
             def fn(x=x, y=y, ws=ws, it=it, f32=f32):
-                gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
+                gemm.gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
                 it[0] += 1
             nbytes = wbytes + x.nbytes + y.nbytes
-            for v in _variants(T, variants):
+            if configs:
+                vs = [c for c in gemm.DEC_CONFIGS if T <= 16 and c.nt == (1 if T <= 8 else 2) and N % c.rows() == 0]
+                vs += [c for c in gemm.TL_CONFIGS if T >= 8 and c.ntw == -(-T // 32)]
+            else:
+                vs = _variants(T, variants)
+            for v in vs:
                 out.append((f"gemm {name}{_tag(v)}", f"T={T} N={N} K={K}" + (f" x{B}" if B > 1 else ""), nbytes,
-                            _with_variant(v, fn)))
+                            _flops(T, N, K, B), _with_variant(v, fn, (T, N, K, B))))
     return out
 
 
-def layer_cases(cp, rows, variants=None):
+def layer_cases(cp, rows, variants=None, shapes=None, configs=False):
     from ddtree_cupy.kernels import layers, router, sample, topk
     from ddtree_cupy.config import RopeConfig
     from ddtree_cupy.reference import yarn_inv_freq
@@ -163,8 +247,7 @@ CHAIN_LAYERS = 8
 def chain_case(cp, T):
     """(bytes of weights, fn): CHAIN_LAYERS x [norm, q_a+kv_a, q_a norm, q_b, o_proj, norm(+residual),
     router gate, shared gate+up, silu, shared down], each step reading the previous step's output."""
-    from ddtree_cupy.kernels import layers
-    from ddtree_cupy.kernels.gemm import gemm_bf16
+    from ddtree_cupy.kernels import gemm, layers
     shapes = dict(qa=(1536 + 576, H), qb=(1536, 1536), o=(H, 1024), gu=(512, H), down=(H, 256), router=(384, H))
     base = {k: _rand_bf16(cp, v, 0.02) for k, v in shapes.items()}
     layers_w = [{k: (v if i == 0 else v.copy()) for k, v in base.items()} for i in range(CHAIN_LAYERS)]
@@ -181,15 +264,15 @@ def chain_case(cp, T):
         b["h"][...] = h0          # one copy kernel: every graph replay starts from the same residual
         for lw in layers_w:
             layers.rms_norm(b["h"], nw, 1e-6, b["xn"])
-            gemm_bf16(b["xn"], lw["qa"], b["qkv"], workspace=b["ws"])
+            gemm.gemm_bf16(b["xn"], lw["qa"], b["qkv"], workspace=b["ws"])
             layers.rms_norm(b["qkv"][:, :1536], qnw, 1e-6, b["qn"])
-            gemm_bf16(b["qn"], lw["qb"], b["q"], workspace=b["ws"])
-            gemm_bf16(b["q"][:, :1024], lw["o"], b["o"], workspace=b["ws"])
+            gemm.gemm_bf16(b["qn"], lw["qb"], b["q"], workspace=b["ws"])
+            gemm.gemm_bf16(b["q"][:, :1024], lw["o"], b["o"], workspace=b["ws"])
             layers.rms_norm(b["o"], nw, 1e-6, b["xn"], residual=b["h"])
-            gemm_bf16(b["xn"], lw["router"], b["lg"], out_dtype=np.float32, workspace=b["ws"])
-            gemm_bf16(b["xn"], lw["gu"], b["gu"], workspace=b["ws"])
+            gemm.gemm_bf16(b["xn"], lw["router"], b["lg"], out_dtype=np.float32, workspace=b["ws"])
+            gemm.gemm_bf16(b["xn"], lw["gu"], b["gu"], workspace=b["ws"])
             layers.silu_mul(b["gu"], b["a"])
-            gemm_bf16(b["a"], lw["down"], b["o"], workspace=b["ws"])
+            gemm.gemm_bf16(b["a"], lw["down"], b["o"], workspace=b["ws"])
             layers.rms_norm(b["o"], nw, 1e-6, b["xn"], residual=b["h"])
     return wbytes, fn
 
@@ -228,29 +311,51 @@ def sweep_cases(cp, rows, variants=None):
     return out
 
 
-def _row(results, bw, kname, shape, nbytes, us, pdl):
+def _row(results, bw, tf, kname, shape, nbytes, flops, us, pdl):
     gbs = nbytes / (us * 1e-6) / 1e9
-    results.append(dict(kernel=kname, shape=shape, us=us, bytes=nbytes, gbps=gbs, frac=gbs / bw, pdl=pdl))
-    print(f"{kname:34} {shape:28} {us:8.2f} {nbytes / 1e6:8.2f} {gbs:7.0f} {gbs / bw:6.2f}")
+    floor = max(nbytes / bw / 1e3, flops / tf / 1e6)      # us: read ceiling or mma rate, whichever binds
+    results.append(dict(kernel=kname, shape=shape, us=us, bytes=nbytes, flops=flops, gbps=gbs, frac=gbs / bw,
+                        floor_us=floor, frac_floor=floor / us, pdl=pdl))
+    print(f"{kname:44} {shape:26} {us:8.2f} {nbytes / 1e6:8.2f} {gbs:7.0f} {gbs / bw:6.2f} {floor:7.2f} "
+          f"{floor / us:6.2f}")
     sys.stdout.flush()
 
 
-def _side_by_side(results):
-    """One line per (GEMM or chain, shape): split-K vs decode, PDL off and on (us, frac of the ceiling)."""
+def _side_by_side(results, tags):
+    """One line per (GEMM or chain, shape): us / fraction of the floor per tag (PDL rows only if any)."""
+    pdl_any = any(r["pdl"] for r in results)
     rows = {}
     for r in results:
-        k = r["kernel"]
-        dec, pdl = " [dec]" in k, " [pdl]" in k
-        base = k.replace(" [dec]", "").replace(" [pdl]", "")
-        rows.setdefault((base, r["shape"]), {})[(dec, pdl)] = r
-    print(f"\n{'split-K vs decode (us / frac)':44} {'shape':22} {'splitk':>12} {'decode':>12} "
-          f"{'splitk[pdl]':>12} {'decode[pdl]':>12}")
-    for (base, shape), d in rows.items():
-        if (True, False) not in d and (True, True) not in d:
+        if r["pdl"] != pdl_any:
             continue
-        cells = [f"{d[c]['us']:6.2f}/{d[c]['frac']:.2f}" if c in d else "-"
-                 for c in ((False, False), (True, False), (False, True), (True, True))]
-        print(f"{base:44} {shape[:22]:22} " + " ".join(f"{c:>12}" for c in cells))
+        k = r["kernel"].replace(" [pdl]", "")
+        tag = next((t for t in tags if t and k.endswith(t)), "")
+        base = k[: len(k) - len(tag)] if tag else k
+        rows.setdefault((base, r["shape"]), {})[tag] = r
+    names = [t.strip(" []") or "new" for t in tags]
+    print(f"\n{'us / frac of floor' + (' (PDL)' if pdl_any else ''):40} {'shape':20} "
+          + " ".join(f"{n:>14}" for n in names))
+    for (base, shape), d in rows.items():
+        if len(d) < 2:
+            continue
+        cells = [f"{d[t]['us']:6.2f}/{d[t]['frac_floor']:.2f}" if t in d else "-" for t in tags]
+        print(f"{base[:40]:40} {shape[:20]:20} " + " ".join(f"{c:>14}" for c in cells))
+
+
+def _best_configs(results):
+    """Per (GEMM, shape) of the configs part: the fastest forced config and the rule's pick."""
+    best = {}
+    for r in results:
+        if "[dec " not in r["kernel"] and "[tiled " not in r["kernel"]:
+            continue
+        base = r["kernel"].replace(" [pdl]", "")
+        base, cfg = base[: base.index(" [")], base[base.index(" [") + 2:-1]
+        cur = best.get((base, r["shape"]))
+        if cur is None or r["us"] < cur[1]:
+            best[(base, r["shape"])] = (cfg, r["us"], r["frac_floor"])
+    print(f"\n{'fastest forced config':40} {'shape':26} {'config':28} {'us':>8} {'f/floor':>7}")
+    for (base, shape), (cfg, us, ff) in best.items():
+        print(f"{base[:40]:40} {shape[:26]:26} {cfg:28} {us:8.2f} {ff:7.2f}")
 
 
 def main(argv=None):
@@ -258,16 +363,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--parts", default="gemm,layers,chain", help="comma list of gemm, layers, chain, sweep")
+    ap.add_argument("--parts", default="gemm,layers,chain",
+                    help="comma list of gemm, layers, chain, sweep, configs")
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
-    ap.add_argument("--variant", default="both", choices=("auto", "splitk", "decode", "both"),
-                    help="GEMM kernel: the rule, one forced, or split-K and decode side by side ([dec])")
+    ap.add_argument("--variant", default="oldnew",
+                    help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
+                         "'auto', or a comma list of auto, old, splitk, decode, tiled")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
+    ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)
-    variants = ("splitk", "decode") if args.variant == "both" else (args.variant,)
+    variants = ("old", "auto") if args.variant == "oldnew" else tuple(args.variant.split(","))
     from ddtree_cupy.kernels import launch
     parts = set(args.parts.split(","))
+    shapes = args.shapes.split(",") if args.shapes else None
     modes = {"0": [False], "1": [True], "both": [False, True]}[args.pdl]
     if int(cp.cuda.Device().compute_capability) < 90:
         modes = [False]
@@ -276,34 +385,47 @@ def main(argv=None):
     bw = measure_read_bandwidth(4 << 30)
     tf = measure_mma_bf16_tflops()
     print(f"device: {name} (sm_{dev.compute_capability}); read ceiling {bw:.0f} GB/s; mma.sync bf16 {tf:.0f} TFLOP/s")
-    g_rows = [1, 8, 16, 64, 160] if not args.quick else [1, 16, 160]
+    g_rows = [1, 8, 16, 32, 64, 160] if not args.quick else [1, 16, 160]
     if args.rows:
         g_rows = [int(r) for r in args.rows.split(",")]
     l_rows = [1, 16, 160] if not args.quick else [1, 160]
     results = []
-    print(f"{'kernel':34} {'shape':28} {'us':>8} {'MB':>8} {'GB/s':>7} {'frac':>6}")
-    groups = [(gemm_cases, g_rows, "gemm"), (layer_cases, l_rows, "layers"),
-              (sweep_cases, [1, 16], "sweep")]
+    print(f"{'kernel':44} {'shape':26} {'us':>8} {'MB':>8} {'GB/s':>7} {'frac':>6} {'floor':>7} {'f/fl':>6}")
+    groups = [(gemm_cases, g_rows, "gemm"), (layer_cases, l_rows, "layers"), (sweep_cases, [1, 16], "sweep")]
     for cases, rows, part in groups:
         if part not in parts:
             continue
-        built = cases(cp, rows, variants)
+        built = cases(cp, rows, variants, shapes) if part == "gemm" else cases(cp, rows, variants)
         for pdl in (modes if part != "sweep" else modes[-1:]):
             launch.set_pdl(pdl)
             tag = " [pdl]" if pdl else ""
-            for kname, shape, nbytes, fn in built:
+            for case in built:
+                kname, shape, nbytes, fn = case[0], case[1], case[2], case[-1]
+                flops = case[3] if len(case) == 5 else 0.0
                 try:
                     us = time_graph(fn, iters=64 if part != "layers" else 20)
                 except Exception as e:      # keep the table going; the error is printed in its row
-                    print(f"{kname + tag:34} {shape:28} ERROR {type(e).__name__}: {str(e)[:80]}")
+                    print(f"{kname + tag:44} {shape:26} ERROR {type(e).__name__}: {str(e)[:80]}")
                     continue
-                _row(results, bw, kname + tag, shape, nbytes, us, pdl)
+                _row(results, bw, tf, kname + tag, shape, nbytes, flops, us, pdl)
+        del built
+        cp.get_default_memory_pool().free_all_blocks()
+    if "configs" in parts:     # every config forced, PDL as the engine runs (on where available)
+        launch.set_pdl(modes[-1])
+        built = gemm_cases(cp, g_rows, shapes=shapes, configs=True)
+        for kname, shape, nbytes, flops, fn in built:
+            try:
+                us = time_graph(fn, iters=64)
+            except Exception as e:
+                print(f"{kname:44} {shape:26} ERROR {type(e).__name__}: {str(e)[:80]}")
+                continue
+            _row(results, bw, tf, kname + (" [pdl]" if modes[-1] else ""), shape, nbytes, flops, us, modes[-1])
         del built
         cp.get_default_memory_pool().free_all_blocks()
     if "chain" in parts:
         for T in g_rows:
             wbytes, fn = chain_case(cp, T)
-            for v in _variants(T, variants):
+            for v in variants:
                 for pdl in modes:
                     launch.set_pdl(pdl)
                     try:
@@ -311,15 +433,17 @@ def main(argv=None):
                     except Exception as e:
                         print(f"chain [pdl={int(pdl)}]{_tag(v)} T={T} ERROR {type(e).__name__}: {str(e)[:80]}")
                         continue
-                    _row(results, bw, f"chain {CHAIN_LAYERS} layers{_tag(v)}" + (" [pdl]" if pdl else ""),
-                         f"T={T} 80 kernels, 48 GEMMs", wbytes, us, pdl)
-                    print(f"{'':34} {'  per layer':28} {us / CHAIN_LAYERS:8.2f} us; weight stream alone "
+                    _row(results, bw, tf, f"chain {CHAIN_LAYERS} layers{_tag(v)}" + (" [pdl]" if pdl else ""),
+                         f"T={T} 80 kernels, 48 GEMMs", wbytes, 0.0, us, pdl)
+                    print(f"{'':44} {'  per layer':26} {us / CHAIN_LAYERS:8.2f} us; weight stream alone "
                           f"{wbytes / CHAIN_LAYERS / bw / 1e3:.2f} us")
             del fn
             cp.get_default_memory_pool().free_all_blocks()
     launch.set_pdl(False)
-    if len(variants) == 2:
-        _side_by_side(results)
+    if "configs" in parts:
+        _best_configs(results)
+    if len(variants) >= 2:
+        _side_by_side(results, [_tag(v) for v in variants])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, read_ceiling_gbps=bw, mma_bf16_tflops=tf, pdl=args.pdl, results=results),

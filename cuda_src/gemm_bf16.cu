@@ -416,3 +416,207 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
                                                  out_batch_stride, out_row_stride, T, N, K);
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Tiled variant (T = 17..160, issue #4 item 2): at these T the GEMM is no longer a pure weight stream (q_a+kv_a
+// at T = 160 is 4.8 GFLOP = 7.5 us of mma.sync vs 6.6 us of weight bytes), so the block is built for mma
+// throughput as well:
+//  * a block = 64 weight rows x 32 NTW tokens x its K range; 8 warps as 2 (rows: 2 m16 tiles each) x 4
+//    (tokens: NTW n8 tiles each), so per k16 step a warp issues 2 A ldmatrix.x4 + NTW/2 B ldmatrix.x4 for
+//    2 NTW mma (the split-K kernel: 1 + NT/2 for NT, with 4 warps of 248 registers at NT = 20);
+//  * one cp.async ring per block (weights + tokens, XOR-swizzled, STAGES deep, <= 96 KB), weight stages
+//    issued before DDT_PDL_WAIT() in their own groups, the prologue's token tiles with plain loads after it;
+//  * warps whose tokens all lie past T skip their mma (their loads still help fill the ring);
+//  * CS > 1: K is split over a cluster of CS blocks (grid.y); each block parks its fp32 64 x 32 NTW tile in
+//    its (drained) ring and the tile's outputs are summed in cluster-rank order over distributed shared
+//    memory, each block finishing 1/CS of them: deterministic, no workspace, no reduce launch.
+#define TL_THREADS 256
+
+template <int NTW, int STAGES, bool OUT_F32, int CS>
+__device__ __forceinline__ void gemm_tiled_body(
+        const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+        const bf16_bits* __restrict__ w, long long w_batch_stride,
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K) {
+    constexpr int TB = 32 * NTW;                // tokens per block
+    constexpr int WST = GEMM_BN * 8;            // uint4 per weight stage
+    constexpr int XST = TB * 8;                 // uint4 per token stage
+    constexpr int PS = TB + 4;                  // partial-tile row stride in floats
+    static_assert(CS == 1 || GEMM_BN * PS * 4 <= STAGES * (WST + XST) * 16, "partial tile fits the ring");
+    extern __shared__ uint4 smem[];
+    uint4* w_s = smem;                          // [STAGES][WST]
+    uint4* x_s = smem + STAGES * WST;           // [STAGES][XST]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1;
+    const int n0 = blockIdx.x * GEMM_BN, b = blockIdx.z;
+    const int crank = CS > 1 ? (int)cluster_rank() : 0;
+    const int k_tiles = K / GEMM_BK;
+    const int kt0 = crank * k_tiles / CS, nkt = (crank + 1) * k_tiles / CS - kt0;
+    x += b * x_batch_stride;
+    w += b * w_batch_stride;
+
+    auto load_w = [&](int slot, int kt) {
+        uint4* d = w_s + slot * WST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < WST / TL_THREADS; ++j) {
+            const int i = tid + j * TL_THREADS, r = i >> 3, c = i & 7;
+            const int n = n0 + r;
+            const bf16_bits* src = n < N ? w + (long long)n * K + k + c * 8 : w;
+            cp_async16(smem_addr(d + swz(r, c)), src, n < N ? 16 : 0);
+        }
+    };
+    auto load_x = [&](int slot, int kt, bool async) {
+        uint4* d = x_s + slot * XST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < XST / TL_THREADS; ++j) {
+            const int i = tid + j * TL_THREADS, r = i >> 3, c = i & 7;
+            const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
+            if (async) {
+                cp_async16(smem_addr(d + swz(r, c)), r < T ? src : x, r < T ? 16 : 0);
+            } else {
+                d[swz(r, c)] = r < T ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+
+    DDT_PDL_LAUNCH_DEPENDENTS();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {      // weights only: allowed before the wait
+        if (s < nkt) load_w(s, kt0 + s);
+        cp_async_commit();
+    }
+    DDT_PDL_WAIT();                             // x and out belong to earlier kernels in the stream
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nkt) load_x(s, kt0 + s, false);
+
+    float acc[2][NTW][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
+    const int t_w = wn * NTW * 8;               // this warp's first token
+    const int ntw_live = min(NTW, max(0, (T - t_w + 7) >> 3));   // its n8 tiles holding a token < T
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();           // stage `it` has landed (this thread's copies) ...
+        __syncthreads();                       // ... everyone's, and slot (it-1) % STAGES is free
+        const int nxt = it + STAGES - 1;
+        if (nxt < nkt) {
+            load_w(nxt % STAGES, kt0 + nxt);
+            load_x(nxt % STAGES, kt0 + nxt, true);
+        }
+        cp_async_commit();
+        if (ntw_live == 0) continue;           // warp-uniform: every token of this warp is padding
+
+        const uint4* ws_ = w_s + (it % STAGES) * WST;
+        const uint4* xs_ = x_s + (it % STAGES) * XST;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int r = wm * 32 + mi * 16 + (lane & 15), c = kk * 2 + (lane >> 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[mi][0]), "=r"(a[mi][1]), "=r"(a[mi][2]), "=r"(a[mi][3])
+                             : "r"(smem_addr(ws_ + swz(r, c))));
+            }
+#pragma unroll
+            for (int j = 0; j < NTW; j += 2) {
+                if (j >= ntw_live) break;      // warp-uniform
+                uint32_t b0, b1, b2 = 0, b3 = 0;
+                const int c = kk * 2 + ((lane >> 3) & 1);
+                if (j + 1 < NTW) {
+                    const int r = t_w + j * 8 + (lane & 7) + ((lane >> 4) << 3);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+                } else {
+                    const int r = t_w + j * 8 + (lane & 7);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                                 : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+                }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                                 : "+f"(acc[mi][j][0]), "+f"(acc[mi][j][1]), "+f"(acc[mi][j][2]),
+                                   "+f"(acc[mi][j][3])
+                                 : "r"(a[mi][0]), "r"(a[mi][1]), "r"(a[mi][2]), "r"(a[mi][3]), "r"(b0), "r"(b1));
+                    if (j + 1 < NTW) {
+                        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                                     : "+f"(acc[mi][j + 1][0]), "+f"(acc[mi][j + 1][1]), "+f"(acc[mi][j + 1][2]),
+                                       "+f"(acc[mi][j + 1][3])
+                                     : "r"(a[mi][0]), "r"(a[mi][1]), "r"(a[mi][2]), "r"(a[mi][3]), "r"(b2), "r"(b3));
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // D fragment: c0,c1 = (row lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = row + 8.
+    auto store = [&](int n, int t, float v) {
+        const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
+        if (OUT_F32) ((float*)out)[o] = v;
+        else ((bf16_bits*)out)[o] = f32_to_bf16(v);
+    };
+    if (CS == 1) {
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < NTW; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = n0 + wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+                    const int t = t_w + j * 8 + 2 * (lane & 3) + (e & 1);
+                    if (n < N && t < T) store(n, t, acc[mi][j][e]);
+                }
+    } else {
+        __syncthreads();                        // the ring is drained by every warp: park the partial tile
+        float* part = reinterpret_cast<float*>(smem);   // [GEMM_BN rows][PS]
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int j = 0; j < NTW; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    part[(wm * 32 + mi * 16 + (lane >> 2) + (e >> 1) * 8) * PS + t_w + j * 8 + 2 * (lane & 3) + (e & 1)]
+                        = acc[mi][j][e];
+        cluster_sync_all();                     // every block's tile is written and visible cluster-wide
+        constexpr int OUTS = GEMM_BN * TB;
+        const int i0 = crank * OUTS / CS, i1 = (crank + 1) * OUTS / CS;
+        for (int i = i0 + tid; i < i1; i += TL_THREADS) {
+            const int r = i % GEMM_BN, t = i / GEMM_BN;   // consecutive threads: consecutive features
+            if (t >= T || n0 + r >= N) continue;
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < CS; ++q) s += ld_cluster_f32(part + r * PS + t, (uint32_t)q);
+            store(n0 + r, t, s);
+        }
+        cluster_sync_all();                     // no block leaves while its tile is read remotely
+    }
+}
+
+template <int NTW, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(TL_THREADS, 2)
+gemm_bf16_kernel_tiled(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                       const bf16_bits* __restrict__ w, long long w_batch_stride,
+                       void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                       float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_tiled_body<NTW, STAGES, OUT_F32, 1>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                             out_batch_stride, out_row_stride, T, N, K);
+}
+
+#ifdef DDT_HAS_CLUSTERS
+template <int NTW, int STAGES, bool OUT_F32, int CS>
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(TL_THREADS, 2)
+gemm_bf16_kernel_tiled_cl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                          const bf16_bits* __restrict__ w, long long w_batch_stride,
+                          void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                          float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_tiled_body<NTW, STAGES, OUT_F32, CS>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                              out_batch_stride, out_row_stride, T, N, K);
+}
+#endif

@@ -1,6 +1,8 @@
 """Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off, batched strided views,
-fp32 output, and replay inside a CUDA graph; both kernels ("splitk", "decode") at every engine shape for
-T <= 16, graph replay == eager, and a PDL-launched chain == the plain one."""
+fp32 output, and replay inside a CUDA graph; the three families ("splitk", "decode", "tiled") at every engine
+shape for T <= 16, graph replay == eager, and a PDL-launched chain == the plain one; every decode and tiled
+config the selection can choose, forced, at edge shapes (odd T, N and K not multiples of the tiles, clusters
+with empty K ranges), bit-identical across repeats and under graph replay."""
 import functools
 
 import numpy as np
@@ -161,7 +163,7 @@ def _weight(N, K, B):
     return cp.asarray(wb), w
 
 
-@pytest.fixture(params=["splitk", "decode"])
+@pytest.fixture(params=["splitk", "decode", "tiled"])
 def variant(request, monkeypatch):
     """Forces one kernel; yields (variant, names of the kernels launched since)."""
     from ddtree_cupy.kernels import gemm
@@ -179,7 +181,8 @@ def variant(request, monkeypatch):
 
 def _assert_kernel(variant, launched):
     v, names = variant, launched
-    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "splitk" for n in names
+    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else
+            "tiled" if n.startswith("gemm_bf16_kernel_tiled") else "splitk" for n in names
             if n.startswith("gemm_bf16_kernel")}
     assert used == {v}, (v, names)
 
@@ -326,3 +329,137 @@ def test_engine_pdl_chain_equals_plain(variant, T):
     _assert_kernel(v, launched)
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus split-K reduces)
+
+
+# ---- every decode / tiled config, forced (the selection can pick any of them) ----------------------------
+def _run_forced(monkeypatch, variant, setter, cfg, T, N, K, B, f32, rng, strided):
+    """Two calls with ``cfg`` forced (the second into a re-poisoned output): the same bits, right against
+    float64 per token and per 16-feature block, nothing written outside a strided output view, and the
+    launched kernel is the forced config's."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm
+    launched = []
+    real = gemm.get_kernel
+
+    def recording(spec, name, **kw):
+        launched.append(name)
+        return real(spec, name, **kw)
+    monkeypatch.setattr(gemm, "get_kernel", recording)
+    dt = np.float32 if f32 else np.uint16
+    xb, x = rand_bf16(rng, (B, T, K))
+    wb, w = rand_bf16(rng, (B, N, K), 0.05)
+    w_dev = cp.asarray(wb)
+    if strided:     # x rows inside wider [T, B, K + 64] rows, out inside [T, B, N + 32] rows
+        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
+        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
+        obuf = poisoned(cp, (T, B, N + 32), dt)
+        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:, :, 16:16 + N].transpose(1, 0, 2)
+    else:
+        obuf = None
+        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
+    if B == 1:
+        x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
+    old, old_v = setter(cfg), gemm.set_variant(variant)
+    try:
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        first = out.copy()
+        out.fill(np.nan if f32 else 0xFFFF)
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    finally:
+        setter(old)
+        gemm.set_variant(old_v)
+    assert launched == [cfg.name(f32)] * 2, launched
+    assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
+    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
+    ref = np.matmul(x, w.transpose(0, 2, 1))
+    tol = 1e-5 if f32 else BF16_TOL
+    assert rel_err(got, ref) < tol
+    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
+    assert err_bt.max() < 4 * tol, err_bt.max()
+    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731   (a wrong 16-feature offset cannot hide)
+    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
+    assert err_blk.max() < 16 * tol, err_blk.max()
+    if obuf is not None:
+        pad = obuf.get()
+        bad = np.isnan(pad) if f32 else pad == 0xFFFF
+        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output view"
+
+
+def _dec_cases():
+    from ddtree_cupy.kernels.gemm import DEC_CONFIGS
+    out = []
+    for c in DEC_CONFIGS:
+        Ts = (1, 5, 8) if c.nt == 1 else (9, 13, 16)
+        rows = 16 * c.rt
+        # K: 7168 (long slices), 576 (9 k tiles: uneven slices, and with CS = 4 / RT = 4 blocks or warps
+        # with 1-2 tiles), 128 (fewer tiles than warps / cluster blocks: empty slices)
+        shapes = [(rows * 5, 7168, 1), (rows * 3, 576, 2), (rows, 128, 1)]
+        for i, (N, K, B) in enumerate(shapes):
+            out.append((c, Ts[i % 3], N, K, B, i == 1))
+    return out
+
+
+@pytest.mark.parametrize("cfg,T,N,K,B,f32", _dec_cases(), ids=lambda v: str(tuple(v)) if isinstance(v, tuple) else str(v))
+def test_every_decode_config(monkeypatch, cfg, T, N, K, B, f32):
+    from ddtree_cupy.kernels import gemm
+    rng = np.random.default_rng(hash((tuple(cfg), T, N, K)) % 2**32)
+    _run_forced(monkeypatch, "decode", gemm.set_decode_config, cfg, T, N, K, B, f32, rng, strided=(T % 2 == 1 or B > 1))
+
+
+def _tl_cases():
+    from ddtree_cupy.kernels.gemm import TL_CONFIGS, TL_MIN_T
+    out = []
+    for c in TL_CONFIGS:
+        hi = 32 * c.ntw
+        Ts = sorted({max(1, hi - 31), hi - 1, hi} | ({TL_MIN_T - 1, TL_MIN_T, TL_MIN_T + 1} if c.ntw == 1 else set()))
+        # N: not a multiple of 64 (last column tile partly outside); K: 9 k tiles (uneven cluster ranges,
+        # CS = 8: blocks with one tile), 64 (one tile: CS - 1 empty cluster blocks), 7168 (long).
+        shapes = [(1040, 576, 1, False), (48, 64, 2, True), (336, 7168, 1, True)]
+        for i, T in enumerate(Ts):
+            N, K, B, f32 = shapes[(i + c.cs) % 3]
+            out.append((c, T, N, K, B, f32))
+    return out
+
+
+@pytest.mark.parametrize("cfg,T,N,K,B,f32", _tl_cases(), ids=lambda v: str(tuple(v)) if isinstance(v, tuple) else str(v))
+def test_every_tiled_config(monkeypatch, cfg, T, N, K, B, f32):
+    from ddtree_cupy.kernels import gemm
+    rng = np.random.default_rng(hash((tuple(cfg), T, N, K)) % 2**32)
+    _run_forced(monkeypatch, "tiled", gemm.set_tiled_config, cfg, T, N, K, B, f32, rng, strided=(T % 2 == 1 or B > 1))
+
+
+@pytest.mark.parametrize("T,N,K,f32", [(1, 1280, 7168, False), (16, 384, 7168, True), (16, 7168, 1024, False),
+                                       (17, 2112, 7168, False), (64, 4608, 2304, True), (160, 2112, 7168, False),
+                                       (160, 20480, 1024, False)])
+def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
+    """The rule's own pick (cluster configs among them) captured once and replayed with new inputs: bit-
+    identical to an eager call, right against float64, with PDL on as the engine runs it."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm, launch
+    rng = np.random.default_rng(T * 3 + N)
+    wb, w = rand_bf16(rng, (N, K), 0.05)
+    w_dev = cp.asarray(wb)
+    dt = np.float32 if f32 else np.uint16
+    x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
+    x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
+    launch.set_pdl(True)
+    try:
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+            g = s.end_capture()
+        for _ in range(2):
+            xb, x = rand_bf16(rng, (T, K))
+            x_dev.set(xb)
+            out.fill(np.nan if f32 else 0xFFFF)
+            with s:
+                g.launch(s)
+                gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
+            s.synchronize()
+            assert cp.array_equal(out, eager)
+            got = out.get().astype(np.float64) if f32 else f64(out)
+            assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
+    finally:
+        launch.set_pdl(False)
