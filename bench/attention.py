@@ -250,6 +250,12 @@ def refit(paths):
         print(f"  {nm:>32}: {a:10.4g} -> {b:10.4g}")
 
 
+def _save(path: str, summary: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -387,7 +393,7 @@ def main():
                 o = one(S, n, c, "tree", config=A.MLA_CONFIGS[tw], splits_override=k)
                 r["twins"][tw] = o["us"]
                 extra += f" {tw}={o['us']:.1f} ({o['us'] / r['us']:.2f})"
-        elif args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit:   # the candidate tiles, same run
+        elif args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit and S * n * c <= 10 * 16 * 32768:
             o = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32"])
             r["ks32_us"], r["ks32_splits"] = o["us"], o["splits"]
             o4 = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32_4stage"], splits_override=o["splits"])
@@ -398,6 +404,10 @@ def main():
                                           splits_override=r["splits"], spec=comb1)["us"]
             extra += f" combine_unroll1={r['combine_unroll1_us']:.1f}"
         results.append(r)
+        if args.out:   # as we go: a run cut short by a time limit keeps what it measured
+            _save(args.out, dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H,
+                                 launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results,
+                                 partial=True))
         wa = f"{r['was_us']:>7.1f}" if r["was_us"] else f"{'-':>7}"
         print(f"{S:>3} {n:>4} {c:>7} | {r['us']:>8.1f} {wa} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} "
               f"{r['ratio_launch']:>5.2f} "
@@ -441,7 +451,7 @@ def main():
     drafter = []
     if args.policy != "both":
         print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
-        print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5}")
+        print(f"{'S':>3} {'ctx':>7} | {'mma us':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} | {'fma us':>7} (was kernel)")
     for S in ((1, 10) if args.policy != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
@@ -454,18 +464,19 @@ def main():
             sp = A.drafter_num_splits(S, 1, c, 8, num_sms)
             ws = A.DrafterWorkspace(sp, S, 8, 8) if sp > 1 else None
 
-            def dcall():
+            def dcall(kernel="mma"):
                 A.drafter_attention(q, kb, vb, kc, vc, ctx, softmax_scale=128 ** -0.5, max_ctx_len=c, out=out,
-                                    workspace=ws)
+                                    workspace=ws, kernel=kernel)
             us = time_graph(dcall, iters=20, reps=5)
+            us_fma = time_graph(lambda: dcall("fma"), iters=20, reps=5)
             nbytes = S * (c + 8) * 2 * 128 * 2
             flops = S * 64 * (c + 8) * 4 * 128
             floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))
             lfloor = launch[1] if sp > 1 else launch[0]
-            drafter.append(dict(streams=S, ctx=c, us=us, bytes=nbytes, flops=flops, floor_us=floor, splits=sp,
-                                launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor)))
-            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f} {us / max(floor, lfloor):>5.2f}",
-                  flush=True)
+            drafter.append(dict(streams=S, ctx=c, us=us, fma_us=us_fma, bytes=nbytes, flops=flops, floor_us=floor,
+                                splits=sp, launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor)))
+            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f} {us / max(floor, lfloor):>5.2f} | "
+                  f"{us_fma:>7.1f}", flush=True)
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,
@@ -489,9 +500,7 @@ def main():
     print(f"\n# {met}/{len(results)} MLA cases meet (<= max(1.3 x floor, 8 us) and tree <= 1.5 x chain); "
           f"bench took {summary['seconds']:.0f} s")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
+        _save(args.out, summary)
         print(f"# wrote {args.out}")
         write_svg(summary, args.svg or os.path.splitext(args.out)[0] + ".svg")
 

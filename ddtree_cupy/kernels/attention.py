@@ -98,7 +98,7 @@ MLA_SPEC = register(KernelSpec(
 
 DRAFTER_SPEC = register(KernelSpec(
     src="drafter_attention.cu",
-    names=("drafter_attn_fwd", "drafter_attn_combine"),
+    names=("drafter_attn_fwd", "drafter_attn_mma", "drafter_attn_combine"),
     hot=True,
     pdl=True,
     doc="DFlash drafter GQA attention (context cache + block, non-causal) + split combine"))
@@ -107,6 +107,13 @@ DRAFTER_HEAD_DIM = 128
 DRAFTER_TILE = 64
 DRAFTER_MAX_PACKED = 64
 DRAFTER_SMEM = (64 * 128 + 64 * 65 + 3 * 64) * 4 + (64 * 130 + 64 * 128) * 2
+# the two drafter kernels (same launch contract): name, dynamic shared memory, threads per block.
+# "mma": tensor cores, 2-stage cp.async ring (drafter_attn_mma); "fma": fp32 CUDA cores (drafter_attn_fwd).
+DRAFTER_KERNELS = {"mma": ("drafter_attn_mma", 2 * 2 * 64 * 136 * 2, 128),
+                   "fma": ("drafter_attn_fwd", DRAFTER_SMEM, 256)}
+DRAFTER_KERNEL = os.environ.get("DDT_DRAFTER_KERNEL", "mma")
+if DRAFTER_KERNEL not in DRAFTER_KERNELS:
+    raise ValueError(f"DDT_DRAFTER_KERNEL: expected one of {tuple(DRAFTER_KERNELS)}, got {DRAFTER_KERNEL!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,7 +446,7 @@ class DrafterWorkspace:
 
 def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax_scale: float,
                       max_ctx_len: int, window: int = 0, out=None, num_splits: Optional[int] = None,
-                      workspace: Optional[DrafterWorkspace] = None, stream=None):
+                      workspace: Optional[DrafterWorkspace] = None, stream=None, kernel: Optional[str] = None):
     """DFlash drafter attention; returns ``out`` uint16 bf16 [S, BR, Hq, 128].
 
     q        uint16 [S, BR, Hq, 128]   block queries (normed, rotated)
@@ -448,6 +455,7 @@ def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax
     ctx_len  int32 [S]  committed context length; rows see positions [max(0, len - window), len) (all of
              [0, len) when window == 0; then len must be <= C) plus the BR block rows, no causal mask
     max_ctx_len: the bucket's bound on the context actually read (fixes the split count).
+    kernel: "mma" or "fma" (DRAFTER_KERNELS); None = DRAFTER_KERNEL (environment DDT_DRAFTER_KERNEL).
     """
     import cupy
     dims: dict = {}
@@ -486,14 +494,18 @@ def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax
             raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_rows} rows, "
                              f"launch needs {num_splits} x {S * BR * Hq}")
         part_o, part_lse = workspace.part_o, workspace.part_lse
-    fwd = get_kernel(DRAFTER_SPEC, "drafter_attn_fwd", DRAFTER_SMEM)
+    kernel = kernel or DRAFTER_KERNEL
+    if kernel not in DRAFTER_KERNELS:
+        raise ValueError(f"kernel: expected one of {tuple(DRAFTER_KERNELS)}, got {kernel!r}")
+    kname, ksmem, kthreads = DRAFTER_KERNELS[kernel]
+    fwd = get_kernel(DRAFTER_SPEC, kname, ksmem)
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
-        fwd((num_splits, Hkv, S), (256,),
+        fwd((num_splits, Hkv, S), (kthreads,),
             (q, k_block, v_block, k_cache, v_cache, ctx_len, np.int32(C), np.int32(window), np.int32(BR),
              np.int32(Hq), np.int32(Hkv), np.float32(float(softmax_scale) * LOG2E), np.int32(num_splits), out,
              part_o if part_o is not None else null, part_lse if part_lse is not None else null),
-            shared_mem=DRAFTER_SMEM)
+            shared_mem=ksmem)
         if num_splits > 1:
             comb = get_kernel(DRAFTER_SPEC, "drafter_attn_combine")
             rows = S * BR * Hq
