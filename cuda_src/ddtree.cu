@@ -441,7 +441,7 @@ struct MergeShared {
     unsigned hist[256];
     u64 red[DDT_TOPK_THREADS / 32];
     int n, digit, ng, nz;
-    unsigned above, bin;
+    unsigned above, bin, top, near;
     float m, s;
 };
 
@@ -603,8 +603,11 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
     const int chunk = (int)row[2];
     const int V_local = (int)(uint32_t)h1;
     const uint32_t id_offset = (uint32_t)(h1 >> 32);
-    // the group keys into shared memory (8 loads in flight per thread), counting the nonzero ones
+    if (tid == 0) { sh.nz = 0; sh.n = 0; sh.ng = 0; sh.top = 0u; }
+    // the group keys into shared memory (8 loads in flight per thread), counting the nonzero ones and
+    // taking the largest top-16-bit value (sign, exponent, 7 mantissa bits: a bf16 value)
     int nz = 0;
+    unsigned top = 0u;
     for (int t0 = 0; t0 < G; t0 += 8 * DDT_TOPK_THREADS) {
         u64 kk[8];
 #pragma unroll
@@ -617,18 +620,63 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
             const int t = t0 + u * DDT_TOPK_THREADS + tid;
             if (t < G) s_keys[t] = kk[u];
             nz += kk[u] != 0ull ? 1 : 0;
+            top = max(top, (unsigned)(kk[u] >> 48));
         }
     }
     nz = __reduce_add_sync(FULL_MASK, nz);
-    if (tid == 0) { sh.nz = 0; sh.n = 0; sh.ng = 0; }
-    __syncthreads();
-    if (lane == 0) atomicAdd(&sh.nz, nz);
+    top = __reduce_max_sync(FULL_MASK, top);
+    __syncthreads();   // sh initialised
+    if (lane == 0) { atomicAdd(&sh.nz, nz); atomicMax(&sh.top, top); }
     if (warp == DDT_TOPK_THREADS / 32 - 1) row_lse(in_ms, rows, r, P, 0, lane, sh);
     __syncthreads();
-    // thr: fewer than k groups have a logit in range -> all of them (a row may be shorter than 256 k);
-    // else the radix narrowing over the nonzero group keys
+    // thr: fewer than k groups have a logit in range -> all of them (a row may be shorter than 256 k).
+    // Else, first, windows of 256 top-16-bit values from the largest down: a histogram of the nonzero keys
+    // whose top 16 bits lie in the window (bin = distance below the window's top; random rows spread over
+    // many bins, so plain shared atomics rarely collide) gives thr = (the k-th largest key's top 16 bits)
+    // << 48 when at most gcap keys are >= it. That fails only when one top-16 value holds too many keys
+    // (long runs of equal logits) or the k-th largest is more than 3 windows below the maximum; then the
+    // radix narrowing over the whole keys decides (exact for any input; its first digits put most keys in
+    // one bin, so its histogram updates are aggregated per warp and bin).
     u64 thr = 0ull;
-    if (sh.nz >= k) {
+    bool found = false;
+    if (sh.nz < k) {
+        thr = 1ull;
+        found = true;
+    } else {
+        int wtop = (int)sh.top;
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int w = 0; w < 3 && wtop >= 0; ++w, wtop -= 256) {   // uniform
+            sh.hist[tid] = 0u;
+            if (tid == 0) sh.near = 0u;
+            __syncthreads();
+            unsigned near = 0;
+            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {
+                const u64 key = s_keys[i];
+                const int d = wtop - (int)(key >> 48);
+                if (key != 0ull && d >= 0 && d < 256) { atomicAdd(&sh.hist[255 - d], 1u); ++near; }
+            }
+            near = __reduce_add_sync(FULL_MASK, near);
+            if (lane == 0 && near) atomicAdd(&sh.near, near);
+            __syncthreads();
+            const unsigned nw = sh.near;
+            if (nw < remaining) {   // the k-th largest is below this window
+                remaining -= nw;
+                above += nw;
+                __syncthreads();     // every thread has read sh.near before the next window clears it
+                continue;
+            }
+            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            if (above + sh.above + sh.bin <= (unsigned)gcap) {
+                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
+                found = true;
+            }
+            break;
+        }
+        __syncthreads();   // everybody has read sh.digit/above/bin (and hist) before they are reused
+    }
+    if (!found) {
         unsigned remaining = (unsigned)k, above = 0;
 #pragma unroll 1
         for (int shift = 56; shift >= 0; shift -= 8) {

@@ -62,7 +62,9 @@ _SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC}
 VARIANTS = {0: "verified", 3: "v3", 4: "scan"}   # the value of ``fast`` -> its name in tests and bench
 SCAN_VARIANTS = (4,)    # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
 # The variant the engine uses; DDT_TREE_VARIANT (0, 3 or 4) overrides it (whole-engine checks of a variant).
-DEFAULT_VARIANT = 3
+# 4: the scan top-K's first H200 run had every GPU test pass and stage 1 at 3.2-9.8 us (was 7.1-38.5); its
+# merge then used a slow warp-aggregated radix (docs/DDTREE.md), replaced by the top-16-bit windows.
+DEFAULT_VARIANT = 4
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
     if DEFAULT_VARIANT not in VARIANTS:
