@@ -173,6 +173,141 @@ def bench_width(I, read_gbs, rows, quick):
     return repack_s
 
 
+FOCUS = {256: (("uniform", (1, 2, 4, 8, 16, 32, 64, 128, 256)), ("skewed", (8, 64, 256))),
+         2048: (("uniform", (1, 2, 4, 8, 16, 64, 256)), ("skewed", (8,)))}
+PREV_SRC = "bench/_prev_moe_int4.cu"     # the previous commit's kernel file, when present (was -> now runs)
+
+
+def _make_layer(I):
+    import cupy as cp
+    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
+           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
+           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
+    del src
+    cp.get_default_memory_pool().free_all_blocks()
+    return w
+
+
+def _prev_tiles(tab):
+    """The previous session's table entry for the same T: register ring, one tile pair per down warp,
+    8-step prefetch in both GEMMs."""
+    g, d = tab.gateup, tab.down
+    return moe.MoETiles(tab.nt, moe.Tile(g.wm, g.wk, g.u), moe.Tile(d.wm, d.wk, d.u), pf_gu=8, pf_dn=8)
+
+
+def _prev_plan(*args, **kw):
+    """moe_launch_plan with the GEMMs taken from the previous kernel file (PREV_SRC; same layout and workspace,
+    its argument list lacks the last two: rpw, early)."""
+    from ddtree_cupy.kernels import compile as kc
+    spec = kc.KernelSpec(src="../" + PREV_SRC, names=moe._all_gemm_names())
+
+    class Prev:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, grid, block, a, shared_mem=0):
+            self.fn(grid, block, a[:-2], shared_mem=shared_mem)
+
+    orig = moe.get_kernel
+
+    def patched(sp, name, max_dynamic_smem=0):
+        if name.startswith("moe_gemm"):
+            return Prev(orig(spec, name, max_dynamic_smem))
+        return orig(sp, name, max_dynamic_smem)
+    moe.get_kernel = patched
+    try:
+        return moe.moe_launch_plan(*args, **kw)
+    finally:
+        moe.get_kernel = orig
+
+
+def focus_width(I, read_gbs, rows):
+    """This session's was -> now comparison in one process: the previous kernel file with the previous
+    table entry ("prev": when PREV_SRC exists), the same policy in this binary ("was": early=False, rpw=1,
+    prefetch 8/8, register ring), the table ("now"), and single changes: prefetch distances (gate/up, down),
+    early off, fixed rows per down warp, the register ring vs the cp.async ring at small T; plus the stage
+    prefixes of "now" and "prev"."""
+    import cupy as cp
+    w = _make_layer(I)
+    per_expert = w.expert_bytes()
+    ws = moe.MoEWorkspace(256, K_TOP, w)
+    rng = np.random.default_rng(I)
+    arch = f"sm_{cp.cuda.Device().compute_capability}"
+    have_prev = os.path.exists(PREV_SRC)
+    for mode, ts in FOCUS[I]:
+        for T in ts:
+            ids, wts = routing(rng, T, mode)
+            x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32)).view(cp.uint32)
+            x = (x >> 16).astype(cp.uint16)
+            d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
+            out = cp.empty((T, H), cp.uint16)
+            tab = moe.select_tiles(arch, T, I)
+            prev = _prev_tiles(tab)
+            reg = moe.with_stages(tab, 0) if tab.down.stages else tab
+            variants = {"now": {}, "was": dict(tiles=prev, early=False)}
+            for a, b in ((0, 0), (4, 0), (8, 0), (4, 4), (8, 8)):
+                variants[f"pf_{a}_{b}"] = dict(tiles=reg, pf_steps=a, pf_steps_down=b)
+            variants["early_off"] = dict(early=False)
+            if reg.down.wk == 1:
+                for r in (1, 2, 4, 7):
+                    variants[f"rpw_{r}"] = dict(tiles=moe.with_down_rpw(reg, r))
+            if T <= 4:
+                variants["ring8_pf_0_0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0, pf_steps_down=0)
+                variants["ring8_pf_4_0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=4, pf_steps_down=0)
+            plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
+            if have_prev:
+                try:
+                    plans["prev"] = _prev_plan(x, d_ids, d_wts, w, ws, out, tiles=prev)
+                except Exception as e:        # the comparison is optional; never lose the run over it
+                    print(f"prev plan failed: {e!r}", flush=True)
+                    have_prev = False
+            res = {}
+            for name, plan in plans.items():
+                res[name] = time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
+            moe.moe_forward(x, d_ids, d_wts, w, ws, out=out)
+            chosen_rpw = ws.down_rpw()
+            stage_sets = {}
+            for key in ("now", "prev") if have_prev else ("now",):
+                plan, st = plans[key], {}
+                for n in range(1, len(plan) + 1):
+                    sub = plan[:n]
+                    st[plan[n - 1][0]] = time_graph(lambda sub=sub: [f() for _, f in sub], iters=20, reps=5)
+                stage_sets[key] = st
+            touched = np.unique(ids)
+            nbytes = len(touched) * per_expert + 2 * T * H * 2
+            frac = {k: nbytes / (v * 1e-6) / 1e9 / read_gbs for k, v in res.items()}
+            row = dict(I=I, routing=mode, T=T, experts=int(len(touched)), bytes=nbytes, us=res["now"],
+                       frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac, down_rpw=chosen_rpw,
+                       stages_us_cumulative=stage_sets["now"], stages_prev_us_cumulative=stage_sets.get("prev"),
+                       tiles=str(tab))
+            rows.append(row)
+            best = min(res, key=res.get)
+            base = res.get("prev", res["was"])
+            print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} prev {base:8.1f} now {res['now']:8.1f} us "
+                  f"({100 * nbytes / (base * 1e-6) / 1e9 / read_gbs:4.1f} -> {100 * frac['now']:4.1f}%) R={chosen_rpw} "
+                  f"best={best} {res[best]:.1f} | " + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
+    del w, ws
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def focus_table(res):
+    lines = ["| I | routing | T | experts | prev us | now us | % ceiling prev -> now | down R | stages now (route/gu/dn/cb) | stages prev |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        def st(d):
+            if not d:
+                return "-"
+            v = list(d.values())
+            return "/".join(f"{b - a:.1f}" for a, b in zip([0.0] + v[:-1], v))
+        vu = r["variants_us"]
+        base = vu.get("prev", vu["was"])
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {base:.1f} | "
+                     f"{r['us']:.1f} | {100 * r['frac_read_ceiling'] * r['us'] / base:.1f} -> {100 * r['frac_read_ceiling']:.1f} | "
+                     f"{r['down_rpw']} | {st(r['stages_us_cumulative'])} | {st(r.get('stages_prev_us_cumulative'))} |")
+    return "\n".join(lines)
+
+
 def profile(I, T, mode="uniform", calls=1):
     """A few eager calls of one configuration, for Nsight Compute (``ncu -k regex:moe_gemm ...``)."""
     import cupy as cp
@@ -245,6 +380,7 @@ def main():
     ap.add_argument("--out", default="bench/results/moe_bench.json")
     ap.add_argument("--md", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--focus", action="store_true", help="this session's was -> now comparison only")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     args = ap.parse_args()
@@ -263,6 +399,19 @@ def main():
     read_gbs = measure_read_bandwidth()
     mma = measure_mma_bf16_tflops()
     print(f"{device}: read ceiling {read_gbs:.0f} GB/s, mma.sync bf16 {mma:.0f} TFLOP/s", flush=True)
+    if args.focus:
+        rows = []
+        res = dict(device=device, read_ceiling_gbs=read_gbs, mma_bf16_tflops=mma, rows=rows)
+        for I in (256, 2048):
+            focus_width(I, read_gbs, rows)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        res["read_ceiling_after_gbs"] = measure_read_bandwidth()
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"read ceiling {read_gbs:.0f} GB/s (after: {res['read_ceiling_after_gbs']:.0f})")
+        print(focus_table(res))
+        return
     rows = []
     repack = {}
     res = dict(device=device, arch=f"sm_{cp.cuda.Device().compute_capability}", read_ceiling_gbs=read_gbs,
