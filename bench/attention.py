@@ -12,9 +12,9 @@ as a chain (causal) at the same prefix, the earlier results' time ("was", defaul
 the launch floor (empty kernels replayed from a graph: 1 kernel per call without a split, 2 with one); the
 column "r_lf" is the time over max(floor, launch floor), which separates what the hardware forbids (launch
 and bytes / FLOPs) from what the kernel loses. --compare also times, at the same split count, the deeper
-pipeline twin of a planned mla_attn_ksplit tile (DEEP_TWIN), and the ks32 / ks32_4stage tiles where plan_mla
-picks an mla_attn_fwd tile; --probe times every tile config, split counts around the plan, builds without
-one phase and the combine without its unrolled loads. --set decode keeps the engine's decode-step shapes
+pipeline twin of a planned 16-row mla_attn_ksplit tile (DEEP_TWIN: 3 <-> 5 stages), the ks32 tile where
+plan_mla picks an mla_attn_fwd tile, and the combine with one split per warp in flight (the combine rule);
+--probe times every tile config, split counts around the plan and builds without one phase. --set decode keeps the engine's decode-step shapes
 (1/4/10 streams x 1-32 rows at 4K, 1 stream x 1-8 rows at 32K-256K). Also the DFlash drafter attention
 (8 q heads / 1 kv head).
 --policy picks the planner policy (plan_mla(policy=...); default auto, as the engine); "both" times the "measured" (was) and the "model"
@@ -39,8 +39,8 @@ from bench.ceilings import measure_mma_bf16_tflops, measure_read_bandwidth, time
 
 H = 8
 SCALE = 0.14467963
-# planned tile -> the same tile with a deeper cp.async pipeline (timed at the same split count by --compare)
-DEEP_TWIN = {"ks16": ("ks16_5stage", "ks16_bn64"), "ks32": ("ks32_4stage",)}
+# planned tile -> the same rows with another pipeline depth (timed at the same split count by --compare)
+DEEP_TWIN = {"ks16_5stage": ("ks16",), "ks16": ("ks16_5stage",)}
 
 
 def random_bf16(cp, shape, scale=1.0):
@@ -297,11 +297,14 @@ def main():
     launch = launch_floor(cp)
     print(f"# launch floor (graph replay of empty kernels): 1 kernel {launch[0]:.2f} us, 2 kernels "
           f"{launch[1]:.2f} us per call")
-    was = {}
+    was, was_d = {}, {}
     if args.was and os.path.exists(args.was):
         with open(args.was) as f:
-            for r in json.load(f)["mla"]:
-                was[(r["streams"], r["rows"], r["ctx"])] = r["us"]
+            wj = json.load(f)
+        for r in wj["mla"]:
+            was[(r["streams"], r["rows"], r["ctx"])] = r["us"]
+        for r in wj.get("drafter", []):
+            was_d[(r["streams"], r["ctx"])] = r["us"]
 
     ctxs = [1024, 4096, 32768, 65536]
     streams = [1, 4, 10]
@@ -321,7 +324,7 @@ def main():
 
     results = []
 
-    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H):
+    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H, unroll=None):
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
         T = S * n
@@ -345,7 +348,7 @@ def main():
         def call():
             A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
                             max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec,
-                            num_splits=splits)
+                            num_splits=splits, combine_unroll_override=unroll)
         work = (ctx + n) * n * heads
         iters = 20 if work * S > 64 * 65536 * H else 50
         us = time_graph(call, iters=iters, reps=5)
@@ -372,11 +375,6 @@ def main():
     else:
         print(f"{'S':>3} {'rows':>4} {'ctx':>7} | {'tree us':>8} {'was':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} "
               f"{'TB/s':>5} {'TF/s':>5} {'spl':>3} {'cfg':>20} | {'chain us':>8} {'tree/chain':>10} | target")
-    comb1 = None
-    if args.compare:   # the combine as before its loads were unrolled (one split per warp in flight)
-        from ddtree_cupy.kernels.compile import KernelSpec
-        comb1 = KernelSpec(src="mla_attention.cu", names=tuple(c.name for c in A.MLA_CONFIGS.values())
-                           + ("mla_attn_combine",), defines=(("ATTN_COMBINE_UNROLL", "1"),))
     for S, n, c in cases:
         r = one(S, n, c, "tree")
         ch = one(S, n, c, "chain") if n > 1 else None
@@ -396,13 +394,13 @@ def main():
         elif args.compare and not A.MLA_CONFIGS[r["config_key"]].ksplit and S * n * c <= 10 * 16 * 32768:
             o = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32"])
             r["ks32_us"], r["ks32_splits"] = o["us"], o["splits"]
-            o4 = one(S, n, c, "tree", config=A.MLA_CONFIGS["ks32_4stage"], splits_override=o["splits"])
-            r["ks32_4stage_us"] = o4["us"]
-            extra = f" ks32={o['us']:.1f} ks32_4stage={o4['us']:.1f} ({o['splits']})"
-        if comb1 is not None and r["splits"] > 1 and (args.set == "decode" or c <= 4096):
-            r["combine_unroll1_us"] = one(S, n, c, "tree", config=A.MLA_CONFIGS[r["config_key"]],
-                                          splits_override=r["splits"], spec=comb1)["us"]
-            extra += f" combine_unroll1={r['combine_unroll1_us']:.1f}"
+            extra = f" ks32={o['us']:.1f} ({o['splits']})"
+        if args.compare and r["splits"] > 1 and (args.set == "decode" or c <= 4096):   # the other combine
+            u = A.combine_unroll(S * n * H, num_sms)
+            other = 1 if u == A.COMBINE_UNROLL else A.COMBINE_UNROLL
+            r["combine_unroll"], r["combine_other_us"] = u, one(S, n, c, "tree", config=A.MLA_CONFIGS[r["config_key"]],
+                                                                 splits_override=r["splits"], unroll=other)["us"]
+            extra += f" combine_U{other}={r['combine_other_us']:.1f} (U{u} planned)"
         results.append(r)
         if args.out:   # as we go: a run cut short by a time limit keeps what it measured
             _save(args.out, dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H,
@@ -422,11 +420,8 @@ def main():
         shapes = ((1, 1, 32), (1, 1, 4096), (1, 1, 65536), (1, 16, 32), (1, 16, 4096), (1, 16, 32768),
                   (10, 64, 4096), (10, 16, 32768))
         used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))  # compile only these
-        variants = {k: KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine",),
+        variants = {k: KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine<4>", "mla_attn_combine<1>"),
                                   defines=((f"MLA_PROBE_SKIP_{k}", "1"),)) for k in ("S", "PV", "LOAD")}
-        # the combine with one split per warp in flight (as before the unrolled loads; results are right)
-        variants["COMBINE_UNROLL1"] = KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine",),
-                                                 defines=(("ATTN_COMBINE_UNROLL", "1"),))
         for S, n, c in shapes:
             row = dict(streams=S, rows=n, ctx=c)
             for key, pc in A.MLA_CONFIGS.items():
@@ -435,8 +430,7 @@ def main():
                 row[key] = one(S, n, c, "tree", config=pc)["us"]
             auto, auto_splits = A.plan_mla(S, n, H, c + n)
             for k, spec in variants.items():
-                row[("skip_" if k in ("S", "PV", "LOAD") else "") + k] = one(S, n, c, "tree", config=auto,
-                                                                             spec=spec)["us"]
+                row["skip_" + k] = one(S, n, c, "tree", config=auto, spec=spec)["us"]
             row["auto"] = [k for k, v in A.MLA_CONFIGS.items() if v == auto][0]
             row["auto_splits"] = auto_splits
             # split count: fixed cost (combine, fill) vs parallelism; the planner's cost model vs measured
@@ -451,7 +445,7 @@ def main():
     drafter = []
     if args.policy != "both":
         print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
-        print(f"{'S':>3} {'ctx':>7} | {'mma us':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} | {'fma us':>7} (was kernel)")
+        print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'was':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} {'spl':>3}")
     for S in ((1, 10) if args.policy != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
@@ -464,19 +458,19 @@ def main():
             sp = A.drafter_num_splits(S, 1, c, 8, num_sms)
             ws = A.DrafterWorkspace(sp, S, 8, 8) if sp > 1 else None
 
-            def dcall(kernel="mma"):
+            def dcall():
                 A.drafter_attention(q, kb, vb, kc, vc, ctx, softmax_scale=128 ** -0.5, max_ctx_len=c, out=out,
-                                    workspace=ws, kernel=kernel)
+                                    workspace=ws)
             us = time_graph(dcall, iters=20, reps=5)
-            us_fma = time_graph(lambda: dcall("fma"), iters=20, reps=5)
             nbytes = S * (c + 8) * 2 * 128 * 2
             flops = S * 64 * (c + 8) * 4 * 128
             floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))
             lfloor = launch[1] if sp > 1 else launch[0]
-            drafter.append(dict(streams=S, ctx=c, us=us, fma_us=us_fma, bytes=nbytes, flops=flops, floor_us=floor,
+            wd = was_d.get((S, c))
+            drafter.append(dict(streams=S, ctx=c, us=us, was_us=wd, bytes=nbytes, flops=flops, floor_us=floor,
                                 splits=sp, launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor)))
-            print(f"{S:>3} {c:>7} | {us:>7.1f} {floor:>7.1f} {us / floor:>6.2f} {us / max(floor, lfloor):>5.2f} | "
-                  f"{us_fma:>7.1f}", flush=True)
+            print(f"{S:>3} {c:>7} | {us:>7.1f} {wd if wd else float('nan'):>7.1f} {floor:>7.1f} {us / floor:>6.2f} "
+                  f"{us / max(floor, lfloor):>5.2f} {sp:>3}", flush=True)
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,

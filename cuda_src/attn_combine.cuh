@@ -8,14 +8,15 @@
 //   1. every thread takes splits tid, tid + NW*32, ...: reads lse, the block reduces the maximum, and the
 //      weights w_i = 2^(lse_i - max) (0 for an empty split) go to shared memory with their sum.
 //   2. the warps share the splits (warp w: splits w, w + NW, ...), each lane holds D / 32 columns as float4s.
-//      The loads of ATTN_COMBINE_UNROLL splits are issued before any is used and nothing they depend on is
-//      read in the loop (the weights are already in shared memory), so a warp has UNROLL x D / 32 floats
-//      per lane in flight instead of one split's worth behind a dependent lse load and a branch: the old
-//      loop (lse load -> branch -> partial load, one split at a time) paid two L2 latencies per split,
-//      ~5 us for 8 splits per warp (docs/ATTENTION.md, "Where the fixed cost goes").
+//      The loads of U splits are issued before any is used and nothing they depend on is read in the loop
+//      (the weights are already in shared memory), so a warp has U x D / 32 floats per lane in flight; the
+//      first version (lse load -> branch -> partial load, one split at a time) paid two L2 latencies per
+//      split. U = 4 costs registers (MLA: 124 vs 56 on sm_90, 2 resident blocks per SM instead of 4), which
+//      loses where the grid has many rows and few splits: the wrappers take U = 4 only while the grid fits
+//      2 blocks per SM (kernels/attention.py combine_unroll; H200 run in docs/ATTENTION.md).
 // The NW partial sums meet in shared memory. Reads go through L2 (__ldcg): the partials were written by
 // other blocks of an earlier kernel. The order of the additions is fixed by (num_splits, NW, UNROLL) alone,
-// so the result is deterministic (graph replay == eager bit for bit).
+// so the result is deterministic (graph replay == eager bit for bit; U = 1 and U = 4 add in different orders).
 #pragma once
 #include "common.cuh"
 
@@ -24,9 +25,6 @@
 #endif
 
 #define ATTN_MAX_SPLITS 256      // kernels/attention.py MAX_SPLITS (the wrappers reject more)
-#ifndef ATTN_COMBINE_UNROLL      // bench/attention.py --probe builds 1 to show what the unrolling buys
-#define ATTN_COMBINE_UNROLL 4    // splits per warp whose loads are in flight together
-#endif
 
 template <int D, int NW>
 struct AttnCombineSmem {
@@ -35,14 +33,13 @@ struct AttnCombineSmem {
     float red[NW];
 };
 
-template <int D, int NW>
+template <int D, int NW, int U>   // U: splits per warp whose loads are in flight together
 __device__ __forceinline__ void attn_combine_row(const float* __restrict__ part_o, const float* __restrict__ part_lse,
                                                  size_t stride, size_t row, int num_splits,
                                                  bf16_bits* __restrict__ dst, AttnCombineSmem<D, NW>& sm) {
     static_assert(D % 128 == 0, "lanes hold whole float4s of the row");
     static_assert(NW * 32 <= ATTN_MAX_SPLITS, "pass 1 keeps at most one lse per thread in a register");
     constexpr int V4 = D / 128;  // float4s per lane
-    constexpr int U = ATTN_COMBINE_UNROLL;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     // ---- pass 1: weights ------------------------------------------------------------------------------

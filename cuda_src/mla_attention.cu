@@ -33,6 +33,37 @@
 // 16-byte bank groups (1168 B = 73 chunks, odd) and ldmatrix is conflict free.
 #define MLA_SROW (MLA_QK_DIM + 8)
 
+// The cp.async prologue and refill both kernels share (page_of, load_tile, tile_begin / tile_end in scope).
+// Page ids are read ahead of their tiles: the prologue reads all of its ids before issuing any copy, and
+// next_page (the id of the tile after the one being refilled) is read one iteration before its refill, so
+// the loop never waits on a page-table read (before: one L2 round trip inside every tile iteration, between
+// the S barrier and the softmax). One group per stage, possibly empty, so the wait counts stay fixed.
+#define MLA_READ_PAGES_AHEAD()                                                                              \
+    int next_page;                                                                                          \
+    {                                                                                                       \
+        int pg[STAGES - 1];                                                                                 \
+        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st)                                           \
+            pg[st] = tile_begin + st < tile_end ? page_of(tile_begin + st) : 0;                             \
+        next_page = tile_begin + STAGES - 1 < tile_end ? page_of(tile_begin + STAGES - 1) : 0;              \
+        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st) {                                         \
+            if (tile_begin + st < tile_end) load_tile(tile_begin + st, st, pg[st]);                         \
+            cp_async_commit();                                                                              \
+        }                                                                                                   \
+    }
+#ifndef MLA_PROBE_SKIP_LOAD
+#define MLA_REFILL(nt, buf)                                                                                 \
+    {                                                                                                       \
+        const int nt_ = (nt);                                                                               \
+        if (nt_ < tile_end) {                                                                               \
+            load_tile(nt_, (buf), next_page);                                                               \
+            if (nt_ + 1 < tile_end) next_page = page_of(nt_ + 1);                                           \
+        }                                                                                                   \
+        cp_async_commit();                                                                                  \
+    }
+#else
+#define MLA_REFILL(nt, buf) cp_async_commit();
+#endif
+
 
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
@@ -108,12 +139,13 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     const int g = lane >> 2, q4 = lane & 3;
 
     // ---- loads -----------------------------------------------------------------------------------
-    // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
+    // A tile never straddles a page (BN divides the page size), so one page-table read per tile. The page
+    // ids are read ahead of their tiles (MLA_READ_PAGES_AHEAD below): no refill waits on a table read.
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    auto load_tile = [&](int tile, int buf) {
+    auto page_of = [&](int tile) { return __ldg(table + tile * BN / KV_PAGE_SIZE); };  // tile < n_tiles
+    auto load_tile = [&](int tile, int buf, int page) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
-        const int page = __ldg(table + t0 / KV_PAGE_SIZE);  // t0 < kv_len: the tile holds a valid token
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -131,10 +163,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         }
     }
     // Group 0 = Q + first tile; then one group per tile (possibly empty, so the wait count stays fixed).
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
-        cp_async_commit();
-    }
+    MLA_READ_PAGES_AHEAD();
 
     // ---- per-thread row state: rows g and g+8 of the warp's 16 ---------------------------------------
     int qrow[2];
@@ -157,11 +186,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {   // refill the stage that was consumed in the previous iteration
-            int nt = tile + STAGES - 1;
-#ifndef MLA_PROBE_SKIP_LOAD
-            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
-#endif
-            cp_async_commit();
+            MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);
         }
         const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
 
@@ -423,10 +448,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const int kq = warp & 3, th = warp >> 2;
 
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    auto load_tile = [&](int tile, int buf) {
+    auto page_of = [&](int tile) { return __ldg(table + tile * BN / KV_PAGE_SIZE); };  // tile < n_tiles
+    auto load_tile = [&](int tile, int buf, int page) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
-        const int page = __ldg(table + t0 / KV_PAGE_SIZE);
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -435,10 +460,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
         }
     };
     // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
-        cp_async_commit();
-    }
+    MLA_READ_PAGES_AHEAD();
 
     // Q A-fragments of this warp's reduction quarter, straight from global memory (padded rows are zero):
     // a0 / a1 = rows g / g+8 at columns 2*q4, a2 / a3 the same rows 8 columns on.
@@ -513,11 +535,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
         }
         __syncthreads();  // B: partial S complete; every warp is past PV of the previous tile
         {   // refill the stage the previous tile used
-            const int nt = tile + STAGES - 1;
-#ifndef MLA_PROBE_SKIP_LOAD
-            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
-#endif
-            cp_async_commit();
+            MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);
         }
 
         // ---- softmax over the tile: row srow, tokens tokc .. tokc + TPT ---------------------------------
@@ -637,8 +655,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
 }
 
 // Merge the splits (attn_combine.cuh): one block of 8 warps per packed row. grid (max_rows * H, S).
+// U = splits per warp in flight (4 or 1: kernels/attention.py combine_unroll picks by the grid size).
 #define MLA_COMBINE_THREADS 256
-extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
+template <int U>
+__global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
     const int* __restrict__ row_start, int H, int total_packed, int num_splits, bf16_bits* __restrict__ out) {
     __shared__ __align__(16) AttnCombineSmem<MLA_V_DIM, MLA_COMBINE_THREADS / 32> sm;
@@ -647,8 +667,8 @@ extern "C" __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combi
     const int m = blockIdx.x;
     if (m >= n_rows[b] * H) return;
     const size_t gm = (size_t)row_start[b] * H + m;
-    attn_combine_row<MLA_V_DIM, MLA_COMBINE_THREADS / 32>(part_o, part_lse, (size_t)total_packed, gm, num_splits,
-                                                          out + gm * MLA_V_DIM, sm);
+    attn_combine_row<MLA_V_DIM, MLA_COMBINE_THREADS / 32, U>(part_o, part_lse, (size_t)total_packed, gm, num_splits,
+                                                             out + gm * MLA_V_DIM, sm);
 }
 
 // Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):

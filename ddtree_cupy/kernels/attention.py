@@ -79,26 +79,24 @@ MLA_CONFIGS = {
     "ks32_2stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=2, ksplit=True),  # 96 KB (sm_120)
     "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
     "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
-    # deeper cp.async pipelines (H200 only): 4 / 3 tiles in flight per block instead of 2, for the long
-    # contexts where a block streams many tiles (docs/ATTENTION.md, "Deeper pipelines")
+    # a deeper cp.async pipeline (H200 only): 4 tiles in flight per block instead of 2. H200 run: 0.92-1.01x
+    # the 3-stage tile's time at the same splits (docs/ATTENTION.md "Deeper pipelines"); the model policy's
+    # 16-row tile on the H200. (ks32 with 4 stages measured 0.99-1.01x and 64-token 16-row tiles 0.96-1.14x:
+    # both deleted.)
     "ks16_5stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=5, ksplit=True),  # 194 KB
-    "ks32_4stage": MlaTileConfig(mg=2, vg=0, bn=32, stages=4, ksplit=True),  # 169 KB
-    # 64-token tiles, 2 stages (H200 only): the same bytes in flight as 3 stages of 32 tokens, half the
-    # barriers and softmax rounds per token. (The 32-row twin spills on sm_120: 255 registers.)
-    "ks16_bn64": MlaTileConfig(mg=1, vg=0, bn=64, stages=2, ksplit=True),    # 166 KB
 }
 _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
-    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine",),
+    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>"),
     hot=True,
     pdl=True,
     doc="absorbed MLA attention over the paged latent KV cache + split-KV combine"))
 
 DRAFTER_SPEC = register(KernelSpec(
     src="drafter_attention.cu",
-    names=("drafter_attn_fwd", "drafter_attn_mma", "drafter_attn_combine"),
+    names=("drafter_attn_fwd", "drafter_attn_combine<4>"),
     hot=True,
     pdl=True,
     doc="DFlash drafter GQA attention (context cache + block, non-causal) + split combine"))
@@ -106,14 +104,23 @@ DRAFTER_SPEC = register(KernelSpec(
 DRAFTER_HEAD_DIM = 128
 DRAFTER_TILE = 64
 DRAFTER_MAX_PACKED = 64
-DRAFTER_SMEM = (64 * 128 + 64 * 65 + 3 * 64) * 4 + (64 * 130 + 64 * 128) * 2
-# the two drafter kernels (same launch contract): name, dynamic shared memory, threads per block.
-# "mma": tensor cores, 2-stage cp.async ring (drafter_attn_mma); "fma": fp32 CUDA cores (drafter_attn_fwd).
-DRAFTER_KERNELS = {"mma": ("drafter_attn_mma", 2 * 2 * 64 * 136 * 2, 128),
-                   "fma": ("drafter_attn_fwd", DRAFTER_SMEM, 256)}
-DRAFTER_KERNEL = os.environ.get("DDT_DRAFTER_KERNEL", "mma")
-if DRAFTER_KERNEL not in DRAFTER_KERNELS:
-    raise ValueError(f"DDT_DRAFTER_KERNEL: expected one of {tuple(DRAFTER_KERNELS)}, got {DRAFTER_KERNEL!r}")
+DRAFTER_STAGES = 2
+DRAFTER_SMEM = DRAFTER_STAGES * 2 * DRAFTER_TILE * (DRAFTER_HEAD_DIM + 8) * 2   # K and V rings, 69,632 B
+DRAFTER_THREADS = 128
+
+
+# The split-KV combine (attn_combine.cuh) loads COMBINE_UNROLL splits per warp at once while its grid (one
+# block per output row) fits COMBINE_WIDE_BLOCKS_PER_SM resident blocks per SM (the 4-split variant's
+# registers allow 2), one split per warp past that (more resident blocks hide the latency instead).
+# H200 run (docs/ATTENTION.md): 4 wins 0.3-3.3 us at <= 256 rows with 14-132 splits, 1 wins 1-8 us at >= 512
+# rows with 3-17 splits.
+COMBINE_UNROLL = 4
+COMBINE_WIDE_BLOCKS_PER_SM = 2
+
+
+def combine_unroll(rows: int, num_sms: int) -> int:
+    """Splits per warp in flight for a combine grid of ``rows`` blocks (4 or 1)."""
+    return COMBINE_UNROLL if rows <= COMBINE_WIDE_BLOCKS_PER_SM * num_sms else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +204,7 @@ def set_mla_policy(policy: str) -> str:
 # ones x 1.15 (the 2-stage tiles were 14-17% slower than their 3-stage twins in the H200 probe); "small" is
 # fitted on its one probe point. None of the sm_120 figures was measured on an RTX PRO 6000.
 MLA_TILE_US = {"ks16": 1.52, "ks16_2stage": 1.75, "ks32": 1.82, "ks32_2stage": 2.10, "large": 3.38,
-               "small": 2.13}
+               "small": 2.13, "ks16_5stage": 1.52}   # 5 stages: within the fit's error of 3 (0.92-1.01x)
 MLA_BLOCK_US = 2.75
 MLA_COMBINE_US = 5.3
 MLA_COMBINE_US_PER_ROW_SPLIT = 0.98e-3    # 4 KB of fp32 partials written + read per (packed row, split)
@@ -205,7 +212,7 @@ MLA_DRAM_GBPS = 2626.0                    # what the 2-3-stage tiles stream from
 MLA_MODEL_MARGIN = 0.8   # leave the "measured" plan only for a modelled gain > 20% (3x the fit's rms error):
                          # the loosest margin with no shape > 5% slower in the H200 policy run (0.9 had one)
 MLA_MAX_WORKSPACE = 256 << 20   # split partials (fp32 o + lse) of one shape bucket, bytes
-_MODEL_GROUPS = (("ks16", "ks16_2stage"), ("ks32", "ks32_2stage"), ("large", "small"))
+_MODEL_GROUPS = (("ks16_5stage", "ks16", "ks16_2stage"), ("ks32", "ks32_2stage"), ("large", "small"))
 
 
 def _model_candidates(packed_rows: int, max_smem_per_block: int):
@@ -322,12 +329,12 @@ def _device_arch() -> str:
 
 
 def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int:
-    """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit: 217 per thread
-    for 32 rows (one 8-warp block), 141 for 16 rows with 3 stages (sm_90 ptxas report)."""
+    """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit at one 8-warp
+    block: 207 per thread for 32 rows, 131 for 16 rows at every depth (sm_90 ptxas report; > 128)."""
     if smem_per_sm is None:
         smem_per_sm = _smem_per_sm()
     bps = max(1, min(smem_per_sm // (cfg.smem + 1024), 2048 // cfg.threads))
-    if cfg.ksplit and cfg.mg > 1:
+    if cfg.ksplit:
         bps = 1
     return bps
 
@@ -347,7 +354,7 @@ class MlaWorkspace:
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
-                  stream=None, spec: Optional[KernelSpec] = None):
+                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -362,7 +369,9 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  grid and the split count, so a graph captured for the bucket serves any lengths inside it.
     config / num_splits: override the plan (tests, benchmarks); workspace: preallocated split partials
                  (required for graph capture when the plan splits); spec: a profiling build of the kernels
-                 (it must name the config's kernel and, when the plan splits, mla_attn_combine).
+                 (it must name the config's kernel and, when the plan splits, the combine).
+    combine_unroll_override: 1 or 4 splits per combine warp in flight instead of combine_unroll's rule (tests,
+                 benchmarks).
     """
     import cupy
     dims: dict = {}
@@ -421,14 +430,18 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
         if num_splits > 1:
-            comb = get_kernel(spec or MLA_SPEC, "mla_attn_combine")
+            u = combine_unroll_override or combine_unroll(max_rows * H * S, num_sms)
+            if u not in (1, COMBINE_UNROLL):
+                raise ValueError(f"combine_unroll_override: expected 1 or {COMBINE_UNROLL}, got {u}")
+            comb = get_kernel(spec or MLA_SPEC, f"mla_attn_combine<{u}>")
             comb((max_rows * H, S), (256,),
                  (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
     return out
 
 
 def drafter_num_splits(n_streams: int, kv_heads: int, max_ctx_len: int, block_rows: int, num_sms: int) -> int:
-    """Two blocks for every SM (83 KB of shared memory each), at least one 64-token tile per split."""
+    """Two blocks for every SM (70 KB of shared memory each: 1 per SM on sm_120, 3 fit on the H200), at
+    least one 64-token tile per split."""
     tiles = -(-(max_ctx_len + block_rows) // DRAFTER_TILE)
     want = -(-2 * num_sms // (n_streams * kv_heads))
     return max(1, min(want, tiles, MAX_SPLITS))
@@ -446,7 +459,7 @@ class DrafterWorkspace:
 
 def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax_scale: float,
                       max_ctx_len: int, window: int = 0, out=None, num_splits: Optional[int] = None,
-                      workspace: Optional[DrafterWorkspace] = None, stream=None, kernel: Optional[str] = None):
+                      workspace: Optional[DrafterWorkspace] = None, stream=None):
     """DFlash drafter attention; returns ``out`` uint16 bf16 [S, BR, Hq, 128].
 
     q        uint16 [S, BR, Hq, 128]   block queries (normed, rotated)
@@ -455,7 +468,6 @@ def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax
     ctx_len  int32 [S]  committed context length; rows see positions [max(0, len - window), len) (all of
              [0, len) when window == 0; then len must be <= C) plus the BR block rows, no causal mask
     max_ctx_len: the bucket's bound on the context actually read (fixes the split count).
-    kernel: "mma" or "fma" (DRAFTER_KERNELS); None = DRAFTER_KERNEL (environment DDT_DRAFTER_KERNEL).
     """
     import cupy
     dims: dict = {}
@@ -494,20 +506,17 @@ def drafter_attention(q, k_block, v_block, k_cache, v_cache, ctx_len, *, softmax
             raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_rows} rows, "
                              f"launch needs {num_splits} x {S * BR * Hq}")
         part_o, part_lse = workspace.part_o, workspace.part_lse
-    kernel = kernel or DRAFTER_KERNEL
-    if kernel not in DRAFTER_KERNELS:
-        raise ValueError(f"kernel: expected one of {tuple(DRAFTER_KERNELS)}, got {kernel!r}")
-    kname, ksmem, kthreads = DRAFTER_KERNELS[kernel]
-    fwd = get_kernel(DRAFTER_SPEC, kname, ksmem)
+    fwd = get_kernel(DRAFTER_SPEC, "drafter_attn_fwd", DRAFTER_SMEM)
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
-        fwd((num_splits, Hkv, S), (kthreads,),
+        fwd((num_splits, Hkv, S), (DRAFTER_THREADS,),
             (q, k_block, v_block, k_cache, v_cache, ctx_len, np.int32(C), np.int32(window), np.int32(BR),
              np.int32(Hq), np.int32(Hkv), np.float32(float(softmax_scale) * LOG2E), np.int32(num_splits), out,
              part_o if part_o is not None else null, part_lse if part_lse is not None else null),
-            shared_mem=ksmem)
+            shared_mem=DRAFTER_SMEM)
         if num_splits > 1:
-            comb = get_kernel(DRAFTER_SPEC, "drafter_attn_combine")
             rows = S * BR * Hq
+            # 128-wide rows: 4 splits in flight cost no extra registers (32 on sm_90), so always 4
+            comb = get_kernel(DRAFTER_SPEC, f"drafter_attn_combine<{COMBINE_UNROLL}>")
             comb((rows,), (256,), (part_o, part_lse, np.int32(rows), np.int32(num_splits), out))
     return out
