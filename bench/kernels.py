@@ -2,7 +2,7 @@
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
     PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
-                                         [--variant oldnew|auto|old,splitk,decode,tiled] [--rows 1,8,16]
+                                         [--variant oldnew|auto|old,splitk,decode] [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
@@ -14,12 +14,12 @@ Benchmarks print; they never assert.
 Parts: 'gemm' every skinny GEMM at TP=8 rank shapes (T = 1, 8, 16, 32, 64, 160); 'layers' the small layer
 kernels, top-K, sampling; 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router
 sequence (10 kernels, 6 of them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed
-cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode / tiled
-config forced at each shape and T, then the fastest per shape. --pdl: programmatic dependent launch off
+cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode
+config (and split-K) forced at each shape and T, then the fastest per shape. --pdl: programmatic dependent launch off
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]', '[tiled]'; 'auto' is the rule).
+gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _variants(T, variants):
     return [v for v in variants if v != "decode" or T <= 16]
 
 
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "tiled": " [tiled]", "old": " [old]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]"}
 
 
 def _tag(v):
@@ -71,10 +71,7 @@ def _tag(v):
 
 
 def _cfg_str(c):
-    from ddtree_cupy.kernels import gemm
-    if isinstance(c, gemm.DecodeConfig):
-        return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
-    return f"tiled ntw{c.ntw} s{c.stages} cs{c.cs}"
+    return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 
 # The previous session's rule (commit bbf9da7), kept here only to time "was" against "now" in one run: the
@@ -114,8 +111,8 @@ def _old_gemm(real):
 
 
 def _with_variant(v, fn, shape=None):
-    """fn run with variant v: a family name ("auto", "splitk", "decode", "tiled"), "old" (old_choice for
-    ``shape`` = (T, N, K, B)), or a DecodeConfig / TiledConfig forced."""
+    """fn run with variant v: a family name ("auto", "splitk", "decode"), "old" (old_choice per call), or
+    a DecodeConfig forced."""
     from ddtree_cupy.kernels import gemm
 
     if v == "old":
@@ -129,21 +126,13 @@ def _with_variant(v, fn, shape=None):
         return run_old
 
     def run():
-        if isinstance(v, gemm.DecodeConfig):
-            fam, cfg = "decode", v
-        elif isinstance(v, gemm.TiledConfig):
-            fam, cfg = "tiled", v
-        else:
-            fam, cfg = v, None
-        old = gemm.set_variant(fam)
-        od = gemm.set_decode_config(cfg if fam == "decode" else None)
-        ot = gemm.set_tiled_config(cfg if fam == "tiled" else None)
+        fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else (v, None)
+        old, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
         try:
             fn()
         finally:
             gemm.set_variant(old)
             gemm.set_decode_config(od)
-            gemm.set_tiled_config(ot)
     return run
 
 
@@ -153,7 +142,7 @@ def _flops(T, N, K, B):
 
 def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
     """(name, shape, bytes, flops, fn) per GEMM x T x variant; ``configs``: instead of the variants, every
-    compiled config that can serve the call (decode for T <= 16, tiled for T in rows >= 8) forced."""
+    compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel."""
     from ddtree_cupy.kernels import gemm
     out = []
     for name, N, K, B in GEMMS:
@@ -176,7 +165,7 @@ def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
             nbytes = wbytes + x.nbytes + y.nbytes
             if configs:
                 vs = [c for c in gemm.DEC_CONFIGS if T <= 16 and c.nt == (1 if T <= 8 else 2) and N % c.rows() == 0]
-                vs += [c for c in gemm.TL_CONFIGS if T >= 8 and c.ntw == -(-T // 32)]
+                vs += ["splitk"]
             else:
                 vs = _variants(T, variants)
             for v in vs:
@@ -346,7 +335,7 @@ def _best_configs(results):
     """Per (GEMM, shape) of the configs part: the fastest forced config and the rule's pick."""
     best = {}
     for r in results:
-        if "[dec " not in r["kernel"] and "[tiled " not in r["kernel"]:
+        if "[dec " not in r["kernel"] and "[splitk]" not in r["kernel"]:
             continue
         base = r["kernel"].replace(" [pdl]", "")
         base, cfg = base[: base.index(" [")], base[base.index(" [") + 2:-1]
@@ -369,7 +358,7 @@ def main(argv=None):
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode, tiled")
+                         "'auto', or a comma list of auto, old, splitk, decode")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)

@@ -24,6 +24,12 @@ def _blocks(c, N, B):
 @pytest.mark.parametrize("name,N,K,B", ENGINE, ids=[e[0] for e in ENGINE])
 def test_pick_is_compiled_and_serves(dev, T, name, N, K, B):
     c = gemm.choose_decode(T, N, K, B, **dev)
+    if c is None:       # split-K: only for a thin-tail grid at T > 8
+        assert T > 8
+        base = gemm.DecodeConfig(2, gemm.dec_stages(2), 1, 1)
+        waves = (N // 16 * B) / (dev["sm_count"] * max(1, dev["smem_per_sm"] // (base.smem() + 1024)))
+        assert 1 < waves < gemm.DEC_THIN_TAIL
+        return
     assert c in gemm.DEC_CONFIGS
     assert c.nt * 8 >= T and (c.nt == 1) == (T <= 8)     # the smallest token tile that holds T
     assert N % c.rows() == 0
@@ -32,29 +38,39 @@ def test_pick_is_compiled_and_serves(dev, T, name, N, K, B):
     base = gemm.DecodeConfig(c.nt, gemm.dec_stages(c.nt), 1, 1)
     # a pick other than the base always fits one wave of resident blocks
     assert c == base or _blocks(c, N, B) <= slots
+    if c.cs > 1:
+        assert K // 64 // c.cs >= gemm.DEC_CS_MIN_K_TILES
 
 
-def test_h200_picks():
-    """The H200 table written before the run (docs/KERNELS.md "Decode family"): what each miss gets."""
-    pick = lambda T, N, K, B=1: tuple(gemm.choose_decode(T, N, K, B, **H200))[2:]  # noqa: E731  (rt, cs)
-    assert pick(1, 2112, 7168) == (1, 2)          # q_a+kv_a: 264 blocks, 2 per SM
-    assert pick(16, 2112, 7168) == (1, 2)
-    assert pick(1, 7168, 1024) == (2, 1)          # o_proj: 4 k tiles per warp, 224 blocks
-    assert pick(1, 7168, 2304) == (2, 1)          # down: 224 blocks in one wave
-    assert pick(1, 1280, 7168) == (1, 2)          # drafter qkv: 160 blocks
-    assert pick(16, 4608, 7168) == (2, 1)         # gate+up T > 8: 144 blocks
-    assert gemm.choose_decode(1, 4608, 7168, 1, **H200) == gemm.DecodeConfig(1, 3, 1, 1)  # light ring: 288 in 396
-    assert pick(1, 20480, 7168) == (1, 1)         # lm_head: many waves anyway, small blocks balance best
-    assert pick(16, 384, 7168) == (1, 4)          # router: 96 blocks
-    assert pick(1, 1536, 1536) == (1, 1)          # q_b: already 96 blocks with 3 tiles per warp
+# The fastest config per engine shape in the H200 run (bench/results/gemm_configs_h200.log and the
+# old-vs-new table): (rt, cs) for T <= 8 and T = 9..16, "light" = the 3-stage NT 1 ring, None = split-K.
+H200_WINNERS = {
+    "q_a+kv_a": ((1, 1), (1, 1)), "q_b": ((1, 1), (1, 1)), "W_UK^T": ((1, 1), (1, 1)), "W_UV": ((1, 1), (1, 1)),
+    "o_proj": ((2, 1), (2, 1)), "gate+up": ("light", None), "down": ((2, 1), (2, 1)),
+    "shared gate+up": ((1, 4), (1, 4)), "shared down": ((4, 1), (4, 1)), "router": ((1, 4), (1, 4)),
+    "lm_head": ((1, 1), (1, 1)), "drafter qkv": ((1, 2), (1, 2)),
+}
+
+
+@pytest.mark.parametrize("name,N,K,B", ENGINE, ids=[e[0] for e in ENGINE])
+def test_h200_picks_are_the_measured_winners(name, N, K, B):
+    for T, want in zip((1, 16), H200_WINNERS[name]):
+        c = gemm.choose_decode(T, N, K, B, **H200)
+        if want is None:
+            assert c is None and not gemm.use_decode(T, N, K, B, **H200)
+        elif want == "light":
+            assert c == gemm.DecodeConfig(1, 3, 1, 1)
+        else:
+            assert (c.rt, c.cs) == want and c.stages == gemm.dec_stages(c.nt), c
+            assert gemm.use_decode(T, N, K, B, **H200)
 
 
 def test_sm120_single_slot():
-    """One 96 KB block per SM on sm_120: the pick never needs two per SM."""
+    """One 96 KB block per SM on sm_120: a non-base pick never needs two per SM."""
     for T in (1, 16):
         for _, N, K, B in ENGINE:
             c = gemm.choose_decode(T, N, K, B, **SM120)
-            if c != gemm.DecodeConfig(c.nt, gemm.dec_stages(c.nt), 1, 1):
+            if c is not None and c != gemm.DecodeConfig(c.nt, gemm.dec_stages(c.nt), 1, 1):
                 assert _blocks(c, N, B) <= 188
 
 
@@ -73,7 +89,10 @@ def test_switches():
     try:
         assert not gemm.use_decode(1, 2112, 7168)
         gemm.set_variant("decode")
-        assert gemm.use_decode(16, 2112, 7168) and not gemm.use_decode(17, 2112, 7168)
+        assert gemm.use_decode(16, 4608, 7168) and not gemm.use_decode(17, 2112, 7168)
+        gemm.set_variant("auto")
+        assert not gemm.use_decode(16, 4608, 7168) and not gemm.use_decode(17, 2112, 7168)
+        assert gemm.use_decode(16, 2112, 7168)
     finally:
         gemm.set_variant(old)
     with pytest.raises(ValueError, match="variant"):

@@ -83,118 +83,77 @@ def dec_smem_bytes(nt: int) -> int:
 # The light ring (NT = 1, 3 stages, 72 KB) lets 3 blocks share an H200 SM (gate+up: 288 blocks, 396 slots).
 DEC_CONFIGS = tuple(DecodeConfig(nt, dec_stages(nt), rt, cs) for nt in DEC_NT
                     for rt, cs in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4))) + (DecodeConfig(1, 3, 1, 1),)
-DEC_MIN_TILES_PER_WARP = 3     # fewer 64-wide k tiles per warp: the ring's fill/drain dominates
+DEC_CS_MIN_K_TILES = 24        # a cluster split must leave each block >= 24 k tiles (3 per warp)
+DEC_RT_MIN_TILES_PER_WARP = 2  # RT > 1 must leave each warp >= 2 k tiles
+DEC_THIN_TAIL = 1.5            # base grids of (1, 1.5) waves: light ring (NT 1) or split-K (NT 2)
 
 
 def _dec_base(nt: int) -> DecodeConfig:
     return DecodeConfig(nt, dec_stages(nt), 1, 1)
 
 
+def _slots(c: DecodeConfig, sm_count: int, smem_per_sm: int) -> int:
+    return sm_count * max(1, smem_per_sm // (c.smem() + 1024))
+
+
 def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
-                  smem_per_sm: int = 228 * 1024) -> DecodeConfig:
-    """The decode config for a call (docs/KERNELS.md "Decode family"): among the configs whose grid fits one
-    wave of resident blocks (``smem_per_sm`` decides blocks per SM) with >= DEC_MIN_TILES_PER_WARP k tiles
-    per warp, the one with the most blocks (then deeper rings, fewer row tiles, smaller clusters). If that
-    has under half the blocks of the base config (RT = CS = 1) and the base fits one wave, the base; if
-    none qualifies, the one-wave config with the most k tiles per warp, else the base."""
+                  smem_per_sm: int = 228 * 1024) -> Optional[DecodeConfig]:
+    """The decode config for a call (docs/KERNELS.md "Session 3"), a rule fitted to the H200 run of every
+    config at the engine's shapes. With B = N / 16 x batch base blocks (one m16 tile each) and W waves of
+    resident full-ring blocks:
+     * B < SMs: a cluster K split: among CS in 2, 4 that keep >= DEC_CS_MIN_K_TILES k tiles per block and
+       fit one wave, the smallest with B x CS >= SMs, else the largest (drafter qkv CS 2, router / shared
+       gate+up CS 4; q_b stays at the base);
+     * 1 < W < DEC_THIN_TAIL (a thin second wave): NT 1: the light ring if the grid then fits one wave
+       (dense gate+up); NT 2: None, i.e. split-K (it measured faster than every decode config there);
+     * W >= DEC_THIN_TAIL: the smallest RT in 2, 4 that fits one wave with >= DEC_RT_MIN_TILES_PER_WARP k
+       tiles per warp (o_proj, dense down RT 2; shared down RT 4); else the base (lm_head);
+     * otherwise the base (q_a+kv_a: 132 blocks; its cluster split measured slower)."""
     nt = 1 if T <= 8 else 2
     base = _dec_base(nt)
     k_tiles = K // BK
-    ok, wave = [], []
-    for c in DEC_CONFIGS:
-        if c.nt != nt or N % c.rows():
-            continue
-        blocks = N // c.rows() * c.cs * batch
-        slots = sm_count * max(1, smem_per_sm // (c.smem() + 1024))
-        if blocks > slots:
-            continue
-        tpw = k_tiles / c.cs / (DEC_WARPS // c.rt)
-        wave.append((tpw, blocks, c))
-        if tpw >= DEC_MIN_TILES_PER_WARP:
-            ok.append(((blocks, c.stages, -c.rt, -c.cs), blocks, c))
-    base_blocks = N // DEC_ROWS * batch
-    base_fits = any(c == base for _, _, c in wave)
-    if ok:
-        _, blocks, best = max(ok, key=lambda e: e[0])
-        if 2 * blocks < base_blocks and base_fits:
+    blocks = N // DEC_ROWS * batch
+    if blocks < sm_count:
+        ok = [c for c in (DecodeConfig(nt, base.stages, 1, cs) for cs in (2, 4))
+              if k_tiles // c.cs >= DEC_CS_MIN_K_TILES and blocks * c.cs <= _slots(c, sm_count, smem_per_sm)]
+        full = [c for c in ok if blocks * c.cs >= sm_count]
+        return full[0] if full else (ok[-1] if ok else base)
+    waves = blocks / _slots(base, sm_count, smem_per_sm)
+    if waves <= 1:
+        return base
+    if waves < DEC_THIN_TAIL:
+        if nt == 1:
+            light = DecodeConfig(1, 3, 1, 1)
+            if blocks <= _slots(light, sm_count, smem_per_sm):
+                return light
             return base
-        return best
-    if wave:
-        return max(wave, key=lambda e: (e[0], e[1]))[2]
+        return None
+    for rt in (2, 4):
+        c = DecodeConfig(nt, base.stages, rt, 1)
+        if (N % c.rows() == 0 and blocks // rt <= _slots(c, sm_count, smem_per_sm)
+                and k_tiles / (DEC_WARPS // rt) >= DEC_RT_MIN_TILES_PER_WARP):
+            return c
     return base
-
-
-# Tiled family (T = 17..160; ``gemm_bf16_kernel_tiled`` / ``_tiled_cl``): a block = 64 weight rows x 32 NTW
-# tokens, 8 warps as 2 (rows) x 4 (tokens), one ring per block; CS > 1 splits K over a cluster of CS blocks.
-TL_THREADS = 256
-TL_NTW = (1, 2, 3, 4, 5)            # 32-token steps: T <= 32 NTW
-TL_CS = (1, 2, 4, 8)
-TL_MIN_T = 17                       # T >= this: the tiled family (below it the decode family; measured)
-TL_MIN_TILES_PER_BLOCK = 4          # a cluster split leaving fewer k tiles per block is not considered
-TL_CS_GAIN = 0.9                    # a larger cluster must cut the per-SM work below 0.9 x the smaller's
-
-
-class TiledConfig(NamedTuple):
-    ntw: int       # n8 token tiles per warp (block: 32 NTW tokens)
-    stages: int
-    cs: int        # blocks per cluster splitting K
-
-    def smem(self) -> int:
-        return self.stages * (BN + 32 * self.ntw) * BK * 2
-
-    def name(self, out_f32: bool) -> str:
-        f = "true" if out_f32 else "false"
-        if self.cs == 1:
-            return f"gemm_bf16_kernel_tiled<{self.ntw}, {self.stages}, {f}>"
-        return f"gemm_bf16_kernel_tiled_cl<{self.ntw}, {self.stages}, {f}, {self.cs}>"
-
-
-def tl_stages(ntw: int) -> int:
-    """Ring depth: as many stages (<= 6) as fit the shared-memory budget (NTW 1..5: 6, 6, 4, 4, 3)."""
-    return min(6, SMEM_BUDGET // ((BN + 32 * ntw) * BK * 2))
-
-
-TL_CONFIGS = tuple(TiledConfig(n, tl_stages(n), cs) for n in TL_NTW for cs in TL_CS)
-
-
-def choose_tiled(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> TiledConfig:
-    """The tiled config for a call: NTW = ceil(T / 32); the cluster split CS minimising the per-SM work
-    ceil(blocks / SMs) x ceil(k tiles / CS) (at these T the block is mma-bound, so SMs, not resident slots,
-    are what blocks share); a larger CS only when it cuts that by more than 1 - TL_CS_GAIN (its cluster
-    reduction is not free); CS leaves >= TL_MIN_TILES_PER_BLOCK k tiles per block."""
-    ntw = -(-T // 32)
-    cols = -(-N // BN) * batch
-    k_tiles = K // BK
-    best = None
-    for cs in TL_CS:
-        if cs > 1 and k_tiles < cs * TL_MIN_TILES_PER_BLOCK:
-            continue
-        cost = -(-cols * cs // sm_count) * -(-k_tiles // cs)
-        if best is None or cost < TL_CS_GAIN * best[0]:
-            best = (cost, cs)
-    return TiledConfig(ntw, tl_stages(ntw), best[1])
 
 
 _SPLITK_NAMES = tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
 SPEC = register(KernelSpec(
     src="gemm_bf16.cu",
     names=_SPLITK_NAMES + tuple(c.name(f) for f in (False, True) for c in DEC_CONFIGS)
-    + tuple(c.name(f) for f in (False, True) for c in TL_CONFIGS)
     + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
     hot=True, pdl=True,      # every kernel waits (DDT_PDL_WAIT) before reading activations or writing
-    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring: decode (in-block / cluster K split), "
-        "tiled (T > 16) and split-K kernels"))
+    doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring: decode (in-block / cluster K split) "
+        "and split-K kernels"))
 
-VARIANTS = ("auto", "splitk", "decode", "tiled")
+VARIANTS = ("auto", "splitk", "decode")
 _VARIANT = ["auto"]
 _FORCED_DEC = [None]
-_FORCED_TL = [None]
 
 
 def set_variant(variant: str) -> str:
     """Force a kernel family for every call, or back to the rule ("auto"); returns the old setting.
-    "splitk": the split-K kernel at every T; "tiled": the tiled kernel at every T; "decode": the decode
-    family for T <= 16 (the rule above). An explicit ``split_k`` always means the split-K kernel."""
+    "splitk": the split-K kernel at every T; "decode": the decode family for every T <= 16 (split-K above).
+    An explicit ``split_k`` always means the split-K kernel."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: one of {VARIANTS}, got {variant!r}")
     old, _VARIANT[0] = _VARIANT[0], variant
@@ -210,29 +169,15 @@ def set_decode_config(cfg: Optional[DecodeConfig]) -> Optional[DecodeConfig]:
     return old
 
 
-def set_tiled_config(cfg: Optional[TiledConfig]) -> Optional[TiledConfig]:
-    """Force one tiled config (tests, bench) for every tiled call, or None for ``choose_tiled``; one whose
-    token tile is smaller than T raises ValueError at the call."""
-    if cfg is not None and cfg not in TL_CONFIGS:
-        raise ValueError(f"cfg: not a compiled tiled config: {cfg!r} (see TL_CONFIGS)")
-    old, _FORCED_TL[0] = _FORCED_TL[0], cfg
-    return old
-
-
-def family(T: int) -> str:
-    """Which kernel family serves a call without an explicit split_k: "decode" (T < TL_MIN_T, at most 16),
-    "tiled" above, unless ``set_variant`` forces one ("decode" only applies to T <= 16)."""
-    v = _VARIANT[0]
-    if v in ("splitk", "tiled"):
-        return v
-    if T <= DEC_MAX_T and (v == "decode" or T < TL_MIN_T):
-        return "decode"
-    return "tiled"
-
-
-def use_decode(T: int, N: int, K: int, batch: int = 1) -> bool:
-    """True where the decode family serves the call (``family(T) == "decode"``)."""
-    return family(T) == "decode"
+def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132, smem_per_sm: int = 228 * 1024) -> bool:
+    """Which family serves a call without an explicit split_k: the decode family for T <= 16, except a
+    thin-tail grid at T > 8 (``choose_decode`` returns None: dense gate+up at T = 16 on the H200, where
+    split-K measured faster); split-K for T > 16. ``set_variant`` overrides."""
+    if T > DEC_MAX_T or _VARIANT[0] == "splitk":
+        return False
+    if _VARIANT[0] == "decode":
+        return True
+    return choose_decode(T, N, K, batch, sm_count, smem_per_sm) is not None
 
 
 _SM_COUNT = {}
@@ -320,22 +265,15 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         os_ = (0,) + os_
     out_f32 = out_dtype == np.float32
     w_bs = N * K if batched else 0
-    fam = family(T) if split_k is None else "splitk"
-    args = (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
-            out, np.int32(T), np.int32(N), np.int32(K), np.int32(0))
-    if fam == "decode":
-        cfg = _FORCED_DEC[0] or choose_decode(T, N, K, B, _sm_count(), _smem_per_sm())
+    if split_k is None and use_decode(T, N, K, B, _sm_count(), _smem_per_sm()):
+        cfg = _FORCED_DEC[0] or choose_decode(T, N, K, B, _sm_count(), _smem_per_sm()) or _dec_base(
+            1 if T <= 8 else 2)                                  # forced "decode" on a split-K shape
         if cfg.nt * 8 < T or N % cfg.rows():
             raise ValueError(f"decode config {cfg} cannot serve T={T}, N={N} (forced by set_decode_config)")
         kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
-        kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,), args, shared_mem=cfg.smem())
-        return out
-    if fam == "tiled":
-        cfg = _FORCED_TL[0] or choose_tiled(T, N, K, B, _sm_count())
-        if 32 * cfg.ntw < T:
-            raise ValueError(f"tiled config {cfg} cannot serve T={T} (forced by set_tiled_config)")
-        kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
-        kern((math.ceil(N / BN), cfg.cs, B), (TL_THREADS,), args, shared_mem=cfg.smem())
+        kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,),
+             (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
+              out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=cfg.smem())
         return out
     split = choose_split(T, N, K, B, _sm_count()) if split_k is None else check_range("split_k", split_k, 1, K // BK)
     per = math.ceil(K // BK / split)

@@ -1,8 +1,10 @@
 """Skinny bf16 GEMM against float64 numpy: every tile size, split-K on/off, batched strided views,
-fp32 output, and replay inside a CUDA graph; the three families ("splitk", "decode", "tiled") at every engine
-shape for T <= 16, graph replay == eager, and a PDL-launched chain == the plain one; every decode and tiled
-config the selection can choose, forced, at edge shapes (odd T, N and K not multiples of the tiles, clusters
-with empty K ranges), bit-identical across repeats and under graph replay."""
+fp32 output, and replay inside a CUDA graph; both families ("splitk", "decode") at every engine shape for
+T <= 16, graph replay == eager, and a PDL-launched chain == the plain one; every decode config the selection
+can choose, forced, at edge shapes (odd T, strided and batched views, K not a multiple of the slices,
+clusters and warps with empty K ranges), bit-identical across repeats and under graph replay.
+Every output buffer is filled on the stream that launches the GEMM (a fill on the legacy default stream
+is not ordered before work on a non-blocking stream)."""
 import functools
 
 import numpy as np
@@ -125,8 +127,9 @@ def test_gemm_graph_replay():
     for i in range(2):                  # new inputs written into the static buffer, then replay
         xb, x = rand_bf16(rng, (T, K))
         x_dev.set(xb)
-        out.fill(0xFFFF)
-        g.launch(s)
+        with s:
+            out.fill(0xFFFF)
+            g.launch(s)
         s.synchronize()
         assert rel_err(f64(out), x @ w.T) < BF16_TOL
 
@@ -163,7 +166,7 @@ def _weight(N, K, B):
     return cp.asarray(wb), w
 
 
-@pytest.fixture(params=["splitk", "decode", "tiled"])
+@pytest.fixture(params=["splitk", "decode"])
 def variant(request, monkeypatch):
     """Forces one kernel; yields (variant, names of the kernels launched since)."""
     from ddtree_cupy.kernels import gemm
@@ -181,8 +184,7 @@ def variant(request, monkeypatch):
 
 def _assert_kernel(variant, launched):
     v, names = variant, launched
-    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else
-            "tiled" if n.startswith("gemm_bf16_kernel_tiled") else "splitk" for n in names
+    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "splitk" for n in names
             if n.startswith("gemm_bf16_kernel")}
     assert used == {v}, (v, names)
 
@@ -253,8 +255,8 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
     for _ in range(3):
         xb, x = rand_bf16(rng, (T, K))
         x_dev.set(xb)
-        out.fill(np.nan if f32 else 0xFFFF)
         with s:
+            out.fill(np.nan if f32 else 0xFFFF)
             g.launch(s)
             gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
         s.synchronize()
@@ -298,6 +300,7 @@ def test_engine_pdl_chain_equals_plain(variant, T):
     s = cp.cuda.Stream(non_blocking=True)
     try:
         ref = cp.full((3, T, 384), np.nan, np.float32)
+        cp.cuda.Device().synchronize()      # the fills above ran on the default stream
         launch.set_pdl(False)
         with s:
             chain(ref)
@@ -306,8 +309,8 @@ def test_engine_pdl_chain_equals_plain(variant, T):
         assert rel_err(first, xs[2][1] @ ws["qa"][1][0].T) < BF16_TOL
         assert np.all(np.isfinite(ref.get()))
         launch.set_pdl(True)
-        got = cp.full((3, T, 384), np.nan, np.float32)
         with s:
+            got = cp.full((3, T, 384), np.nan, np.float32)
             chain(got)
         s.synchronize()
         assert cp.array_equal(got, ref)
@@ -316,10 +319,10 @@ def test_engine_pdl_chain_equals_plain(variant, T):
             chain(got)
             g = s.end_capture()
         for _ in range(2):
-            got.fill(np.nan)
-            for m in mid.values():
-                m.fill(0xFFFF)      # a consumer reading before its producer finished would see NaN
             with s:
+                got.fill(np.nan)
+                for m in mid.values():
+                    m.fill(0xFFFF)      # a consumer reading before its producer finished would see NaN
                 g.launch(s)
             s.synchronize()
             assert cp.array_equal(got, ref)
@@ -331,7 +334,7 @@ def test_engine_pdl_chain_equals_plain(variant, T):
         assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus split-K reduces)
 
 
-# ---- every decode / tiled config, forced (the selection can pick any of them) ----------------------------
+# ---- every decode config, forced (the selection can pick any of them) ----------------------------
 def _run_forced(monkeypatch, variant, setter, cfg, T, N, K, B, f32, rng, strided):
     """Two calls with ``cfg`` forced (the second into a re-poisoned output): the same bits, right against
     float64 per token and per 16-feature block, nothing written outside a strided output view, and the
@@ -406,34 +409,13 @@ def test_every_decode_config(monkeypatch, cfg, T, N, K, B, f32):
     _run_forced(monkeypatch, "decode", gemm.set_decode_config, cfg, T, N, K, B, f32, rng, strided=(T % 2 == 1 or B > 1))
 
 
-def _tl_cases():
-    from ddtree_cupy.kernels.gemm import TL_CONFIGS, TL_MIN_T
-    out = []
-    for c in TL_CONFIGS:
-        hi = 32 * c.ntw
-        Ts = sorted({max(1, hi - 31), hi - 1, hi} | ({TL_MIN_T - 1, TL_MIN_T, TL_MIN_T + 1} if c.ntw == 1 else set()))
-        # N: not a multiple of 64 (last column tile partly outside); K: 9 k tiles (uneven cluster ranges,
-        # CS = 8: blocks with one tile), 64 (one tile: CS - 1 empty cluster blocks), 7168 (long).
-        shapes = [(1040, 576, 1, False), (48, 64, 2, True), (336, 7168, 1, True)]
-        for i, T in enumerate(Ts):
-            N, K, B, f32 = shapes[(i + c.cs) % 3]
-            out.append((c, T, N, K, B, f32))
-    return out
-
-
-@pytest.mark.parametrize("cfg,T,N,K,B,f32", _tl_cases(), ids=lambda v: str(tuple(v)) if isinstance(v, tuple) else str(v))
-def test_every_tiled_config(monkeypatch, cfg, T, N, K, B, f32):
-    from ddtree_cupy.kernels import gemm
-    rng = np.random.default_rng(hash((tuple(cfg), T, N, K)) % 2**32)
-    _run_forced(monkeypatch, "tiled", gemm.set_tiled_config, cfg, T, N, K, B, f32, rng, strided=(T % 2 == 1 or B > 1))
-
-
 @pytest.mark.parametrize("T,N,K,f32", [(1, 1280, 7168, False), (16, 384, 7168, True), (16, 7168, 1024, False),
-                                       (17, 2112, 7168, False), (64, 4608, 2304, True), (160, 2112, 7168, False),
-                                       (160, 20480, 1024, False)])
+                                       (1, 4608, 7168, False), (16, 4608, 7168, False), (8, 7168, 256, False),
+                                       (17, 2112, 7168, False), (160, 2112, 7168, False)])
 def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
-    """The rule's own pick (cluster configs among them) captured once and replayed with new inputs: bit-
-    identical to an eager call, right against float64, with PDL on as the engine runs it."""
+    """The rule's own pick (cluster, RT, light-ring configs, split-K on both sides of T = 16) captured once
+    and replayed with new inputs: bit-identical to an eager call, right against float64, with PDL on as the
+    engine runs it."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch
     rng = np.random.default_rng(T * 3 + N)
@@ -453,8 +435,8 @@ def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
         for _ in range(2):
             xb, x = rand_bf16(rng, (T, K))
             x_dev.set(xb)
-            out.fill(np.nan if f32 else 0xFFFF)
             with s:
+                out.fill(np.nan if f32 else 0xFFFF)
                 g.launch(s)
                 gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
             s.synchronize()
