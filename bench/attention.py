@@ -266,6 +266,9 @@ def main():
     ap.add_argument("--set", choices=("grid", "decode"), default="grid",
                     help="grid: issue #6's shapes; decode: the engine's decode-step shapes only")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the planned tile of the engine's decode shapes at several split counts, and "
+                         "1 x 1 / 1 x 8 at 4K without one phase (fixed-cost breakdown; planner refit points)")
     ap.add_argument("--compare", action="store_true",
                     help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
     ap.add_argument("--policy", choices=("auto", "measured", "model", "both"), default="auto",
@@ -413,6 +416,28 @@ def main():
               f"{r['chain_us']:>8.1f} {r['tree_over_chain']:>10.2f} | {'ok' if r['meets_target'] else 'MISS'}" +
               extra, flush=True)
 
+    sweep = []
+    if args.sweep:
+        from ddtree_cupy.kernels.compile import KernelSpec
+        print("\n# split sweep (planned tile; us per call) and phase-less builds (wrong results by design)")
+        for S, n, c in ((1, 1, 4096), (1, 8, 4096), (4, 8, 4096), (10, 8, 4096), (1, 1, 65536), (1, 8, 65536)):
+            cfg, planned = A.plan_mla(S, n, H, c + n)
+            key = [k for k, v in A.MLA_CONFIGS.items() if v == cfg][0]
+            ks = sorted({k for k in (1, 2, 4, 8, 16, 33, 66, 132) if k <= -(-(c + n) // cfg.bn)} | {planned})
+            row = dict(streams=S, rows=n, ctx=c, config_key=key, planned=planned,
+                       us={k: one(S, n, c, "tree", config=cfg, splits_override=k)["us"] for k in ks})
+            if (S, c) == (1, 4096):
+                for ph in ("S", "PV", "LOAD"):
+                    spec = KernelSpec(src="mla_attention.cu", names=(cfg.name, "mla_attn_combine<4>",
+                                                                     "mla_attn_combine<1>"),
+                                      defines=((f"MLA_PROBE_SKIP_{ph}", "1"),))
+                    row["skip_" + ph] = one(S, n, c, "tree", config=cfg, splits_override=planned, spec=spec)["us"]
+            sweep.append(row)
+            print(f"  {S} x {n} @ {c} {key} (plan {planned}): " +
+                  " ".join(f"{k}:{v:.1f}" for k, v in row["us"].items()) +
+                  "".join(f" skip_{ph}={row['skip_' + ph]:.1f}" for ph in ("S", "PV", "LOAD") if "skip_" + ph in row),
+                  flush=True)
+
     probe = []
     if args.probe:
         from ddtree_cupy.kernels.compile import KernelSpec
@@ -474,6 +499,7 @@ def main():
 
     summary = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H, softmax_scale=SCALE,
                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]), mla=results, probe=probe,
+                   sweep=sweep,
                    drafter=drafter, seconds=time.time() - t_start)
     if args.policy == "both":
         summary["policy_summary"] = policy_summary(results)
