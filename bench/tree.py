@@ -6,8 +6,9 @@ Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case),
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
-variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan;
-default: 3 and 4, old and new) run on the same inputs; "same" says a variant's outputs equal the reference
+variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
+5 scan-rank; default: 3, 4, 5: the previous default, the default, the unmeasured candidate) run on the same
+inputs; "same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
@@ -75,7 +76,7 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
 
     t_topk = time_graph(lambda: ws.topk(logits))
     t_part = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms,
-                                             fast=fast))
+                                             fast=ws.topk_fast))
     t_build = time_graph(lambda: ws.build(budgets, prefix, bonus))
     t_walk = time_graph(lambda: ws.walk_commit(post, prefix, row_off))
 
@@ -145,9 +146,9 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[3, 4],
-                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan); the reference of the "
-                         "'same' column is 0 when given, else the lowest")
+    ap.add_argument("--variants", type=int, nargs="+", default=[3, 4, 5],
+                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank); the "
+                         "reference of the 'same' column is 0 when given, else the lowest")
     ap.add_argument("--was-variant", default="v3",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
@@ -207,7 +208,8 @@ def main(argv=None):
         x[:, :, rng.integers(0, V, size=8)] += 10.0
         logits = cp.asarray(_bf16_bits(x))
         ws = DDTreeWorkspace(S, D, V, B, chunk=chunk)
-        t1 = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms, chunk=chunk))
+        t1 = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms, chunk=chunk,
+                                             fast=ws.topk_fast))
         t = time_graph(lambda: ws.topk(logits))
         print(f"chunk {chunk}: {S} streams, budget {B}, bf16: top-K {t:.1f} us (stage 1 {t1:.1f} us, P = {ws.P})")
     by = {(r["streams"], r["budget"], r["dtype"], r["variant"]): r for r in rows}

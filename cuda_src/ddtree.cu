@@ -25,14 +25,18 @@
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
-// DDT_FAST=4 ("scan") is variant 3's builder and walk with a streaming top-K: stage 1 only reads (per
-// thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and re-reads the few
-// 32-logit groups that can hold the row's top-k (see "Stage 1, scan variant" below).
-#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4
-#error "DDT_FAST: variants are 0 (verified), 3 (v3) and 4 (scan)"
+// DDT_FAST=4 ("scan", the default) is variant 3's builder and walk with a streaming top-K: stage 1 only
+// reads (per thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and
+// re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
+// DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
+// placement (merge_finish); not measured yet (docs/DDTREE.md).
+#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4 && DDT_FAST != 5
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan) and 5 (scan-rank)"
 #endif
+#define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
+#define DDT_RANK_OUT (DDT_FAST == 5)    // the merge places its output by rank instead of a warp sort
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_FAST == 4
+#if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
 #define DDT_PARTIAL_MIN_BLOCKS 2
@@ -67,7 +71,7 @@ __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint3
 // kernels/ddtree.py (cand_cap, part_width) mirrors these two functions.
 __device__ __forceinline__ int cand_cap(int k) { return k <= 32 ? 64 : (k <= 64 ? 128 : 256); }
 __device__ __forceinline__ int part_width(int k) { return k == 1 ? 1 : 2 + cand_cap(k); }
-// Scan variant (DDT_FAST=4), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
+// Scan variants (DDT_FAST=4, 5), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
 // V_local | id_offset << 32, chunk, then the 256 threads' largest keys (group g = thread g's 32 logits:
 // its 4 vectors of 8 at (u * 256 + g) * 8; 0 = a group with no logit in range)]. The header lets the merge
 // re-read logits without new launch arguments (the merge's signature is shared with the engine's CPU
@@ -250,7 +254,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     }
     // the thread's largest key: its maximum at the lowest index holding it
     u64 tk = 0ull;
-#if DDT_FAST == 4
+#if DDT_SCAN
     // the scan variant's group key is nonzero for every group with a logit in range, -inf included (the
     // merge re-reads only groups with nonzero keys, and a row may need -inf entries to fill its top-k);
     // k == 1 keeps the other variants' key (0 when the thread's maximum is -inf)
@@ -306,7 +310,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
         }
         return;
     }
-#if DDT_FAST == 4
+#if DDT_SCAN
     {   // scan variant: the 256 group keys and the header; the chunk's (m, s) combined as below
         u64* out = part_keys + slot * (size_t)scan_width(k);
         out[DDT_SCAN_HDR + tid] = tk_any;
@@ -471,7 +475,9 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
     // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variants 3
     // and 4 narrow to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
     // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
-#if DDT_FAST >= 2
+#if DDT_RANK_OUT
+    const unsigned scap = DDT_SORT_CAP;   // placed by rank (below): the selection's size costs little
+#elif DDT_FAST >= 2
     const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
 #else
     const unsigned scap = DDT_SORT_CAP;
@@ -507,6 +513,31 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
         if (key >= thr) sh.sel[atomicAdd(&sh.n, 1)] = key;
     }
     __syncthreads();
+#if DDT_RANK_OUT
+    {   // thread t places selected key t at its rank (keys greater than it; keys are unique), all warps at
+        // once: ns <= 256 broadcast reads per thread instead of one warp's dependent bitonic network
+        const int ns = sh.n;
+        const float lse = sh.m + logf(sh.s);
+        if (tid < ns) {
+            const u64 key = sh.sel[tid];
+            int rank = 0;
+#pragma unroll 4
+            for (int j = 0; j < ns; ++j) rank += sh.sel[j] > key ? 1 : 0;
+            if (rank < k) {
+                out_keys[(size_t)r * k + rank] = key;
+                out_lp[(size_t)r * k + rank] = key_value(key) - lse;
+                out_id[(size_t)r * k + rank] = key_id(key);
+            }
+        }
+        for (int i = ns + tid; i < k; i += DDT_TOPK_THREADS) {   // a row with fewer than k candidates
+            out_keys[(size_t)r * k + i] = 0ull;
+            out_lp[(size_t)r * k + i] = DDT_NEG_INF;
+            out_id[(size_t)r * k + i] = -1;
+        }
+        if (tid == 0) out_ms[r] = make_float2(sh.m, sh.s);
+        return;
+    }
+#endif
     if (warp != 0) return;
     const int ns = sh.n;
     u64 top[8];
@@ -528,7 +559,7 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
     if (lane == 0) out_ms[r] = make_float2(sh.m, sh.s);
 }
 
-#if DDT_FAST == 4
+#if DDT_SCAN
 // ---------------------------------------------------------------------------------------------------
 // Stage 2, scan variant (k >= 2, stage-1 group keys). Group g of the row (chunk g / 256, thread g % 256)
 // holds 32 logits; its key is its largest element's key. With thr <= the k-th largest group key, at least
@@ -728,7 +759,7 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
     const int r = blockIdx.x;
     const bool cand = !parts_major && k > 1;
     DDT_PDL_WAIT();
-#if DDT_FAST == 4
+#if DDT_SCAN
     if (cand) {
         merge_scan(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp, out_id);
         return;
@@ -939,7 +970,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
                n_rows, mask);
 }
-#else   // DDT_FAST == 3 (the default)
+#else   // DDT_FAST == 3, 4, 5 (the default 4): builder v3
 // Position p = slot p / 32 of lane p % 32; only the ordered scores are in registers (the removed variant 2
 // kept the rest of an entry for the winning lane alone). Here the popped
 // position is made known to every lane (one ballot per slot: in the usual case of a single holder

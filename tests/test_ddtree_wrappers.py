@@ -60,3 +60,11 @@ def test_chunk_constants_match_the_kernel():
     assert ddt.TOPK_THREADS == threads
     assert ddt.MAX_CHUNK == threads * 8 * vecs
     assert ddt.DEFAULT_CHUNK % (threads * 8) == 0 and ddt.DEFAULT_CHUNK <= ddt.MAX_CHUNK
+
+
+def test_topk_variant_rule():
+    """The scan variant's workspace launches the list top-K only where it measured faster (1 stream, k 8)."""
+    assert ddt.topk_variant(7, 8, 4) == 3 and ddt.topk_variant(7, 1, 4) == 3
+    assert ddt.topk_variant(7, 16, 4) == 4 and ddt.topk_variant(8, 8, 4) == 4 and ddt.topk_variant(70, 64, 4) == 4
+    assert ddt.topk_variant(7, 8, 0) == 0 and ddt.topk_variant(70, 64, 3) == 3
+    assert ddt.topk_variant(70, 64, True) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS

@@ -58,10 +58,16 @@ DDTREE_V3_SPEC = register(KernelSpec(
 DDTREE_SCAN_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "4"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, streaming top-K (group maxima + re-read of the groups that can hold the top-k), builder v3"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC}
-VARIANTS = {0: "verified", 3: "v3", 4: "scan"}   # the value of ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (4,)    # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
-# The variant the engine uses; DDT_TREE_VARIANT (0, 3 or 4) overrides it (whole-engine checks of a variant).
+# Variant 5 ("scan-rank"): variant 4 with the merge's final one-warp bitonic sort replaced by a parallel rank
+# placement (every thread counts the selected keys greater than its own). Compiled and tested like the
+# others, NOT yet measured (docs/DDTREE.md "Next steps"): the next device run decides between 4 and 5.
+DDTREE_SCAN_RANK_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "5"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 4 with the merge's output placed by rank (no one-warp sort)"))
+_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC}
+VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (4, 5)  # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
+# The variant the engine uses; DDT_TREE_VARIANT (0, 3, 4 or 5) overrides it (whole-engine checks of a variant).
 # 4: the scan top-K's first H200 run had every GPU test pass and stage 1 at 3.2-9.8 us (was 7.1-38.5); its
 # merge then used a slow warp-aggregated radix (docs/DDTREE.md), replaced by the top-16-bit windows.
 DEFAULT_VARIANT = 4
@@ -69,6 +75,23 @@ if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
     if DEFAULT_VARIANT not in VARIANTS:
         raise ValueError(f"DDT_TREE_VARIANT: expected one of {sorted(VARIANTS)}, got {DEFAULT_VARIANT}")
+
+
+# The scan variant hands the top-K of small shapes to the candidate-list kernels (variant 3's module; the
+# builder and walk are the same code in both): on the H200 (bench/results/tree_h200.json) the list top-K
+# was faster only at 1 stream (7 rows) and k = 8 (11.8 vs 12.3 us; scan: k = 16 12.5 vs 12.8, 4 streams
+# k = 8 15.0 vs 21.8). Measured at V_local = 163840 only.
+LIST_TOPK_MAX_ROWS = 7
+LIST_TOPK_MAX_K = 8
+
+
+def topk_variant(rows: int, k: int, fast=True) -> int:
+    """The kernel variant whose top-K a workspace of variant ``fast`` launches for ``rows`` rows of top-``k``
+    (rule above; every variant's top-K gives the same outputs bit for bit)."""
+    v = variant(fast)
+    if v in SCAN_VARIANTS and rows <= LIST_TOPK_MAX_ROWS and k <= LIST_TOPK_MAX_K:
+        return 3
+    return v
 
 
 def variant(fast) -> int:
@@ -263,7 +286,8 @@ class DDTreeWorkspace:
         R, A = MAX_TREE_ROWS, depth + 1
         self.A = A
         i32 = lambda *s: cupy.empty(s, cupy.int32)   # noqa: E731
-        self.part_keys = cupy.empty((rows, self.P, stage1_width(k, self.fast)), cupy.uint64)
+        self.topk_fast = topk_variant(rows, k, self.fast)   # the top-K kernels' variant (topk_variant)
+        self.part_keys = cupy.empty((rows, self.P, stage1_width(k, self.topk_fast)), cupy.uint64)
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)
@@ -281,10 +305,10 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.fast)
+        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
                    self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
-                   fast=self.fast)
+                   fast=self.topk_fast)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,
