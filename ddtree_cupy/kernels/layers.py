@@ -20,7 +20,8 @@ from .compile import KernelSpec, get_kernel, register
 NORM_SPEC = register(KernelSpec("norm.cu", ("rmsnorm_kernel",), hot=True, pdl=True,
                                 doc="RMSNorm, fused residual add"))
 ROPE_NAMES = tuple(f"rope_kernel<{n}, {t}>" for n in ("false", "true") for t in ("false", "true"))
-ROPE_SPEC = register(KernelSpec("rope.cu", ROPE_NAMES, hot=True, pdl=True, doc="YaRN RoPE, adjacent / NeoX pairs"))
+ROPE_SPEC = register(KernelSpec("rope.cu", ROPE_NAMES + ("head_norm_rope_kernel",), hot=True, pdl=True,
+                                doc="YaRN RoPE, adjacent / NeoX pairs; per-head RMSNorm + NeoX RoPE"))
 ACT_SPEC = register(KernelSpec("act.cu", ("silu_mul_kernel",), hot=True, pdl=True, doc="silu(gate) * up"))
 EMBED_SPEC = register(KernelSpec("embed.cu", ("embed_gather_kernel",), pdl=True, doc="vocab-parallel embedding"))
 
@@ -127,6 +128,45 @@ def rope(x, positions, out=None, *, style: str = "adjacent", cos=None, sin=None,
                                 _ptr(out_rows), positions, np.int32(T), np.int32(heads), np.int32(half),
                                 _ptr(cos), _ptr(sin), np.int32(max_pos), _ptr(inv_freq), np.float32(amplitude)))
     return out[:, 0, :] if squeeze else out
+
+
+HNR_D = 128          # head_norm_rope_kernel's head width (the drafter's head_dim)
+
+
+def head_norm_rope(x, eps: float, positions, inv_freq, amplitude: float, w_a, out_a, w_b=None, out_b=None):
+    """Per-head RMSNorm then NeoX RoPE of head-major x [n, T, 128] bf16 (a strided view allowed) in ONE
+    launch: heads [0, n_a) with norm weight w_a [128] into out_a [T, n_a, 128], heads [n_a, n) with w_b
+    into out_b [T, n - n_a, 128] (n_a = out_a.shape[1]). RoPE at positions int32 [T] with inv_freq float32
+    [64] and ``amplitude``. The same numbers as ``rms_norm`` (rounded to bf16) then ``rope(style='neox')``
+    (the drafter's q and k: one launch instead of four)."""
+    dims = {}
+    xs = check_rows("x", x, np.uint16, ("n", "T", HNR_D), dims)
+    n, T = dims["n"], dims["T"]
+    check_array("w_a", w_a, np.uint16, (HNR_D,))
+    oa = check_rows("out_a", out_a, np.uint16, ("T", "n_a", HNR_D), dims)
+    n_a = dims["n_a"]
+    if n_a > n:
+        raise ValueError(f"out_a: {n_a} heads, x has only {n}")
+    ob = (0, 0, 1)
+    if n_a < n:
+        if w_b is None or out_b is None:
+            raise ValueError(f"w_b / out_b: required for heads {n_a}..{n - 1} of x")
+        check_array("w_b", w_b, np.uint16, (HNR_D,))
+        ob = check_rows("out_b", out_b, np.uint16, ("T", n - n_a, HNR_D), dims)
+    elif w_b is not None or out_b is not None:
+        raise ValueError("w_b / out_b: given, but out_a takes every head of x")
+    if not (isinstance(eps, float) and eps > 0):
+        raise ValueError(f"eps: must be a positive float, got {eps!r}")
+    check_array("positions", positions, np.int32, ("T",), dims)
+    check_array("inv_freq", inv_freq, np.float32, (HNR_D // 2,))
+    if n * T == 0:
+        return out_a, out_b
+    k = get_kernel(ROPE_SPEC, "head_norm_rope_kernel")
+    k((_grid(n * T, 16),), (256,), (x, np.int64(xs[0]), np.int64(xs[1]), np.int32(T), np.int32(n), np.int32(n_a),
+                                    w_a, _ptr(w_b), np.float32(eps), out_a, np.int64(oa[0]), np.int64(oa[1]),
+                                    _ptr(out_b), np.int64(ob[0]), np.int64(ob[1]), positions, inv_freq,
+                                    np.float32(amplitude)))
+    return out_a, out_b
 
 
 def rope_tables(inv_freq: np.ndarray, max_pos: int, amplitude: float = 1.0):

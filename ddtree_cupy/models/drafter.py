@@ -272,7 +272,6 @@ class GpuDrafter:
         self._h = cp.empty((T, H), u16)                                  # bf16 residual stream
         self._x = cp.empty((T, H), u16)                                  # normed layer input
         self._qkv_flat = cp.empty((self.hq + 2 * self.hkv) * T * hd, u16)  # viewed [Hq+2Hkv, T, 128]
-        self._hn_flat = cp.empty(max(self.hq * T, self.hkv * N) * hd, u16)   # normed heads before RoPE
         self._q = cp.empty((S, bs, self.hq, hd), u16)
         self._kb = cp.empty((S, bs, self.hkv, hd), u16)
         self._vb = cp.empty((S, bs, self.hkv, hd), u16)
@@ -345,14 +344,11 @@ class GpuDrafter:
         self._gemm(xb, w_heads.reshape(n_heads, HEAD_DIM, x.shape[1]), out)
         return out
 
-    def _norm_rope_heads(self, heads, norm_w, positions, out):
-        """Per-head RMSNorm of heads [n, T, 128] (contiguous: one [n*T, 128] matrix, one launch) into a
-        scratch buffer, then NeoX RoPE at ``positions`` from there into the token-major out [T, n, 128]."""
-        n, T = heads.shape[0], heads.shape[1]
-        normed = self._hn_flat[:n * T * HEAD_DIM].reshape(n, T, HEAD_DIM)
-        layers_k.rms_norm(heads.reshape(n * T, HEAD_DIM), norm_w, self.eps, out=normed.reshape(n * T, HEAD_DIM))
-        layers_k.rope(normed.transpose(1, 0, 2), positions, out=out, style="neox", inv_freq=self.inv_freq,
-                      amplitude=self.amplitude)
+    def _norm_rope_heads(self, heads, norm_w, positions, out, norm_w2=None, out2=None):
+        """Per-head RMSNorm + NeoX RoPE at ``positions`` of head-major heads [n, T, 128] into token-major
+        out [T, n_a, 128] (norm_w) and out2 [T, n - n_a, 128] (norm_w2): ONE launch (layers.head_norm_rope;
+        the q and k heads of a draft layer together)."""
+        layers_k.head_norm_rope(heads, self.eps, positions, self.inv_freq, self.amplitude, norm_w, out, norm_w2, out2)
 
     def _copy_heads(self, heads, out):
         """A head-major [n, T, 128] block into token-major out [T, n, 128] (the layout the kernels read)."""
@@ -430,8 +426,9 @@ class GpuDrafter:
         layers_k.rms_norm(h, self.w.input_norm[0], self.eps, out=x)
         for l in range(L):
             qkv = self._heads_gemm(x, self.w.qkv[l], self._qkv_flat, hq + 2 * hkv, T)    # [Hq+2Hkv, T, 128]
-            self._norm_rope_heads(qkv[:hq], self.w.q_norm[l], pos_t, q.reshape(T, hq, HEAD_DIM))
-            self._norm_rope_heads(qkv[hq:hq + hkv], self.w.k_norm[l], pos_t, kb.reshape(T, hkv, HEAD_DIM))
+            # q and k heads (adjacent in the GEMM output): per-head norm + RoPE in one launch
+            self._norm_rope_heads(qkv[:hq + hkv], self.w.q_norm[l], pos_t, q.reshape(T, hq, HEAD_DIM),
+                                  self.w.k_norm[l], kb.reshape(T, hkv, HEAD_DIM))
             if hkv == 1:
                 v_blk = qkv[hq + 1:hq + 2].reshape(S, bs, 1, HEAD_DIM)
             else:

@@ -228,7 +228,7 @@ def test_router_shared_args():
         route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:])
     with pytest.raises(ValueError, match="gate_up"):
         route_logits(lg[:, :384], bias, 8, gate_up=cp.zeros((4, 512), np.uint16), act_out=act)   # bf16: old API
-    lg2 = cp.zeros((4, 384 + 512 + 2), np.float32)
+    lg2 = cp.zeros((4, 384 + 512 + 4), np.float32)             # 3600-byte rows: a 16-byte multiple
     with pytest.raises(ValueError, match="gate_up: base address"):
         route_logits(lg2[:, :384], bias, 8, gate_up=lg2[:, 386:898], act_out=act)            # not 16-B aligned
     with pytest.raises(ValueError, match="act_out"):

@@ -115,6 +115,74 @@ def test_rope_k_pe_into_cache_rows():
     assert np.all(got[others] == 0xFFFF)
 
 
+# ------------------------------------------------------------------------------- per-head norm + NeoX RoPE
+@pytest.mark.parametrize("n,n_a,T", [(9, 8, 8), (9, 8, 64), (17, 16, 3), (1, 1, 187), (32, 16, 40)])
+def test_head_norm_rope(n, n_a, T):
+    """The drafter's q | k heads: head-major x [n, T, 128] (a view of a larger GEMM output) -> per-head
+    RMSNorm (w_a for heads < n_a, w_b after) -> NeoX RoPE -> token-major out_a [T, n_a, 128], out_b.
+    Against float64 per (token, head) row, and equal to rms_norm + rope (the chain it replaces) up to a
+    1-ulp FMA-contraction allowance on <= 1% of the values. Positions up to 100000 (YaRN long range) and -1
+    (padding rows: computed like any other). Outputs poisoned, with a poisoned head slot past out_a."""
+    import cupy as cp
+    from ddtree_cupy.kernels.layers import head_norm_rope, rope
+    from ddtree_cupy.kernels.layers import rms_norm as k_norm
+    rng = np.random.default_rng(n * 1000 + T)
+    D, eps, amp = 128, 1e-6, 1.0 + 0.1 * np.log(64.0)
+    xb, x = rand_bf16(rng, (n + 1, T, D), 2.0)                  # one extra (v) head, as the GEMM's output
+    wab, wa = rand_bf16(rng, (D,), 0.1)
+    wbb, wb = rand_bf16(rng, (D,), 0.1)
+    wab, wbb = to_bf16_bits(1.0 + bf16_bits_to_f32(wab)), to_bf16_bits(1.0 + bf16_bits_to_f32(wbb))
+    wa, wb = bf16_bits_to_f32(wab).astype(np.float64), bf16_bits_to_f32(wbb).astype(np.float64)
+    pos = rng.integers(0, 100000, T).astype(np.int32)
+    pos[-1] = -1
+    inv = yarn_inv_freq(KIMI_ROPE, D)
+    inv_d = cp.asarray(inv.astype(np.float32))
+    x_d = cp.asarray(xb)[:n]
+    pos_d = cp.asarray(pos)
+    oa = poisoned(cp, (T, n_a + 1, D))[:, :n_a]
+    ob = poisoned(cp, (T, n - n_a, D)) if n > n_a else None
+    head_norm_rope(x_d, eps, pos_d, inv_d, amp, cp.asarray(wab), oa, cp.asarray(wbb) if ob is not None else None, ob)
+    w = np.where((np.arange(n) < n_a)[:, None], wa[None], wb[None])          # [n, D]
+    normed = rms_norm(x[:n], np.ones(D), eps) * w[:, None, :]
+    # the angle as the kernel (and HF) forms it: one fp32 multiply; the rest in float64
+    ang = (pos.astype(np.float32)[:, None] * inv.astype(np.float32)[None, :]).astype(np.float64)[:, None, :]
+    lo, hi = normed.transpose(1, 0, 2)[..., :D // 2], normed.transpose(1, 0, 2)[..., D // 2:]
+    c, sn = np.cos(ang) * amp, np.sin(ang) * amp
+    ref = np.concatenate([lo * c - hi * sn, hi * c + lo * sn], axis=-1)           # [T, n, D]
+    got = np.concatenate([f64(oa)] + ([f64(ob)] if ob is not None else []), axis=1)
+    errs = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert np.all(np.isfinite(got)) and errs.max() < 2 * BF16_TOL, errs.max()
+    assert np.all(oa.base.get()[:, n_a:] == 0xFFFF)
+    # the replaced chain: rms_norm over the [n * T, 128] rows, then rope from the head-major normed copy
+    chain = []
+    for lo, hi, wd in ((0, n_a, wab), (n_a, n, wbb)):
+        if hi > lo:
+            nrm = k_norm(x_d[lo:hi].reshape((hi - lo) * T, D), cp.asarray(wd), eps).reshape(hi - lo, T, D)
+            out = cp.empty((T, hi - lo, D), np.uint16)
+            rope(nrm.transpose(1, 0, 2), pos_d, out=out, style="neox", inv_freq=inv_d, amplitude=amp)
+            chain.append(out.get())
+    chain = np.concatenate(chain, axis=1).astype(np.int32)
+    mine = np.concatenate([oa.get()] + ([ob.get()] if ob is not None else []), axis=1).astype(np.int32)
+    ne = mine != chain
+    assert np.abs(mine - chain).max() <= 1 and ne.mean() <= 0.01, (int(ne.sum()), int(np.abs(mine - chain).max()))
+
+
+def test_head_norm_rope_args():
+    import cupy as cp
+    from ddtree_cupy.kernels.layers import head_norm_rope
+    x = cp.zeros((9, 4, 128), np.uint16)
+    w = cp.zeros(128, np.uint16)
+    pos, inv = cp.zeros(4, np.int32), cp.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="w_b / out_b"):
+        head_norm_rope(x, 1e-6, pos, inv, 1.0, w, cp.zeros((4, 8, 128), np.uint16))
+    with pytest.raises(ValueError, match="out_a"):
+        head_norm_rope(x, 1e-6, pos, inv, 1.0, w, cp.zeros((4, 10, 128), np.uint16))
+    with pytest.raises(ValueError, match="x"):
+        head_norm_rope(cp.zeros((9, 4, 64), np.uint16), 1e-6, pos, inv, 1.0, w, cp.zeros((4, 9, 64), np.uint16))
+    with pytest.raises(ValueError, match="positions"):
+        head_norm_rope(x, 1e-6, cp.zeros(5, np.int32), inv, 1.0, w, cp.zeros((4, 9, 128), np.uint16))
+
+
 # ---------------------------------------------------------------------------------------------- act / embed
 @pytest.mark.parametrize("T,I", [(1, 2304), (17, 256), (160, 2048)])
 def test_silu_mul(T, I):
