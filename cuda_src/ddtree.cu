@@ -14,14 +14,14 @@
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
 // DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
-// butterfly argmax; kept as the plain, obviously-correct twin), 3 = the default: only the frontier's
+// butterfly argmax; kept as the plain, obviously-correct twin), 3 (and 4, 5) = builder v3: only the frontier's
 // ordered scores in registers (position p = slot p / 32 of lane p % 32), the rest of each entry in shared
 // memory, the popped position warp-uniform (every lane reads the entry: no divergent winner, no
 // shuffles), entries carrying their successors' log-probs. Variant 3 also sizes the merge's final sort to
-// k; the rest of the top-K kernels and the walk are the same in both. Two intermediate builders (1:
+// k; the walk is the same in all. Two intermediate builders (1:
 // frontier in registers with one warp reduction per pop; 2: variant 3 without the warp-uniform pop) were
-// measured slower (docs/DDTREE.md) and removed. Same results by construction (the GPU tests run both
-// variants against the reference).
+// measured slower (docs/DDTREE.md) and removed. Same results by construction (the GPU tests run every
+// variant against the reference).
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif

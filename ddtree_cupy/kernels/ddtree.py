@@ -37,15 +37,15 @@ MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (
 
 _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
           "ddt_walk_commit")
-# Builder variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False =
-# the frontier in shared memory (verified first: the plain twin), 3 / True = the default: only the
-# frontier's ordered scores in registers, entries in shared memory, the popped position known to every
-# lane (no divergent winner, no shuffles), entries carrying their successors' log-probs, and the merge's
-# final sort sized to k. Measured on the H200 (docs/DDTREE.md): 1.4-1.7x faster builds than the register
-# builder it replaced (variant 1) and than variant 2; those two were deleted. Same results by construction;
-# the GPU tests run both variants against the reference. The rest of the top-K kernels and the walk are the
-# same code in both. fast_math stays off: tree scores reproduce the reference bit for bit. pdl: every
-# kernel waits (DDT_PDL_WAIT) before its first global access.
+# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False =
+# the frontier in shared memory and the candidate-list top-K (verified first: the plain twin); 3 = builder
+# v3 (only the frontier's ordered scores in registers, entries in shared memory, the popped position known
+# to every lane, entries carrying their successors' log-probs; H200: 1.4-1.7x faster builds than the
+# deleted variants 1 and 2) with the candidate-list top-K and the merge's final sort sized to k; 4 / True
+# (DEFAULT_VARIANT) = builder v3 with the scan top-K; 5 = 4 with the merge's output placed by rank. Same
+# results by construction; the GPU tests run every variant against the reference. The walk is the same
+# code in all. fast_math stays off: tree scores reproduce the reference bit for bit. pdl: every kernel
+# waits (DDT_PDL_WAIT) before its first global access.
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
