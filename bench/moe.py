@@ -2,6 +2,8 @@
 the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for comparison.
 
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
+    PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
+                                                                  # and was -> now against another kernel file
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -174,8 +176,7 @@ def bench_width(I, read_gbs, rows, quick):
 
 
 FOCUS = {256: (("uniform", (1, 2, 4, 8, 16, 32, 64, 128, 256)), ("skewed", (8, 64, 256))),
-         2048: (("uniform", (1, 2, 4, 8, 16, 64, 256)), ("skewed", (8,)))}
-PREV_SRC = "bench/_prev_moe_int4.cu"     # the previous commit's kernel file, when present (was -> now runs)
+         2048: (("uniform", (1, 2, 8, 64, 256)), ("skewed", (8,)))}
 
 
 def _make_layer(I):
@@ -189,32 +190,18 @@ def _make_layer(I):
     return w
 
 
-def _prev_tiles(tab):
-    """The previous session's table entry for the same T: register ring, one tile pair per down warp,
-    8-step prefetch in both GEMMs."""
-    g, d = tab.gateup, tab.down
-    return moe.MoETiles(tab.nt, moe.Tile(g.wm, g.wk, g.u), moe.Tile(d.wm, d.wk, d.u), pf_gu=8, pf_dn=8)
-
-
-def _prev_plan(*args, **kw):
-    """moe_launch_plan with the GEMMs taken from the previous kernel file (PREV_SRC; same layout and workspace,
-    its argument list lacks the last two: rpw, early)."""
+def _prev_plan(prev_src, *args, **kw):
+    """moe_launch_plan with the two GEMMs taken from another kernel file (``prev_src``, e.g. the previous
+    commit's cuda_src/moe_int4.cu saved with ``git show``): the same argument list, layout and workspace are
+    required. Used to measure was -> now in ONE process: session 3 found that figures of two device runs
+    differ by up to 15% at the same code (bench/results/moe_h200_s3_run*.json)."""
     from ddtree_cupy.kernels import compile as kc
-    spec = kc.KernelSpec(src="../" + PREV_SRC, names=moe._all_gemm_names())
-
-    class Prev:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __call__(self, grid, block, a, shared_mem=0):
-            self.fn(grid, block, a[:-2], shared_mem=shared_mem)
-
+    rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
+    spec = kc.KernelSpec(src=rel, names=moe._all_gemm_names())
     orig = moe.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
-        if name.startswith("moe_gemm"):
-            return Prev(orig(spec, name, max_dynamic_smem))
-        return orig(sp, name, max_dynamic_smem)
+        return orig(spec if name.startswith("moe_gemm") else sp, name, max_dynamic_smem)
     moe.get_kernel = patched
     try:
         return moe.moe_launch_plan(*args, **kw)
@@ -222,19 +209,15 @@ def _prev_plan(*args, **kw):
         moe.get_kernel = orig
 
 
-def focus_width(I, read_gbs, rows):
-    """This session's was -> now comparison in one process: the previous kernel file with the previous
-    table entry ("prev": when PREV_SRC exists), the same policy in this binary ("was": early=False, rpw=1,
-    prefetch 8/8, register ring), the table ("now"), and single changes: prefetch distances (gate/up, down),
-    early off, fixed rows per down warp, the register ring vs the cp.async ring at small T; plus the stage
-    prefixes of "now" and "prev"."""
+def focus_width(I, read_gbs, rows, prev_src=None):
+    """The table ("now") against prefetch variants, the cp.async ring at small T and, with ``prev_src``, the
+    same launches through another kernel file ("prev"), all in one process; stage prefixes of "now"/"prev"."""
     import cupy as cp
     w = _make_layer(I)
     per_expert = w.expert_bytes()
-    ws = moe.MoEWorkspace(256, K_TOP, w)
+    ws = moe.MoEWorkspace(max(t for _, ts in FOCUS[I] for t in ts), K_TOP, w)
     rng = np.random.default_rng(I)
     arch = f"sm_{cp.cuda.Device().compute_capability}"
-    have_prev = os.path.exists(PREV_SRC)
     for mode, ts in FOCUS[I]:
         for T in ts:
             ids, wts = routing(rng, T, mode)
@@ -243,32 +226,17 @@ def focus_width(I, read_gbs, rows):
             d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
             out = cp.empty((T, H), cp.uint16)
             tab = moe.select_tiles(arch, T, I)
-            prev = _prev_tiles(tab)
-            reg = moe.with_stages(tab, 0) if tab.down.stages else tab
-            variants = {"now": {}, "was": dict(tiles=prev, early=False)}
-            for a, b in ((0, 0), (4, 0), (8, 0), (4, 4), (8, 8)):
-                variants[f"pf_{a}_{b}"] = dict(tiles=reg, pf_steps=a, pf_steps_down=b)
-            variants["early_off"] = dict(early=False)
-            if reg.down.wk == 1:
-                for r in (1, 2, 4, 7):
-                    variants[f"rpw_{r}"] = dict(tiles=moe.with_down_rpw(reg, r))
+            variants = {"now": {}, "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
+                        "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
-                variants["ring8_pf_0_0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0, pf_steps_down=0)
-                variants["ring8_pf_4_0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=4, pf_steps_down=0)
+                variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
-            if have_prev:
-                try:
-                    plans["prev"] = _prev_plan(x, d_ids, d_wts, w, ws, out, tiles=prev)
-                except Exception as e:        # the comparison is optional; never lose the run over it
-                    print(f"prev plan failed: {e!r}", flush=True)
-                    have_prev = False
-            res = {}
-            for name, plan in plans.items():
-                res[name] = time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
-            moe.moe_forward(x, d_ids, d_wts, w, ws, out=out)
-            chosen_rpw = ws.down_rpw()
+            if prev_src:
+                plans["prev"] = _prev_plan(prev_src, x, d_ids, d_wts, w, ws, out)
+            res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
+                   for name, plan in plans.items()}
             stage_sets = {}
-            for key in ("now", "prev") if have_prev else ("now",):
+            for key in [k for k in ("now", "prev") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -277,34 +245,34 @@ def focus_width(I, read_gbs, rows):
             touched = np.unique(ids)
             nbytes = len(touched) * per_expert + 2 * T * H * 2
             frac = {k: nbytes / (v * 1e-6) / 1e9 / read_gbs for k, v in res.items()}
-            row = dict(I=I, routing=mode, T=T, experts=int(len(touched)), bytes=nbytes, us=res["now"],
-                       frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac, down_rpw=chosen_rpw,
-                       stages_us_cumulative=stage_sets["now"], stages_prev_us_cumulative=stage_sets.get("prev"),
-                       tiles=str(tab))
-            rows.append(row)
+            rows.append(dict(I=I, routing=mode, T=T, experts=int(len(touched)), bytes=nbytes, us=res["now"],
+                             frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac,
+                             stages_us_cumulative=stage_sets["now"],
+                             stages_prev_us_cumulative=stage_sets.get("prev"), tiles=str(tab)))
             best = min(res, key=res.get)
-            base = res.get("prev", res["was"])
-            print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} prev {base:8.1f} now {res['now']:8.1f} us "
-                  f"({100 * nbytes / (base * 1e-6) / 1e9 / read_gbs:4.1f} -> {100 * frac['now']:4.1f}%) R={chosen_rpw} "
-                  f"best={best} {res[best]:.1f} | " + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
+            print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
+                  f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
+                  + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
     del w, ws
     cp.get_default_memory_pool().free_all_blocks()
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | now us | % ceiling prev -> now | down R | stages now (route/gu/dn/cb) | stages prev |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | now us | % ceiling prev -> now | stages now (route/gu/dn/cb) | stages prev |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def st(d):
+        if not d:
+            return "-"
+        v = list(d.values())
+        return "/".join(f"{b - a:.1f}" for a, b in zip([0.0] + v[:-1], v))
     for r in res["rows"]:
-        def st(d):
-            if not d:
-                return "-"
-            v = list(d.values())
-            return "/".join(f"{b - a:.1f}" for a, b in zip([0.0] + v[:-1], v))
-        vu = r["variants_us"]
-        base = vu.get("prev", vu["was"])
-        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {base:.1f} | "
-                     f"{r['us']:.1f} | {100 * r['frac_read_ceiling'] * r['us'] / base:.1f} -> {100 * r['frac_read_ceiling']:.1f} | "
-                     f"{r['down_rpw']} | {st(r['stages_us_cumulative'])} | {st(r.get('stages_prev_us_cumulative'))} |")
+        vu, vf = r["variants_us"], r["variants_frac"]
+        prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
+        pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {r['us']:.1f} | "
+                     f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
+                     f"{st(r.get('stages_prev_us_cumulative'))} |")
     return "\n".join(lines)
 
 
@@ -380,7 +348,9 @@ def main():
     ap.add_argument("--out", default="bench/results/moe_bench.json")
     ap.add_argument("--md", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--focus", action="store_true", help="this session's was -> now comparison only")
+    ap.add_argument("--focus", action="store_true", help="the table against its variants at the decode sizes")
+    ap.add_argument("--prev", default=None, metavar="FILE.cu",
+                    help="with --focus: also time the GEMMs of this kernel file (same arguments) in the same process")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     args = ap.parse_args()
@@ -403,7 +373,7 @@ def main():
         rows = []
         res = dict(device=device, read_ceiling_gbs=read_gbs, mma_bf16_tflops=mma, rows=rows)
         for I in (256, 2048):
-            focus_width(I, read_gbs, rows)
+            focus_width(I, read_gbs, rows, args.prev)
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         res["read_ceiling_after_gbs"] = measure_read_bandwidth()

@@ -202,7 +202,7 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
 //    for the down kernel. Every block must derive the SAME slot assignment (gate/up block A writes h[slot]
 //    that the down kernel reads through block 0's slot_pair), so the ranks there are deterministic:
 //    rank of pair i = number of earlier pairs with the same expert.
-// meta[0] = number of chunks, meta[1] = number of bad expert ids (meta[2]: the down GEMM's tile pairs per warp).
+// meta[0] = number of chunks, meta[1] = number of bad expert ids.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, int2* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -392,14 +392,9 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns R consecutive m32 tile
-// pairs (m16 tiles 2p, 2p+1 for p = (mg*WM + wm)*R + r, r < R) over the kw-th slice of K, for up to NT*8
-// tokens of the chunk. R (tile pairs per warp, ``rpw``) > 1 only for WK = 1 with the register ring: the warp
-// then walks its R pairs as ONE flat stream of R * nsteps k64 steps (its weights are one contiguous region),
-// so the ring never drains between pairs and the per-unit fixed chain (chunk entry, first round trip) is paid
-// once per R pairs; each pair's result is written as soon as its last step is accumulated.
-// rpw = 0: R chosen on the device from the number of chunks (choose_rpw), identical in every block.
-// MODE 0 (gate/up, fused tiles 2p = gate rows 16p.., 2p+1 = up rows 16p..): h[slot][row] = silu(g)*u, bf16;
+// Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns the m32 unit
+// (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
+// MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
 //   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
 // MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32.
 // Weights stream global -> registers through a U-stage register ring (S = 0) or an S-deep per-warp cp.async
@@ -407,37 +402,9 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
-// ``early`` (the default): the next unit's chunk entry is loaded one unit ahead and carried in registers,
-// and a unit's first prefetch group (which may need that entry) is issued after the ring's first weight
-// loads, so no L2 round trip sits in front of a unit's weight loads. early = 0 is the previous order
-// (kept for the benchmark's was -> now comparison).
-// Every output element is accumulated by one warp in the same step order whatever R / early / pf_*: the
-// results are bit-identical across these settings (tested).
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
-
-constexpr int RPW_MAX = 32;
-
-// Tile pairs per warp for rpw = 0: minimise (waves of units) x (steps per unit + a fixed per-unit cost of
-// RPW_OVERHEAD steps: chunk lookup + the ring's first round trip). Lane r-1 prices R = r and the warp takes
-// the cheapest (ties: the smallest R); the inputs are the same in every block, so every block gets the same R.
-// (A serial loop over 32 candidates with its divisions would add ~1 us in front of every block at T = 1.)
-constexpr int RPW_OVERHEAD = 2;     // measured (session 3): 8 picked too large an R at T = 16..64
-__device__ __forceinline__ int choose_rpw(int n_chunks, int npairs, int wm, int nsteps, int grid) {
-    const int r = (threadIdx.x & 31) + 1;
-    const int mg = (npairs + wm * r - 1) / (wm * r);
-    const int mg_prev = r > 1 ? (npairs + wm * (r - 1) - 1) / (wm * (r - 1)) : -1;
-    long long key = 0x7FFFFFFFFFFFFFFFll;
-    if (mg != mg_prev) {      // a larger R with the same split only idles more warps
-        const long long units = (long long)n_chunks * mg;
-        const long long waves = (units + grid - 1) / grid;
-        key = waves * (long long)(r * nsteps + RPW_OVERHEAD) * 64 + r;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) key = min(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
-    return (int)(key & 63);
-}
 
 template <int MODE, int WM, int WK, int NT, int U, int S>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
@@ -446,17 +413,16 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
-        float* __restrict__ y, int pf_steps, int pf_next, int rpw, int early) {
+        float* __restrict__ y, int pf_steps, int pf_next) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
-    constexpr bool FLAT = (WK == 1 && S == 0);      // R > 1 possible; results written inside the step loop
     __shared__ float red[RED];
     extern __shared__ __align__(16) uint4 moe_dyn[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = N / 16;
-    const int npairs = ntiles / 2;
+    const int n_mg = (ntiles / 2 + WM - 1) / WM;
     const int spw = (KS + WK - 1) / WK;
     const int sb = kw * spw;
     const int nsteps = max(0, min(KS, sb + spw) - sb);
@@ -483,38 +449,26 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
     } else {
         n_chunks = meta[0];
     }
-    const int R = !FLAT ? 1 : (rpw > 0 ? min(rpw, RPW_MAX) : choose_rpw(n_chunks, npairs, WM, nsteps, gridDim.x));
-    const int n_mg = (npairs + WM * R - 1) / (WM * R);
-    if (MODE == 1 && blockIdx.x == 0 && threadIdx.x == 0) meta[2] = R;   // for tests / the benchmark
     const int n_units = n_chunks * n_mg;
-    int pf_done = 0;     // flat k64 steps of this unit's tiles already prefetched by the previous unit
-    int4 ch_next = make_int4(0, 0, 0, 0);   // early: the chunk entry of this block's next unit
+    int pf_done = 0;     // k64 steps of this unit's tiles already prefetched by the previous unit
 
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         // Consecutive units are consecutive chunks of the same m-group: chunks of one expert run side by side
         // and share its weight tiles through L2.
         const int mg = u / n_chunks, cidx = u - mg * n_chunks;
         if (u + (int)gridDim.x >= n_units) DDT_PDL_LAUNCH_DEPENDENTS();   // last unit: SMs are freeing up
-        const int4 ch = (early && u != (int)blockIdx.x) ? ch_next : chs[cidx];
+        const int4 ch = chs[cidx];
         const int e = ch.x, slot0 = ch.y, ntok = ch.z;
-        const int p0 = (mg * WM + wm) * R;                  // this warp's first tile pair
-        const int reff = max(0, min(R, npairs - p0));       // its tile pairs in this unit
-        const int tile0 = 2 * p0;
-        const bool wactive = reff > 0;
-        const int F = reff * nsteps;                        // flat steps of this warp in this unit
-        // this warp's tiles in the block's next unit (for the prefetch across the unit boundary; with
-        // early also the next unit's chunk entry)
+        const int tile0 = (mg * WM + wm) * 2;
+        const bool wactive = tile0 < ntiles;
+        // this warp's tiles in the block's next unit (for the prefetch across the unit boundary)
+        // (two ints, not pointers: the gate/up kernel sits at the 128-register cap)
         const int un = u + gridDim.x;
-        int nx_e = -1, nx_t = 0, nx_f = 0;
-        if (un < n_units && (early || (pf_next && pf_steps > 0))) {
+        int nx_e = -1, nx_t = 0;
+        if (pf_next && pf_steps > 0 && un < n_units) {
             const int mgn = un / n_chunks;
-            const int p0n = (mgn * WM + wm) * R;
-            ch_next = chs[un - mgn * n_chunks];
-            if (pf_next && pf_steps > 0 && p0n < npairs) {
-                nx_t = 2 * p0n;
-                nx_f = min(R, npairs - p0n) * nsteps;
-                nx_e = ch_next.x;
-            }
+            nx_t = (mgn * WM + wm) * 2;
+            if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
         }
         const bool nx = nx_e >= 0;
         int next_done = 0;
@@ -533,33 +487,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 #pragma unroll
                 for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
 
-        // Results of tile pair tile0/2 + r (after the block reduction when WK > 1).
-        auto emit = [&](int r) {
-            const int tp = tile0 + 2 * r;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int j = nt * 8 + 2 * t + (q & 1);
-                    const int pair = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_pair, j & 31) : 0;
-                    const float wgt = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_w, j & 31) : 0.f;
-                    if (j >= ntok) continue;
-                    const int slot = slot0 + j;
-                    if (MODE == 0) {
-                        const int row = (tp >> 1) * 16 + g + 8 * (q >> 1);
-                        const float gv = acc[0][nt][q], uv = acc[1][nt][q];
-                        const float hv = gv / (1.f + expf(-gv)) * uv;
-                        h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
-                    } else {
-#pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) {
-                            const int row = (tp + mt) * 16 + g + 8 * (q >> 1);
-                            y[(size_t)pair * N + row] = wgt * acc[mt][nt][q];
-                        }
-                    }
-                }
-        };
-
         if (wactive && nsteps > 0) {
             const size_t blk0 = ((size_t)e * ntiles + tile0) * KS + sb;
             const uint4* pa0 = wp + blk0 * 32 + lane;
@@ -575,38 +502,31 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 const int row = bval[nt] ? (MODE == 0 ? spair[slot0 + j] / k : slot0 + j) : 0;
                 pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
             }
-            // Group prefetch of 4 flat steps with one instruction per warp for the weights (lane l: flat step
-            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7). Flat step f is step
-            // f % nsteps of tile pair f / nsteps. Steps past this unit's end continue into the next unit's
-            // tiles (same K slice).
+            // Group prefetch of 4 k64 steps with one instruction per warp for the weights (lane l: step
+            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7). Steps past this
+            // unit's end continue into the next unit's tiles (same K slice, same step count).
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
             auto prefetch_group = [&](int j0) {
                 const int sw = j0 + (lane >> 3);
                 const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
-                if (sw < F) {
-                    const int r = sw / nsteps, s = sw - r * nsteps;
-                    prefetch_l2(pt0 + woff + ((size_t)2 * r * KS + s) * 32);
-                } else if (nx && sw - F < nx_f) {
-                    const int f = sw - F, r = f / nsteps, s = f - r * nsteps;
-                    prefetch_l2(wp + (((size_t)nx_e * ntiles + nx_t + 2 * r) * KS + sb + s) * 32 + woff);
-                }
+                if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);
+                else if (nx && sw - nsteps < nsteps)
+                    prefetch_l2(wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32 + woff + (size_t)(sw - nsteps) * 32);
                 const int ss = j0 + (lane >> 1);
                 const size_t soff = (size_t)(lane & 1) * KS * 8;
                 if (lane < 8) {
-                    if (ss < F) {
-                        const int r = ss / nsteps, s = ss - r * nsteps;
-                        prefetch_l2(st0 + soff + ((size_t)2 * r * KS + s) * 8);
-                    } else if (nx && ss - F < nx_f) {
-                        const int f = ss - F, r = f / nsteps, s = f - r * nsteps;
-                        prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t + 2 * r) * KS + sb + s) * 8 + soff);
-                    }
+                    if (ss < nsteps) prefetch_l2(st0 + soff + (size_t)ss * 8);
+                    else if (nx && ss - nsteps < nsteps)
+                        prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
                 }
             };
-            auto prefetch_initial = [&]() {
-                for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
-            };
-            if (!early) prefetch_initial();
+            for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
+            if (pf_steps > 0) {
+                // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
+                const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
+                next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
+            }
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
@@ -647,58 +567,33 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 }
             };
             uint4 rb[U][NT][2];
+#pragma unroll
+            for (int i = 0; i < U; ++i)
+                if (i < nsteps) load_b(rb[i], i);
             if constexpr (S == 0) {
                 uint4 ra[U][2];
                 uint2 rs[U][2];
-                int lr = 0, ls = 0;          // next flat step to load: step ls of tile pair lr
-                auto load_w = [&](int r) {
-                    const size_t o = (size_t)2 * lr * KS + ls;
-                    ra[r][0] = ld_stream_v4(pa0 + o * 32);
-                    ra[r][1] = ld_stream_v4(pa1 + o * 32);
-                    rs[r][0] = ld_stream_v2(ps0 + o * 8);
-                    rs[r][1] = ld_stream_v2(ps1 + o * 8);
+                auto load_a = [&](int r, int i) {
+                    ra[r][0] = ld_stream_v4(pa0 + (size_t)i * 32);
+                    ra[r][1] = ld_stream_v4(pa1 + (size_t)i * 32);
+                    rs[r][0] = ld_stream_v2(ps0 + (size_t)i * 8);
+                    rs[r][1] = ld_stream_v2(ps1 + (size_t)i * 8);
                 };
-                auto advance = [&]() { if (++ls == nsteps) { ls = 0; ++lr; } };
-                // first fill: every weight load before the activation loads (with the routing kernel, the
-                // gate/up activation address waits on a slot_pair load; nothing waits in front of weights)
 #pragma unroll
                 for (int i = 0; i < U; ++i)
-                    if (i < F) { load_w(i); advance(); }
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < F) load_b(rb[i], i % nsteps);   // activations: the same K slice for every pair
-                if (early) prefetch_initial();
+                    if (i < nsteps) load_a(i, i);
                 if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                int cr = 0, cs = 0;          // flat step being computed: step cs of tile pair cr
-                for (int base = 0; base < F; base += U) {
+                for (int base = 0; base < nsteps; base += U) {
 #pragma unroll
                     for (int i = 0; i < U; ++i) {
-                        const int f = base + i;
-                        if (f < F) {
+                        if (base + i < nsteps) {
                             compute(ra[i], rs[i], rb[i]);
-                            if (f + U < F) { load_w(i); load_b(rb[i], ls); advance(); }
-                            if (pf_steps > 0 && (f & 3) == 0) prefetch_group(f + pf_steps);
-                            if (++cs == nsteps) {
-                                cs = 0;
-                                if constexpr (FLAT) {
-                                    // WK = 1: this pair's sums are complete: write them, start the next pair
-                                    emit(cr);
-#pragma unroll
-                                    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                                            for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
-                                }
-                                ++cr;
-                            }
+                            if (base + i + U < nsteps) { load_a(i, base + i + U); load_b(rb[i], base + i + U); }
+                            if (pf_steps > 0 && ((base + i) & 3) == 0) prefetch_group(base + i + pf_steps);
                         }
                     }
                 }
             } else {
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_b(rb[i], i);
                 // slot = 64 uint4 of weights (tile 0 lanes, tile 1 lanes) + 8 uint4 of scales (4 per tile)
                 uint4* ring = moe_dyn + (size_t)warp * S * 72;
                 auto issue = [&](int j) {
@@ -715,7 +610,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     if (j < nsteps) issue(j);
                     cp_async_commit();
                 }
-                if (early) prefetch_initial();
                 if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 for (int base = 0; base < nsteps; base += U) {
 #pragma unroll
@@ -740,41 +634,57 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 cp_async_wait<0>();
             }
         }
-        if (wactive && nsteps > 0 && pf_steps > 0 && nx) {
-            // what the rolling prefetch (groups at f + pf_steps, f = 0, 4, ... < F) reached of the next unit
-            // (computed here, not before the loads: it waits on the next chunk entry)
-            const int reach = ((F - 1) & ~3) + pf_steps + 4;
-            next_done = min(nx_f, max(0, reach - F));
-        }
         pf_done = next_done;
 
-        if constexpr (!FLAT) {
-            if (WK > 1) {
-                float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
+        if (WK > 1) {
+            float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) mine[((mt * NT + nt) * 4 + q) * 32] = acc[mt][nt][q];
+            __syncthreads();
+            if (kw == 0) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int q = 0; q < 4; ++q) mine[((mt * NT + nt) * 4 + q) * 32] = acc[mt][nt][q];
-                __syncthreads();
-                if (kw == 0) {
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                            for (int q = 0; q < 4; ++q) {
-                                float sum = 0.f;
-                                for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
-                                    sum += red[((size_t)((k2 * WM + wm) * 2 * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
-                                acc[mt][nt][q] = sum;
-                            }
-                }
+                        for (int q = 0; q < 4; ++q) {
+                            float sum = 0.f;
+                            for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
+                                sum += red[((size_t)((k2 * WM + wm) * 2 * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
+                            acc[mt][nt][q] = sum;
+                        }
             }
-            if (kw == 0 && wactive) emit(0);      // R = 1 here; the kw = 0 warp holds the block's sums
-            if (WK > 1) __syncthreads();   // red[] is reused by the next unit
         }
+
+        if (kw == 0 && wactive) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int j = nt * 8 + 2 * t + (q & 1);
+                    const int pair = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_pair, j & 31) : 0;
+                    const float wgt = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_w, j & 31) : 0.f;
+                    if (j >= ntok) continue;
+                    const int slot = slot0 + j;
+                    if (MODE == 0) {
+                        const int row = (tile0 >> 1) * 16 + g + 8 * (q >> 1);
+                        const float gv = acc[0][nt][q], uv = acc[1][nt][q];
+                        const float hv = gv / (1.f + expf(-gv)) * uv;
+                        h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
+                    } else {
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            const int row = (tile0 + mt) * 16 + g + 8 * (q >> 1);
+                            y[(size_t)pair * N + row] = wgt * acc[mt][nt][q];
+                        }
+                    }
+                }
+        }
+        if (WK > 1) __syncthreads();   // red[] is reused by the next unit
     }
 }
 

@@ -16,7 +16,7 @@ tests/test_moe_layout.py), the tile-configuration table (``select_tiles``) and a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
@@ -35,7 +35,6 @@ SORT_SMEM = -(-(4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIR
                 + 8 * 33 + 4) // 16) * 16
 RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
-RPW_MAX = 32                # tile pairs per warp and unit at most (RPW_MAX in moe_int4.cu)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -48,16 +47,6 @@ class Tile:
     wk: int
     u: int
     stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
-    # tile pairs (32 weight rows) each warp walks as one flat k-step stream per unit; only wk = 1 with the
-    # register ring (else 1); 0 = chosen on the device from the chunk count (choose_rpw in moe_int4.cu)
-    rpw: int = 1
-
-    def __post_init__(self):
-        if self.rpw < 0 or self.rpw > RPW_MAX:
-            raise ValueError(f"rpw: must be 0 (auto) or 1..{RPW_MAX}, got {self.rpw}")
-        if self.rpw != 1 and (self.wk != 1 or self.stages != 0):
-            raise ValueError(f"rpw: {self.rpw} tile pairs per warp need wk = 1 and the register ring "
-                             f"(stages = 0), got wk = {self.wk}, stages = {self.stages}")
 
     @property
     def threads(self) -> int:
@@ -76,10 +65,6 @@ class MoETiles:
     nt: int        # token tiles of 8 per chunk (shared by both GEMMs: the routing sort cuts chunks of nt*8)
     gateup: Tile
     down: Tile
-    # launch policy of the entry (moe_launch_plan's pf_steps / pf_steps_down / early when not given)
-    pf_gu: int = PF_STEPS   # gate/up L2 prefetch distance (k64 steps, 0 = off)
-    pf_dn: int = PF_STEPS   # down L2 prefetch distance
-    early: bool = True      # next chunk entry one unit ahead, first prefetch after the first weight loads
 
 
 def _nt_for(T: int) -> int:
@@ -101,8 +86,7 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
 
     gate/up: K = H = 7168 is long and N = 2I short, so a block splits K over its warps (wk) and reduces in
     shared memory; down: N = H is wide, K = I short, so a narrow expert (I <= 512, K <= 8 steps) gives each
-    warp its own rows over the whole K -- several tile pairs in one stream (rpw = 0: as many as the chunk
-    count allows, chosen on the device) -- while a wide one (I = 2048) splits K four ways.
+    warp its own rows over the whole K while a wide one (I = 2048) splits K four ways.
     sm_90 and sm_120 currently share the entries (all fit sm_120's 99 KB per block); the key keeps them
     separable. Measured on the H200: docs/MOE.md.
     """
@@ -112,20 +96,16 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     narrow = inter <= 512
     table = {
         # (1x16 would give T=1 twice the warps per SM but spills when built for sm_120 at 128 registers)
-        ("sm_90", True): (Tile(1, 8, u), Tile(8, 1, u, rpw=0)),
+        ("sm_90", True): (Tile(1, 8, u), Tile(8, 1, u)),
         ("sm_90", False): (Tile(2, 4, u), Tile(2, 4, u)),
-        ("sm_120", True): (Tile(1, 8, u), Tile(8, 1, u, rpw=0)),
+        ("sm_120", True): (Tile(1, 8, u), Tile(8, 1, u)),
         ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
     }
     gu, dn = table[(family, narrow)]
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
-    if T == 1:
-        # measured (H200, session 3): the 8-deep cp.async ring without any L2 prefetch, 8% faster at I = 256
-        # and 10% at I = 2048 than the register ring at T = 1
-        return MoETiles(nt, Tile(gu.wm, gu.wk, gu.u, 8), Tile(dn.wm, dn.wk, dn.u, 8), pf_gu=0, pf_dn=0)
-    return MoETiles(nt, gu, dn, pf_gu=4, pf_dn=0)
+    return MoETiles(nt, gu, dn)
 
 
 def with_stages(t: MoETiles, stages: int) -> MoETiles:
@@ -133,45 +113,20 @@ def with_stages(t: MoETiles, stages: int) -> MoETiles:
     register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
     measured 3-15% slower (bench/results/moe_h200_variants.json); it stays compiled and tested as the
     candidate to re-measure on sm_120."""
-    def conv(tl):
-        return Tile(tl.wm, tl.wk, tl.u, stages, tl.rpw if stages == 0 else 1)
-    return replace(t, gateup=conv(t.gateup), down=conv(t.down))
-
-
-def with_down_rpw(t: MoETiles, rpw: int) -> MoETiles:
-    """The same tiles with ``rpw`` tile pairs per down warp (0 = chosen on the device; needs wk = 1)."""
-    d = t.down
-    return replace(t, down=Tile(d.wm, d.wk, d.u, d.stages, rpw))
+    return MoETiles(t.nt, Tile(t.gateup.wm, t.gateup.wk, t.gateup.u, stages),
+                    Tile(t.down.wm, t.down.wk, t.down.u, stages))
 
 
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
-        for T in (1, 8, 300, 650):
+        for T in (1, 300, 650):
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
                 for v in (t, with_stages(t, 8)) if t.nt == 1 else (t,):
                     if v not in seen:
                         seen.append(v)
     return tuple(seen)
-
-
-RPW_OVERHEAD = 2    # choose_rpw's fixed per-unit cost in k64 steps (moe_int4.cu)
-
-
-def choose_rpw_numpy(n_chunks: int, npairs: int, wm: int, nsteps: int, grid: int) -> int:
-    """Model of the device's choice of tile pairs per down warp (rpw = 0): the R in 1..RPW_MAX minimising
-    waves(R) * (R * nsteps + RPW_OVERHEAD), waves = ceil(n_chunks * ceil(npairs / (wm R)) / grid), where an R
-    that splits the rows like R - 1 does is skipped; ties -> the smallest R."""
-    best = None
-    for r in range(1, RPW_MAX + 1):
-        mg = -(-npairs // (wm * r))
-        if r > 1 and mg == -(-npairs // (wm * (r - 1))):
-            continue
-        cost = -(-(n_chunks * mg) // grid) * (r * nsteps + RPW_OVERHEAD)
-        if best is None or cost < best[0]:
-            best = (cost, r)
-    return best[1]
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
@@ -423,10 +378,6 @@ class MoEWorkspace:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta))
 
-    def down_rpw(self) -> int:
-        """Tile pairs per warp the last call's down GEMM used (host sync: tests/benchmark only)."""
-        return int(self.meta[2].get())
-
     def bad_ids(self) -> int:
         """Number of out-of-range expert ids seen by the last call (host sync: tests/debug only)."""
         return int(self.meta[1].get())
@@ -459,9 +410,8 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
-                tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: Optional[int] = None,
-                fuse_route: Optional[bool] = None, pf_next: bool = True, early: Optional[bool] = None,
-                pf_steps_down: Optional[int] = None):
+                tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
+                fuse_route: Optional[bool] = None, pf_next: bool = True):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -472,18 +422,9 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, early, pf_steps_down):
+                                     pf_steps, fuse_route, pf_next):
         launch()
     return out
-
-
-def down_grid(T: int, top_k: int, n_experts: int, hidden: int, tiles: MoETiles) -> int:
-    """Blocks of the down GEMM launch (the grid choose_rpw prices). rpw = 0 (the device's choice): as many
-    blocks as R = 1 could use; blocks past the chosen split find no unit and exit at once."""
-    pairs = T * top_k
-    chunks_max = min(pairs, min(pairs, n_experts) + pairs // (8 * tiles.nt))
-    td = tiles.down
-    return _grid(chunks_max * -(-(hidden // 32) // (td.wm * max(1, td.rpw))), td)
 
 
 def fuse_route_default(T: int, top_k: int) -> bool:
@@ -495,8 +436,7 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
-                    pf_steps: Optional[int] = None, fuse_route: Optional[bool] = None, pf_next: bool = True,
-                    early: Optional[bool] = None, pf_steps_down: Optional[int] = None):
+                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
@@ -504,25 +444,10 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
     only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
     prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
-    unit; ``early``: each GEMM block loads its next unit's chunk entry one unit ahead and issues a unit's
-    first L2 prefetch after its first weight loads (False: the previous order, for the benchmark);
-    ``pf_steps_down``: the down GEMM's prefetch distance when it should differ from ``pf_steps``.
-    None (pf_steps, early, and pf_steps_down with pf_steps None): the tile entry's policy (select_tiles);
-    pf_steps alone sets both GEMMs."""
+    unit."""
+    if pf_steps < 0 or pf_steps % 4:
+        raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
-    if tiles is None:
-        d = {}
-        check_array("x", x, np.uint16, ("T", weights.hidden), d)
-        tiles = select_tiles(device_arch(), d["T"], weights.inter)
-    if pf_steps_down is None:
-        pf_steps_down = tiles.pf_dn if pf_steps is None else pf_steps
-    if pf_steps is None:
-        pf_steps = tiles.pf_gu
-    if early is None:
-        early = tiles.early
-    for name, v in (("pf_steps", pf_steps), ("pf_steps_down", pf_steps_down)):
-        if v < 0 or v % 4:
-            raise ValueError(f"{name}: must be a non-negative multiple of 4, got {v}")
     d = {}
     check_array("x", x, np.uint16, ("T", weights.hidden), d)
     check_array("topk_ids", topk_ids, np.int32, ("T", ws.top_k), d)
@@ -538,6 +463,8 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     if residual is not None:
         check_array("residual", residual, np.uint16, (T, weights.hidden))
     check_array("out", out, np.uint16, (T, weights.hidden))
+    if tiles is None:
+        tiles = select_tiles(device_arch(), T, weights.inter)
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     Ip = weights.inter_padded
     fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
@@ -568,21 +495,19 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         route_grid = 1 + (_sm_count() if l2_prefetch else 0)
         plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(fuse_route), ws.slot_pair, ws.chunks, ws.meta)
-    tail_gu = (ws.y, i32(pf_steps), i32(pf_next), i32(tiles.gateup.rpw), i32(early))
-    tail_dn = (ws.y, i32(pf_steps_down), i32(pf_next), i32(tiles.down.rpw), i32(early))
+    tail = (ws.y, i32(pf_steps), i32(pf_next))
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
     k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=dyn_gu)
     grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
-    gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H)) + common + (ws.h, i32(Ip)) + \
-        tail_gu
+    gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H)) + common + (ws.h, i32(Ip)) + tail
     plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=dyn_gu)))
     # down: N = H, K = Ip
     td = tiles.down
     k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
-    grid_dn = down_grid(T, k, E, H, tiles)
+    grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
-        common[6:] + (ws.h, i32(Ip)) + tail_dn
+        common[6:] + (ws.h, i32(Ip)) + tail
     plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
     # no None pointers in kernel arguments (PDL launches marshal device pointers only): ``out`` stands in
     # for an absent residual, with has_res = 0
