@@ -33,37 +33,6 @@
 // 16-byte bank groups (1168 B = 73 chunks, odd) and ldmatrix is conflict free.
 #define MLA_SROW (MLA_QK_DIM + 8)
 
-// The cp.async prologue and refill both kernels share (page_of, load_tile, tile_begin / tile_end in scope).
-// Page ids are read ahead of their tiles: the prologue reads all of its ids before issuing any copy, and
-// next_page (the id of the tile after the one being refilled) is read one iteration before its refill, so
-// the loop never waits on a page-table read (before: one L2 round trip inside every tile iteration, between
-// the S barrier and the softmax). One group per stage, possibly empty, so the wait counts stay fixed.
-#define MLA_READ_PAGES_AHEAD()                                                                              \
-    int next_page;                                                                                          \
-    {                                                                                                       \
-        int pg[STAGES - 1];                                                                                 \
-        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st)                                           \
-            pg[st] = tile_begin + st < tile_end ? page_of(tile_begin + st) : 0;                             \
-        next_page = tile_begin + STAGES - 1 < tile_end ? page_of(tile_begin + STAGES - 1) : 0;              \
-        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st) {                                         \
-            if (tile_begin + st < tile_end) load_tile(tile_begin + st, st, pg[st]);                         \
-            cp_async_commit();                                                                              \
-        }                                                                                                   \
-    }
-#ifndef MLA_PROBE_SKIP_LOAD
-#define MLA_REFILL(nt, buf)                                                                                 \
-    {                                                                                                       \
-        const int nt_ = (nt);                                                                               \
-        if (nt_ < tile_end) {                                                                               \
-            load_tile(nt_, (buf), next_page);                                                               \
-            if (nt_ + 1 < tile_end) next_page = page_of(nt_ + 1);                                           \
-        }                                                                                                   \
-        cp_async_commit();                                                                                  \
-    }
-#else
-#define MLA_REFILL(nt, buf) cp_async_commit();
-#endif
-
 
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
@@ -139,13 +108,12 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     const int g = lane >> 2, q4 = lane & 3;
 
     // ---- loads -----------------------------------------------------------------------------------
-    // A tile never straddles a page (BN divides the page size), so one page-table read per tile. The page
-    // ids are read ahead of their tiles (MLA_READ_PAGES_AHEAD below): no refill waits on a table read.
+    // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    auto page_of = [&](int tile) { return __ldg(table + tile * BN / KV_PAGE_SIZE); };  // tile < n_tiles
-    auto load_tile = [&](int tile, int buf, int page) {
+    auto load_tile = [&](int tile, int buf) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);  // t0 < kv_len: the tile holds a valid token
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -163,7 +131,10 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         }
     }
     // Group 0 = Q + first tile; then one group per tile (possibly empty, so the wait count stays fixed).
-    MLA_READ_PAGES_AHEAD();
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
 
     // ---- per-thread row state: rows g and g+8 of the warp's 16 ---------------------------------------
     int qrow[2];
@@ -186,7 +157,11 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {   // refill the stage that was consumed in the previous iteration
-            MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);
+            int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
         }
         const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
 
@@ -448,10 +423,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const int kq = warp & 3, th = warp >> 2;
 
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    auto page_of = [&](int tile) { return __ldg(table + tile * BN / KV_PAGE_SIZE); };  // tile < n_tiles
-    auto load_tile = [&](int tile, int buf, int page) {
+    auto load_tile = [&](int tile, int buf) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -460,7 +435,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
         }
     };
     // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
-    MLA_READ_PAGES_AHEAD();
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
 
     // Q A-fragments of this warp's reduction quarter, straight from global memory (padded rows are zero):
     // a0 / a1 = rows g / g+8 at columns 2*q4, a2 / a3 the same rows 8 columns on.
@@ -535,7 +513,11 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
         }
         __syncthreads();  // B: partial S complete; every warp is past PV of the previous tile
         {   // refill the stage the previous tile used
-            MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);
+            const int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
         }
 
         // ---- softmax over the tile: row srow, tokens tokc .. tokc + TPT ---------------------------------

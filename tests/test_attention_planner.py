@@ -212,3 +212,21 @@ def test_policy_switch(monkeypatch):
             A.plan_mla(1, 1, 8, 100, policy="fastest")
     finally:
         A.set_mla_policy(prev)
+
+
+def test_combine_unroll_rule_matches_the_h200_pairs():
+    """combine_unroll: 4 splits per warp in flight while the combine grid fits 2 blocks per SM, 1 past that;
+    the shapes are the H200 run's measured pairs (docs/ATTENTION.md, "Session 3"): the faster variant there."""
+    sms = H200[0]
+    faster = {(1, 1): 4, (1, 8): 4, (4, 1): 4, (10, 1): 4, (1, 32): 4, (4, 8): 4,    # <= 256 packed rows
+              (4, 16): 1, (10, 8): 1, (10, 16): 1, (4, 32): 1, (10, 32): 1}          # >= 512 packed rows
+    for (S, n), u in faster.items():
+        assert A.combine_unroll(S * n * 8, sms) == u, (S, n)
+    assert A.combine_unroll(2 * sms, sms) == 4 and A.combine_unroll(2 * sms + 1, sms) == 1
+
+
+def test_every_sm120_candidate_and_the_drafter_fit_99_kb():
+    for key in A._model_candidates(16, SM120_SMEM):
+        assert A.MLA_CONFIGS[key].smem <= SM120_SMEM, key
+    assert A.DRAFTER_SMEM <= SM120_SMEM
+    assert A.MLA_CONFIGS["ks16_5stage"].smem <= H200[1]   # the H200-only deep tile still fits there

@@ -329,12 +329,13 @@ def _device_arch() -> str:
 
 
 def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int:
-    """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit at one 8-warp
-    block: 207 per thread for 32 rows, 131 for 16 rows at every depth (sm_90 ptxas report; > 128)."""
+    """Resident blocks per SM by shared memory and threads; registers cap mla_attn_ksplit: 217 per thread
+    for 32 rows (one 8-warp block), 141 for 16 rows with 3 or 5 stages (sm_90 ptxas report); 16 rows with 2
+    stages (128) fit two blocks by registers where shared memory allows."""
     if smem_per_sm is None:
         smem_per_sm = _smem_per_sm()
     bps = max(1, min(smem_per_sm // (cfg.smem + 1024), 2048 // cfg.threads))
-    if cfg.ksplit:
+    if cfg.ksplit and cfg.mg > 1:
         bps = 1
     return bps
 
