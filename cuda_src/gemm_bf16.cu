@@ -392,8 +392,9 @@ __device__ __forceinline__ void gemm_decode_body(
     }
 }
 
-// RT row tiles per block, no cluster.
-template <int NT, int STAGES, bool OUT_F32, int RT>
+// RT row tiles per block, no cluster. (OUT_F32 is the last template argument of every GEMM kernel: the CPU
+// emulation in tests/_target_shim.py reads the output type from it.)
+template <int NT, int STAGES, int RT, bool OUT_F32>
 __global__ void __launch_bounds__(DEC_THREADS, (DecOcc<NT, STAGES>::value))
 gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                         const bf16_bits* __restrict__ w, long long w_batch_stride,
@@ -406,7 +407,7 @@ gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_strid
 #ifdef DDT_HAS_CLUSTERS
 // One m16 row tile per block, K split over a cluster of CS blocks along grid.y (compile-time cluster shape:
 // an ordinary launch, or the PDL one, needs no cluster attribute).
-template <int NT, int STAGES, bool OUT_F32, int CS>
+template <int NT, int STAGES, int CS, bool OUT_F32>
 __global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(DEC_THREADS, 2)
 gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                            const bf16_bits* __restrict__ w, long long w_batch_stride,

@@ -65,9 +65,9 @@ class DecodeConfig(NamedTuple):
 
     def name(self, out_f32: bool) -> str:
         f = "true" if out_f32 else "false"
-        if self.cs == 1:
-            return f"gemm_bf16_kernel_decode<{self.nt}, {self.stages}, {f}, {self.rt}>"
-        return f"gemm_bf16_kernel_decode_cl<{self.nt}, {self.stages}, {f}, {self.cs}>"
+        if self.cs == 1:      # the output type last, as in every GEMM kernel (tests/_target_shim.py reads it)
+            return f"gemm_bf16_kernel_decode<{self.nt}, {self.stages}, {self.rt}, {f}>"
+        return f"gemm_bf16_kernel_decode_cl<{self.nt}, {self.stages}, {self.cs}, {f}>"
 
 
 def dec_stages(nt: int) -> int:
