@@ -71,9 +71,12 @@ extern "C" __global__ void __launch_bounds__(DM_THREADS) drafter_attn_fwd(
         tb = split * per_split;
         te = min(n_tiles, tb + per_split);
     };
-    {   // L2 prefetch of the first tile's context rows (K and V: 2 x 256 B per token, one 128 B line per thread)
+    {   // L2 prefetch of the first tile's context rows (K and V: 2 x 256 B per token, one 128 B line per thread).
+        // A volatile read: a plain one of the const __restrict__ ctx_len compiles to ld.global.nc, which the
+        // compiler treats as invariant and reused after the wait (seen in the PTX): the length used below
+        // must be the one read after DDT_PDL_WAIT().
         int lo, nctx, N, tb, te;
-        split_range(max(0, ctx_len[b]), lo, nctx, N, tb, te);
+        split_range(max(0, *reinterpret_cast<const volatile int*>(ctx_len + b)), lo, nctx, N, tb, te);
         if (tb < te) {
             for (int e = tid; e < DR_BN * 4; e += DM_THREADS) {
                 const int i = tb * DR_BN + (e >> 2);
@@ -86,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(DM_THREADS) drafter_attn_fwd(
     }
     DDT_PDL_WAIT();  // q, the block's K/V, the cache and ctx_len may come from earlier kernels
     int lo, nctx, N, tile_begin, tile_end;
-    split_range(ctx_len[b], lo, nctx, N, tile_begin, tile_end);
+    split_range(__ldcg(ctx_len + b), lo, nctx, N, tile_begin, tile_end);   // through L2, after the wait
 
     auto load_tile = [&](int tile, int st) {
         const int t0 = tile * DR_BN;
