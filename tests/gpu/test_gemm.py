@@ -119,6 +119,7 @@ def test_gemm_graph_replay():
     x_dev, w_dev, out = cp.empty((T, K), np.uint16), cp.asarray(wb), poisoned(cp, (T, N))
     x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
     gemm_bf16(x_dev, w_dev, out)        # warm-up: compiles, sizes the split-K workspace
+    cp.cuda.Device().synchronize()      # default-stream work is not ordered before the non-blocking stream
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -126,8 +127,8 @@ def test_gemm_graph_replay():
         g = s.end_capture()
     for i in range(2):                  # new inputs written into the static buffer, then replay
         xb, x = rand_bf16(rng, (T, K))
-        x_dev.set(xb)
-        with s:
+        with s:         # the copy, the poison and the replay in one stream order
+            x_dev.set(xb)
             out.fill(0xFFFF)
             g.launch(s)
         s.synchronize()
@@ -246,6 +247,7 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
     x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
     x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
     gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    cp.cuda.Device().synchronize()      # default-stream work is not ordered before the non-blocking stream
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -254,8 +256,8 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
     _assert_kernel(v, launched)
     for _ in range(3):
         xb, x = rand_bf16(rng, (T, K))
-        x_dev.set(xb)
         with s:
+            x_dev.set(xb)
             out.fill(np.nan if f32 else 0xFFFF)
             g.launch(s)
             gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
@@ -427,6 +429,7 @@ def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
     launch.set_pdl(True)
     try:
         gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        cp.cuda.Device().synchronize()  # default-stream work is not ordered before the non-blocking stream
         s = cp.cuda.Stream(non_blocking=True)
         with s:
             s.begin_capture()
@@ -434,8 +437,8 @@ def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
             g = s.end_capture()
         for _ in range(2):
             xb, x = rand_bf16(rng, (T, K))
-            x_dev.set(xb)
             with s:
+                x_dev.set(xb)
                 out.fill(np.nan if f32 else 0xFFFF)
                 g.launch(s)
                 gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
