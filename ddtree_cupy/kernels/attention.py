@@ -80,7 +80,7 @@ MLA_CONFIGS = {
     "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
     "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
     # a deeper cp.async pipeline (H200 only): 4 tiles in flight per block instead of 2. H200 run: 0.92-1.01x
-    # the 3-stage tile's time at the same splits (docs/ATTENTION.md "Deeper pipelines"); the model policy's
+    # the 3-stage tile's time at the same splits (docs/ATTENTION.md "Session 3"); the model policy's
     # 16-row tile on the H200. (ks32 with 4 stages measured 0.99-1.01x and 64-token 16-row tiles 0.96-1.14x:
     # both deleted.)
     "ks16_5stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=5, ksplit=True),  # 194 KB
