@@ -160,8 +160,11 @@ class GpuLayerWeights:
         import cupy
         if self.w_shared_gate_up is None or self.router_shared_fused():
             return
-        E = self.w_router.shape[0]
-        self.set_router_shared(cupy.concatenate([self.w_router, self.w_shared_gate_up]), E)
+        E, H = self.w_router.shape
+        fused = cupy.empty((E + self.w_shared_gate_up.shape[0], H), self.w_router.dtype)
+        fused[:E] = self.w_router
+        fused[E:] = self.w_shared_gate_up
+        self.set_router_shared(fused, E)
 
     def set_router_shared(self, fused, E: int) -> None:
         """Install ``fused`` [E + 2 Is, H] (router rows first) as w_router_gate_up and its two row views."""

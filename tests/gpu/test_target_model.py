@@ -341,6 +341,48 @@ def test_fused_launch_sequence(tiny, gpu_tp1):
                 cfg.moe_intermediate_size * cfg.n_shared_experts)
 
 
+def test_router_shared_fused_at_construction(tiny, gpu_tp1):
+    """Weights whose router and shared gate_up are separate arrays (built by hand): GpuTarget copies them
+    into one [E + 2 Is, H] buffer with the two as row views (fuse_router_shared), and the forward equals
+    the loader-fused weights' bit for bit."""
+    import copy
+    import dataclasses
+    from ddtree_cupy.models.batch import TargetBatch
+    from ddtree_cupy.models.target import GpuTarget
+    cfg, feat = tiny["cfg"], tiny["feat"]
+    layers = []
+    for L in gpu_tp1.layers:
+        L2 = copy.copy(L)
+        if L.is_moe:
+            assert L.router_shared_fused()
+            L2.w_router_gate_up, L2.w_router, L2.w_shared_gate_up = None, L.w_router.copy(), L.w_shared_gate_up.copy()
+            assert not L2.router_shared_fused()
+        layers.append(L2)
+    w2 = dataclasses.replace(gpu_tp1, layers=layers)
+    t1 = GpuTarget(cfg, gpu_tp1, None, max_tokens=32, feature_layers=feat)
+    t2 = GpuTarget(cfg, w2, None, max_tokens=32, feature_layers=feat)
+    n_moe = 0
+    for L1, L2 in zip(gpu_tp1.layers, w2.layers):
+        if L1.is_moe:
+            n_moe += 1
+            assert L2.router_shared_fused() and L2.w_router_gate_up.shape == L1.w_router_gate_up.shape
+            assert (L2.w_router_gate_up == L1.w_router_gate_up).all()
+    assert n_moe > 0
+    assert w2.nbytes() == gpu_tp1.nbytes()
+    out = []
+    for tgt in (t1, t2):
+        rng = np.random.default_rng(31)
+        kv = make_kv(cfg, 2, 1, rng)
+        b = TargetBatch(2, 16, cfg, 1, len(feat), tree=False)
+        b.set(tokens=rng.integers(0, cfg.vocab_size, (2, 16)), positions=np.tile(np.arange(16), (2, 1)),
+              n_rows=np.array([16, 11]), prefix_len=np.zeros(2, int))
+        poison_target(tgt)
+        poison_batch(b)
+        tgt.forward(b, kv)
+        out.append(b.logits.get()[np.r_[0:16, 16:27]])
+    assert np.all(np.isfinite(out[0])) and np.array_equal(out[0], out[1])
+
+
 def test_graph_capture_replay_equals_eager(tiny, gpu_tp1):
     from ddtree_cupy.models.target import GpuTarget
     cfg, feat = tiny["cfg"], tiny["feat"]
