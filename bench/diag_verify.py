@@ -92,7 +92,8 @@ def gpu_router_record(tgt):
         r = orig(i, x, out, reduce)
         if tgt.w.layers[i].is_moe:
             T = x.shape[0]
-            recs.append((i, tgt.router_logits[:T].get(), tgt.topk_ids[:T].get()))
+            E = tgt.cfg.n_routed_experts       # router_logits holds [logits E | shared gate | shared up]
+            recs.append((i, tgt.router_logits[:T, :E].get(), tgt.topk_ids[:T].get()))
         return r
     tgt.mlp_block = rec
     return recs, lambda: delattr(tgt, "mlp_block")
