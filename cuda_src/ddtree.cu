@@ -30,11 +30,14 @@
 // re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
 // DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
 // placement (merge_finish); not measured yet (docs/DDTREE.md).
-#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4 && DDT_FAST != 5
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan) and 5 (scan-rank)"
+// DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
+// 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
+#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4 && DDT_FAST != 5 && DDT_FAST != 6 && DDT_FAST != 7
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST == 5)    // the merge places its output by rank instead of a warp sort
+#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7)   // the merge places its output by rank, not a warp sort
+#define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
@@ -970,7 +973,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
                n_rows, mask);
 }
-#else   // DDT_FAST == 3, 4, 5 (the default 4): builder v3
+#else   // DDT_FAST == 3, 4, 5 (the default 4): builder v3 (6, 7: for budgets above DDT_CACHE_BUDGET)
 // Position p = slot p / 32 of lane p % 32; only the ordered scores are in registers (the removed variant 2
 // kept the rest of an entry for the winning lane alone). Here the popped
 // position is made known to every lane (one ballot per slot: in the usual case of a single holder
@@ -987,6 +990,100 @@ __device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
     const uint32_t u = fabsf(r) < 1.17549435e-38f ? 0u : __float_as_uint(r);
     return u ^ ((uint32_t)((int)u >> 31) | 0x80000000u);
 }
+#if DDT_CACHE
+// ---------------------------------------------------------------------------------------------------
+// Builder, sorted cache (variants 6, 7; docs/DDTREE.md "Builder: sorted cache"). The frontier is a list
+// sorted in pop order, entry j in lane j (every field in registers), the head (entry 0) also known to
+// every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
+// compares its entry with both (two ballots), and one shuffle round moves every entry to its new index.
+// The next head is the sibling or the child if one of them ranks first, else the old entry 1 (broadcast
+// at the start of the pop, off the critical path): no reduction, no shared memory in the loop.
+// Why 32 entries are enough for budget <= 64: a pop removes one entry and adds at most two, so after q
+// pops the frontier holds <= q + 1 entries and an entry falls off the end (index 32) only at pop q >= 32.
+// At most budget pops happen in all (chain pops included), so <= budget - q <= 32 remain, while the 32
+// entries ahead of the dropped one all pop before it: the dropped entry (and its successors) never pops.
+#define DDT_CACHE_BUDGET 64
+// the total order: a pops before b (score descending, then the rank tuple ascending; tuples are unique)
+__device__ __forceinline__ bool pops_before(uint32_t oa, u64 ta, uint32_t ob, u64 tb) {
+    return oa > ob || (oa == ob && ta < tb);
+}
+// One frontier entry: ordered score, rank tuple, info word, parent score, next sibling's log-prob, first
+// child's log-prob (the last three feed its successors' scores when it pops).
+struct CEnt {
+    uint32_t os; u64 tup; int info; float ps, ls, lc;
+};
+__device__ __forceinline__ CEnt cent_shfl(const CEnt& e, int src) {
+    CEnt o;
+    o.os = __shfl_sync(FULL_MASK, e.os, src);
+    o.tup = __shfl_sync(FULL_MASK, e.tup, src);
+    o.info = __shfl_sync(FULL_MASK, e.info, src);
+    o.ps = __shfl_sync(FULL_MASK, e.ps, src);
+    o.ls = __shfl_sync(FULL_MASK, e.ls, src);
+    o.lc = __shfl_sync(FULL_MASK, e.lc, src);
+    return o;
+}
+__device__ __forceinline__ CEnt cent_sel(bool c, const CEnt& a, const CEnt& b) {
+    CEnt o;
+    o.os = c ? a.os : b.os; o.tup = c ? a.tup : b.tup; o.info = c ? a.info : b.info;
+    o.ps = c ? a.ps : b.ps; o.ls = c ? a.ls : b.ls; o.lc = c ? a.lc : b.lc;
+    return o;
+}
+// Pops until `budget` rows are emitted or the frontier is empty; lane 0 writes rows nc + 1 .. (the chain
+// rows 1..nc are written by the caller). Returns the node count (warp-uniform).
+__device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, int D, int K, int kf, int budget,
+                                          int nc, int lane, int* t_tok, int* t_par, int* t_dep) {
+    int nodes = nc;
+    if (budget <= 0) return nodes;
+    // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
+    CEnt h;
+    h.os = ordered_sum(0.f, s_lp[0]);
+    h.tup = tuple_digit(1, 0);
+    h.info = pack_info(1, 0, 0, nc >= 1);
+    h.ps = 0.f;
+    h.ls = s_lp[min(1, K - 1)];
+    h.lc = s_lp[min(1, D - 1) * K];
+    CEnt c = h;   // lane j: entry j (only lane 0 is meaningful while n == 1)
+    int n = 1;
+    while (n > 0 && nodes < budget) {
+        const CEnt e1 = cent_shfl(c, 1);   // the entry after the head, needed only to pick the next head
+        const int d = h.info & 15, r = (h.info >> 4) & 255, prow = (h.info >> 12) & 255, chain = (h.info >> 20) & 1;
+        const bool has_sib = r + 1 < kf, has_child = d < D;
+        const float sc = ordered_to_f32(h.os);
+        CEnt sib, ch;
+        sib.os = ordered_sum(h.ps, h.ls);
+        sib.tup = h.tup + tuple_digit(d, 0);   // rank digit + 1
+        ch.os = ordered_sum(sc, h.lc);
+        ch.tup = h.tup + (has_child ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);   // d < D <= 8 there
+        // ranks among the entries after the head (lanes 1 .. n-1), then between the two new entries
+        const bool valid = lane >= 1 && lane < n;
+        const unsigned bs = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, sib.os, sib.tup));
+        const unsigned bc = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, ch.os, ch.tup));
+        const bool child_first = pops_before(ch.os, ch.tup, sib.os, sib.tup);
+        const int pos_s = has_sib ? __popc(bs) + (has_child && child_first ? 1 : 0) : 64;
+        const int pos_c = has_child ? __popc(bc) + (has_sib && !child_first ? 1 : 0) : 64;
+        // payloads (shared loads, off the ranking path)
+        const int row = chain ? d : nodes + 1;
+        sib.info = pack_info(d, r + 1, prow, 0);
+        sib.ps = h.ps;
+        sib.ls = s_lp[(d - 1) * K + min(r + 2, K - 1)];   // the sibling's own next sibling
+        sib.lc = h.lc;                                     // same depth: same first-child log-prob
+        ch.info = pack_info(d + 1, 0, row, chain && d + 1 <= nc);
+        ch.ps = sc;
+        ch.ls = s_lp[min(d, D - 1) * K + min(1, K - 1)];  // the child's next sibling
+        ch.lc = s_lp[min(d + 1, D - 1) * K];              // the child's first child
+        if (lane == 0 && !chain) { t_tok[row] = s_id[(d - 1) * K + r]; t_par[row] = prow; t_dep[row] = d; }
+        // new entry j: the sibling at pos_s, the child at pos_c, else old entry j + 1 - (new entries
+        // before j); index 32 and beyond falls off (lane 31's source 32 reads lane 0: unused then)
+        const int src = lane + 1 - (pos_s < lane ? 1 : 0) - (pos_c < lane ? 1 : 0);
+        const CEnt moved = cent_shfl(c, src);
+        c = cent_sel(lane == pos_s, sib, cent_sel(lane == pos_c, ch, moved));
+        h = cent_sel(pos_s == 0, sib, cent_sel(pos_c == 0, ch, e1));
+        n = min(n - 1 + (has_sib ? 1 : 0) + (has_child ? 1 : 0), 32);
+        nodes += chain ? 0 : 1;
+    }
+    return nodes;
+}
+#endif
 extern "C" __global__ void __launch_bounds__(32)
 ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
                const int* __restrict__ budgets, const int* __restrict__ prefix_len,
@@ -1029,10 +1126,17 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     // forced top-1 chain: rows 1..nc, row d = depth d
     if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
 
+    int nodes = nc;
+#if DDT_CACHE
+    if (budget <= DDT_CACHE_BUDGET) {
+        nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep);
+    } else
+#endif
+    {   // v3's pop loop (every budget in variants 3-5; budgets > DDT_CACHE_BUDGET in 6 and 7)
     uint32_t os[DDT_SLOTS];
 #pragma unroll
     for (int s = 0; s < DDT_SLOTS; ++s) os[s] = 0u;
-    int nodes = nc, live = 0, npos = 0;
+    int live = 0, npos = 0;
     if (budget > 0) {   // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
         if (lane == 0) {
             os[0] = ordered_sum(0.f, s_lp[0]);
@@ -1116,6 +1220,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
         live += (has_child ? 1 : 0) - (has_sib ? 0 : 1);
         npos += has_child ? 1 : 0;
         __syncwarp();   // lane 0's entries are visible to every lane before the next pop reads them
+    }
     }
     __syncwarp();
     write_tree(st, nodes, pre, lane, t_tok, t_par, t_dep, tokens, parents, depths, positions, n_rows, mask);

@@ -64,13 +64,30 @@ DDTREE_SCAN_SPEC = register(KernelSpec(
 DDTREE_SCAN_RANK_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "5"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 4 with the merge's output placed by rank (no one-warp sort)"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC}
-VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (4, 5)  # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
-# The variant the engine uses; DDT_TREE_VARIANT (0, 3, 4 or 5) overrides it (whole-engine checks of a variant).
-# 4: the scan top-K's first H200 run had every GPU test pass and stage 1 at 3.2-9.8 us (was 7.1-38.5); its
-# merge then used a slow warp-aggregated radix (docs/DDTREE.md), replaced by the top-16-bit windows.
-DEFAULT_VARIANT = 4
+# Variants 6 ("scan-cache") and 7 ("scan-rank-cache"): 4 and 5 whose builder pops from a sorted 32-entry
+# cache held one entry per lane (the head known to every lane, successors placed by rank with two ballots
+# and one shuffle round; no reduction, no shared memory per pop) for budgets <= 64 (CACHE_MAX_BUDGET;
+# larger budgets run v3's loop in the same kernel). Same outputs bit for bit (tests/test_ddtree_cache_model.py
+# models it lane by lane; the GPU tests run it against the reference).
+DDTREE_SCAN_CACHE_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "6"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 4 with the sorted-cache builder (budgets <= 64)"))
+DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "7"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 5 (merge output by rank) with the sorted-cache builder (budgets <= 64)"))
+_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC,
+          6: DDTREE_SCAN_CACHE_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC}
+VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank", 6: "scan-cache",
+            7: "scan-rank-cache"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (4, 5, 6, 7)  # variants whose stage 1 writes group keys (scan_width) instead of candidate lists
+CACHE_VARIANTS = (6, 7)       # variants with the sorted-cache builder
+CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
+# The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
+# variant; DDT_TREE_VARIANT=4 is the previous default: scan top-K + builder v3, H200-proven).
+# 6: variant 4 (every GPU test passed, 10 x 64 51.0 us) with the sorted-cache builder, predicted to build
+# 10 x 64 in ~8-11 us instead of 22.6 (docs/DDTREE.md); NOT yet run on a GPU when set: the integration
+# run's bench (bench/tree.py) decides, and the default goes back to 4 if 6 fails a test or loses.
+DEFAULT_VARIANT = 6
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
     if DEFAULT_VARIANT not in VARIANTS:
@@ -268,13 +285,13 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
     top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (False /
-    True or 0 .. 3, see VARIANTS). Every method launches on the current
+    True or a number in VARIANTS). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
                  fast=DEFAULT_VARIANT):
         import cupy
-        self.fast = variant(fast)   # 0 .. 3 (see VARIANTS); passed to every launch
+        self.fast = variant(fast)   # a key of VARIANTS; passed to every launch
         check_range("streams", streams, 1, 1 << 16)
         check_range("depth", depth, 1, MAX_DEPTH)
         check_range("k", k, 1, MAX_K)
