@@ -7,13 +7,14 @@ Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the f
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
 variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
-5 scan-rank; default: 3, 4, 5: the previous default, the default, the unmeasured candidate) run on the same
-inputs; "same" says a variant's outputs equal the reference
+5 scan-rank / 6 scan-cache / 7 scan-rank-cache; default: 4, 6, 7: the previous default (scan top-K +
+builder v3), the new default (+ the sorted-cache builder) and the cache builder with the rank-placed
+merge) run on the same inputs; "same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
 (--was); for a variant that file lacks, the figures of the variant it replaces (--was-variant, default
-v3). The last lines compare every variant with the reference variant in this run.
+scan). The last lines compare every variant with the reference variant in this run.
 Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
@@ -56,7 +57,7 @@ def _deep_post(tokens, parents, n1, rng):
 
 
 def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
-    """Times one case with kernel variant ``fast`` (0 .. 3); returns its outputs, its result row, and
+    """Times one case with kernel variant ``fast`` (a key of VARIANTS); returns its outputs, its result row, and
     the top-K arrays (for the CPU builder)."""
     import cupy as cp
     rng = np.random.default_rng(seed)   # same inputs for every kernel variant
@@ -146,10 +147,11 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[3, 4, 5],
-                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank); the "
-                         "reference of the 'same' column is 0 when given, else the lowest")
-    ap.add_argument("--was-variant", default="v3",
+    ap.add_argument("--variants", type=int, nargs="+", default=[4, 6, 7],
+                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank, 6 = "
+                         "scan-cache, 7 = scan-rank-cache); the reference of the 'same' column is 0 when "
+                         "given, else the lowest")
+    ap.add_argument("--was-variant", default="scan",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
     if args.profile:
@@ -167,12 +169,12 @@ def main(argv=None):
     cases = [(S, B, "bf16") for S in args.streams for B in args.budgets]
     cases.append((max(args.streams), max(args.budgets), "f32"))
     rows = []
-    hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'variant':>8} {'top-K':>7} {'(%ceil)':>7} "
+    hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'variant':>15} {'top-K':>7} {'(%ceil)':>7} "
            f"{'stage1':>7} {'build':>15} {'walk+cm':>7} {'total':>15} {'PDL':>7} {'CPU heap':>9} "
            f"{'acc':>4} {'same':>5}")
 
     def line(r):
-        return (f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['variant']:>8} {r['topk_us']:7.1f} "
+        return (f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['variant']:>15} {r['topk_us']:7.1f} "
                 f"{100 * r['topk_read_frac']:6.0f}% {r['topk_stage1_us']:7.1f} "
                 f"{r['was_build_us']:6.1f} ->{r['build_us']:6.1f} {r['walk_commit_us']:7.1f} "
                 f"{r['was_total_us']:6.1f} ->{r['total_us']:6.1f} {r['total_pdl_us']:7.1f} "

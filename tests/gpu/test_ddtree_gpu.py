@@ -14,9 +14,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 4, 5], ids=["verified", "v3", "scan", "scan-rank"])
+@pytest.fixture(params=[0, 3, 4, 5, 6, 7], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
+                                                "scan-rank-cache"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3, 4, 5, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Every kernel variant (DDT_FAST = 0, 3, 4, 5, 6, 7, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -184,15 +185,16 @@ def _tie_top(rng, S, D, K, levels=4, step=0.5):
     return lp, ids
 
 
-@pytest.mark.parametrize("source", ["logits", "ties", "sparse", "zero"])
+@pytest.mark.parametrize("source", ["logits", "ties", "sparse", "zero", "flat"])
 @pytest.mark.parametrize("cap_k,chain", [(0, False), (0, True), (8, False), (3, True), (1, False)])
 def test_build_tree_matches_reference(source, cap_k, chain, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(11 + cap_k + 100 * chain + 1000 * len(source))
-    budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100, 128, 96, 50, 127], np.int32)
+    # budgets on both sides of the sorted-cache builder's limit (64, variants 6 and 7)
+    budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100, 128, 96, 50, 127, 63, 65, 32, 40], np.int32)
     S, D, K = budgets.shape[0], 7, 128
-    if source in ("sparse", "zero"):   # depth 8 (the most): the largest frontier (137 positions)
+    if source in ("sparse", "zero", "flat"):   # depth 8 (the most): the largest frontier (137 positions)
         D = 8
     ws = DDTreeWorkspace(S, D, 8192, K, fast=fast)
     _poison(ws)
@@ -201,6 +203,12 @@ def test_build_tree_matches_reference(source, cap_k, chain, fast):
     else:
         if source == "zero":   # every score 0 (signed zeros mixed): the rank tuple decides every pop
             lp = np.where(rng.random((S, D, K)) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+            ids = rng.integers(0, 50000, size=(S, D, K)).astype(np.int32)
+        elif source == "flat":  # log-probs falling slowly with the rank: the frontier grows by ~1 per pop,
+            # so the sorted cache (32 entries) drops entries from pop 32 on (tests/test_ddtree_cache_model.py)
+            lp = -(np.float32(0.05) + np.float32(0.1) * np.arange(K, dtype=np.float32)
+                   + rng.random((S, D, K)).astype(np.float32) * np.float32(0.01))
+            lp = -np.sort(-lp, axis=-1).astype(np.float32)
             ids = rng.integers(0, 50000, size=(S, D, K)).astype(np.int32)
         else:
             lp, ids = _tie_top(rng, S, D, K, *((128, 0.125) if source == "sparse" else (4, 0.5)))
