@@ -40,6 +40,7 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
     const int pair = tid - KV_LATENT_DIM / 8;
     const bool is_rope = pair >= 0 && pair < KV_ROPE_DIM / 2;
     const float freq = is_rope ? inv_freq[pair] : 0.f;
+    DDT_PDL_LAUNCH_DEPENDENTS();  // every block has started: the next kernel may launch and prefetch its weights
     DDT_PDL_WAIT();
 
     const bf16_bits* row = qkv + t * qkv_stride;
@@ -136,6 +137,7 @@ mla_head_gemm(const bf16_bits* __restrict__ x, long long x_row, long long x_head
         for (int s = 0; s < KS; ++s) { b[s][j][0] = ld_pair(wr + s * 16); b[s][j][1] = ld_pair(wr + s * 16 + 8); }
     }
     const bool rope_here = pe != nullptr && blockIdx.y == 0;
+    DDT_PDL_LAUNCH_DEPENDENTS();  // every block has started: the next kernel may launch and prefetch its weights
     DDT_PDL_WAIT();
 
     const bf16_bits* xh = x + (long long)h * x_head + kw;

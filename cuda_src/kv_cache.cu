@@ -16,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(96) kv_write_latent(
     const bf16_bits* __restrict__ lat, long long lat_stride, const bf16_bits* __restrict__ rope,
     long long rope_stride, const int* __restrict__ stream, const int* __restrict__ pos,
     bf16_bits* __restrict__ pool, const int* __restrict__ block_table, int max_pages) {
+    DDT_PDL_LAUNCH_DEPENDENTS();  // dependents still wait (DDT_PDL_WAIT) for this whole grid's writes
     DDT_PDL_WAIT();  // inputs and the cache are written by earlier kernels
     const int i = blockIdx.x;
     const int c = threadIdx.x;
@@ -41,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(128) kv_compact_latent(
     const unsigned long long* __restrict__ pools, const int* __restrict__ block_table, int max_pages,
     const int* __restrict__ prefix_len, const int* __restrict__ n_accept, const int* __restrict__ acc_rows,
     int acc_stride) {
+    DDT_PDL_LAUNCH_DEPENDENTS();  // dependents still wait (DDT_PDL_WAIT) for this whole grid's writes
     DDT_PDL_WAIT();  // inputs and the cache are written by earlier kernels
     const int b = blockIdx.x;
     bf16_bits* pool = reinterpret_cast<bf16_bits*>(pools[blockIdx.y]);
@@ -67,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(128) drafter_kv_append(
     const bf16_bits* __restrict__ k, const bf16_bits* __restrict__ v, const int* __restrict__ stream,
     const int* __restrict__ pos, bf16_bits* __restrict__ k_cache, bf16_bits* __restrict__ v_cache,
     int capacity, int kv_heads) {
+    DDT_PDL_LAUNCH_DEPENDENTS();  // dependents still wait (DDT_PDL_WAIT) for this whole grid's writes
     DDT_PDL_WAIT();  // inputs and the cache are written by earlier kernels
     const int i = blockIdx.x;
     const int p = pos[i];

@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* red_max = reinterpret_cast<float*>(Ps + C::P_ELEMS);   // [VG][BM]
     float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
 
+    DDT_PDL_LAUNCH_DEPENDENTS();  // the combine (or next kernel) may launch; it waits for this whole grid
     DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
