@@ -84,10 +84,10 @@ CACHE_VARIANTS = (6, 7)       # variants with the sorted-cache builder
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
 # variant; DDT_TREE_VARIANT=4 is the previous default: scan top-K + builder v3, H200-proven).
-# 6: variant 4 (every GPU test passed, 10 x 64 51.0 us) with the sorted-cache builder, predicted to build
-# 10 x 64 in ~8-11 us instead of 22.6 (docs/DDTREE.md); NOT yet run on a GPU when set: the integration
-# run's bench (bench/tree.py) decides, and the default goes back to 4 if 6 fails a test or loses.
-DEFAULT_VARIANT = 6
+# 7: H200 run of this session (bench/results/tree_h200_cache.json, all builder/walk/graph GPU tests of
+# variants 0-7 passed, outputs equal to variant 4's): 10 x 64 bf16 total 52.3 (4) -> 40.4 us (build 23.8 ->
+# 15.9, top-K 24.1 -> 20.8 by the rank-placed merge); 1 x 8 20.2 -> 19.6; f32 10 x 64 62.2 -> 46.4.
+DEFAULT_VARIANT = 7
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
     if DEFAULT_VARIANT not in VARIANTS:
