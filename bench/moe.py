@@ -4,6 +4,7 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
+        [--ts '256:1,8,64;2048:8'] [--variants loop0]    # a subset (sizes; variants besides "now")
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -197,11 +198,18 @@ def _prev_plan(prev_src, *args, **kw):
     differ by up to 15% at the same code (bench/results/moe_h200_s3_run*.json)."""
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
-    spec = kc.KernelSpec(src=rel, names=moe._all_gemm_names())
+    with open(prev_src) as f:
+        six = "int U, int S>" in f.read()      # a kernel file from before the LEAN template parameter
+
+    def prev_name(name):   # that file runs its only k loop: drop ", lean>" from the name
+        return name.rsplit(",", 1)[0] + ">" if six else name
+    spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in moe._all_gemm_names())))
     orig = moe.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
-        return orig(spec if name.startswith("moe_gemm") else sp, name, max_dynamic_smem)
+        if name.startswith("moe_gemm"):
+            return orig(spec, prev_name(name), max_dynamic_smem)
+        return orig(sp, name, max_dynamic_smem)
     moe.get_kernel = patched
     try:
         return moe.moe_launch_plan(*args, **kw)
@@ -209,9 +217,11 @@ def _prev_plan(prev_src, *args, **kw):
         moe.get_kernel = orig
 
 
-def focus_width(I, read_gbs, rows, prev_src=None):
-    """The table ("now") against prefetch variants, the cp.async ring at small T and, with ``prev_src``, the
-    same launches through another kernel file ("prev"), all in one process; stage prefixes of "now"/"prev"."""
+def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
+    """The table ("now") against prefetch variants, the previous k loop ("loop0": the table's tiles with
+    lean = 0), the cp.async ring at small T and, with ``prev_src``, the same launches through another kernel
+    file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"prev". ``only_ts``: the T values to
+    run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
     w = _make_layer(I)
     per_expert = w.expert_bytes()
@@ -220,23 +230,28 @@ def focus_width(I, read_gbs, rows, prev_src=None):
     arch = f"sm_{cp.cuda.Device().compute_capability}"
     for mode, ts in FOCUS[I]:
         for T in ts:
+            if only_ts is not None and T not in only_ts:
+                continue
             ids, wts = routing(rng, T, mode)
             x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32)).view(cp.uint32)
             x = (x >> 16).astype(cp.uint16)
             d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
             out = cp.empty((T, H), cp.uint16)
             tab = moe.select_tiles(arch, T, I)
-            variants = {"now": {}, "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
+            variants = {"now": {}, "loop0": dict(tiles=moe.with_lean(tab, 0)),
+                        "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
                 variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
+            if only_variants is not None:
+                variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
             if prev_src:
                 plans["prev"] = _prev_plan(prev_src, x, d_ids, d_wts, w, ws, out)
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "prev") if k in plans]:
+            for key in [k for k in ("now", "loop0", "prev") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -248,7 +263,8 @@ def focus_width(I, read_gbs, rows, prev_src=None):
             rows.append(dict(I=I, routing=mode, T=T, experts=int(len(touched)), bytes=nbytes, us=res["now"],
                              frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac,
                              stages_us_cumulative=stage_sets["now"],
-                             stages_prev_us_cumulative=stage_sets.get("prev"), tiles=str(tab)))
+                             stages_prev_us_cumulative=stage_sets.get("prev"),
+                             stages_loop0_us_cumulative=stage_sets.get("loop0"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -258,8 +274,9 @@ def focus_width(I, read_gbs, rows, prev_src=None):
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | now us | % ceiling prev -> now | stages now (route/gu/dn/cb) | stages prev |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | loop0 us | now us | % ceiling prev -> now | stages now (route/gu/dn/cb) "
+             "| stages loop0 | stages prev |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -270,9 +287,10 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {r['us']:.1f} | "
+        loop0 = f"{vu['loop0']:.1f}" if "loop0" in vu else "-"
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {loop0} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_prev_us_cumulative'))} |")
+                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_prev_us_cumulative'))} |")
     return "\n".join(lines)
 
 
@@ -351,6 +369,10 @@ def main():
     ap.add_argument("--focus", action="store_true", help="the table against its variants at the decode sizes")
     ap.add_argument("--prev", default=None, metavar="FILE.cu",
                     help="with --focus: also time the GEMMs of this kernel file (same arguments) in the same process")
+    ap.add_argument("--ts", default=None, metavar="I:T,T[;I:T,..]",
+                    help="with --focus: only these widths and T values, e.g. '256:1,8,64;2048:8'")
+    ap.add_argument("--variants", default=None, metavar="NAME,..",
+                    help="with --focus: only these variants besides 'now' (e.g. 'loop0'; '' for none)")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     args = ap.parse_args()
@@ -372,8 +394,15 @@ def main():
     if args.focus:
         rows = []
         res = dict(device=device, read_ceiling_gbs=read_gbs, mma_bf16_tflops=mma, rows=rows)
-        for I in (256, 2048):
-            focus_width(I, read_gbs, rows, args.prev)
+        widths = {256: None, 2048: None}
+        if args.ts:
+            widths = {}
+            for part in args.ts.split(";"):
+                i, ts = part.split(":")
+                widths[int(i)] = {int(t) for t in ts.split(",")}
+        only_v = None if args.variants is None else {v for v in args.variants.split(",") if v}
+        for I, only_ts in widths.items():
+            focus_width(I, read_gbs, rows, args.prev, only_ts, only_v)
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         res["read_ceiling_after_gbs"] = measure_read_bandwidth()

@@ -402,11 +402,16 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
+// LEAN (register ring only, S = 0): the same arithmetic in the same order (bit-identical results) with fewer
+// instructions per k64 step -- no zeroing of absent token columns, loads from running pointers with immediate
+// offsets, activations one step ahead instead of U, one predicated per-step L2 prefetch from a per-lane pointer
+// instead of the 4-step group with its address selection, the next unit's prefetch issued once at the unit start.
+// LEAN = 0 is the previous loop (docs/MOE.md, session 4).
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
 
-template <int MODE, int WM, int WK, int NT, int U, int S>
+template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -521,8 +526,8 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
                 }
             };
-            for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
-            if (pf_steps > 0) {
+            if (!(S == 0 && LEAN)) for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
+            if (!(S == 0 && LEAN) && pf_steps > 0) {
                 // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
                 const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
                 next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
@@ -567,10 +572,122 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 }
             };
             uint4 rb[U][NT][2];
+            if (!(S == 0 && LEAN)) {
 #pragma unroll
-            for (int i = 0; i < U; ++i)
-                if (i < nsteps) load_b(rb[i], i);
-            if constexpr (S == 0) {
+                for (int i = 0; i < U; ++i)
+                    if (i < nsteps) load_b(rb[i], i);
+            }
+            if constexpr (S == 0 && LEAN) {
+                // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
+                // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
+                auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        uint32_t A[4][4];
+                        dequant_word(a[mt].x, A[0]);
+                        dequant_word(a[mt].y, A[1]);
+                        dequant_word(a[mt].z, A[2]);
+                        dequant_word(a[mt].w, A[3]);
+                        const float s00 = bf_lo(sc[mt].x), s08 = bf_hi(sc[mt].x);
+                        const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            if (nt == 0 || nt * 8 < ntok) {    // ntok >= 1: token tile 0 always exists
+                                float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+                                mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
+                                mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
+                                mma_bf16(d1, A[2], b[nt][1].x, b[nt][1].y);
+                                mma_bf16(d1, A[3], b[nt][1].z, b[nt][1].w);
+                                // same expression as compute(): bit-identical to the LEAN = 0 loop
+                                acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
+                                acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
+                                acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
+                                acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
+                            }
+                        }
+                    }
+                };
+                // Per-step L2 prefetch, one instruction per warp and step, no branch: lanes 0..7 request the
+                // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
+                // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
+                // 64-bit product per step). pf_next: the block's next unit's first pf_steps steps are requested
+                // here at the unit start (a unit earlier than the LEAN = 0 rolling prefetch, but without any
+                // per-step test for the unit boundary and without its registers in the loop).
+                const unsigned pstride = lane < 8 ? 512u : 64u;
+                const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                           : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
+                const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                auto prefetch_step = [&](int s) {
+                    if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+                };
+                for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
+                next_done = 0;
+                if (nx && pf_steps > 0) {
+                    const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
+                    const char* pn = lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                              : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
+                    next_done = min(nsteps, pf_steps);
+                    for (int s = 0; s < next_done; ++s)
+                        if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                }
+
+                uint4 ra[U][2];
+                uint2 rs[U][2];
+                // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
+                // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
+                // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
+                const uint4* qa0 = pa0;
+                const uint4* qa1 = pa1;
+                const uint2* qs0 = ps0;
+                const uint2* qs1 = ps1;
+                const bf16_bits* qb[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
+                // weights (DRAM/L2) go U steps ahead into ring slot i; the activations (L1/L2 hits, shared by
+                // every warp) only one step ahead into slot (i + 1) % U: ~8 registers fewer in flight (what keeps
+                // the lean loop spill-free at the 128-register cap on both architectures).
+                auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
+                    ra[r][0] = ld_stream_v4(qa0 + i * 32);
+                    ra[r][1] = ld_stream_v4(qa1 + i * 32);
+                    rs[r][0] = ld_stream_v2(qs0 + i * 8);
+                    rs[r][1] = ld_stream_v2(qs1 + i * 8);
+                };
+                auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (nt == 0 || nt * 8 < ntok) {
+                            const uint4* p = reinterpret_cast<const uint4*>(qb[nt] + i * 64);
+                            rb[r][nt][0] = __ldg(p);
+                            rb[r][nt][1] = __ldg(p + 4);
+                        }
+                    }
+                };
+                auto advance = [&]() {
+                    qa0 += U * 32; qa1 += U * 32; qs0 += U * 8; qs1 += U * 8;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
+                };
+                load_x(0, 0);
+#pragma unroll
+                for (int i = 0; i < U; ++i)
+                    if (i < nsteps) load_w(i, i);
+                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
+                // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
+                // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
+                // 128-register cap (sm_90 and sm_120), so there is none.
+                for (int base = 0; base < nsteps; base += U) {     // ring slot i holds step base + i
+#pragma unroll
+                    for (int i = 0; i < U; ++i) {
+                        if (base + i < nsteps) {
+                            if (base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
+                            compute_lean(ra[i], rs[i], rb[i]);
+                            if (base + i + U < nsteps) load_w(i, i + U);
+                            prefetch_step(base + i + pf_steps);
+                        }
+                    }
+                    advance();
+                }
+            } else if constexpr (S == 0) {
                 uint4 ra[U][2];
                 uint2 rs[U][2];
                 auto load_a = [&](int r, int i) {

@@ -168,6 +168,29 @@ def test_tile_table_fits_sm120_shared_memory():
     assert moe.select_tiles("sm_120", 650, 2048).nt == 4
 
 
+def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
+    # the table's k loop follows LEAN_LOOP (env DDT_MOE_LEAN at import); both loops of every register-ring
+    # table entry are compiled (registry names), the cp.async ring has only the previous loop
+    names = moe._all_gemm_names()
+    for T, inter in ((1, 256), (8, 256), (64, 2048), (300, 256), (650, 2048)):
+        for arch in ("sm_90", "sm_120"):
+            t = moe.select_tiles(arch, T, inter)
+            assert t.gateup.lean == t.down.lean == moe.LEAN_LOOP
+            for lean in (0, 1):
+                v = moe.with_lean(t, lean)
+                assert v.gateup.lean == v.down.lean == lean
+                assert (v.gateup.wm, v.gateup.wk, v.gateup.u) == (t.gateup.wm, t.gateup.wk, t.gateup.u)
+                for mode, tile in ((0, v.gateup), (1, v.down)):
+                    assert moe._gemm_name(mode, tile, v.nt) in names
+            if t.nt == 1:
+                r = moe.with_stages(t, 8)
+                assert r.gateup.lean == r.down.lean == 0 and r.gateup.stages == 8
+                assert moe._gemm_name(0, r.gateup, 1) in names
+    monkeypatch.setattr(moe, "LEAN_LOOP", 0)
+    assert moe.select_tiles("sm_90", 8, 256).gateup.lean == 0
+    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0, 0>"
+
+
 def test_fused_sort_model_contract():
     # the model of the gate/up prologue's sort (the GPU test compares the kernel's published arrays to it)
     rng = np.random.default_rng(5)

@@ -16,7 +16,8 @@ tests/test_moe_layout.py), the tile-configuration table (``select_tiles``) and a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import numpy as np
@@ -47,6 +48,7 @@ class Tile:
     wk: int
     u: int
     stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
+    lean: int = 0       # register ring only: 1 = the reduced-instruction k loop (bit-identical results), 0 = previous
 
     @property
     def threads(self) -> int:
@@ -81,6 +83,12 @@ def _u_for(nt: int) -> int:
     return {1: 3, 2: 3, 4: 2}[nt]      # ring of 60-90 registers; the L2 prefetch covers DRAM latency
 
 
+# The k loop of the register-ring GEMMs: 1 = the reduced-instruction loop (session 4: -35% instructions per k64
+# step in the SASS, same arithmetic in the same order, bit-identical outputs), 0 = the previous loop. Environment
+# DDT_MOE_LEAN=0 selects the previous loop everywhere (fallback if the new one measures slower).
+LEAN_LOOP = int(os.environ.get("DDT_MOE_LEAN", "1") != "0")
+
+
 def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     """The tile table, keyed by (architecture, T bucket, expert width I).
 
@@ -105,7 +113,13 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
-    return MoETiles(nt, gu, dn)
+    # the k loop (LEAN_LOOP): the same on both architectures (spill-free on both; measured on the H200 only)
+    return MoETiles(nt, replace(gu, lean=LEAN_LOOP), replace(dn, lean=LEAN_LOOP))
+
+
+def with_lean(t: MoETiles, lean: int) -> MoETiles:
+    """The same tiles with the register-ring k loop ``lean`` (1 new, 0 previous) in both GEMMs."""
+    return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
 def with_stages(t: MoETiles, stages: int) -> MoETiles:
@@ -113,8 +127,9 @@ def with_stages(t: MoETiles, stages: int) -> MoETiles:
     register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
     measured 3-15% slower (bench/results/moe_h200_variants.json); it stays compiled and tested as the
     candidate to re-measure on sm_120."""
-    return MoETiles(t.nt, Tile(t.gateup.wm, t.gateup.wk, t.gateup.u, stages),
-                    Tile(t.down.wm, t.down.wk, t.down.u, stages))
+    def one(tl):   # the lean loop exists for the register ring only
+        return Tile(tl.wm, tl.wk, tl.u, stages, tl.lean if stages == 0 else 0)
+    return MoETiles(t.nt, one(t.gateup), one(t.down))
 
 
 def all_table_tiles() -> Tuple[MoETiles, ...]:
@@ -123,14 +138,16 @@ def all_table_tiles() -> Tuple[MoETiles, ...]:
         for T in (1, 300, 650):
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
-                for v in (t, with_stages(t, 8)) if t.nt == 1 else (t,):
+                # both k loops of the register ring (the table's and the fallback), and the cp.async ring
+                vs = (with_lean(t, 1), with_lean(t, 0))
+                for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
                     if v not in seen:
                         seen.append(v)
     return tuple(seen)
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
-    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}>"
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}, {tile.lean}>"
 
 
 def _all_gemm_names() -> Tuple[str, ...]:
