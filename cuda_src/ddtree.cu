@@ -32,12 +32,15 @@
 // placement (merge_finish); not measured yet (docs/DDTREE.md).
 // DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
 // 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
-#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 4 && DDT_FAST != 5 && DDT_FAST != 6 && DDT_FAST != 7
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache)"
+// DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers
+// and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs).
+#if DDT_FAST != 0 && (DDT_FAST < 3 || DDT_FAST > 8)
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache), 8 (scan-rank-cache-regs)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7)   // the merge places its output by rank, not a warp sort
+#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7 || DDT_FAST == 8)   // the merge's output placed by rank
 #define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
+#define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
@@ -447,6 +450,8 @@ struct MergeShared {
     u64 sel[DDT_SORT_CAP];
     unsigned hist[256];
     u64 red[DDT_TOPK_THREADS / 32];
+    unsigned wa[DDT_TOPK_THREADS / 32], wb[DDT_TOPK_THREADS / 32], wc[DDT_TOPK_THREADS / 32],
+             wd[DDT_TOPK_THREADS / 32];   // per-warp partials of merge_scan_regs (one array per phase)
     int n, digit, ng, nz;
     unsigned above, bin, top, near;
     float m, s;
@@ -752,6 +757,209 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
 }
 #endif
 
+#if DDT_MERGE_REGS
+// ---------------------------------------------------------------------------------------------------
+// Stage 2, scan variant with the group keys in registers (variant 8; the same selection as merge_scan,
+// fewer dependent phases): thread t holds the keys of groups j * 256 + t (its own slot in every chunk),
+// all loaded at once; the counts, the window histogram and the group selection read those registers;
+// the selected groups and the candidates are placed by block-wide exclusive scans of per-thread counts
+// (one barrier each) instead of a ballot + shared atomic + shuffle per key slot. Rows with more than
+// DDT_MREG chunks take merge_scan. Same thresholds, same candidate set (in another order: merge_finish
+// selects and ranks keys, which are unique, so the outputs are bit-identical).
+// ---------------------------------------------------------------------------------------------------
+#define DDT_MREG 24   // group keys per thread in registers: P <= 24 chunks (V_local <= 196608 at 8192)
+
+// exclusive prefix of v over the block (thread order) and the block total; s_w holds one partial per warp
+// and must not be read by anyone else between this call's barrier and the next barrier
+__device__ __forceinline__ int block_excl_scan(int v, int lane, int warp, unsigned* s_w, int& total) {
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += t;
+    }
+    if (lane == 31) s_w[warp] = (unsigned)incl;
+    __syncthreads();
+    int base = 0, tot = 0;
+#pragma unroll
+    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
+        const int x = (int)s_w[w];
+        base += w < warp ? x : 0;
+        tot += x;
+    }
+    total = tot;
+    return base + incl - v;
+}
+
+// the selected groups' logits (as scan_gather) -> every element key >= thr written at the thread's offset
+// of a block scan; returns the candidate count (uniform)
+template <typename T>
+__device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint32_t id_offset, int chunk,
+                                                const int* s_gl, int ng, u64 thr, u64* out, unsigned* s_w,
+                                                int tid, int lane, int warp) {
+    const int nv = chunk / (DDT_TOPK_THREADS * 8);
+    const int items = ng * nv;
+    ChunkRegs<T> v;
+    bool ok[DDT_TOPK_VECS];
+    int base[DDT_TOPK_VECS];
+#pragma unroll
+    for (int t = 0; t < DDT_TOPK_VECS; ++t) {
+        const int j = t * DDT_TOPK_THREADS + tid;
+        ok[t] = false;
+        base[t] = 0;
+        if (j < items) {
+            const int q = j / nv, u = j - q * nv, g = s_gl[q];
+            const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
+            if (i < V_local) { ok[t] = true; base[t] = i; }
+        }
+        if (ok[t]) v.load(xrow + base[t], t);
+        else v.clear(t);
+    }
+    int cnt = 0;
+#pragma unroll
+    for (int t = 0; t < DDT_TOPK_VECS; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            cnt += (ok[t] && make_key(v.at(t, e), id_offset + (uint32_t)(base[t] + e)) >= thr) ? 1 : 0;
+    int total;
+    int o = block_excl_scan(cnt, lane, warp, s_w, total);
+#pragma unroll
+    for (int t = 0; t < DDT_TOPK_VECS; ++t)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const u64 key = ok[t] ? make_key(v.at(t, e), id_offset + (uint32_t)(base[t] + e)) : 0ull;
+            if (ok[t] && key >= thr) out[o++] = key;
+        }
+    return total;
+}
+
+__device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows,
+                                int P, int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
+                                u64* __restrict__ out_keys, float2* __restrict__ out_ms,
+                                float* __restrict__ out_lp, int* __restrict__ out_id) {
+    const int W = scan_width(k), G = P * DDT_TOPK_THREADS, gcap = scan_gcap(k);
+    const int region = max(G, 32 * gcap);
+    int* s_gl = reinterpret_cast<int*>(s_keys + region);
+    const u64* row = in_keys + (size_t)r * P * W;
+    u64 gk[DDT_MREG];   // group j * 256 + tid (0 past P: an empty group)
+#pragma unroll
+    for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;
+    const u64 h0 = row[0], h1 = row[1];   // header (chunk 0's; every chunk writes the same)
+    const int chunk = (int)row[2];
+    const int V_local = (int)(uint32_t)h1;
+    const uint32_t id_offset = (uint32_t)(h1 >> 32);
+    int nz = 0;
+    unsigned top = 0u;
+#pragma unroll
+    for (int j = 0; j < DDT_MREG; ++j) {
+        nz += gk[j] != 0ull ? 1 : 0;
+        top = max(top, (unsigned)(gk[j] >> 48));
+    }
+    nz = __reduce_add_sync(FULL_MASK, nz);
+    top = __reduce_max_sync(FULL_MASK, top);
+    if (lane == 0) { sh.wa[warp] = (unsigned)nz; sh.red[warp] = top; }
+    sh.hist[tid] = 0u;
+    if (warp == DDT_TOPK_THREADS / 32 - 1) row_lse(in_ms, rows, r, P, 0, lane, sh);
+    __syncthreads();
+    int nz_all = 0;
+    unsigned top_all = 0u;
+#pragma unroll
+    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
+        nz_all += (int)sh.wa[w];
+        top_all = max(top_all, (unsigned)sh.red[w]);
+    }
+    // thr: as merge_scan (fewer than k nonempty groups: all of them; else windows of 256 top-16-bit values
+    // from the largest down; else the radix narrowing over the whole keys)
+    u64 thr = 0ull;
+    bool found = false;
+    if (nz_all < k) {
+        thr = 1ull;
+        found = true;
+    } else {
+        int wtop = (int)top_all;
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int w = 0; w < 3 && wtop >= 0; ++w, wtop -= 256) {   // uniform; hist is clear here
+            unsigned near = 0;
+#pragma unroll
+            for (int j = 0; j < DDT_MREG; ++j) {
+                const int d = wtop - (int)(gk[j] >> 48);
+                if (gk[j] != 0ull && d >= 0 && d < 256) { atomicAdd(&sh.hist[255 - d], 1u); ++near; }
+            }
+            near = __reduce_add_sync(FULL_MASK, near);
+            if (lane == 0) sh.wb[warp] = near;
+            __syncthreads();
+            unsigned nw = 0;
+#pragma unroll
+            for (int q = 0; q < DDT_TOPK_THREADS / 32; ++q) nw += sh.wb[q];
+            if (nw < remaining) {   // the k-th largest is below this window
+                remaining -= nw;
+                above += nw;
+                sh.hist[tid] = 0u;   // every atomic of this window is done (barrier above)
+                __syncthreads();     // cleared, and sh.wb read by all, before the next window
+                continue;
+            }
+            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            if (above + sh.above + sh.bin <= (unsigned)gcap) {
+                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
+                found = true;
+            }
+            break;
+        }
+    }
+    if (!found) {   // rare (runs of equal logits, a far k-th key): merge_scan's radix over the keys in shared
+        __syncthreads();   // sh.digit / above / bin read by all before radix_pick rewrites them
+#pragma unroll
+        for (int j = 0; j < DDT_MREG; ++j)
+            if (j < P) s_keys[j * DDT_TOPK_THREADS + tid] = gk[j];
+        unsigned remaining = (unsigned)k, above = 0;
+#pragma unroll 1
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+            sh.hist[tid] = 0u;
+            __syncthreads();
+            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
+                const u64 key = s_keys[i];
+                const bool in = key != 0ull && (key & hmask) == thr;
+                const int bin = in ? (int)((key >> shift) & 255) : -1;
+                const unsigned peers = __match_any_sync(FULL_MASK, bin);
+                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
+            }
+            __syncthreads();
+            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            thr |= (u64)sh.digit << shift;
+            remaining -= sh.above;
+            above += sh.above;
+            const unsigned in_bin = sh.bin;
+            __syncthreads();   // digit/above/bin read by all before the next pass
+            if (above + in_bin <= (unsigned)gcap) break;
+        }
+    }
+    thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
+    // the selected groups (<= gcap), placed by a block scan of per-thread counts
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < DDT_MREG; ++j) cnt += gk[j] >= thr ? 1 : 0;
+    int ng;
+    int o = block_excl_scan(cnt, lane, warp, sh.wc, ng);
+#pragma unroll
+    for (int j = 0; j < DDT_MREG; ++j)
+        if (gk[j] >= thr) s_gl[o++] = j * DDT_TOPK_THREADS + tid;
+    __syncthreads();   // s_gl complete (and the fallback's s_keys reads are long done)
+    int N;
+    if (h0 & 1ull)
+        N = scan_gather_regs<bf16_bits>(reinterpret_cast<const bf16_bits*>(h0 & ~1ull), V_local, id_offset, chunk,
+                                        s_gl, ng, thr, s_keys, sh.wd, tid, lane, warp);
+    else
+        N = scan_gather_regs<float>(reinterpret_cast<const float*>(h0), V_local, id_offset, chunk, s_gl, ng, thr,
+                                    s_keys, sh.wd, tid, lane, warp);
+    __syncthreads();
+    merge_finish(s_keys, N, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
@@ -764,6 +972,12 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
     DDT_PDL_WAIT();
 #if DDT_SCAN
     if (cand) {
+#if DDT_MERGE_REGS
+        if (P <= DDT_MREG)
+            merge_scan_regs(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp,
+                            out_id);
+        else
+#endif
         merge_scan(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp, out_id);
         return;
     }

@@ -14,10 +14,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 4, 5, 6, 7], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
-                                                "scan-rank-cache"])
+@pytest.fixture(params=[0, 3, 4, 5, 6, 7, 8], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
+                                                   "scan-rank-cache", "scan-rank-cache-regs"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3, 4, 5, 6, 7, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Every kernel variant (DDT_FAST = 0, 3-8, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
