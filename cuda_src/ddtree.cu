@@ -41,6 +41,7 @@
 #define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7 || DDT_FAST == 8)   // the merge's output placed by rank
 #define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
 #define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
+#define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
@@ -768,6 +769,7 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
 // selects and ranks keys, which are unique, so the outputs are bit-identical).
 // ---------------------------------------------------------------------------------------------------
 #define DDT_MREG 24   // group keys per thread in registers: P <= 24 chunks (V_local <= 196608 at 8192)
+static_assert(DDT_MREG <= 32, "the lse partials: one per lane of one warp");
 
 // exclusive prefix of v over the block (thread order) and the block total; s_w holds one partial per warp
 // and must not be read by anyone else between this call's barrier and the next barrier
@@ -841,6 +843,11 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
     const int region = max(G, 32 * gcap);
     int* s_gl = reinterpret_cast<int*>(s_keys + region);
     const u64* row = in_keys + (size_t)r * P * W;
+    // the last warp's lse partial (one per lane: P <= DDT_MREG < 32) is loaded with the group keys; it is
+    // combined below exactly as row_lse does (one lse_combine from (-inf, 0) per lane, then the butterfly)
+    const bool lse_warp = warp == DDT_TOPK_THREADS / 32 - 1;
+    float2 msv = make_float2(DDT_NEG_INF, 0.f);
+    if (lse_warp && lane < P) msv = in_ms[(size_t)r * P + lane];
     u64 gk[DDT_MREG];   // group j * 256 + tid (0 past P: an empty group)
 #pragma unroll
     for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;
@@ -859,7 +866,16 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
     top = __reduce_max_sync(FULL_MASK, top);
     if (lane == 0) { sh.wa[warp] = (unsigned)nz; sh.red[warp] = top; }
     sh.hist[tid] = 0u;
-    if (warp == DDT_TOPK_THREADS / 32 - 1) row_lse(in_ms, rows, r, P, 0, lane, sh);
+    if (lse_warp) {
+        float m = DDT_NEG_INF, s = 0.f;
+        if (lane < P) lse_combine(m, s, msv.x, msv.y);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
+            lse_combine(m, s, m2, s2);
+        }
+        if (lane == 0) { sh.m = m; sh.s = s; }
+    }
     __syncthreads();
     int nz_all = 0;
     unsigned top_all = 0u;
@@ -1245,7 +1261,7 @@ __device__ __forceinline__ CEnt cent_sel(bool c, const CEnt& a, const CEnt& b) {
 // Pops until `budget` rows are emitted or the frontier is empty; lane 0 writes rows nc + 1 .. (the chain
 // rows 1..nc are written by the caller). Returns the node count (warp-uniform).
 __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, int D, int K, int kf, int budget,
-                                          int nc, int lane, int* t_tok, int* t_par, int* t_dep) {
+                                          int nc, int lane, int* t_tok, int* t_par, int* t_dep, int* t_info) {
     int nodes = nc;
     if (budget <= 0) return nodes;
     // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
@@ -1285,7 +1301,13 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         ch.ps = sc;
         ch.ls = s_lp[min(d, D - 1) * K + min(1, K - 1)];  // the child's next sibling
         ch.lc = s_lp[min(d + 1, D - 1) * K];              // the child's first child
+#if DDT_CACHE_LEAN
+        // the row's info word only (one store, no branch: the other lanes and chain pops write scratch slots
+        // past the rows); token, parent and depth are decoded by all lanes after the loop
+        t_info[lane == 0 && !chain ? row : DDT_MAX_TREE_ROWS + lane] = h.info;
+#else
         if (lane == 0 && !chain) { t_tok[row] = s_id[(d - 1) * K + r]; t_par[row] = prow; t_dep[row] = d; }
+#endif
         // new entry j: the sibling at pos_s, the child at pos_c, else old entry j + 1 - (new entries
         // before j); index 32 and beyond falls off (lane 31's source 32 reads lane 0: unused then)
         const int src = lane + 1 - (pos_s < lane ? 1 : 0) - (pos_c < lane ? 1 : 0);
@@ -1295,6 +1317,16 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         n = min(n - 1 + (has_sib ? 1 : 0) + (has_child ? 1 : 0), 32);
         nodes += chain ? 0 : 1;
     }
+#if DDT_CACHE_LEAN
+    __syncwarp();   // lane 0's info words are visible to every lane
+    for (int i = nc + 1 + lane; i <= nodes; i += 32) {   // rows emitted by the loop
+        const int info = t_info[i];
+        const int d = info & 15, r = (info >> 4) & 255;
+        t_tok[i] = s_id[(d - 1) * K + r];
+        t_par[i] = (info >> 12) & 255;
+        t_dep[i] = d;
+    }
+#endif
     return nodes;
 }
 #endif
@@ -1343,7 +1375,12 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     int nodes = nc;
 #if DDT_CACHE
     if (budget <= DDT_CACHE_BUDGET) {
-        nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep);
+#if DDT_CACHE_LEAN
+        __shared__ int t_info[DDT_MAX_TREE_ROWS + 32];   // + a scratch slot per lane
+#else
+        int* t_info = nullptr;
+#endif
+        nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);
     } else
 #endif
     {   // v3's pop loop (every budget in variants 3-5; budgets > DDT_CACHE_BUDGET in 6 and 7)

@@ -37,9 +37,11 @@ def ballot(pred) -> int:
     return sum(1 << lane for lane in range(32) if pred(lane))
 
 
-def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
+def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=False):
     """cache_pops for one stream (budget <= DDT_CACHE_BUDGET): returns (tokens, parents, depths) of rows
-    1..n. ``width`` is the lane count (32 in the kernel; the test shrinks it to show the bound matters)."""
+    1..n. ``width`` is the lane count (32 in the kernel; the test shrinks it to show the bound matters).
+    ``lean``: variant 8 (DDT_CACHE_LEAN), the loop stores the popped info word at its row (scratch slots
+    past the rows for the other lanes and chain pops) and every lane decodes its rows after the loop."""
     D, K = lp_in.shape
     lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
                   lp_in).astype(np.float32)
@@ -48,7 +50,7 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
     budget = min(max(int(budget), 0), MAX_ROWS - 1)
     kf = min(K, cap_k) if cap_k > 0 else K
     nc = min(D, budget) if include_chain else 0
-    t_tok, t_par, t_dep = {}, {}, {}
+    t_tok, t_par, t_dep, t_info = {}, {}, {}, {}
     for lane in range(1, nc + 1):    # the chain rows (the kernel's prologue, shared by both loops)
         t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane
     nodes = nc
@@ -81,7 +83,10 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
             child_first = pops_before(ch, sib)
             pos_s = bin(bs).count("1") + int(has_child and child_first) if has_sib else 64
             pos_c = bin(bc).count("1") + int(has_sib and not child_first) if has_child else 64
-            if not chain:
+            if lean:
+                for lane in range(width):
+                    t_info[row if (lane == 0 and not chain) else MAX_ROWS + lane] = info
+            elif not chain:
                 t_tok[row], t_par[row], t_dep[row] = int(s_id[(d - 1) * K + r]), prow, d
             # one shuffle round: lane j reads lane src (modulo the width), then the selects
             new = []
@@ -104,6 +109,11 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
             if n > 0:
                 assert c[0] == h
                 assert all(pops_before(c[i], c[i + 1]) for i in range(n - 1)), "cache sorted"
+    if lean:   # the decode after the loop: rows nc + 1 .. nodes, one lane each
+        for i in range(nc + 1, nodes + 1):
+            info = t_info[i]          # KeyError: a row the loop never wrote
+            d, r = info & 15, (info >> 4) & 255
+            t_tok[i], t_par[i], t_dep[i] = int(s_id[(d - 1) * K + r]), (info >> 12) & 255, d
     rows = range(1, nodes + 1)
     return (np.array([t_tok[i] for i in rows], np.int32), np.array([t_par[i] for i in rows], np.int32),
             np.array([t_dep[i] for i in rows], np.int32))
@@ -111,10 +121,11 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
 
 def _check(lp, ids, budget, cap, chain, stats, msg, width=32):
     t = dd.build_tree(lp, ids, min(max(budget, 0), MAX_ROWS - 1), cap_k=cap or None, include_chain=chain)
-    tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width)
-    np.testing.assert_array_equal(tok, t.tokens, err_msg=msg)
-    np.testing.assert_array_equal(par, t.parents, err_msg=msg)
-    np.testing.assert_array_equal(dep, t.depths, err_msg=msg)
+    for lean in (False, True):
+        tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width, lean)
+        np.testing.assert_array_equal(tok, t.tokens, err_msg=f"{msg} lean {lean}")
+        np.testing.assert_array_equal(par, t.parents, err_msg=f"{msg} lean {lean}")
+        np.testing.assert_array_equal(dep, t.depths, err_msg=f"{msg} lean {lean}")
 
 
 def _stats():
@@ -194,6 +205,11 @@ def test_cache_model_follows_the_kernel():
                  "c = cent_sel(lane == pos_s, sib, cent_sel(lane == pos_c, ch, moved));",
                  "h = cent_sel(pos_s == 0, sib, cent_sel(pos_c == 0, ch, e1));",
                  "n = min(n - 1 + (has_sib ? 1 : 0) + (has_child ? 1 : 0), 32);",
-                 "while (n > 0 && nodes < budget) {"):
+                 "while (n > 0 && nodes < budget) {",
+                 "t_info[lane == 0 && !chain ? row : DDT_MAX_TREE_ROWS + lane] = h.info;",
+                 "for (int i = nc + 1 + lane; i <= nodes; i += 32) {",
+                 "const int d = info & 15, r = (info >> 4) & 255;",
+                 "t_tok[i] = s_id[(d - 1) * K + r];",
+                 "t_par[i] = (info >> 12) & 255;"):
         assert stmt in CACHE, stmt
     assert "if (budget <= DDT_CACHE_BUDGET) {" in SRC
