@@ -7,9 +7,10 @@ Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the f
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
 variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
-5 scan-rank / 6 scan-cache / 7 scan-rank-cache; default: 4, 6, 7: the previous default (scan top-K +
-builder v3), the new default (+ the sorted-cache builder) and the cache builder with the rank-placed
-merge) run on the same inputs; "same" says a variant's outputs equal the reference
+5 scan-rank / 6 scan-cache / 7 scan-rank-cache / 8 scan-rank-cache-regs; default: 4, 7, 8: the default at
+the session's start (scan top-K + builder v3), the H200-measured sorted-cache builder with the rank-placed
+merge, and the default candidate (7 + the register merge and the lean cache loop)) run on the same inputs;
+"same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
@@ -147,10 +148,10 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[4, 6, 7],
+    ap.add_argument("--variants", type=int, nargs="+", default=[4, 7, 8],
                     help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank, 6 = "
-                         "scan-cache, 7 = scan-rank-cache); the reference of the 'same' column is 0 when "
-                         "given, else the lowest")
+                         "scan-cache, 7 = scan-rank-cache, 8 = scan-rank-cache-regs); the reference of the "
+                         "'same' column is 0 when given, else the lowest")
     ap.add_argument("--was-variant", default="scan",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
@@ -169,12 +170,12 @@ def main(argv=None):
     cases = [(S, B, "bf16") for S in args.streams for B in args.budgets]
     cases.append((max(args.streams), max(args.budgets), "f32"))
     rows = []
-    hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'variant':>15} {'top-K':>7} {'(%ceil)':>7} "
+    hdr = (f"{'streams':>7} {'budget':>6} {'logits':>6} {'variant':>20} {'top-K':>7} {'(%ceil)':>7} "
            f"{'stage1':>7} {'build':>15} {'walk+cm':>7} {'total':>15} {'PDL':>7} {'CPU heap':>9} "
            f"{'acc':>4} {'same':>5}")
 
     def line(r):
-        return (f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['variant']:>15} {r['topk_us']:7.1f} "
+        return (f"{r['streams']:7d} {r['budget']:6d} {r['dtype']:>6} {r['variant']:>20} {r['topk_us']:7.1f} "
                 f"{100 * r['topk_read_frac']:6.0f}% {r['topk_stage1_us']:7.1f} "
                 f"{r['was_build_us']:6.1f} ->{r['build_us']:6.1f} {r['walk_commit_us']:7.1f} "
                 f"{r['was_total_us']:6.1f} ->{r['total_us']:6.1f} {r['total_pdl_us']:7.1f} "
