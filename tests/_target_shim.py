@@ -119,8 +119,23 @@ def _router(name, grid, args):
         out_w[t] = (w * float(scale)).astype(np.float32)
 
 
+def _router_down(name, grid, args):
+    """router_topk_down<KS>: the selection, then down_out = act @ W_down^T with act = bf16(silu(g) * u) of the
+    fp32 gate|up rounded to bf16 (never stored)."""
+    (logits, ls0, T, E, bias, n_group, tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, wd, out, os0,
+     N, _col_blocks) = args
+    T, N, I = int(T), int(N), 64 * int(name.split("<")[1].rstrip(">"))
+    _router("router_topk", grid, (logits, ls0, T, E, bias, n_group, tg, k, norm, scale, out_ids, out_w,
+                                  route_blocks, None, 0, None, 0, 0))
+    G = _f(_bits(_view(gu, (T, 2 * I), (gs0, 1))))
+    g, u = G[:, :I], G[:, I:]
+    act = _f(_bits(g / (1 + np.exp(-g)) * u))
+    _view(out, (T, N), (os0, 1))[...] = _bits(act @ _f(_view(wd, (N, I), (I, 1))).T)
+
+
 def _mla(name, grid, args):
-    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args
+    # [16:] = num_pages, load flags (prefetch / page read-ahead: no effect on results)
+    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args[:16]
     P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
     Q, O = np.asarray(q).view(np.ndarray), np.asarray(out).view(np.ndarray)
     scale = float(scale_log2) / LOG2E
@@ -192,7 +207,7 @@ def _noop(name, grid, args):
 
 _TABLE = [("gemm_bf16_kernel", _gemm), ("gemm_splitk_reduce", _noop), ("rmsnorm_kernel", _norm),
           ("rope_kernel", _rope), ("silu_mul_kernel", _silu), ("embed_gather_kernel", _embed),
-          ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_ksplit", _mla), ("mla_attn_combine", _noop),
+          ("router_topk_down", _router_down), ("router_topk", _router), ("mla_attn_fwd", _mla), ("mla_attn_ksplit", _mla), ("mla_attn_combine", _noop),
           ("kv_write_latent", _kv_write), ("moe_", _noop), ("mla_qkv_a_post", _qkv_a_post),
           ("mla_head_gemm", _head_gemm)]
 
