@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python3 bench/tree.py [--streams 1 4 10] [--budgets 8 16 32 64] [--pdl] [--json out.json]
 
 Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case), top-K = budget.
-Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone),
+Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone; the
+last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
 variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ceilings import measure_read_bandwidth, time_graph  # noqa: E402
 from ddtree_cupy.kernels.ddtree import (DEFAULT_VARIANT, MAX_TREE_ROWS, VARIANTS, DDTreeWorkspace,  # noqa: E402
-                                        topk_partial)
+                                        topk_merge, topk_partial)
 from ddtree_cupy.reference import ddtree as dd  # noqa: E402
 
 D, V = 7, 163840
@@ -79,6 +80,10 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
     t_topk = time_graph(lambda: ws.topk(logits))
     t_part = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms,
                                              fast=ws.topk_fast))
+    # the merge launch alone (it only reads stage 1's buffers and the logits, which stay as they are)
+    t_merge = time_graph(lambda: topk_merge(ws.part_keys, ws.part_ms, B, ws.keys, ws.ms,
+                                            ws.top_lp.reshape(S * D, B), ws.top_id.reshape(S * D, B),
+                                            fast=ws.topk_fast))
     t_build = time_graph(lambda: ws.build(budgets, prefix, bonus))
     t_walk = time_graph(lambda: ws.walk_commit(post, prefix, row_off))
 
@@ -100,7 +105,7 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
     snap = {k: v.get() for k, v in ws.outputs().items() if k not in ("part_keys", "part_ms")}
     nbytes = logits.nbytes
     row = dict(streams=S, budget=B, dtype=dtype, variant=VARIANTS[fast],
-               topk_us=t_topk, topk_stage1_us=t_part, build_us=t_build, total_pdl_us=t_pdl,
+               topk_us=t_topk, topk_stage1_us=t_part, topk_merge_us=t_merge, build_us=t_build, total_pdl_us=t_pdl,
                walk_commit_us=t_walk, total_us=t_all, mean_accepted=float(n_acc.mean()),
                topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
     return snap, row, (ws.top_lp.get(), ws.top_id.get())
@@ -224,7 +229,8 @@ def main(argv=None):
         d = by.get((S, B, dt, ref_name))
         if v != ref_name and d is not None:
             print(f"{ref_name} -> {v} (same run): {S:2d} x {B:3d} {dt}: top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f} "
-                  f"(stage 1 {d['topk_stage1_us']:5.1f} -> {r['topk_stage1_us']:5.1f}), build {d['build_us']:5.1f} -> "
+                  f"(stage 1 {d['topk_stage1_us']:5.1f} -> {r['topk_stage1_us']:5.1f}, merge alone "
+                  f"{d['topk_merge_us']:5.1f} -> {r['topk_merge_us']:5.1f}), build {d['build_us']:5.1f} -> "
                   f"{r['build_us']:5.1f}, total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us "
                   f"({d['total_us'] / r['total_us']:.2f}x); same outputs: {'yes' if r['matches_verified'] else 'NO'}")
 
