@@ -4,7 +4,7 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
-        [--ts '256:1,8,64;2048:8'] [--variants loop0]    # a subset (sizes; variants besides "now")
+        [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -218,9 +218,9 @@ def _prev_plan(prev_src, *args, **kw):
 
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
-    """The table ("now") against prefetch variants, the previous k loop ("loop0": the table's tiles with
-    lean = 0), the cp.async ring at small T and, with ``prev_src``, the same launches through another kernel
-    file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"prev". ``only_ts``: the T values to
+    """The table ("now") against prefetch variants, the three k loops ("loop0"/"lean1"/"lean2": the table's
+    tiles with lean = 0/1/2), the cp.async ring at small T and, with ``prev_src``, the same launches through another kernel
+    file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"lean2". ``only_ts``: the T values to
     run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
     w = _make_layer(I)
@@ -239,6 +239,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             out = cp.empty((T, H), cp.uint16)
             tab = moe.select_tiles(arch, T, I)
             variants = {"now": {}, "loop0": dict(tiles=moe.with_lean(tab, 0)),
+                        "lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
                         "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
@@ -251,7 +252,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "prev") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -264,7 +265,8 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac,
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
-                             stages_loop0_us_cumulative=stage_sets.get("loop0"), tiles=str(tab)))
+                             stages_loop0_us_cumulative=stage_sets.get("loop0"),
+                             stages_lean2_us_cumulative=stage_sets.get("lean2"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -274,9 +276,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | loop0 us | now us | % ceiling prev -> now | stages now (route/gu/dn/cb) "
-             "| stages loop0 | stages prev |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | now us | % ceiling prev -> now "
+             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -287,10 +289,10 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        loop0 = f"{vu['loop0']:.1f}" if "loop0" in vu else "-"
-        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {loop0} | {r['us']:.1f} | "
+        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2"))
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_prev_us_cumulative'))} |")
+                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
     return "\n".join(lines)
 
 

@@ -402,11 +402,12 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
-// LEAN (register ring only, S = 0): the same arithmetic in the same order (bit-identical results) with fewer
-// instructions per k64 step -- no zeroing of absent token columns, loads from running pointers with immediate
-// offsets, activations one step ahead instead of U, one predicated per-step L2 prefetch from a per-lane pointer
-// instead of the 4-step group with its address selection, the next unit's prefetch issued once at the unit start.
-// LEAN = 0 is the previous loop (docs/MOE.md, session 4).
+// LEAN (register ring only, S = 0): 0 = the previous k loop; 1, 2 = the same arithmetic in the same order
+// (bit-identical results) with ~30% fewer instructions per k64 step -- no zeroing of absent token columns, loads
+// from running pointers with immediate offsets, one predicated per-step L2 prefetch from a per-lane pointer
+// instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
+// and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
+// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, session 4.
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
@@ -607,28 +608,46 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         }
                     }
                 };
-                // Per-step L2 prefetch, one instruction per warp and step, no branch: lanes 0..7 request the
+                // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
                 // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
                 // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step). pf_next: the block's next unit's first pf_steps steps are requested
-                // here at the unit start (a unit earlier than the LEAN = 0 rolling prefetch, but without any
-                // per-step test for the unit boundary and without its registers in the loop).
+                // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
+                // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
+                // unit boundary like the LEAN = 0 one.
                 const unsigned pstride = lane < 8 ? 512u : 64u;
                 const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
                                            : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
-                const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                auto next_unit_ptr = [&]() {   // this lane's line of the next unit's first step
+                    const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
+                    return lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                    : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
+                };
+                if constexpr (LEAN == 1) {
+                    // LEAN 1: the next unit's first steps are requested here, once per unit
+                    const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                    for (int s = pf_done; s < pf_steps; ++s)
+                        if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+                    next_done = 0;
+                    if (nx && pf_steps > 0) {
+                        const char* pn = next_unit_ptr();
+                        next_done = min(nsteps, pf_steps);
+                        for (int s = 0; s < next_done; ++s)
+                            if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                    }
+                }
+                // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
+                // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
+                const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
                 auto prefetch_step = [&](int s) {
+                    if constexpr (LEAN == 2) {
+                        if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
+                            ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
+                    }
                     if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
                 };
-                for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
-                next_done = 0;
-                if (nx && pf_steps > 0) {
-                    const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
-                    const char* pn = lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
-                                              : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
-                    next_done = min(nsteps, pf_steps);
-                    for (int s = 0; s < next_done; ++s)
-                        if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                if constexpr (LEAN == 2) {
+                    for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
+                    next_done = nx ? min(nsteps, pf_steps) : 0;
                 }
 
                 uint4 ra[U][2];
@@ -643,9 +662,10 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 const bf16_bits* qb[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
-                // weights (DRAM/L2) go U steps ahead into ring slot i; the activations (L1/L2 hits, shared by
-                // every warp) only one step ahead into slot (i + 1) % U: ~8 registers fewer in flight (what keeps
-                // the lean loop spill-free at the 128-register cap on both architectures).
+                // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
+                // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
+                // ahead like the LEAN = 0 loop (H200, session 4: LEAN 1 lost 1-17% from T = 8 up; this and the
+                // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
                 auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
                     ra[r][0] = ld_stream_v4(qa0 + i * 32);
                     ra[r][1] = ld_stream_v4(qa1 + i * 32);
@@ -667,10 +687,11 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
                 };
-                load_x(0, 0);
+                // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
+                if (LEAN == 1) load_x(0, 0);
 #pragma unroll
                 for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_w(i, i);
+                    if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
                 if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
                 // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
@@ -679,9 +700,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 #pragma unroll
                     for (int i = 0; i < U; ++i) {
                         if (base + i < nsteps) {
-                            if (base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
+                            if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
                             compute_lean(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) load_w(i, i + U);
+                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
                             prefetch_step(base + i + pf_steps);
                         }
                     }

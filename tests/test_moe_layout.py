@@ -169,14 +169,17 @@ def test_tile_table_fits_sm120_shared_memory():
 
 
 def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
-    # the table's k loop follows LEAN_LOOP (env DDT_MOE_LEAN at import); both loops of every register-ring
-    # table entry are compiled (registry names), the cp.async ring has only the previous loop
+    # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above, DDT_MOE_LEAN overrides);
+    # all three loops of every register-ring table entry are compiled (registry names), the cp.async ring has
+    # only the previous loop
+    monkeypatch.setattr(moe, "LEAN_LOOP", None)
     names = moe._all_gemm_names()
-    for T, inter in ((1, 256), (8, 256), (64, 2048), (300, 256), (650, 2048)):
+    for T, inter in ((1, 256), (1, 2048), (8, 256), (64, 2048), (300, 256), (650, 2048)):
         for arch in ("sm_90", "sm_120"):
             t = moe.select_tiles(arch, T, inter)
-            assert t.gateup.lean == t.down.lean == moe.LEAN_LOOP
-            for lean in (0, 1):
+            want = moe.LEAN_T1 if T == 1 else moe.LEAN_T_GE_2
+            assert t.gateup.lean == t.down.lean == want == moe.lean_for(T)
+            for lean in (0, 1, 2):
                 v = moe.with_lean(t, lean)
                 assert v.gateup.lean == v.down.lean == lean
                 assert (v.gateup.wm, v.gateup.wk, v.gateup.u) == (t.gateup.wm, t.gateup.wk, t.gateup.u)
@@ -186,9 +189,14 @@ def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
                 r = moe.with_stages(t, 8)
                 assert r.gateup.lean == r.down.lean == 0 and r.gateup.stages == 8
                 assert moe._gemm_name(0, r.gateup, 1) in names
+    monkeypatch.setattr(moe, "LEAN_T_GE_2", 2)
+    assert moe.select_tiles("sm_90", 8, 256).down.lean == 2
     monkeypatch.setattr(moe, "LEAN_LOOP", 0)
-    assert moe.select_tiles("sm_90", 8, 256).gateup.lean == 0
+    assert moe.select_tiles("sm_90", 1, 256).gateup.lean == 0
     assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0, 0>"
+    monkeypatch.setattr(moe, "LEAN_LOOP", 3)
+    with pytest.raises(ValueError, match="DDT_MOE_LEAN"):
+        moe.select_tiles("sm_90", 8, 256)
 
 
 def test_fused_sort_model_contract():

@@ -48,7 +48,7 @@ class Tile:
     wk: int
     u: int
     stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
-    lean: int = 0       # register ring only: 1 = the reduced-instruction k loop (bit-identical results), 0 = previous
+    lean: int = 0       # register ring only: the k loop, 0 previous, 1/2 reduced-instruction (bit-identical results)
 
     @property
     def threads(self) -> int:
@@ -83,10 +83,25 @@ def _u_for(nt: int) -> int:
     return {1: 3, 2: 3, 4: 2}[nt]      # ring of 60-90 registers; the L2 prefetch covers DRAM latency
 
 
-# The k loop of the register-ring GEMMs: 1 = the reduced-instruction loop (session 4: -35% instructions per k64
-# step in the SASS, same arithmetic in the same order, bit-identical outputs), 0 = the previous loop. Environment
-# DDT_MOE_LEAN=0 selects the previous loop everywhere (fallback if the new one measures slower).
-LEAN_LOOP = int(os.environ.get("DDT_MOE_LEAN", "1") != "0")
+# The k loop of the register-ring GEMMs (moe_gemm's LEAN parameter; the arithmetic and its order are the same
+# in all three, so outputs are bit-identical): 0 = the previous loop; 1 = the reduced-instruction loop (session 4:
+# -28..-31% SASS instructions per k64 step; activations one step ahead, the next unit prefetched at the unit
+# start); 2 = loop 1 with the previous memory pattern (activations U steps ahead, rolling prefetch across the unit
+# boundary). Measured on the H200 (docs/MOE.md, session 4): 1 wins at T = 1 (20.7 -> 19.3 us at I = 256), loses
+# 1-17% from T = 8 up; 2 is the candidate for T >= 2, not yet measured, so the table keeps 0 there.
+# Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
+LEAN_LOOP: Optional[int] = int(os.environ["DDT_MOE_LEAN"]) if os.environ.get("DDT_MOE_LEAN", "") != "" else None
+LEAN_T1 = 1         # the table's loop at T = 1
+LEAN_T_GE_2 = 0     # ... and from T = 2 up (the lead flips this to 2 if it measures faster)
+
+
+def lean_for(T: int) -> int:
+    """The k loop the table uses for T tokens (LEAN_LOOP, when set, overrides the rule)."""
+    if LEAN_LOOP is not None:
+        if LEAN_LOOP not in (0, 1, 2):
+            raise ValueError(f"DDT_MOE_LEAN: must be 0, 1 or 2, got {LEAN_LOOP}")
+        return LEAN_LOOP
+    return LEAN_T1 if T <= 1 else LEAN_T_GE_2
 
 
 def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
@@ -113,12 +128,14 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
-    # the k loop (LEAN_LOOP): the same on both architectures (spill-free on both; measured on the H200 only)
-    return MoETiles(nt, replace(gu, lean=LEAN_LOOP), replace(dn, lean=LEAN_LOOP))
+    # the k loop (lean_for): the same on both architectures (all spill-free; measured on the H200 only)
+    lean = lean_for(T)
+    return MoETiles(nt, replace(gu, lean=lean), replace(dn, lean=lean))
 
 
 def with_lean(t: MoETiles, lean: int) -> MoETiles:
-    """The same tiles with the register-ring k loop ``lean`` (1 new, 0 previous) in both GEMMs."""
+    """The same tiles with the register-ring k loop ``lean`` (0 previous, 1 and 2 reduced-instruction) in both
+    GEMMs."""
     return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
@@ -138,8 +155,8 @@ def all_table_tiles() -> Tuple[MoETiles, ...]:
         for T in (1, 300, 650):
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
-                # both k loops of the register ring (the table's and the fallback), and the cp.async ring
-                vs = (with_lean(t, 1), with_lean(t, 0))
+                # every k loop of the register ring (the table's and the alternatives), and the cp.async ring
+                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2))
                 for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
                     if v not in seen:
                         seen.append(v)

@@ -241,14 +241,15 @@ def _out_and_y(layer, T, k, seed, mode="uniform", **kw):
     ("narrow", 1, "uniform"), ("narrow", 8, "uniform"), ("narrow", 20, "one_expert"), ("narrow", 64, "uniform"),
     ("wide", 5, "uniform"), ("wide", 40, "uniform"), ("tiny", 37, "uniform"),
     ("tiny256", 300, "one_expert"), ("tiny256", 650, "uniform")])
-def test_lean_k_loop_is_bit_identical_to_the_previous_loop(layer_name, T, mode, request):
-    # the reduced-instruction k loop (LEAN = 1) does the same arithmetic in the same order as the previous
+@pytest.mark.parametrize("lean", [1, 2])
+def test_lean_k_loop_is_bit_identical_to_the_previous_loop(layer_name, T, mode, lean, request):
+    # the reduced-instruction k loops (LEAN = 1, 2) do the same arithmetic in the same order as the previous
     # loop: y (fp32 per pair) and out must match bit for bit, for every table shape (nt = 1/2/4 at T = 8/300/650,
     # K = 1 step per warp in the tiny layers, 14 in the H = 7168 ones, 3-chunk experts), and be right
     layer = request.getfixturevalue(layer_name)
     tab = moe.select_tiles("sm_90", T, layer.I)
     o0, y0, x, ids, wts = _out_and_y(layer, T, 8, 1700 + T, mode, tiles=moe.with_lean(tab, 0))
-    o1, y1, *_ = _out_and_y(layer, T, 8, 1700 + T, mode, tiles=moe.with_lean(tab, 1))
+    o1, y1, *_ = _out_and_y(layer, T, 8, 1700 + T, mode, tiles=moe.with_lean(tab, lean))
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(o1, o0)
     ref = layer.reference(x, ids, wts)
@@ -257,7 +258,8 @@ def test_lean_k_loop_is_bit_identical_to_the_previous_loop(layer_name, T, mode, 
 
 
 @pytest.mark.parametrize("layer_name", ["narrow", "wide"])
-def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, request):
+@pytest.mark.parametrize("lean", [1, 2])
+def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, lean, request):
     # the lean loop's prefetch (per step, next unit at the unit start) changes no result, and a wrong
     # address in it would fault: every pf_steps / pf_next setting against the previous loop's default
     layer = request.getfixturevalue(layer_name)
@@ -266,7 +268,7 @@ def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, request):
     o0, y0, *_ = _out_and_y(layer, T, 8, 1800, tiles=moe.with_lean(tab, 0))
     for kw in (dict(pf_steps=0), dict(pf_steps=4), dict(pf_steps=16), dict(pf_next=False),
                dict(pf_steps=16, pf_next=False)):
-        o1, y1, *_ = _out_and_y(layer, T, 8, 1800, tiles=moe.with_lean(tab, 1), **kw)
+        o1, y1, *_ = _out_and_y(layer, T, 8, 1800, tiles=moe.with_lean(tab, lean), **kw)
         np.testing.assert_array_equal(y1, y0, err_msg=str(kw))
         np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
 
