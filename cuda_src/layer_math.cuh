@@ -34,3 +34,10 @@ __device__ __forceinline__ uint4 silu_mul8(const uint4 gv, const uint4 uv) {
     }
     return o;
 }
+
+// One value of silu_mul8: bf16(silu(g) * u), the same expression (router_topk_down forms its MMA operands
+// element by element and must produce the same bf16 act values as silu_mul8 / silu_mul_kernel).
+__device__ __forceinline__ bf16_bits silu_mul1(const bf16_bits g, const bf16_bits u) {
+    const float gf = bf16_to_f32(g);
+    return f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(u));
+}

@@ -18,9 +18,17 @@ rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
     // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
     // then wait for the previous kernel's outputs before the first read of an input.
     DDT_PDL_LAUNCH_DEPENDENTS();
-    DDT_PDL_WAIT();
     const int t = blockIdx.x;
     const int nv = H / 8;
+    // the weight vectors (never written by a kernel) load BEFORE the wait: their latency (an HBM miss in a
+    // step's layer sequence) overlaps the previous kernel instead of following the row's reduction
+    uint4 wv[NORM_MAXV];
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) wv[j] = ((const uint4*)w)[i];
+    }
+    DDT_PDL_WAIT();
     const uint4* xr = (const uint4*)(x + t * x_stride);
     const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
     float v[NORM_MAXV][8];
@@ -53,13 +61,12 @@ rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
     const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
     const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
     uint4* outr = (uint4*)(out + orow * out_stride);
-    const uint4* wr = (const uint4*)w;
 #pragma unroll
     for (int j = 0; j < NORM_MAXV; ++j) {
         const int i = threadIdx.x + j * NORM_THREADS;
         if (i < nv) {
-            uint4 wv = wr[i], o;
-            const bf16_bits* wh = (const bf16_bits*)&wv;
+            uint4 o;
+            const bf16_bits* wh = (const bf16_bits*)&wv[j];
             bf16_bits* oh = (bf16_bits*)&o;
 #pragma unroll
             for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));

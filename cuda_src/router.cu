@@ -21,6 +21,16 @@
 // columns of the fused router | shared gate_up GEMM (one GEMM reads the normed rows for both). Rounding
 // the fp32 accumulators to bf16 first reproduces the bf16-output GEMM + silu_mul chain bit for bit
 // (same f32_to_bf16, same silu_mul8 arithmetic as act.cu).
+//
+// router_topk_down<KS> (session 3, E2) goes one step further at small T: its extra blocks compute the
+// shared expert's DOWN projection out[t, n] = act[t, :] . W_down[n, :] with the SwiGLU formed on the fly
+// from the fp32 gate|up (per element the same arithmetic as above, so act holds the same bf16 values),
+// which removes the shared down GEMM's launch. A down block owns 32 output columns and a 16-token tile:
+// its 32 weight rows stream into shared memory by cp.async BEFORE the PDL wait, then it forms the tile's
+// act in shared memory, and its 4 warps split K = I = 64 KS (KS k16 steps each, mma.sync m16n8k16);
+// partial sums meet in shared memory and are added in warp order (deterministic). Every column block of a
+// tile recomputes the tile's SwiGLU (16 x I values): cheap at the token counts the wrapper's rule sends
+// here (T <= 64), and what buys the launch.
 #include "layer_math.cuh"
 
 #define ROUTER_WARPS 4
@@ -47,38 +57,23 @@ __device__ __forceinline__ uint4 round8_bf16(const float4 a, const float4 b) {
     return o;
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
-            int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
-            float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
-            bf16_bits* __restrict__ act, long long act_stride, int I) {
-    // PDL: the next kernel (the shared down GEMM / the MoE) may start its weight prefetch now; its own
-    // DDT_PDL_WAIT() still waits for this whole grid.
-    DDT_PDL_LAUNCH_DEPENDENTS();
-    if ((int)blockIdx.x >= route_blocks) {      // shared expert SwiGLU, 8 values per step
-        DDT_PDL_WAIT();
-        const int nv = I / 8;
-        const long long total = (long long)T * nv;
-        for (long long gi = (long long)(blockIdx.x - route_blocks) * blockDim.x + threadIdx.x; gi < total;
-             gi += (long long)(gridDim.x - route_blocks) * blockDim.x) {
-            const int t = (int)(gi / nv), v = (int)(gi % nv);
-            const float4* g = (const float4*)(gate_up + t * gu_stride) + 2 * v;
-            const float4* u = (const float4*)(gate_up + t * gu_stride + I) + 2 * v;
-            ((uint4*)(act + t * act_stride))[v] = silu_mul8(round8_bf16(g[0], g[1]), round8_bf16(u[0], u[1]));
-        }
-        return;
-    }
-    __shared__ float c_s[ROUTER_WARPS][ROUTER_MAX_E];      // choice values, group-limited path only
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * ROUTER_WARPS + warp;
-    float b_r[ROUTER_PER_LANE];
+// The bias of this lane's experts (a weight: read before DDT_PDL_WAIT()).
+__device__ __forceinline__ void load_bias(const float* __restrict__ bias, int E, float (&b_r)[ROUTER_PER_LANE]) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int j = 0; j < ROUTER_PER_LANE; ++j) {
         const int e = lane + 32 * j;
         b_r[j] = e < E ? bias[e] : 0.f;
     }
-    DDT_PDL_WAIT();
-    if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
+}
+
+// The selection of token t by one warp (all 32 lanes; t < T). c: the warp's ROUTER_MAX_E floats of shared
+// memory (group-limited path only).
+__device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE], const float* __restrict__ logits,
+                                            long long lg_stride, int t, int E, int n_group, int topk_group, int k,
+                                            int normalize, float scale, int* __restrict__ out_ids,
+                                            float* __restrict__ out_w, float* c) {
+    const int lane = threadIdx.x & 31;
     uint32_t key[ROUTER_PER_LANE];
     float s_r[ROUTER_PER_LANE];
     uint32_t live = 0;              // bit j: expert lane + 32 j is still a candidate
@@ -92,7 +87,6 @@ router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E,
         if (e < E) live |= 1u << j;
     }
     if (topk_group < n_group) {
-        float* c = c_s[warp];
 #pragma unroll
         for (int j = 0; j < ROUTER_PER_LANE; ++j)
             if (lane + 32 * j < E) c[lane + 32 * j] = s_r[j] + b_r[j];
@@ -152,5 +146,151 @@ router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E,
     if (lane < k) {
         out_ids[(long long)t * k + lane] = my_id;
         out_w[(long long)t * k + lane] = my_s * f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
+            int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
+            float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
+            bf16_bits* __restrict__ act, long long act_stride, int I) {
+    // PDL: the next kernel (the shared down GEMM / the MoE) may start its weight prefetch now; its own
+    // DDT_PDL_WAIT() still waits for this whole grid.
+    DDT_PDL_LAUNCH_DEPENDENTS();
+    if ((int)blockIdx.x >= route_blocks) {      // shared expert SwiGLU, 8 values per step
+        DDT_PDL_WAIT();
+        const int nv = I / 8;
+        const long long total = (long long)T * nv;
+        for (long long gi = (long long)(blockIdx.x - route_blocks) * blockDim.x + threadIdx.x; gi < total;
+             gi += (long long)(gridDim.x - route_blocks) * blockDim.x) {
+            const int t = (int)(gi / nv), v = (int)(gi % nv);
+            const float4* g = (const float4*)(gate_up + t * gu_stride) + 2 * v;
+            const float4* u = (const float4*)(gate_up + t * gu_stride + I) + 2 * v;
+            ((uint4*)(act + t * act_stride))[v] = silu_mul8(round8_bf16(g[0], g[1]), round8_bf16(u[0], u[1]));
+        }
+        return;
+    }
+    __shared__ float c_s[ROUTER_WARPS][ROUTER_MAX_E];      // choice values, group-limited path only
+    const int warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    float b_r[ROUTER_PER_LANE];
+    load_bias(bias, E, b_r);
+    DDT_PDL_WAIT();
+    if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
+    route_token(b_r, logits, lg_stride, t, E, n_group, topk_group, k, normalize, scale, out_ids, out_w, c_s[warp]);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Selection + shared expert SwiGLU + shared down projection in one launch (see the top of the file).
+// Blocks [0, route_blocks): selection, one warp per token. Blocks route_blocks + z * col_blocks + c:
+// output columns 32 c .. 32 c + 31, token tiles z, z + zgroups, ... (zgroups = the down blocks / col_blocks).
+#define RD_WARPS 4
+#define RD_PAD 8                    // bf16 row padding of the shared tiles: rows 16 B apart mod 128 B
+
+__device__ __forceinline__ void rd_cp_async16(void* smem, const void* gmem) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(a), "l"(gmem));
+}
+__device__ __forceinline__ uint32_t lds_pair(const bf16_bits* p) { return *(const uint32_t*)p; }
+
+template <int KS>
+// min blocks 1: without it ptxas caps sm_90 at 80 registers and spills (the selection path)
+__global__ void __launch_bounds__(RD_WARPS * 32, 1)
+router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
+                 int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
+                 float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
+                 const bf16_bits* __restrict__ wd, bf16_bits* __restrict__ out, long long out_stride, int N,
+                 int col_blocks) {
+    constexpr int I = 64 * KS, LD = I + RD_PAD;
+    // W_s: the block's 32 weight rows; A_s: one 16-token tile of act; red: the 4 warps' partial sums. The
+    // selection blocks use the front of the same buffer for their choice values (4 x 512 floats).
+    constexpr int W_BYTES = 32 * LD * 2, A_BYTES = 16 * LD * 2, RED_BYTES = RD_WARPS * 16 * 33 * 4;
+    static_assert(W_BYTES + A_BYTES + RED_BYTES >= RD_WARPS * ROUTER_MAX_E * 4, "selection scratch");
+    __shared__ __align__(16) unsigned char smem[W_BYTES + A_BYTES + RED_BYTES];
+    DDT_PDL_LAUNCH_DEPENDENTS();    // the MoE may launch and prefetch its weights; it waits for this grid
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if ((int)blockIdx.x < route_blocks) {
+        const int t = blockIdx.x * RD_WARPS + warp;
+        float b_r[ROUTER_PER_LANE];
+        load_bias(bias, E, b_r);
+        DDT_PDL_WAIT();
+        if (t >= T) return;
+        route_token(b_r, logits, lg_stride, t, E, n_group, topk_group, k, normalize, scale, out_ids, out_w,
+                    (float*)smem + warp * ROUTER_MAX_E);
+        return;
+    }
+    bf16_bits* W_s = (bf16_bits*)smem;
+    bf16_bits* A_s = (bf16_bits*)(smem + W_BYTES);
+    float (*red)[16][33] = (float (*)[16][33])(smem + W_BYTES + A_BYTES);
+    const int bi = blockIdx.x - route_blocks;
+    const int zgroups = (gridDim.x - route_blocks) / col_blocks;
+    const int n0 = (bi % col_blocks) * 32, z = bi / col_blocks;
+    // the weight rows (never written by a kernel) stream into shared memory BEFORE the PDL wait: 32 rows x
+    // I bf16 = 4 KS 16-byte chunks per thread
+#pragma unroll
+    for (int i = tid; i < 32 * (I / 8); i += RD_WARPS * 32) {
+        const int r = i / (I / 8), c = i % (I / 8);
+        rd_cp_async16(W_s + r * LD + c * 8, wd + (long long)(n0 + r) * I + c * 8);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    DDT_PDL_WAIT();
+    const int g = lane >> 2, tig = lane & 3;
+    const int kw = warp * 16 * KS + 2 * tig;
+    for (int tile = z; tile * 16 < T; tile += zgroups) {
+        // act of the tile's 16 rows (zeros past T): the gate / up fp32 accumulators rounded to bf16 (the bf16
+        // GEMM epilogue), then silu_mul1 (act.cu's arithmetic), two columns per step (coalesced float2)
+        for (int i = tid; i < 16 * (I / 2); i += RD_WARPS * 32) {
+            const int r = i / (I / 2), c = 2 * (i % (I / 2)), t = tile * 16 + r;
+            uint32_t v = 0u;
+            if (t < T) {
+                const float* row = gate_up + (long long)t * gu_stride;
+                const float2 gg = *(const float2*)(row + c);
+                const float2 uu = *(const float2*)(row + I + c);
+                v = (uint32_t)silu_mul1(f32_to_bf16(gg.x), f32_to_bf16(uu.x)) |
+                    ((uint32_t)silu_mul1(f32_to_bf16(gg.y), f32_to_bf16(uu.y)) << 16);
+            }
+            *(uint32_t*)(A_s + r * LD + c) = v;
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        __syncthreads();
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            // A fragment (tokens x k, row-major): a0 (g, k), a1 (g + 8, k), a2 (g, k + 8), a3 (g + 8, k + 8);
+            // B fragment (W[n][k], k contiguous = the .col operand): b0 = (k 2tig..+1, n g), b1 = k + 8
+            const int kk = kw + s * 16;
+            const uint32_t a0 = lds_pair(A_s + g * LD + kk), a1 = lds_pair(A_s + (g + 8) * LD + kk);
+            const uint32_t a2 = lds_pair(A_s + g * LD + kk + 8), a3 = lds_pair(A_s + (g + 8) * LD + kk + 8);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint32_t b0 = lds_pair(W_s + (j * 8 + g) * LD + kk), b1 = lds_pair(W_s + (j * 8 + g) * LD + kk + 8);
+                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+            }
+        }
+        // C fragment: c0, c1 = (row g, cols 2 tig, +1), c2, c3 = row g + 8
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            red[warp][g][j * 8 + 2 * tig] = acc[j][0];
+            red[warp][g][j * 8 + 2 * tig + 1] = acc[j][1];
+            red[warp][g + 8][j * 8 + 2 * tig] = acc[j][2];
+            red[warp][g + 8][j * 8 + 2 * tig + 1] = acc[j][3];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = tid; i < 16 * 32; i += RD_WARPS * 32) {
+            const int r = i >> 5, c = i & 31, t = tile * 16 + r;
+            if (t < T) {
+                float sum = 0.f;
+#pragma unroll
+                for (int q = 0; q < RD_WARPS; ++q) sum += red[q][r][c];
+                out[t * out_stride + n0 + c] = f32_to_bf16(sum);
+            }
+        }
+        __syncthreads();            // A_s and red are rewritten by the next tile
     }
 }

@@ -11,8 +11,17 @@ act_out [T, I] = bf16(silu(g) * u) with g, u = bf16(gate_up[:, :I]), bf16(gate_u
 gate_up [T, 2I] in the same launch (extra blocks): the target issues ONE fp32-output GEMM for the router
 and the shared expert's gate+up (weight [E + 2I, H]) and passes its column slices as ``logits`` and
 ``gate_up``; rounding to bf16 first gives exactly what a bf16-output GEMM + ``silu_mul`` would.
+
+``route_logits(..., gate_up=, down_w=, down_out=)`` (``router_topk_down``) goes one step further: the
+extra blocks compute the shared expert's down projection down_out [T, H] = act @ down_w^T (down_w bf16
+[H, I]) with act formed on the fly (the same bf16 values as above), so the shared down GEMM's launch goes
+away. ``shared_down_fused(T, I, H)`` is the rule the target uses to pick it (T <= 64 and I in 64/128/256;
+env DDT_ROUTER_DOWN=0 falls back to route + SwiGLU and a separate gemm_bf16, =1 forces it where the
+shapes allow).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -20,10 +29,28 @@ from .checks import check_array, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 from .gemm import gemm_bf16
 
-SPEC = register(KernelSpec("router.cu", ("router_topk",), hot=True, pdl=True,
-                           doc="noaux_tc group-limited top-k (+ the shared expert's silu_mul)"))
+DOWN_KS = (1, 2, 4)      # router_topk_down<KS>: shared intermediate I = 64 KS (Kimi TP8 rank: 256)
+SPEC = register(KernelSpec("router.cu", ("router_topk",) + tuple(f"router_topk_down<{ks}>" for ks in DOWN_KS),
+                           hot=True, pdl=True,
+                           doc="noaux_tc group-limited top-k (+ the shared expert's silu_mul, or its whole "
+                               "SwiGLU + down projection)"))
 MAX_E = 512
 WARPS = 4          # tokens per block (one warp each)
+DOWN_MAX_T = 64    # the rule's limit: each column block recomputes its tile's SwiGLU (see router.cu)
+DOWN_TILE = 16
+
+
+def shared_down_fused(T: int, I: int, H: int) -> bool:
+    """Whether the target runs the shared expert's down projection inside the route launch
+    (``route_logits(down_w=)``) for T rows, shared intermediate I and hidden size H. Env DDT_ROUTER_DOWN:
+    0 never (the previous variant: route + SwiGLU, then gemm_bf16), 1 whenever the shapes allow, unset
+    the rule T <= DOWN_MAX_T (read at every call, so a process may flip it between graph captures)."""
+    mode = os.environ.get("DDT_ROUTER_DOWN", "")
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"DDT_ROUTER_DOWN: expected 0, 1 or unset, got {mode!r}")
+    if mode == "0" or I % 64 or I // 64 not in DOWN_KS or H % 32:
+        return False
+    return mode == "1" or T <= DOWN_MAX_T
 
 
 def _ptr(a):
@@ -32,10 +59,12 @@ def _ptr(a):
 
 
 def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-                 normalize: bool = True, out_ids=None, out_weights=None, *, gate_up=None, act_out=None):
+                 normalize: bool = True, out_ids=None, out_weights=None, *, gate_up=None, act_out=None,
+                 down_w=None, down_out=None):
     """Selection from precomputed fp32 logits [T, E] (row-strided view allowed); with ``gate_up`` [T, 2I]
     float32 (row-strided view, 16-byte aligned) also ``act_out`` [T, I] bf16 = silu(gate) * up in the same
-    launch."""
+    launch; or instead of act_out, ``down_w`` bf16 [H, I] (contiguous, I = 64 / 128 / 256) and ``down_out``
+    bf16 [T, H] (row-strided view allowed): down_out = act @ down_w^T in the same launch."""
     import cupy
     dims = {}
     ls = check_rows("logits", logits, np.float32, ("T", "E"), dims, align=4)
@@ -55,9 +84,12 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
     check_array("out_weights", out_weights, np.float32, (T, k))
     gs = os_ = (0,)
     I = act_blocks = 0
+    if down_w is not None or down_out is not None:
+        return _route_down(logits, ls, bias, T, E, k, n_group, topk_group, routed_scaling_factor, normalize,
+                           out_ids, out_weights, gate_up, act_out, down_w, down_out)
     if gate_up is not None:
         if act_out is None:
-            raise ValueError("act_out: required with gate_up")
+            raise ValueError("act_out: required with gate_up (or down_w / down_out)")
         gs = check_rows("gate_up", gate_up, np.float32, ("T", None), dims)
         if gate_up.shape[1] % 16:
             raise ValueError(f"gate_up: width must be 2I with I a multiple of 8, got {gate_up.shape[1]}")
@@ -76,6 +108,42 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
               np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights,
               np.int32(route_blocks), _ptr(gate_up), np.int64(gs[0]), _ptr(act_out), np.int64(os_[0]),
               np.int32(I)))
+    return out_ids, out_weights
+
+
+def _route_down(logits, ls, bias, T, E, k, n_group, topk_group, scale, normalize, out_ids, out_weights, gate_up,
+                act_out, down_w, down_out):
+    """route_logits' router_topk_down launch (arguments already checked up to gate_up)."""
+    if down_w is None or down_out is None:
+        raise ValueError("down_w / down_out: give both (the shared down projection's weight and output)")
+    if gate_up is None:
+        raise ValueError("gate_up: required with down_w (the fp32 shared gate|up columns)")
+    if act_out is not None:
+        raise ValueError("act_out: not produced by the fused down path (give act_out OR down_w / down_out)")
+    dims = {"T": T}
+    gs = check_rows("gate_up", gate_up, np.float32, ("T", "2I"), dims)
+    I = dims["2I"] // 2
+    if dims["2I"] % 2 or I % 64 or I // 64 not in DOWN_KS:
+        raise ValueError(f"gate_up: width must be 2I with I in {[64 * ks for ks in DOWN_KS]} for down_w, "
+                         f"got {dims['2I']}")
+    check_array("down_w", down_w, np.uint16, ("H", I), dims)
+    H = dims["H"]
+    if H % 32:
+        raise ValueError(f"down_w: the output width H = {H} must be a multiple of 32")
+    if down_w.data.ptr % 16:
+        raise ValueError("down_w: base address must be 16-byte aligned")
+    os_ = check_rows("down_out", down_out, np.uint16, ("T", "H"), dims, align=2)
+    if T:
+        route_blocks = (T + WARPS - 1) // WARPS
+        col_blocks = H // 32
+        zgroups = -(-T // DOWN_TILE)            # one token tile per block up to DOWN_MAX_T rows, then loops
+        zgroups = min(zgroups, DOWN_MAX_T // DOWN_TILE)
+        kern = get_kernel(SPEC, f"router_topk_down<{I // 64}>")
+        kern((route_blocks + col_blocks * zgroups,), (32 * WARPS,),
+             (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group),
+              np.int32(k), np.int32(1 if normalize else 0), np.float32(scale), out_ids, out_weights,
+              np.int32(route_blocks), gate_up, np.int64(gs[0]), down_w, down_out, np.int64(os_[0]), np.int32(H),
+              np.int32(col_blocks)))
     return out_ids, out_weights
 
 

@@ -289,6 +289,15 @@ class GpuTarget:
         # records its outputs).
         st = [("router_gate_up_gemm" if shared else "router_gemm", lambda: self._gemm(
             x, L.w_router_gate_up if shared else L.w_router, fused, out_dtype=np.float32))]
+        # At small T (router_mod.shared_down_fused's rule) the same launch also does the shared expert's down
+        # projection (act formed on the fly, never stored): no separate shared down GEMM.
+        down = shared and router_mod.shared_down_fused(T, Is, L.w_shared_down.shape[0])
+        if down:
+            st.append(("route_silu_down", lambda: router_mod.route_logits(
+                fused[:, :E], L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=ids, out_weights=wts,
+                gate_up=fused[:, E:], down_w=L.w_shared_down, down_out=self.shared_out[:T])))
+            return st + [("moe", moe)]
         st.append(("route" + ("_silu" if shared else ""), lambda: router_mod.route_logits(
             fused[:, :E], L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
             cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=ids, out_weights=wts,

@@ -218,6 +218,102 @@ def test_router_shared_gate_up_fused(T, I, n_group, topk_group):
     assert np.array_equal(act.get(), silu_mul(gu16).get())
 
 
+@pytest.mark.parametrize("T,I,H,n_group,topk_group", [(1, 256, 7168, 1, 1), (8, 256, 7168, 1, 1),
+                                                      (19, 128, 1024, 8, 4), (37, 64, 512, 1, 1),
+                                                      (64, 256, 1024, 1, 1), (100, 256, 2048, 1, 1)])
+def test_router_shared_down_fused(T, I, H, n_group, topk_group):
+    """router_topk_down (route_logits(down_w=, down_out=)): the selection, the shared SwiGLU formed on the
+    fly and the shared down projection in one launch, on the fused head GEMM's fp32 output. ids / weights
+    bit-equal to the plain selection (and ids to the float64 reference); down_out vs float64 of the exact
+    bf16 act (silu_mul of the host-rounded gate|up) per row, and vs the chain it replaces (route_logits with
+    act_out, then gemm_bf16): at most 1 bf16 ulp apart (fp32 sums in another order). T = 100 runs the
+    token-tile loop (the rule never sends it, DDT_ROUTER_DOWN=1 may). Poisoned outputs: a column block and a
+    row past the view must stay poisoned."""
+    import cupy as cp
+    from ddtree_cupy.bf16 import to_bf16_bits
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    from ddtree_cupy.kernels.router import route_logits
+    rng = np.random.default_rng(700 + T + I + H)
+    E, k, Hx = 384, 8, 1024
+    xb, x = rand_bf16(rng, (T, Hx))
+    rb, _ = rand_bf16(rng, (E, Hx), 0.1)
+    gb, _ = rand_bf16(rng, (2 * I, Hx), Hx ** -0.5 * 2)
+    db, d = rand_bf16(rng, (H, I), I ** -0.5)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    fused = poisoned(cp, (T, E + 2 * I), np.float32)
+    gemm_bf16(cp.asarray(xb), cp.asarray(np.concatenate([rb, gb])), fused, out_dtype=np.float32)
+    ids, wts = poisoned(cp, (T, k), np.int32), poisoned(cp, (T, k), np.float32)
+    big = poisoned(cp, (T + 1, H + 32))
+    out = big[:T, :H]                                     # row-strided view; its tail column block and row T
+    wd = cp.asarray(db)
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids, wts,
+                 gate_up=fused[:, E:], down_w=wd, down_out=out)
+    fh = fused.get()
+    ids_ref, _ = _route_ref(fh[:, :E], bias, k, n_group, topk_group)
+    assert np.array_equal(ids.get(), ids_ref.astype(np.int32))
+    ids2, wts2 = poisoned(cp, (T, k), np.int32), poisoned(cp, (T, k), np.float32)
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids2, wts2)
+    assert np.array_equal(ids.get(), ids2.get()) and np.array_equal(wts.get(), wts2.get())
+    gu = bf16_bits_to_f32(to_bf16_bits(fh[:, E:])).astype(np.float64)
+    g, u = gu[:, :I], gu[:, I:]
+    act = bf16_bits_to_f32(to_bf16_bits((g / (1 + np.exp(-g)) * u).astype(np.float32))).astype(np.float64)
+    got = f64(out)
+    errs = _row_errs(got, act @ d.T)
+    assert errs.max() < 4e-3, (errs.max(), int(errs.argmax()))     # one bf16 rounding of the output
+    bh = big.get()
+    assert np.all(bh[:, H:] == POISON_BF16) and np.all(bh[T] == POISON_BF16)
+    # the chain it replaces: route + SwiGLU into act, then the bf16 GEMM
+    act_d = poisoned(cp, (T, I))
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids2, wts2,
+                 gate_up=fused[:, E:], act_out=act_d)
+    assert np.array_equal(act_d.get(), to_bf16_bits(act.astype(np.float32)))
+    ref16 = gemm_bf16(act_d, wd).get().astype(np.int32)
+    ulps = np.abs(out.get().astype(np.int32) - ref16)       # same sign and binade almost always: bits ~ ulps
+    assert np.mean(ulps > 1) < 1e-3 and rel_err(got, bf16_bits_to_f32(ref16.astype(np.uint16))) < 2e-3
+    # eager launches are deterministic (graph replay = the same launch)
+    out2 = poisoned(cp, (T, H))
+    route_logits(fused[:, :E], cp.asarray(bias), k, n_group, topk_group, 2.827, True, ids2, wts2,
+                 gate_up=fused[:, E:], down_w=wd, down_out=out2)
+    assert np.array_equal(out2.get(), out.get())
+
+
+def test_router_shared_down_args_and_rule(monkeypatch):
+    import cupy as cp
+    from ddtree_cupy.kernels.router import shared_down_fused, route_logits
+    lg = cp.zeros((4, 384 + 512), np.float32)
+    bias = cp.zeros(384, np.float32)
+    wd, out = cp.zeros((1024, 256), np.uint16), cp.zeros((4, 1024), np.uint16)
+    with pytest.raises(ValueError, match="down_w / down_out"):
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], down_w=wd)
+    with pytest.raises(ValueError, match="gate_up"):
+        route_logits(lg[:, :384], bias, 8, down_w=wd, down_out=out)
+    with pytest.raises(ValueError, match="act_out"):
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], act_out=cp.zeros((4, 256), np.uint16),
+                     down_w=wd, down_out=out)
+    with pytest.raises(ValueError, match="down_w"):
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], down_w=wd[:, :128], down_out=out)
+    with pytest.raises(ValueError, match="gate_up: width"):
+        lg3 = cp.zeros((4, 384 + 384), np.float32)              # I = 192: no instance
+        route_logits(lg3[:, :384], bias, 8, gate_up=lg3[:, 384:], down_w=cp.zeros((1024, 192), np.uint16),
+                     down_out=out)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], down_w=cp.zeros((1000, 256), np.uint16),
+                     down_out=cp.zeros((4, 1000), np.uint16))
+    with pytest.raises(ValueError, match="down_out"):
+        route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], down_w=wd, down_out=cp.zeros((5, 1024), np.uint16))
+    monkeypatch.delenv("DDT_ROUTER_DOWN", raising=False)
+    assert shared_down_fused(8, 256, 7168) and shared_down_fused(64, 64, 512)
+    assert not shared_down_fused(65, 256, 7168) and not shared_down_fused(8, 192, 7168)
+    assert not shared_down_fused(8, 2048, 7168) and not shared_down_fused(8, 256, 1000)
+    monkeypatch.setenv("DDT_ROUTER_DOWN", "0")
+    assert not shared_down_fused(8, 256, 7168)
+    monkeypatch.setenv("DDT_ROUTER_DOWN", "1")
+    assert shared_down_fused(160, 256, 7168) and not shared_down_fused(8, 2048, 7168)
+    monkeypatch.setenv("DDT_ROUTER_DOWN", "yes")
+    with pytest.raises(ValueError, match="DDT_ROUTER_DOWN"):
+        shared_down_fused(8, 256, 7168)
+
+
 def test_router_shared_args():
     import cupy as cp
     from ddtree_cupy.kernels.router import route_logits
@@ -285,13 +381,17 @@ def test_router_selection_exact_ties_and_groups(E, k, n_group, topk_group):
 
 
 # ------------------------------------------------------------------------------------------- benchmark
-def bench(old_src=None, out_json=None, layers=8, reps=20):
+def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
     """The MoE layer's head at Kimi TP = 8 rank shapes, as CUDA graphs with PDL (as the engine captures):
     ``layers`` copies of [rms_norm -> router | shared gate_up -> route + SwiGLU -> shared down GEMM] with
     distinct weights (~100 MB: beyond the H200's L2, as consecutive layers are), per layer; and the
     selection launch alone. ``old_src``: the previous router.cu (bf16 gate_up, no logits stride) compiled
     from that path, timed in the same process as the old chain (router GEMM fp32 + shared gate_up GEMM
-    bf16 + the old route_silu). Ceiling: the head's weight bytes at the copy bandwidth of this run."""
+    bf16 + the old route_silu). Ceiling: the head's weight bytes at the copy bandwidth of this run.
+    Session 3 (E2): ``down`` = the same head with the shared down projection inside the route launch
+    (router_topk_down, no shared down GEMM) next to ``new`` (route + SwiGLU, then gemm_bf16) - the
+    DDT_ROUTER_DOWN decision; ``old_norm_src``: the previous norm.cu, its rms_norm (with the residual add,
+    as the layer runs it) timed against the current one in the same chain."""
     import json
     import os
     import cupy as cp
@@ -322,7 +422,11 @@ def bench(old_src=None, out_json=None, layers=8, reps=20):
     ev1.synchronize()
     bw = 2 * 5 * big.nbytes / (cp.cuda.get_elapsed_time(ev0, ev1) / 1e3)
     del big, big2
-    old_k = None
+    old_k = old_norm_k = None
+    if old_norm_src:
+        nspec = KernelSpec(os.path.relpath(os.path.abspath(old_norm_src), CUDA_SRC_DIR), ("rmsnorm_kernel",),
+                           pdl=True)
+        old_norm_k = get_kernel(nspec, "rmsnorm_kernel")
     if old_src:
         spec = KernelSpec(os.path.relpath(os.path.abspath(old_src), CUDA_SRC_DIR), ("router_topk",), pdl=True)
         old_k = get_kernel(spec, "router_topk")
@@ -352,7 +456,7 @@ def bench(old_src=None, out_json=None, layers=8, reps=20):
 
     rows, res = [], []
     st = cp.cuda.Stream(non_blocking=True)
-    for T in (1, 8, 32, 80, 160):
+    for T in (1, 8, 32, 64, 80, 160):
         h = bf(T, H)
         x = cp.empty((T, H), np.uint16)
         fused = cp.empty((T, E + 2 * Is), np.float32)
@@ -391,11 +495,36 @@ def bench(old_src=None, out_json=None, layers=8, reps=20):
         def norm_only():
             for W in Ws:
                 rms_norm(h, W["norm"], 1e-6, out=x)
+
+        def down_layers():
+            for W in Ws:
+                rms_norm(h, W["norm"], 1e-6, out=x)
+                gemm_bf16(x, W["rgu"], fused, out_dtype=np.float32, workspace=ws)
+                route_logits(fused[:, :E], W["bias"], k, 1, 1, 2.827, True, ids, wts, gate_up=fused[:, E:],
+                             down_w=W["down"], down_out=sh)
+
+        def route_down():
+            for W in Ws:
+                route_logits(fused[:, :E], W["bias"], k, 1, 1, 2.827, True, ids, wts, gate_up=fused[:, E:],
+                             down_w=W["down"], down_out=sh)
+
+        def norm_res():         # the layer's form: h += x (in place), x = norm(h)
+            for W in Ws:
+                rms_norm(x, W["norm"], 1e-6, out=x2, residual=h)
+
+        def old_norm_res():
+            for W in Ws:
+                old_norm_k((T,), (256,), (x, np.int64(H), h, np.int64(H), h, np.int64(H), W["norm"], x2,
+                                          np.int64(H), np.uint64(0), np.int32(H), np.float32(1e-6)))
+        x2 = cp.empty((T, H), np.uint16)
         r = dict(T=T, norm_us=timed(norm_only, st) / layers, new_us=timed(new_layers, st) / layers,
-                 new_route_us=timed(new_route, st) / layers,
+                 new_route_us=timed(new_route, st) / layers, down_us=timed(down_layers, st) / layers,
+                 route_down_us=timed(route_down, st) / layers, norm_res_us=timed(norm_res, st) / layers,
                  ceiling_us=(Ws[0]["rgu"].nbytes + Ws[0]["down"].nbytes + Ws[0]["norm"].nbytes) / bw * 1e6)
         if old_k is not None:
             r.update(old_us=timed(old_layers, st) / layers, old_route_us=timed(old_route_only, st) / layers)
+        if old_norm_k is not None:
+            r.update(old_norm_res_us=timed(old_norm_res, st) / layers)
         res.append(r)
     print(f"\nMoE head per layer (norm -> router|shared gate_up -> route+SwiGLU -> shared down), PDL graphs, "
           f"{layers} layers of distinct weights, copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -403,6 +532,13 @@ def bench(old_src=None, out_json=None, layers=8, reps=20):
     for r in res:
         print(f"{r['T']:>4} {r['norm_us']:>6.1f} {r.get('old_us', float('nan')):>9.1f} {r['new_us']:>9.1f} "
               f"{r['ceiling_us']:>8.1f} {r.get('old_route_us', float('nan')):>10.1f} {r['new_route_us']:>10.1f}")
+    print("\nE2 variants, us per layer: head = norm -> GEMM -> route (+SwiGLU) [-> shared down GEMM]; "
+          "DDT_ROUTER_DOWN default wins where 'down head' < 'sep head'")
+    print(f"{'T':>4} {'sep head':>9} {'down head':>10} {'route+silu':>11} {'route+down':>11} {'norm+res old':>13} "
+          f"{'norm+res new':>13}")
+    for r in res:
+        print(f"{r['T']:>4} {r['new_us']:>9.1f} {r['down_us']:>10.1f} {r['new_route_us']:>11.1f} "
+              f"{r['route_down_us']:>11.1f} {r.get('old_norm_res_us', float('nan')):>13.1f} {r['norm_res_us']:>13.1f}")
     if out_json:
         with open(out_json, "w") as f:
             json.dump(dict(copy_bw_GBps=bw / 1e9, layers=layers, reps=reps, device=cp.cuda.runtime.getDeviceProperties(
@@ -416,7 +552,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--old-src", default=None, help="the previous router.cu, timed in the same run")
+    ap.add_argument("--old-norm-src", default=None, help="the previous norm.cu, timed in the same run")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.bench:
-        bench(a.old_src, a.json)
+        bench(a.old_src, a.json, old_norm_src=a.old_norm_src)

@@ -311,12 +311,14 @@ def _captured_equals_eager(cfg, tgt_eager, tgt_graph, feat, label):
     print(f"\n{label}: graph replays equal eager (bitwise on {sum(out)}/{len(out)} stream checks)")
 
 
-def test_fused_launch_sequence(tiny, gpu_tp1):
+@pytest.mark.parametrize("router_down", ["", "0"])
+def test_fused_launch_sequence(tiny, gpu_tp1, router_down, monkeypatch):
     """The kernels one forward launches (counted through the wrappers, engine.profile.count_launches): the
     fused MLA kernels once / twice per layer, and no separate q_a / kv_a norm, RoPE, latent write or shared
     expert SwiGLU launch left (docs/MODELS.md "Per-layer kernel sequence")."""
     from ddtree_cupy.engine.profile import count_launches
     from ddtree_cupy.models.target import GpuTarget
+    monkeypatch.setenv("DDT_ROUTER_DOWN", router_down)      # the default rule, and the previous variant
     cfg, feat = tiny["cfg"], tiny["feat"]
     tgt = GpuTarget(cfg, gpu_tp1, None, max_tokens=48, feature_layers=feat)
     rng = np.random.default_rng(5)
@@ -328,12 +330,17 @@ def test_fused_launch_sequence(tiny, gpu_tp1):
     c = lc.counts
     assert c["embed_gather_kernel"] == 1 and c["rmsnorm_kernel"] == 2 * L + 1, dict(c)
     assert c["mla_qkv_a_post"] == L and c["mla_head_gemm"] == 2 * L, dict(c)
-    assert c["router_topk"] == n_moe and c["silu_mul_kernel"] == L - n_moe, dict(c)    # dense layers only
+    # 48 rows: the shared expert's down projection runs inside the route launch when the rule says so
+    from ddtree_cupy.kernels.router import shared_down_fused
+    Is = cfg.moe_intermediate_size * cfg.n_shared_experts
+    n_down = n_moe if shared_down_fused(48, Is, cfg.hidden_size) else 0
+    assert c["router_topk"] == n_moe - n_down and c["router_topk_down"] == n_down, dict(c)
+    assert c["silu_mul_kernel"] == L - n_moe, dict(c)    # dense layers only
     assert not {"rope_kernel", "kv_write_latent"} & set(c), dict(c)
     # bf16 GEMMs (48 rows: one chunk): q_a|kv_a, q_b, o_proj per layer; dense gate_up + down; MoE ONE
-    # router|shared gate_up GEMM + the shared down; the lm_head
+    # router|shared gate_up GEMM + the shared down (unless fused into the route launch); the lm_head
     gemms = c["gemm_bf16_kernel"] + c["gemm_bf16_kernel_decode"]
-    assert gemms == 3 * L + 2 * L + 1, dict(c)
+    assert gemms == 3 * L + 2 * L - n_down + 1, dict(c)
     for i in range(L):
         if cfg.is_moe_layer(i):
             Lw = gpu_tp1.layers[i]
