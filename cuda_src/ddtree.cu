@@ -475,6 +475,34 @@ __device__ __forceinline__ void row_lse(const float2* in_ms, int rows, int r, in
     if (lane == 0) { sh.m = m; sh.s = s; }
 }
 
+#if DDT_RANK_OUT
+// The row's outputs from ns <= 256 selected keys (unique, nonzero, in any order) that include its k largest:
+// thread t places key t at its rank (keys greater than it), all warps at once: ns broadcast reads per thread
+// instead of one warp's dependent bitonic network. Starts after a barrier that made sel visible.
+__device__ __forceinline__ void rank_out(const u64* sel, int ns, int k, int r, int tid, const MergeShared& sh,
+                                         u64* __restrict__ out_keys, float2* __restrict__ out_ms,
+                                         float* __restrict__ out_lp, int* __restrict__ out_id) {
+    const float lse = sh.m + logf(sh.s);
+    if (tid < ns) {
+        const u64 key = sel[tid];
+        int rank = 0;
+#pragma unroll 4
+        for (int j = 0; j < ns; ++j) rank += sel[j] > key ? 1 : 0;
+        if (rank < k) {
+            out_keys[(size_t)r * k + rank] = key;
+            out_lp[(size_t)r * k + rank] = key_value(key) - lse;
+            out_id[(size_t)r * k + rank] = key_id(key);
+        }
+    }
+    for (int i = ns + tid; i < k; i += DDT_TOPK_THREADS) {   // a row with fewer than k candidates
+        out_keys[(size_t)r * k + i] = 0ull;
+        out_lp[(size_t)r * k + i] = DDT_NEG_INF;
+        out_id[(size_t)r * k + i] = -1;
+    }
+    if (tid == 0) out_ms[r] = make_float2(sh.m, sh.s);
+}
+#endif
+
 // The N keys of s_keys (unique, nonzero) hold the row's top-k: narrow them to a threshold with at most
 // scap keys above it that include the k largest, sort those with one warp, write the row's outputs.
 // Starts after a barrier that made s_keys, N and sh.m / sh.s visible.
@@ -515,37 +543,25 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
             if (above + in_bin <= scap) break;
         }
     }
-    if (tid == 0) sh.n = 0;
-    __syncthreads();
-    for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
-        const u64 key = s_keys[i];
-        if (key >= thr) sh.sel[atomicAdd(&sh.n, 1)] = key;
+#if DDT_MERGE_REGS
+    // no narrowing needed (uniform): the N keys themselves are the selection (rank_out needs only the set),
+    // so the copy into sh.sel and its two barriers are skipped
+    const bool direct = (unsigned)N <= scap;
+#else
+    const bool direct = false;
+#endif
+    if (!direct) {
+        if (tid == 0) sh.n = 0;
+        __syncthreads();
+        for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
+            const u64 key = s_keys[i];
+            if (key >= thr) sh.sel[atomicAdd(&sh.n, 1)] = key;
+        }
+        __syncthreads();
     }
-    __syncthreads();
 #if DDT_RANK_OUT
-    {   // thread t places selected key t at its rank (keys greater than it; keys are unique), all warps at
-        // once: ns <= 256 broadcast reads per thread instead of one warp's dependent bitonic network
-        const int ns = sh.n;
-        const float lse = sh.m + logf(sh.s);
-        if (tid < ns) {
-            const u64 key = sh.sel[tid];
-            int rank = 0;
-#pragma unroll 4
-            for (int j = 0; j < ns; ++j) rank += sh.sel[j] > key ? 1 : 0;
-            if (rank < k) {
-                out_keys[(size_t)r * k + rank] = key;
-                out_lp[(size_t)r * k + rank] = key_value(key) - lse;
-                out_id[(size_t)r * k + rank] = key_id(key);
-            }
-        }
-        for (int i = ns + tid; i < k; i += DDT_TOPK_THREADS) {   // a row with fewer than k candidates
-            out_keys[(size_t)r * k + i] = 0ull;
-            out_lp[(size_t)r * k + i] = DDT_NEG_INF;
-            out_id[(size_t)r * k + i] = -1;
-        }
-        if (tid == 0) out_ms[r] = make_float2(sh.m, sh.s);
-        return;
-    }
+    rank_out(direct ? s_keys : sh.sel, direct ? N : sh.n, k, r, tid, sh, out_keys, out_ms, out_lp, out_id);
+    return;
 #endif
     if (warp != 0) return;
     const int ns = sh.n;
