@@ -329,6 +329,47 @@ def refit(paths):
         print(f"  {nm:>32}: {a:10.4g} -> {b:10.4g}")
 
 
+def refit_combine(paths):
+    """Least squares on log time of the combine terms only (MLA_COMBINE_US, MLA_COMBINE_US_PER_ROW_SPLIT), the
+    tile / block / DRAM constants kept: for results whose plans all split (the session-3 runs), where a full
+    refit trades the block and combine fixed costs against each other. Prints the constants, the fit error and
+    the shapes of the benchmark grid whose "model" plan (H200) would change. Host only (needs scipy)."""
+    from scipy.optimize import minimize
+    from ddtree_cupy.kernels import attention as A
+    pts = []
+    for path in paths:
+        with open(path) as f:
+            pts += fit_points(json.load(f))
+    h200 = (132, 232448, 233472)
+    saved = (A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT)
+
+    def logerr(c0, c1):
+        A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT = c0, c1
+        return np.array([np.log(A.mla_cost_us(k, sp, S, n, h, L, h200[0], A._blocks_per_sm(A.MLA_CONFIGS[k], h200[2]))
+                                / us) for k, S, n, h, L, sp, us in pts])
+
+    def plans():
+        A.plan_mla_for.cache_clear()
+        grid = [(S, n, c) for c in (1024, 4096, 32768, 65536) for S in (1, 4, 10) for n in (1, 8, 16, 32, 64)]
+        return {(S, n, c): A.plan_mla_for(S, n, H, c + n, "model", *h200) for S, n, c in grid}
+    try:
+        before = plans()
+        e0 = logerr(*saved)
+        x = minimize(lambda v: float((logerr(v[0], v[1] * 1e-3) ** 2).sum()) if (v >= 0).all() else 1e9,
+                     [saved[0], saved[1] * 1e3], method="Nelder-Mead").x
+        e1 = logerr(x[0], x[1] * 1e-3)
+        after = plans()
+    finally:
+        A.MLA_COMBINE_US, A.MLA_COMBINE_US_PER_ROW_SPLIT = saved
+        A.plan_mla_for.cache_clear()
+    print(f"# {len(pts)} timed plans; rms log error {np.sqrt((e0 ** 2).mean()):.3f} -> {np.sqrt((e1 ** 2).mean()):.3f} "
+          f"(worst {np.exp(e1).min():.2f}x / {np.exp(e1).max():.2f}x)")
+    print(f"  MLA_COMBINE_US {saved[0]:.3g} -> {x[0]:.3g}, MLA_COMBINE_US_PER_ROW_SPLIT {saved[1]:.3g} -> {x[1] * 1e-3:.3g}")
+    for k in before:
+        if before[k] != after[k]:
+            print(f"  re-planned {k}: {before[k][0].name} x{before[k][1]} -> {after[k][0].name} x{after[k][1]}")
+
+
 def _save(path: str, summary: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -341,6 +382,8 @@ def main():
     ap.add_argument("--svg-from", default=None, help="only draw the SVG plot of an existing results JSON")
     ap.add_argument("--svg", default=None, help="where to write the SVG plot")
     ap.add_argument("--refit", nargs="+", default=None, help="refit the planner's cost model to results JSONs")
+    ap.add_argument("--refit-combine", nargs="+", default=None,
+                    help="refit only the cost model's combine terms to results JSONs (CPU) and list re-planned shapes")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--set", choices=("grid", "decode"), default="grid",
                     help="grid: issue #6's shapes; decode: the engine's decode-step shapes only")
@@ -362,6 +405,9 @@ def main():
     args = ap.parse_args()
     if args.refit:
         refit(args.refit)
+        return
+    if args.refit_combine:
+        refit_combine(args.refit_combine)
         return
     if args.svg_from:
         with open(args.svg_from) as f:
