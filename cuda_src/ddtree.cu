@@ -29,7 +29,7 @@
 // reads (per thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and
 // re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
 // DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
-// placement (merge_finish); not measured yet (docs/DDTREE.md).
+// placement (rank_out; H200: -3 us at k = 64 bf16, -9 us f32, docs/DDTREE.md).
 // DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
 // 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
 // DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers

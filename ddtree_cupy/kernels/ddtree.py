@@ -95,7 +95,7 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # 7: H200 run of this session (bench/results/tree_h200_cache.json, all builder/walk/graph GPU tests of
 # variants 0-7 passed, outputs equal to variant 4's): 10 x 64 bf16 total 52.3 (4) -> 40.4 us (build 23.8 ->
 # 15.9, top-K 24.1 -> 20.8 by the rank-placed merge); 1 x 8 20.2 -> 19.6; f32 10 x 64 62.2 -> 46.4.
-# 8: 7 with the register merge and the lean cache loop (docs/DDTREE.md predicts 10 x 64 40.4 -> 33-36 us);
+# 8: 7 with the register merge and the lean cache loop (docs/DDTREE.md predicts 10 x 64 40.4 -> 35-37 us);
 # compiled without spills, CPU-modelled, NOT yet run on a GPU when made the default: if the integration
 # run shows a variant-8 test failing or 8 slower than 7 in bench/tree.py, the default goes back to 7.
 DEFAULT_VARIANT = 8
