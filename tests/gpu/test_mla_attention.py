@@ -518,10 +518,11 @@ def test_load_features_are_bit_identical(config):
 # over the stale ones: an attention launched with PDL runs its pre-wait prefetch on the stale values.
 _SPIN_WRITE = r"""
 extern "C" __global__ void spin_then_copy(const int* __restrict__ src, int* __restrict__ dst, int n,
-                                          long long cycles) {
+                                          unsigned long long ns) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    const long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
 }
 """
@@ -553,20 +554,23 @@ def test_stale_prewait_values_never_fault_or_change_results(config):
     table = blob[3 * S:].reshape(S, mp)
     src = x.asarray(real)
     copy_k = x.RawKernel(_SPIN_WRITE, "spin_then_copy")
-    cycles = np.int64(50e-6 * x.cuda.Device().attributes["ClockRate"] * 1e3)
+    spin_ns = np.uint64(50_000)
     out_plain = run(c, config=config, loads=0)
     for stale_len in (mp * 64 - 8, 1 << 29):
         stale = np.concatenate([np.full(S, stale_len), np.full(S, 7), np.zeros(S),
                                 rng.choice([-1, c["pool"].shape[0], 1 << 30, -7], S * mp)]).astype(np.int32)
         blob[...] = x.asarray(stale)
         out = x.full((c["T"], H, 512), POISON, dtype=x.uint16)
+        x.cuda.Device().synchronize()
+        stream = x.cuda.Stream(non_blocking=True)
         launch.set_pdl(True)
         try:
-            copy_k((4,), (128,), (src, blob, np.int32(real.size), cycles))
-            a.mla_attention(d["q"], d["pool"], table, prefix, n_rows, row_start, mask=d["mask"],
-                            softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
-                            config=cfg, load_flags=a.MLA_PREFETCH_PREWAIT | a.MLA_PAGES_AHEAD)
-            x.cuda.get_current_stream().synchronize()
+            with stream:
+                copy_k((4,), (128,), (src, blob, np.int32(real.size), spin_ns))
+                a.mla_attention(d["q"], d["pool"], table, prefix, n_rows, row_start, mask=d["mask"],
+                                softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
+                                config=cfg, load_flags=a.MLA_PREFETCH_PREWAIT | a.MLA_PAGES_AHEAD)
+                stream.synchronize()
         finally:
             launch.set_pdl(False)
         got = out.get()
