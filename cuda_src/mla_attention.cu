@@ -59,7 +59,7 @@ __device__ __forceinline__ void mla_prefetch_split_start(const bf16_bits* pool, 
     const int n = *reinterpret_cast<const volatile int*>(n_rows_arr + b);
     const int s = *reinterpret_cast<const volatile int*>(prefix_len + b);
     const int cap = max_pages * (KV_PAGE_SIZE / BN);          // tiles the table can address
-    if (n < 0 || s <= 0 || s > cap * BN || n > cap * BN) return;
+    if (n < 0 || s <= 0 || s > cap * BN || n > cap * BN || num_pages <= 0) return;   // stale or nothing to fetch
     const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;   // as the kernels split
     const int tb = split * per_split;
     const int te = min(min((s + BN - 1) / BN, tb + per_split), min(tb + PF, cap));
@@ -193,10 +193,11 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
     const bool ahead = flags & MLA_PAGES_AHEAD;
-    // t0 < kv_len: the tile holds a valid token. Read ahead: through L2 (__ldcg), so the read stays where it
-    // is written (after the wait) rather than next to its use.
+    // t0 < kv_len: the tile holds a valid token. With either feature the ids are read through L2 (__ldcg):
+    // a read-only load may be moved next to its use or above the wait, or be served by a line the pre-wait
+    // read brought in; flags 0 keeps session 3's __ldg.
     auto page_of = [&](int tile) {
-        return ahead ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
+        return flags ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
     };
     auto load_tile = [&](int tile, int buf, int page) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
@@ -505,7 +506,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
     const bool ahead = flags & MLA_PAGES_AHEAD;
     auto page_of = [&](int tile) {   // as in mla_attn_fwd
-        return ahead ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
+        return flags ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
     };
     auto load_tile = [&](int tile, int buf, int page) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
