@@ -67,6 +67,49 @@ __device__ __forceinline__ void load_bias(const float* __restrict__ bias, int E,
     }
 }
 
+// The lane's best live candidate: highest key, ties to the lower j (= lower expert id); best_j = -1 when
+// none is live. ROUTER_SEL_TREE (default 1, session 3 E2): a 4-level tournament over the 16 registers
+// (dead slots enter as key 0 / j 16 and lose every tie to a live slot), ~9 dependent operations; 0: the
+// v2 linear scan, a chain of 16 dependent compare-selects. The same winner either way (the tournament's
+// left operand is always the lower-j half, so equal keys keep the lower j).
+#ifndef ROUTER_SEL_TREE
+#define ROUTER_SEL_TREE 1
+#endif
+__device__ __forceinline__ void lane_best(const uint32_t (&key)[ROUTER_PER_LANE], const float (&s_r)[ROUTER_PER_LANE],
+                                          uint32_t live, uint32_t& best_key, int& best_j, float& best_s) {
+#if ROUTER_SEL_TREE
+    uint32_t kk[ROUTER_PER_LANE];
+    int jj[ROUTER_PER_LANE];
+    float ss[ROUTER_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; ++j) {
+        const bool on = (live >> j) & 1u;
+        kk[j] = on ? key[j] : 0u;
+        jj[j] = on ? j : ROUTER_PER_LANE;
+        ss[j] = s_r[j];
+    }
+#pragma unroll
+    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
+#pragma unroll
+        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w) {
+            const bool b = kk[j + w] > kk[j] || (kk[j + w] == kk[j] && jj[j + w] < jj[j]);
+            kk[j] = b ? kk[j + w] : kk[j];
+            jj[j] = b ? jj[j + w] : jj[j];
+            ss[j] = b ? ss[j + w] : ss[j];
+        }
+    best_key = kk[0];
+    best_j = jj[0] < ROUTER_PER_LANE ? jj[0] : -1;
+    best_s = ss[0];
+#else
+    best_key = 0;
+    best_j = -1;
+    best_s = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_PER_LANE; ++j)
+        if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) { best_key = key[j]; best_j = j; best_s = s_r[j]; }
+#endif
+}
+
 // The selection of token t by one warp (all 32 lanes; t < T). c: the warp's ROUTER_MAX_E floats of shared
 // memory (group-limited path only).
 __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE], const float* __restrict__ logits,
@@ -113,13 +156,10 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
             if (e < E && !((kept_mask >> (e / gsize)) & 1u)) live &= ~(1u << j);
         }
     }
-    // the lane's best live candidate: highest key, ties to the lower j (= lower expert id)
-    uint32_t best_key = 0;
-    int best_j = -1;
-    float best_s = 0.f;
-#pragma unroll
-    for (int j = 0; j < ROUTER_PER_LANE; ++j)
-        if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) { best_key = key[j]; best_j = j; best_s = s_r[j]; }
+    uint32_t best_key;
+    int best_j;
+    float best_s;
+    lane_best(key, s_r, live, best_key, best_j, best_s);
     float sum = 0.f, my_s = 0.f;
     int my_id = 0;
     for (int r = 0; r < k; ++r) {
@@ -133,13 +173,7 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
         if (lane == r) { my_id = id; my_s = sw; }
         if (lane == owner) {        // retire the winner, rescan the lane's registers
             live &= ~(1u << best_j);
-            best_j = -1;
-            best_key = 0;
-#pragma unroll
-            for (int j = 0; j < ROUTER_PER_LANE; ++j)
-                if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) {
-                    best_key = key[j]; best_j = j; best_s = s_r[j];
-                }
+            lane_best(key, s_r, live, best_key, best_j, best_s);
         }
     }
     const float f = normalize ? scale / (sum + 1e-20f) : scale;
