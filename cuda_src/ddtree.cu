@@ -784,7 +784,7 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
 // DDT_MREG chunks take merge_scan. Same thresholds, same candidate set (in another order: merge_finish
 // selects and ranks keys, which are unique, so the outputs are bit-identical).
 // ---------------------------------------------------------------------------------------------------
-#define DDT_MREG 24   // group keys per thread in registers: P <= 24 chunks (V_local <= 196608 at 8192)
+#define DDT_MREG 20   // group keys per thread in registers: P <= 20 chunks (V_local <= 163840 at 8192)
 static_assert(DDT_MREG <= 32, "the lse partials: one per lane of one warp");
 
 // exclusive prefix of v over the block (thread order) and the block total; s_w holds one partial per warp
@@ -851,63 +851,15 @@ __device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint
     return total;
 }
 
-__device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows,
-                                int P, int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
-                                u64* __restrict__ out_keys, float2* __restrict__ out_ms,
-                                float* __restrict__ out_lp, int* __restrict__ out_id) {
-    const int W = scan_width(k), G = P * DDT_TOPK_THREADS, gcap = scan_gcap(k);
-    const int region = max(G, 32 * gcap);
-    int* s_gl = reinterpret_cast<int*>(s_keys + region);
-    const u64* row = in_keys + (size_t)r * P * W;
-    // the last warp's lse partial (one per lane: P <= DDT_MREG < 32) is loaded with the group keys; it is
-    // combined below exactly as row_lse does (one lse_combine from (-inf, 0) per lane, then the butterfly)
-    const bool lse_warp = warp == DDT_TOPK_THREADS / 32 - 1;
-    float2 msv = make_float2(DDT_NEG_INF, 0.f);
-    if (lse_warp && lane < P) msv = in_ms[(size_t)r * P + lane];
-    u64 gk[DDT_MREG];   // group j * 256 + tid (0 past P: an empty group)
-#pragma unroll
-    for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;
-    const u64 h0 = row[0], h1 = row[1];   // header (chunk 0's; every chunk writes the same)
-    const int chunk = (int)row[2];
-    const int V_local = (int)(uint32_t)h1;
-    const uint32_t id_offset = (uint32_t)(h1 >> 32);
-    int nz = 0;
-    unsigned top = 0u;
-#pragma unroll
-    for (int j = 0; j < DDT_MREG; ++j) {
-        nz += gk[j] != 0ull ? 1 : 0;
-        top = max(top, (unsigned)(gk[j] >> 48));
-    }
-    nz = __reduce_add_sync(FULL_MASK, nz);
-    top = __reduce_max_sync(FULL_MASK, top);
-    if (lane == 0) { sh.wa[warp] = (unsigned)nz; sh.red[warp] = top; }
-    sh.hist[tid] = 0u;
-    if (lse_warp) {
-        float m = DDT_NEG_INF, s = 0.f;
-        if (lane < P) lse_combine(m, s, msv.x, msv.y);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
-            lse_combine(m, s, m2, s2);
-        }
-        if (lane == 0) { sh.m = m; sh.s = s; }
-    }
-    __syncthreads();
-    int nz_all = 0;
-    unsigned top_all = 0u;
-#pragma unroll
-    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
-        nz_all += (int)sh.wa[w];
-        top_all = max(top_all, (unsigned)sh.red[w]);
-    }
-    // thr: as merge_scan (fewer than k nonempty groups: all of them; else windows of 256 top-16-bit values
-    // from the largest down; else the radix narrowing over the whole keys)
+// merge_scan's threshold search over the group keys in registers: windows of 256 top-16-bit values from the
+// largest down, else the radix narrowing over the whole keys (stored to shared memory for it). Needs a clear
+// sh.hist after a barrier, nz_all >= k; returns thr (0 never: the caller raises it to 1).
+__device__ __forceinline__ u64 regs_window_radix_thr(const u64 (&gk)[DDT_MREG], int P, int G, int k, int gcap,
+                                                     unsigned top_all, int tid, int lane, int warp, u64* s_keys,
+                                                     MergeShared& sh) {
     u64 thr = 0ull;
     bool found = false;
-    if (nz_all < k) {
-        thr = 1ull;
-        found = true;
-    } else {
+    {
         int wtop = (int)top_all;
         unsigned remaining = (unsigned)k, above = 0;
 #pragma unroll 1
@@ -969,13 +921,107 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
             if (above + in_bin <= (unsigned)gcap) break;
         }
     }
-    thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
-    // the selected groups (<= gcap), placed by a block scan of per-thread counts
-    int cnt = 0;
+    return thr;
+}
+
+__device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows,
+                                int P, int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
+                                u64* __restrict__ out_keys, float2* __restrict__ out_ms,
+                                float* __restrict__ out_lp, int* __restrict__ out_id) {
+    const int W = scan_width(k), G = P * DDT_TOPK_THREADS, gcap = scan_gcap(k);
+    const int region = max(G, 32 * gcap);
+    int* s_gl = reinterpret_cast<int*>(s_keys + region);
+    const u64* row = in_keys + (size_t)r * P * W;
+    // the last warp's lse partial (one per lane: P <= DDT_MREG < 32) is loaded with the group keys; it is
+    // combined below exactly as row_lse does (one lse_combine from (-inf, 0) per lane, then the butterfly)
+    const bool lse_warp = warp == DDT_TOPK_THREADS / 32 - 1;
+    float2 msv = make_float2(DDT_NEG_INF, 0.f);
+    if (lse_warp && lane < P) msv = in_ms[(size_t)r * P + lane];
+    u64 gk[DDT_MREG];   // group j * 256 + tid (0 past P: an empty group)
 #pragma unroll
-    for (int j = 0; j < DDT_MREG; ++j) cnt += gk[j] >= thr ? 1 : 0;
-    int ng;
-    int o = block_excl_scan(cnt, lane, warp, sh.wc, ng);
+    for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;
+    const u64 h0 = row[0], h1 = row[1];   // header (chunk 0's; every chunk writes the same)
+    const int chunk = (int)row[2];
+    const int V_local = (int)(uint32_t)h1;
+    const uint32_t id_offset = (uint32_t)(h1 >> 32);
+    int nz = 0;
+    unsigned top = 0u;
+#pragma unroll
+    for (int j = 0; j < DDT_MREG; ++j) {
+        nz += gk[j] != 0ull ? 1 : 0;
+        top = max(top, (unsigned)(gk[j] >> 48));
+    }
+    nz = __reduce_add_sync(FULL_MASK, nz);
+    top = __reduce_max_sync(FULL_MASK, top);
+    if (lane == 0) { sh.wa[warp] = (unsigned)nz; sh.red[warp] = top; }
+    sh.hist[tid] = 0u;
+    if (lse_warp) {
+        float m = DDT_NEG_INF, s = 0.f;
+        if (lane < P) lse_combine(m, s, msv.x, msv.y);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float m2 = __shfl_xor_sync(FULL_MASK, m, off), s2 = __shfl_xor_sync(FULL_MASK, s, off);
+            lse_combine(m, s, m2, s2);
+        }
+        if (lane == 0) { sh.m = m; sh.s = s; }
+    }
+    __syncthreads();
+    int nz_all = 0;
+    unsigned top_all = 0u;
+#pragma unroll
+    for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) {
+        nz_all += (int)sh.wa[w];
+        top_all = max(top_all, (unsigned)sh.red[w]);
+    }
+    // thr (<= the row's k-th largest group key, so every element key of the top-k lies in a group >= thr,
+    // and at most gcap groups >= thr). Fewer than k nonempty groups: all of them. Else, first, the k-th
+    // largest of the 256 threads' maxima (k distinct group keys are >= it): its top 16 bits, from a
+    // histogram of one key per thread (merge_scan's window histogram takes every key, most of them in a few
+    // crowded bins), accepted when at most gcap groups pass it (counted by the selection's own block scan);
+    // else merge_scan's windows and radix over every key (regs_window_radix_thr).
+    u64 thr = 0ull;
+    int ng = 0, o = 0;
+    bool placed = false;   // thr is final and the selected groups are counted (ng) with this thread's offset (o)
+    if (nz_all < k) {
+        thr = 1ull;
+    } else {
+        u64 tmax = 0ull;
+#pragma unroll
+        for (int j = 0; j < DDT_MREG; ++j) tmax = gk[j] > tmax ? gk[j] : tmax;
+        const int dm = (int)top_all - (int)(tmax >> 48);   // >= 0: top_all is the largest top-16 value
+        const bool inw = tmax != 0ull && dm < 256;
+        if (inw) atomicAdd(&sh.hist[255 - dm], 1u);
+        const unsigned cw = (unsigned)__popc(__ballot_sync(FULL_MASK, inw));
+        if (lane == 0) sh.wb[warp] = cw;
+        __syncthreads();
+        unsigned nw = 0;
+#pragma unroll
+        for (int q = 0; q < DDT_TOPK_THREADS / 32; ++q) nw += sh.wb[q];
+        if (nw >= (unsigned)k) {   // uniform
+            if (warp == 0) radix_pick(sh.hist, (unsigned)k, lane, &sh.digit, &sh.above, &sh.bin);
+            __syncthreads();
+            const u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;
+            int c0 = 0;
+#pragma unroll
+            for (int j = 0; j < DDT_MREG; ++j) c0 += gk[j] >= t0 ? 1 : 0;
+            int n0;
+            const int o0 = block_excl_scan(c0, lane, warp, sh.wc, n0);
+            if (n0 <= gcap) { thr = t0; ng = n0; o = o0; placed = true; }   // uniform
+        }
+        if (!placed) {
+            sh.hist[tid] = 0u;   // hist, wb and digit were read by all before the barriers above
+            __syncthreads();
+            thr = regs_window_radix_thr(gk, P, G, k, gcap, top_all, tid, lane, warp, s_keys, sh);
+        }
+    }
+    if (!placed) {
+        thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
+        int cnt = 0;
+#pragma unroll
+        for (int j = 0; j < DDT_MREG; ++j) cnt += gk[j] >= thr ? 1 : 0;
+        o = block_excl_scan(cnt, lane, warp, sh.wc, ng);   // wc: its last reads precede the barriers above
+    }
+    // the selected groups (<= gcap) at the block scan's offsets
 #pragma unroll
     for (int j = 0; j < DDT_MREG; ++j)
         if (gk[j] >= thr) s_gl[o++] = j * DDT_TOPK_THREADS + tid;

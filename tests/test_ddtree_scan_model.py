@@ -145,3 +145,79 @@ def test_window_path_and_radix_path_both_taken():
         for name, radix in (("normal", False), ("halves", False), ("equal", True), ("runs", True)):
             gk = model_scan_topk(rows[name], k)
             assert (gk["passes"] > 3) == radix, (name, k, gk["passes"])
+
+
+def _thread_max_bound(gk: np.ndarray, P: int, k: int, gcap: int):
+    """Variant 8's first try (merge_scan_regs): thread t holds group keys j * 256 + t; the k-th largest of
+    the 256 threads' maxima (top 16 bits, from a one-key-per-thread histogram over the window of 256 values
+    below the row's largest) gives t0 = its top 16 bits << 48, accepted when at most gcap group keys are
+    >= t0. Returns (t0, groups >= t0) or None (then merge_scan's windows and radix, _radix_bound)."""
+    tmax = gk.reshape(P, THREADS).max(axis=0)
+    nz = gk[gk != 0]
+    top_all = int((nz >> np.uint64(48)).max())
+    dm = top_all - (tmax >> np.uint64(48)).astype(np.int64)
+    inw = (tmax != 0) & (dm < 256)
+    if inw.sum() < k:
+        return None
+    hist = np.bincount(dm[inw], minlength=256)         # by distance below the largest
+    ds = int(np.searchsorted(np.cumsum(hist), k))      # the k-th largest thread maximum's distance
+    t0 = np.uint64((top_all - ds) << 48)
+    n0 = int((gk >= t0).sum())
+    return (t0, n0) if n0 <= gcap else None
+
+
+def model_scan_topk_regs(x: np.ndarray, k: int, chunk: int = ddt.DEFAULT_CHUNK, id0: int = 0):
+    """Variant 8's merge: the thread-maximum bound first, else variant 4's thresholds."""
+    V = x.size
+    P = ddt.n_chunks(V, chunk)
+    keys = _keys(x, id0)
+    grp = _group_of(V, chunk)
+    gk = np.zeros(P * THREADS, np.uint64)
+    np.maximum.at(gk, grp, keys)
+    gcap = ddt.cand_cap(k)
+    first = _thread_max_bound(gk, P, k, gcap) if (gk != 0).sum() >= k else None
+    thr = first[0] if first is not None else _radix_bound(gk, k, gcap)[0]
+    groups = np.flatnonzero(gk >= max(thr, np.uint64(1)))
+    cand = keys[np.isin(grp, groups) & (keys >= thr)]
+    return dict(cand=cand, n_groups=groups.size, gcap=gcap, first=first is not None, P=P)
+
+
+@pytest.mark.parametrize("V,k", [(163840, 64), (163840, 128), (163840, 8), (163840, 2), (20480, 128),
+                                 (4096 + 264, 33), (512, 128), (1024, 64), (8192 + 64, 128)])
+def test_regs_merge_candidates_hold_the_top_k(V, k):
+    """The thread-maximum bound is <= the k-th largest group key (k distinct groups are >= it), so the
+    re-read still holds the row's top-k; it never re-reads more than gcap groups."""
+    rng = np.random.default_rng(V + 3 * k)
+    for name, x in _rows(rng, V).items():
+        m = model_scan_topk_regs(x, k, id0=5 * V)
+        top = np.sort(_keys(x, 5 * V))[::-1][:k]
+        assert np.isin(top, m["cand"]).all(), name
+        assert m["n_groups"] <= m["gcap"] and m["cand"].size <= 32 * m["gcap"], name
+
+
+def test_regs_merge_first_bound_decides_random_rows():
+    """On the bench's rows the one-key-per-thread histogram decides (no window pass over every key) with
+    about k candidates; all-equal rows and long runs fall through to the windows / radix."""
+    rng = np.random.default_rng(11)
+    rows = _rows(rng, 163840)
+    for k in (8, 16, 32, 64, 128):
+        m = model_scan_topk_regs(rows["bf16"], k)
+        assert m["first"], k
+        assert m["cand"].size <= 2 * k + 16, (k, m["cand"].size)
+        for name in ("equal", "runs"):
+            assert not model_scan_topk_regs(rows[name], k)["first"], (name, k)
+
+
+def test_regs_model_follows_the_kernel():
+    from pathlib import Path
+    src = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
+    body = src[src.index("__device__ void merge_scan_regs("):]
+    for stmt in ("for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;",
+                 "for (int j = 0; j < DDT_MREG; ++j) tmax = gk[j] > tmax ? gk[j] : tmax;",
+                 "const bool inw = tmax != 0ull && dm < 256;",
+                 "if (inw) atomicAdd(&sh.hist[255 - dm], 1u);",
+                 "if (warp == 0) radix_pick(sh.hist, (unsigned)k, lane, &sh.digit, &sh.above, &sh.bin);",
+                 "const u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;",
+                 "if (n0 <= gcap) { thr = t0; ng = n0; o = o0; placed = true; }",
+                 "if (gk[j] >= thr) s_gl[o++] = j * DDT_TOPK_THREADS + tid;"):
+        assert stmt in body, stmt

@@ -68,3 +68,12 @@ def test_topk_variant_rule():
     assert ddt.topk_variant(7, 16, 4) == 4 and ddt.topk_variant(8, 8, 4) == 4 and ddt.topk_variant(70, 64, 4) == 4
     assert ddt.topk_variant(7, 8, 0) == 0 and ddt.topk_variant(70, 64, 3) == 3
     assert ddt.topk_variant(70, 64, True) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS
+
+
+def test_variant_constants_match_the_kernel():
+    """The wrapper's copies of the kernel's limits for the sorted-cache builder and the register merge."""
+    assert ddt.MERGE_REGS_MAX_P == int(re.search(r"#define DDT_MREG (\d+)", SRC).group(1))
+    assert ddt.CACHE_MAX_BUDGET == int(re.search(r"#define DDT_CACHE_BUDGET (\d+)", SRC).group(1))
+    assert ddt.n_chunks(163840) <= ddt.MERGE_REGS_MAX_P   # Kimi K2's vocabulary takes the register merge
+    assert set(ddt.CACHE_VARIANTS) <= set(ddt.SCAN_VARIANTS) <= set(ddt.VARIANTS)
+    assert ddt.DEFAULT_VARIANT in ddt.VARIANTS

@@ -77,7 +77,8 @@ DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
     doc="DDTree kernels, variant 5 (merge output by rank) with the sorted-cache builder (budgets <= 64)"))
 # Variant 8 ("scan-rank-cache-regs"): 7 whose scan merge keeps each thread's group keys in registers (one
 # batch of loads) and places the selected groups and candidates by block scans of per-thread counts (no
-# per-key ballot + shared atomic + shuffle), rows of <= 24 chunks (MERGE_REGS_MAX_P). NOT yet run on a GPU.
+# per-key ballot + shared atomic + shuffle), rows of <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger
+# rows take variant 7's merge). NOT yet run on a GPU.
 DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
@@ -87,7 +88,7 @@ VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank", 6: "scan-cache",
             7: "scan-rank-cache", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
 SCAN_VARIANTS = (4, 5, 6, 7, 8)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
 CACHE_VARIANTS = (6, 7, 8)       # variants with the sorted-cache builder
-MERGE_REGS_MAX_P = 24            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 24 chunks per row
+MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
 # variant, or the fallback: DDT_TREE_VARIANT=7 is the H200-proven sorted-cache variant, 4 the default at
