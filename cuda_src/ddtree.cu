@@ -1000,7 +1000,8 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
         if (nw >= (unsigned)k) {   // uniform
             if (warp == 0) radix_pick(sh.hist, (unsigned)k, lane, &sh.digit, &sh.above, &sh.bin);
             __syncthreads();
-            const u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;
+            u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;
+            t0 = t0 > 1ull ? t0 : 1ull;   // never the empty groups (key 0); still <= the thread maximum
             int c0 = 0;
 #pragma unroll
             for (int j = 0; j < DDT_MREG; ++j) c0 += gk[j] >= t0 ? 1 : 0;

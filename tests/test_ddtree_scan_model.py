@@ -161,7 +161,7 @@ def _thread_max_bound(gk: np.ndarray, P: int, k: int, gcap: int):
         return None
     hist = np.bincount(dm[inw], minlength=256)         # by distance below the largest
     ds = int(np.searchsorted(np.cumsum(hist), k))      # the k-th largest thread maximum's distance
-    t0 = np.uint64((top_all - ds) << 48)
+    t0 = np.uint64(max((top_all - ds) << 48, 1))
     n0 = int((gk >= t0).sum())
     return (t0, n0) if n0 <= gcap else None
 
@@ -217,7 +217,8 @@ def test_regs_model_follows_the_kernel():
                  "const bool inw = tmax != 0ull && dm < 256;",
                  "if (inw) atomicAdd(&sh.hist[255 - dm], 1u);",
                  "if (warp == 0) radix_pick(sh.hist, (unsigned)k, lane, &sh.digit, &sh.above, &sh.bin);",
-                 "const u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;",
+                 "u64 t0 = (u64)(unsigned)((int)top_all - (255 - sh.digit)) << 48;",
+                 "t0 = t0 > 1ull ? t0 : 1ull;",
                  "if (n0 <= gcap) { thr = t0; ng = n0; o = o0; placed = true; }",
                  "if (gk[j] >= thr) s_gl[o++] = j * DDT_TOPK_THREADS + tid;"):
         assert stmt in body, stmt
