@@ -262,8 +262,8 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
     // the weight rows (never written by a kernel) stream into shared memory BEFORE the PDL wait: 32 rows x
     // I bf16 = 4 KS 16-byte chunks per thread
 #pragma unroll
-    for (int i = tid; i < 32 * (I / 8); i += RD_WARPS * 32) {
-        const int r = i / (I / 8), c = i % (I / 8);
+    for (int q = 0; q < 32 * (I / 8) / (RD_WARPS * 32); ++q) {
+        const int i = tid + q * RD_WARPS * 32, r = i / (I / 8), c = i % (I / 8);
         rd_cp_async16(W_s + r * LD + c * 8, wd + (long long)(n0 + r) * I + c * 8);
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -272,18 +272,26 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
     const int kw = warp * 16 * KS + 2 * tig;
     for (int tile = z; tile * 16 < T; tile += zgroups) {
         // act of the tile's 16 rows (zeros past T): the gate / up fp32 accumulators rounded to bf16 (the bf16
-        // GEMM epilogue), then silu_mul1 (act.cu's arithmetic), two columns per step (coalesced float2)
-        for (int i = tid; i < 16 * (I / 2); i += RD_WARPS * 32) {
-            const int r = i / (I / 2), c = 2 * (i % (I / 2)), t = tile * 16 + r;
-            uint32_t v = 0u;
+        // GEMM epilogue), then silu_mul1 (act.cu's arithmetic), two columns per step (coalesced float2).
+        // All loads are issued first (a constant trip count, unrolled) so their L2 latencies overlap
+        // instead of one per step; rows past T load zeros and give act 0.
+        constexpr int STEPS = 16 * (I / 2) / (RD_WARPS * 32);
+        float2 gv[STEPS], uv[STEPS];
+#pragma unroll
+        for (int q = 0; q < STEPS; ++q) {
+            const int i = tid + q * RD_WARPS * 32, r = i / (I / 2), c = 2 * (i % (I / 2)), t = tile * 16 + r;
+            gv[q] = uv[q] = make_float2(0.f, 0.f);
             if (t < T) {
                 const float* row = gate_up + (long long)t * gu_stride;
-                const float2 gg = *(const float2*)(row + c);
-                const float2 uu = *(const float2*)(row + I + c);
-                v = (uint32_t)silu_mul1(f32_to_bf16(gg.x), f32_to_bf16(uu.x)) |
-                    ((uint32_t)silu_mul1(f32_to_bf16(gg.y), f32_to_bf16(uu.y)) << 16);
+                gv[q] = *(const float2*)(row + c);
+                uv[q] = *(const float2*)(row + I + c);
             }
-            *(uint32_t*)(A_s + r * LD + c) = v;
+        }
+#pragma unroll
+        for (int q = 0; q < STEPS; ++q) {
+            const int i = tid + q * RD_WARPS * 32, r = i / (I / 2), c = 2 * (i % (I / 2));
+            *(uint32_t*)(A_s + r * LD + c) = (uint32_t)silu_mul1(f32_to_bf16(gv[q].x), f32_to_bf16(uv[q].x)) |
+                                             ((uint32_t)silu_mul1(f32_to_bf16(gv[q].y), f32_to_bf16(uv[q].y)) << 16);
         }
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads();
