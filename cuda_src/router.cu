@@ -274,7 +274,7 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
         // act of the tile's 16 rows (zeros past T): the gate / up fp32 accumulators rounded to bf16 (the bf16
         // GEMM epilogue), then silu_mul1 (act.cu's arithmetic), two columns per step (coalesced float2).
         // All loads are issued first (a constant trip count, unrolled) so their L2 latencies overlap
-        // instead of one per step; rows past T load zeros and give act 0.
+        // instead of one per step; rows past T store act 0.
         constexpr int STEPS = 16 * (I / 2) / (RD_WARPS * 32);
         float2 gv[STEPS], uv[STEPS];
 #pragma unroll
@@ -288,10 +288,13 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
             }
         }
 #pragma unroll
-        for (int q = 0; q < STEPS; ++q) {
+        for (int q = 0; q < STEPS; ++q) {     // a warp covers 32 consecutive pairs of one row: r is warp-uniform
             const int i = tid + q * RD_WARPS * 32, r = i / (I / 2), c = 2 * (i % (I / 2));
-            *(uint32_t*)(A_s + r * LD + c) = (uint32_t)silu_mul1(f32_to_bf16(gv[q].x), f32_to_bf16(uv[q].x)) |
-                                             ((uint32_t)silu_mul1(f32_to_bf16(gv[q].y), f32_to_bf16(uv[q].y)) << 16);
+            uint32_t v = 0u;
+            if (tile * 16 + r < T)            // rows past T skip the SwiGLU (half the tile at T = 8)
+                v = (uint32_t)silu_mul1(f32_to_bf16(gv[q].x), f32_to_bf16(uv[q].x)) |
+                    ((uint32_t)silu_mul1(f32_to_bf16(gv[q].y), f32_to_bf16(uv[q].y)) << 16);
+            *(uint32_t*)(A_s + r * LD + c) = v;
         }
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         __syncthreads();
