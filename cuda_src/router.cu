@@ -68,8 +68,9 @@ __device__ __forceinline__ void load_bias(const float* __restrict__ bias, int E,
 }
 
 // The lane's best live candidate: highest key, ties to the lower j (= lower expert id); best_j = -1 when
-// none is live. ROUTER_SEL_TREE (default 1, session 3 E2): a 4-level tournament over the 16 registers
-// (dead slots enter as key 0 / j 16 and lose every tie to a live slot), ~9 dependent operations; 0: the
+// none is live. ROUTER_SEL_TREE (default 1, session 3 E2; also the ballot pick in route_token): a 4-level
+// tournament over the 16 registers (dead slots enter as key 0 / j 16 and lose every tie to a live slot),
+// ~9 dependent operations; 0: the
 // v2 linear scan, a chain of 16 dependent compare-selects. The same winner either way (the tournament's
 // left operand is always the lower-j half, so equal keys keep the lower j).
 #ifndef ROUTER_SEL_TREE
@@ -166,8 +167,23 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
         const bool has = best_j >= 0;
         const uint32_t m = __reduce_max_sync(0xffffffffu, has ? best_key : 0u);
         const uint32_t cand = (has && best_key == m) ? (uint32_t)(lane + 32 * best_j) : 0xffffffffu;
+#if ROUTER_SEL_TREE
+        // usually ONE lane holds the maximum: a ballot names it (cheaper than a second warp reduction, and the
+        // owner's rescan depends only on it); the id then travels by a shuffle off that chain. Cross-lane
+        // ties take the v2 path (the lowest id among the holders).
+        const unsigned int holders = __ballot_sync(0xffffffffu, cand != 0xffffffffu);
+        int owner, id;
+        if (__popc(holders) == 1) {
+            owner = __ffs(holders) - 1;
+            id = __shfl_sync(0xffffffffu, (int)cand, owner);
+        } else {
+            id = (int)__reduce_min_sync(0xffffffffu, cand);
+            owner = id & 31;
+        }
+#else
         const int id = (int)__reduce_min_sync(0xffffffffu, cand);
         const int owner = id & 31;
+#endif
         const float sw = __shfl_sync(0xffffffffu, best_s, owner);
         sum += sw;
         if (lane == r) { my_id = id; my_s = sw; }
@@ -183,7 +199,8 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+// min blocks 1: see router_topk_down (ptxas otherwise caps sm_90 at ~72-80 registers and spills)
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32, 1)
 router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
             int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
             float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
