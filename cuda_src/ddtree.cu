@@ -8,6 +8,7 @@
 #include "common.cuh"
 
 #define DDT_MAX_K 128          // top-K width supported (budget <= 128)
+#define DDT_WALK_SLOTS ((DDT_MAX_TREE_ROWS + 31) / 32)   // tree rows per lane in the register walk
 #define DDT_MAX_DEPTH 8        // rank-tuple key: 8 bits per depth in 64 bits
 #define DDT_TOPK_THREADS 256   // threads per block of both top-K kernels
 #define DDT_TOPK_VECS 4        // 8-logit vectors per thread: a chunk of <= 256 * 8 * 4 = 8192 in registers
@@ -33,7 +34,8 @@
 // DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
 // 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
 // DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers
-// and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs).
+// and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs),
+// whose cache loop stores one info word per pop, and whose walk reads the tree from registers.
 #if DDT_FAST != 0 && (DDT_FAST < 3 || DDT_FAST > 8)
 #error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache), 8 (scan-rank-cache-regs)"
 #endif
@@ -42,6 +44,7 @@
 #define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
 #define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
 #define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
+#define DDT_WALK_REGS (DDT_FAST == 8)   // the walk reads the tree and post tokens from registers (one load batch)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
@@ -1568,6 +1571,44 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
     const int pre = prefix_len[st];
     int cur = 0, a = 1;
     if (lane == 0) s_rows[0] = 0;
+#if DDT_WALK_REGS
+    // Every row's parent, token and post token in registers first (row i = slot i / 32 of lane i % 32: one
+    // batch of loads), so a step of the walk is a shuffle and five ballots instead of two dependent global
+    // round trips. A step: want = post[cur] (from lane cur % 32), then the lowest row c < n with parent
+    // cur and token want (parents precede their children, so c > cur); its token is `want`, recorded for
+    // out_tokens.
+    __shared__ int s_tokv[DDT_MAX_DEPTH + 2];
+    int r_par[DDT_WALK_SLOTS], r_tok[DDT_WALK_SLOTS], r_pst[DDT_WALK_SLOTS];
+#pragma unroll
+    for (int q = 0; q < DDT_WALK_SLOTS; ++q) {
+        const int i = q * 32 + lane;
+        r_par[q] = i < n ? par[i] : -2;   // -2: never a row index
+        r_tok[q] = i < n ? tok[i] : 0;
+        r_pst[q] = i < n ? pst[i] : 0;
+    }
+    const int root_tok = __shfl_sync(FULL_MASK, r_tok[0], 0);
+    int want;
+    for (;;) {
+        int pv = r_pst[0];
+#pragma unroll
+        for (int q = 1; q < DDT_WALK_SLOTS; ++q) pv = (cur >> 5) == q ? r_pst[q] : pv;
+        want = __shfl_sync(FULL_MASK, pv, cur & 31);   // post[cur]
+        if (a >= A) break;
+        int found = -1;
+#pragma unroll
+        for (int q = DDT_WALK_SLOTS - 1; q >= 0; --q) {   // the lowest slot with a match wins
+            const unsigned m = __ballot_sync(FULL_MASK, r_par[q] == cur && r_tok[q] == want);
+            found = m ? q * 32 + __ffs(m) - 1 : found;
+        }
+        if (found < 0) break;
+        cur = found;
+        if (lane == 0) { s_rows[a] = cur; s_tokv[a] = want; }
+        ++a;
+    }
+    if (lane == 0) s_tokv[0] = root_tok;
+    __syncwarp();
+    const int bonus_tok = want;   // post[cur] of the last accepted row
+#else
     while (a < A) {
         const int want = pst[cur];
         int found = -1;
@@ -1583,6 +1624,7 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
     }
     __syncwarp();
     const int bonus_tok = pst[cur];
+#endif
     const int roff = row_offset[st];
     for (int j = lane; j < A; j += 32) {
         const bool in = j < a;
@@ -1592,8 +1634,13 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
         kv_dst[(size_t)st * A + j] = in ? pre + j : -1;
         feat_rows[(size_t)st * A + j] = in ? roff + r : -1;
     }
+#if DDT_WALK_REGS
+    for (int j = lane; j <= A; j += 32)
+        out_tokens[(size_t)st * (A + 1) + j] = j < a ? s_tokv[j] : (j == a ? bonus_tok : -1);
+#else
     for (int j = lane; j <= A; j += 32)
         out_tokens[(size_t)st * (A + 1) + j] = j < a ? tok[s_rows[j]] : (j == a ? bonus_tok : -1);
+#endif
     __syncwarp();   // all lanes have read prefix_len before it may be overwritten
     if (lane == 0) {
         n_acc[st] = a;

@@ -78,7 +78,8 @@ DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
 # Variant 8 ("scan-rank-cache-regs"): 7 whose scan merge keeps each thread's group keys in registers (one
 # batch of loads) and places the selected groups and candidates by block scans of per-thread counts (no
 # per-key ballot + shared atomic + shuffle), rows of <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger
-# rows take variant 7's merge). NOT yet run on a GPU.
+# rows take variant 7's merge); its cache loop stores one info word per pop and its walk reads the tree from
+# registers (one batch of loads). NOT yet run on a GPU.
 DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
@@ -96,7 +97,8 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # 7: H200 run of this session (bench/results/tree_h200_cache.json, all builder/walk/graph GPU tests of
 # variants 0-7 passed, outputs equal to variant 4's): 10 x 64 bf16 total 52.3 (4) -> 40.4 us (build 23.8 ->
 # 15.9, top-K 24.1 -> 20.8 by the rank-placed merge); 1 x 8 20.2 -> 19.6; f32 10 x 64 62.2 -> 46.4.
-# 8: 7 with the register merge and the lean cache loop (docs/DDTREE.md predicts 10 x 64 40.4 -> 35-37 us);
+# 8: 7 with the register merge, the lean cache loop and the register walk (docs/DDTREE.md predicts 10 x 64
+# 40.4 -> 33-36 us);
 # compiled without spills, CPU-modelled, NOT yet run on a GPU when made the default: if the integration
 # run shows a variant-8 test failing or 8 slower than 7 in bench/tree.py, the default goes back to 7.
 DEFAULT_VARIANT = 8
