@@ -230,7 +230,8 @@ def main(argv=None):
         if v != ref_name and d is not None:
             print(f"{ref_name} -> {v} (same run): {S:2d} x {B:3d} {dt}: top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f} "
                   f"(stage 1 {d['topk_stage1_us']:5.1f} -> {r['topk_stage1_us']:5.1f}, merge alone "
-                  f"{d['topk_merge_us']:5.1f} -> {r['topk_merge_us']:5.1f}), build {d['build_us']:5.1f} -> "
+                  f"{d['topk_merge_us']:5.1f} -> {r['topk_merge_us']:5.1f}), walk {d['walk_commit_us']:4.1f} -> "
+                  f"{r['walk_commit_us']:4.1f}, build {d['build_us']:5.1f} -> "
                   f"{r['build_us']:5.1f}, total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us "
                   f"({d['total_us'] / r['total_us']:.2f}x); same outputs: {'yes' if r['matches_verified'] else 'NO'}")
 
