@@ -70,89 +70,6 @@ def launch_floor(cp):
     return time_graph(one_k, iters=50, reps=5), time_graph(two_k, iters=50, reps=5)
 
 
-# --loads: a cold L2 (FLUSH reads a buffer larger than the L2, no PDL) and a predecessor that lets its
-# dependents launch at its start and then runs SPIN_US (as mla_head_gemm does in the engine), so an attention
-# launched with PDL can run its pre-wait prefetch while the predecessor runs.
-LOADS_SRC = r"""
-extern "C" __global__ void ddt_flush(const uint4* __restrict__ buf, size_t n, unsigned* __restrict__ sink) {
-    unsigned x = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const uint4 v = buf[i];
-        x ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (x == 0x9e3779b9u) sink[0] = x;   // keeps the loads; never true for the fill used
-}
-__device__ __forceinline__ unsigned long long ddt_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-extern "C" __global__ void ddt_spin_predecessor(unsigned long long ns) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    const unsigned long long t0 = ddt_ns();
-    while (ddt_ns() - t0 < ns) { }
-}
-"""
-SPIN_US = 6.0
-
-
-def loads_compare(cp, A, one_case, cases, num_sms, out_path, meta):
-    """Old (flags 0, session 3) vs new load features at the same plan, in three settings: warm L2 without
-    PDL (the benchmark's usual timing; "auto" there = page ids ahead only), cold L2 without PDL, cold L2
-    after a predecessor that triggers its dependents early, attention launched with PDL ("auto" = prefetch +
-    page ids ahead). Cold times are exposed times: graph of (flush [+ predecessor] + attention) minus the
-    graph of (flush [+ predecessor])."""
-    from ddtree_cupy.kernels import launch
-    mod = cp.RawModule(code=LOADS_SRC, options=("-std=c++17",))
-    flush_k, spin_k = mod.get_function("ddt_flush"), mod.get_function("ddt_spin_predecessor")
-    fbuf = cp.arange((128 << 20) // 4, dtype=cp.uint32)      # 128 MB: 2.5x the H200's 50 MB L2
-    sink = cp.zeros(1, cp.uint32)
-    spin_ns = np.uint64(SPIN_US * 1e3)   # %globaltimer, ns (no clock-rate attribute needed)
-
-    def flush():
-        flush_k((2 * num_sms,), (512,), (fbuf, np.uint64(fbuf.size // 4), sink))
-
-    def spin():
-        spin_k((num_sms,), (64,), (spin_ns,))
-
-    new_plain, new_pdl = A.mla_load_flags("auto", pdl=False), A.mla_load_flags("auto", pdl=True)
-    rows = []
-    print(f"\n# load features: flags 0 = session 3 (DDT_MLA_LOADS=none), auto = {new_plain} without PDL, "
-          f"{new_pdl} with PDL; us per call; cold = exposed after an L2 flush; pdl = exposed after a "
-          f"{SPIN_US:.0f} us predecessor that triggers its dependents at its start")
-    print(f"{'S':>3} {'rows':>4} {'ctx':>7} {'cfg':>22} {'spl':>3} | {'warm old':>8} {'new':>6} | {'cold old':>8} "
-          f"{'new':>6} | {'pdl old':>7} {'new':>6} {'new/old':>7}")
-    try:
-        for S, n, c in cases:
-            call, cfg, splits = one_case(S, n, c)
-            r = dict(streams=S, rows=n, ctx=c, config=cfg.name, splits=splits)
-            launch.set_pdl(False)
-            for tag, fl in (("old", 0), ("new", new_plain)):
-                r[f"warm_{tag}"] = time_graph(lambda: call(fl), iters=20, reps=5)
-            base = time_graph(flush, iters=10, reps=5)
-            for tag, fl in (("old", 0), ("new", new_plain)):
-                r[f"cold_{tag}"] = time_graph(lambda: (flush(), call(fl)), iters=10, reps=5) - base
-            launch.set_pdl(True)
-            base = time_graph(lambda: (flush(), spin()), iters=10, reps=5)
-            for tag, fl in (("old", 0), ("new", new_pdl)):
-                r[f"pdl_{tag}"] = time_graph(lambda: (flush(), spin(), call(fl)), iters=10, reps=5) - base
-            launch.set_pdl(False)
-            rows.append(r)
-            print(f"{S:>3} {n:>4} {c:>7} {cfg.name[9:]:>22} {splits:>3} | {r['warm_old']:>8.2f} {r['warm_new']:>6.2f} | "
-                  f"{r['cold_old']:>8.2f} {r['cold_new']:>6.2f} | {r['pdl_old']:>7.2f} {r['pdl_new']:>6.2f} "
-                  f"{r['pdl_new'] / r['pdl_old']:>7.2f}", flush=True)
-            if out_path:
-                _save(out_path, dict(meta, loads=rows, spin_us=SPIN_US, partial=True))
-    finally:
-        launch.set_pdl(False)
-    ratios = {k: float(np.median([r[f"{k}_new"] / r[f"{k}_old"] for r in rows])) for k in ("warm", "cold", "pdl")}
-    worst = {k: float(max(r[f"{k}_new"] / r[f"{k}_old"] for r in rows)) for k in ("warm", "cold", "pdl")}
-    print("# summary new/old, median (worst): " + ", ".join(f"{k} {ratios[k]:.3f} ({worst[k]:.3f})" for k in ratios))
-    if out_path:
-        _save(out_path, dict(meta, loads=rows, spin_us=SPIN_US, loads_median=ratios, loads_worst=worst))
-    return rows
-
-
 def write_svg(summary: dict, path: str) -> None:
     """Measured time per call (solid) and the floor (dashed) against context, log-log, as a plain SVG
     (no plotting library needed)."""
@@ -395,9 +312,6 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also time the planned tile of the engine's decode shapes at several split counts, and "
                          "1 x 1 / 1 x 8 at 4K without one phase (fixed-cost breakdown; planner refit points)")
-    ap.add_argument("--loads", action="store_true",
-                    help="only time the MLA load features old (flags 0) vs new (auto) on the --set's shapes: warm, "
-                         "cold L2, and behind an early-triggering predecessor with PDL")
     ap.add_argument("--compare", action="store_true",
                     help="also time the cases planned with mla_attn_fwd tiles with the opt-in ks32 tile")
     ap.add_argument("--policy", choices=("auto", "measured", "model", "both"), default="auto",
@@ -504,29 +418,6 @@ def main():
     if args.set == "decode":
         cases = ([(S, n, 4096) for S in (1, 4, 10) for n in (1, 8, 16, 32)] +
                  [(1, n, c) for c in (32768, 65536, long_ctx) for n in (1, 4, 8)])
-    if args.loads:
-        def one_case(S, n, c):
-            """(call(flags), config, splits) for a tree of n rows per stream at context c, planned as usual."""
-            max_p = pages_long if c > max_ctx else pages_per_stream
-            table = perm[:S * max_p].reshape(S, max_p)
-            q = random_bf16(cp, (S * n, H, 576), 0.5)
-            out = cp.empty((S * n, H, 512), cp.uint16)
-            prefix, n_rows = cp.full((S,), c, cp.int32), cp.full((S,), n, cp.int32)
-            row_start = cp.arange(S, dtype=cp.int32) * n
-            mask = cp.asarray(np.broadcast_to(tree_mask(rng, n)[0], (S, 129, 5)).copy())
-            cfg, splits = A.plan_mla(S, n, H, c + n)
-            ws = A.MlaWorkspace(splits, S * n, H) if splits > 1 else None
-
-            def call(flags):
-                A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
-                                max_rows=n, max_kv_len=c + n, out=out, workspace=ws, config=cfg,
-                                num_splits=splits, load_flags=flags)
-            return call, cfg, splits
-        meta = dict(device=name, read_gbps=bw, mma_tflops=tflops, num_sms=num_sms, heads=H,
-                    launch_floor_us=dict(one_kernel=launch[0], two_kernels=launch[1]))
-        loads_compare(cp, A, one_case, cases, num_sms, args.out, meta)
-        print(f"# total {time.time() - t_start:.0f} s")
-        return
     if args.policy == "both":
         policy_both(one, cases, results, args, was)
         cases = []

@@ -33,81 +33,6 @@
 // 16-byte bank groups (1168 B = 73 chunks, odd) and ldmatrix is conflict free.
 #define MLA_SROW (MLA_QK_DIM + 8)
 
-// Load features (the kernels' last argument `flags`; kernels/attention.py MLA_LOAD_FLAGS picks them, 0 = the
-// session-3 behaviour). Neither changes a result bit: they only move when bytes arrive.
-//   MLA_PREFETCH_PREWAIT: before DDT_PDL_WAIT(), L2-prefetch the first tiles of the block's split (below).
-//   MLA_PAGES_AHEAD:      read page ids ahead of their tiles: the prologue reads all of its ids before its
-//                         first copy, and the id of the tile after the one being refilled is read right after
-//                         that refill, so no refill waits on a page-table read (before: an L2 round trip the
-//                         issuing threads stalled on inside every tile iteration).
-#define MLA_PREFETCH_PREWAIT 1
-#define MLA_PAGES_AHEAD 2
-
-// Before DDT_PDL_WAIT(): L2 prefetch of up to PF tiles at the start of this block's split, only positions
-// below the stream's committed length s (rows >= s are this layer's new rows, written by the kernel before:
-// not there yet). Every value read here may be stale (the kernels of the step that write the per-stream
-// lengths may in principle still run): the reads are volatile (a plain read of a const __restrict__ pointer
-// becomes ld.global.nc, which the compiler may reuse after the wait: docs/ATTENTION.md "PDL"), page ids are
-// clamped into the pool and tile indices into the table, so a stale value can only waste a prefetch: no
-// fault, no architectural effect (L2 is the coherence point; the real loads come after the wait).
-// Tiles never straddle a page, and the BN rows of a tile are contiguous: BN * 9 lines of 128 B.
-template <int BN, int PF, int THREADS>
-__device__ __forceinline__ void mla_prefetch_split_start(const bf16_bits* pool, const int* block_table,
-                                                         const int* prefix_len, const int* n_rows_arr, int b,
-                                                         int split, int num_splits, int max_pages,
-                                                         int num_pages) {
-    const int n = *reinterpret_cast<const volatile int*>(n_rows_arr + b);
-    const int s = *reinterpret_cast<const volatile int*>(prefix_len + b);
-    const int cap = max_pages * (KV_PAGE_SIZE / BN);          // tiles the table can address
-    if (n < 0 || s <= 0 || s > cap * BN || n > cap * BN || num_pages <= 0) return;   // stale or nothing to fetch
-    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;   // as the kernels split
-    const int tb = split * per_split;
-    const int te = min(min((s + BN - 1) / BN, tb + per_split), min(tb + PF, cap));
-    const int* table = block_table + (size_t)b * max_pages;
-    int page[PF];
-#pragma unroll
-    for (int i = 0; i < PF; ++i)   // all ids first: one round trip, not PF
-        page[i] = tb + i < te ? *reinterpret_cast<const volatile int*>(table + (tb + i) * BN / KV_PAGE_SIZE) : 0;
-#pragma unroll
-    for (int i = 0; i < PF; ++i) {
-        if (tb + i >= te) break;
-        const int pg = min(max(page[i], 0), num_pages - 1);
-        const char* base = reinterpret_cast<const char*>(
-            pool + ((size_t)pg * KV_PAGE_SIZE + ((tb + i) * BN) % KV_PAGE_SIZE) * MLA_QK_DIM);
-        for (int l = threadIdx.x; l < BN * MLA_QK_DIM * 2 / 128; l += THREADS) prefetch_l2(base + l * 128);
-    }
-}
-
-// The cp.async prologue and refill both kernels share (page_of, load_tile, ahead, tile_begin / tile_end in
-// scope). With `ahead` the prologue reads all of its page ids before issuing any copy and keeps next_page =
-// the id of the tile after the next refill; without it each copy reads its id just before (session 3).
-#define MLA_PROLOGUE()                                                                                      \
-    int next_page = 0;                                                                                      \
-    {                                                                                                       \
-        int pg[STAGES - 1];                                                                                 \
-        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st)                                           \
-            pg[st] = ahead && tile_begin + st < tile_end ? page_of(tile_begin + st) : 0;                    \
-        if (ahead && tile_begin + STAGES - 1 < tile_end) next_page = page_of(tile_begin + STAGES - 1);      \
-        _Pragma("unroll") for (int st = 0; st < STAGES - 1; ++st) {                                         \
-            if (tile_begin + st < tile_end)                                                                 \
-                load_tile(tile_begin + st, st, ahead ? pg[st] : page_of(tile_begin + st));                  \
-            cp_async_commit();                                                                              \
-        }                                                                                                   \
-    }
-#ifndef MLA_PROBE_SKIP_LOAD
-#define MLA_REFILL(nt, buf)                                                                                 \
-    {                                                                                                       \
-        const int nt_ = (nt);                                                                               \
-        if (nt_ < tile_end) {                                                                               \
-            load_tile(nt_, (buf), ahead ? next_page : page_of(nt_));                                        \
-            if (ahead && nt_ + 1 < tile_end) next_page = page_of(nt_ + 1);                                  \
-        }                                                                                                   \
-        cp_async_commit();                                                                                  \
-    }
-#else
-#define MLA_REFILL(nt, buf) cp_async_commit();
-#endif
-
 
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
@@ -141,9 +66,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* __restrict__ part_o,                // [num_splits, total_rows*H, 512] (num_splits > 1)
     float* __restrict__ part_lse,              // [num_splits, total_rows*H]
     int max_pages, int mask_rows, int H, int total_packed, int num_splits,
-    float scale_log2,                          // softmax_scale * log2(e)
-    int num_pages,                             // pages in the pool (clamps the pre-wait prefetch)
-    int flags) {                               // MLA_PREFETCH_PREWAIT | MLA_PAGES_AHEAD
+    float scale_log2) {                        // softmax_scale * log2(e)
     using C = MlaCfg<MG, VG, BN, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Qs = reinterpret_cast<bf16_bits*>(smem_raw);
@@ -153,18 +76,14 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
 
     DDT_PDL_LAUNCH_DEPENDENTS();  // the combine (or next kernel) may launch; it waits for this whole grid
+    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
-    if (flags & MLA_PREFETCH_PREWAIT)
-        mla_prefetch_split_start<BN, STAGES, C::THREADS>(pool, block_table, prefix_len, n_rows_arr, b, split,
-                                                         num_splits, max_pages, num_pages);
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
-    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile. __ldcg (L2, not the
-    // read-only path): a read-only load may be moved above the wait or merged with the pre-wait read.
-    const int n = __ldcg(n_rows_arr + b);
-    const int s = __ldcg(prefix_len + b);
-    const int rs = __ldcg(row_start + b);
+    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
+    const int n = n_rows_arr[b];
+    const int s = prefix_len[b];
+    const int rs = row_start[b];
     const int m0 = blockIdx.x * C::BM;
     if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int* table = block_table + (size_t)b * max_pages;
@@ -192,16 +111,10 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     // ---- loads -----------------------------------------------------------------------------------
     // A tile never straddles a page (BN divides the page size), so one page-table read per tile.
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    const bool ahead = flags & MLA_PAGES_AHEAD;
-    // t0 < kv_len: the tile holds a valid token. With either feature the ids are read through L2 (__ldcg):
-    // a read-only load may be moved next to its use or above the wait, or be served by a line the pre-wait
-    // read brought in; flags 0 keeps session 3's __ldg.
-    auto page_of = [&](int tile) {
-        return flags ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
-    };
-    auto load_tile = [&](int tile, int buf, int page) {
+    auto load_tile = [&](int tile, int buf) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);  // t0 < kv_len: the tile holds a valid token
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -219,7 +132,10 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         }
     }
     // Group 0 = Q + first tile; then one group per tile (possibly empty, so the wait count stays fixed).
-    MLA_PROLOGUE();
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
 
     // ---- per-thread row state: rows g and g+8 of the warp's 16 ---------------------------------------
     int qrow[2];
@@ -241,7 +157,13 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
         const int buf = it % STAGES;
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);   // the stage consumed last iteration
+        {   // refill the stage that was consumed in the previous iteration
+            int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
+        }
         const bf16_bits* Kb = Ks + buf * C::K_ELEMS;
 
         // ---- S = Q K^T for 16 rows x TOK_W tokens --------------------------------------------------
@@ -466,7 +388,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
     const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, float* __restrict__ part_o,
     float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
-    float scale_log2, int num_pages, int flags) {   // same arguments as mla_attn_fwd
+    float scale_log2) {   // same arguments as mla_attn_fwd
     using C = MlaKsCfg<MT, BN, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Ks = reinterpret_cast<bf16_bits*>(smem_raw);                        // [STAGES][BN][SROW]
@@ -475,16 +397,14 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     float* alpha_s = reinterpret_cast<float*>(Ps + C::BM * C::PSTR);               // [BM]
     float* linv_s = alpha_s + C::BM;                                               // [BM]
 
+    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
     const int b = blockIdx.z;
     const int split = blockIdx.y;
-    if (flags & MLA_PREFETCH_PREWAIT)   // overlaps the kernel before (mla_head_gemm triggers at its start)
-        mla_prefetch_split_start<BN, STAGES, C::THREADS>(pool, block_table, prefix_len, n_rows_arr, b, split,
-                                                         num_splits, max_pages, num_pages);
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
-    // The per-stream scalars together (one L2 round trip); __ldcg as in mla_attn_fwd.
-    const int n = __ldcg(n_rows_arr + b);
-    const int s = __ldcg(prefix_len + b);
-    const int rs = __ldcg(row_start + b);
+    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
+    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
+    const int n = n_rows_arr[b];
+    const int s = prefix_len[b];
+    const int rs = row_start[b];
     const int m0 = blockIdx.x * C::BM;
     if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
     const int* table = block_table + (size_t)b * max_pages;
@@ -504,13 +424,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const int kq = warp & 3, th = warp >> 2;
 
     static_assert(KV_PAGE_SIZE % BN == 0, "tiles must not straddle pages");
-    const bool ahead = flags & MLA_PAGES_AHEAD;
-    auto page_of = [&](int tile) {   // as in mla_attn_fwd
-        return flags ? __ldcg(table + tile * BN / KV_PAGE_SIZE) : __ldg(table + tile * BN / KV_PAGE_SIZE);
-    };
-    auto load_tile = [&](int tile, int buf, int page) {
+    auto load_tile = [&](int tile, int buf) {
         bf16_bits* dst0 = Ks + buf * C::K_ELEMS;
         const int t0 = tile * BN;
+        const int page = __ldg(table + t0 / KV_PAGE_SIZE);
         const bf16_bits* base = pool + ((size_t)page * KV_PAGE_SIZE + (t0 % KV_PAGE_SIZE)) * MLA_QK_DIM;
         for (int i = tid; i < BN * MLA_CHUNKS; i += C::THREADS) {
             const int tok = i / MLA_CHUNKS, c = i - tok * MLA_CHUNKS;
@@ -519,7 +436,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
         }
     };
     // One cp.async group per stage (possibly empty, so the wait counts stay fixed).
-    MLA_PROLOGUE();
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (tile_begin + st < tile_end) load_tile(tile_begin + st, st);
+        cp_async_commit();
+    }
 
     // Q A-fragments of this warp's reduction quarter, straight from global memory (padded rows are zero):
     // a0 / a1 = rows g / g+8 at columns 2*q4, a2 / a3 the same rows 8 columns on.
@@ -593,7 +513,13 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
                 }
         }
         __syncthreads();  // B: partial S complete; every warp is past PV of the previous tile
-        MLA_REFILL(tile + STAGES - 1, (it + STAGES - 1) % STAGES);   // the stage the previous tile used
+        {   // refill the stage the previous tile used
+            const int nt = tile + STAGES - 1;
+#ifndef MLA_PROBE_SKIP_LOAD
+            if (nt < tile_end) load_tile(nt, (it + STAGES - 1) % STAGES);
+#endif
+            cp_async_commit();
+        }
 
         // ---- softmax over the tile: row srow, tokens tokc .. tokc + TPT ---------------------------------
         {

@@ -134,8 +134,7 @@ def _router_down(name, grid, args):
 
 
 def _mla(name, grid, args):
-    # [16:] = num_pages, load flags (prefetch / page read-ahead: no effect on results)
-    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args[:16]
+    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args
     P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
     Q, O = np.asarray(q).view(np.ndarray), np.asarray(out).view(np.ndarray)
     scale = float(scale_log2) / LOG2E

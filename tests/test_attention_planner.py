@@ -230,25 +230,3 @@ def test_every_sm120_candidate_and_the_drafter_fit_99_kb():
         assert A.MLA_CONFIGS[key].smem <= SM120_SMEM, key
     assert A.DRAFTER_SMEM <= SM120_SMEM
     assert A.MLA_CONFIGS["ks16_5stage"].smem <= H200[1]   # the H200-only deep tile still fits there
-
-
-def test_load_feature_rule_and_switch():
-    """MLA load features (docs/ATTENTION.md "Session 3b"): "auto" = page ids ahead always, the pre-wait
-    prefetch only when the launch uses PDL; "none" is the session-3 kernels (flags 0); the module switch
-    reaches mla_load_flags(); bad modes name the argument."""
-    assert A.mla_load_flags("auto", pdl=False) == A.MLA_PAGES_AHEAD
-    assert A.mla_load_flags("auto", pdl=True) == A.MLA_PAGES_AHEAD | A.MLA_PREFETCH_PREWAIT
-    assert A.mla_load_flags("none", pdl=True) == 0
-    assert A.mla_load_flags("prefetch", pdl=False) == A.MLA_PREFETCH_PREWAIT
-    assert A.mla_load_flags("both", pdl=False) == A.MLA_PREFETCH_PREWAIT | A.MLA_PAGES_AHEAD
-    prev = A.set_mla_loads("none")
-    try:
-        assert A.mla_load_flags(pdl=True) == 0
-        A.set_mla_loads("auto")
-        assert A.mla_load_flags(pdl=True) == 3
-        with pytest.raises(ValueError, match="mode"):
-            A.set_mla_loads("fast")
-        with pytest.raises(ValueError, match="mode"):
-            A.mla_load_flags("fast")
-    finally:
-        A.set_mla_loads(prev)

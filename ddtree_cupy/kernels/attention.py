@@ -340,49 +340,6 @@ def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int
     return bps
 
 
-# ---- load features of the MLA kernels (the kernels' `flags` argument; docs/ATTENTION.md "Session 3b") ------
-# Neither changes a result bit (tests: bitwise equal with every combination); they only move when bytes arrive.
-#   MLA_PREFETCH_PREWAIT: before DDT_PDL_WAIT(), L2-prefetch the first tiles of each block's split (committed
-#       prefix only, ids clamped into the pool). Pays only where the kernel starts before its predecessor ends,
-#       i.e. launched with PDL after a kernel that triggers its dependents early (the engine: mla_head_gemm);
-#       without PDL it only adds two dependent L2 reads before the real ones.
-#   MLA_PAGES_AHEAD: page ids read one tile ahead of their cp.async refill (no refill waits on a table read).
-# MLA_LOADS (environment DDT_MLA_LOADS, or set_mla_loads): "auto" = the rule below, "none" = the session-3
-# kernels' behaviour (flags 0: the fallback), "ahead", "prefetch", "both".
-MLA_PREFETCH_PREWAIT = 1
-MLA_PAGES_AHEAD = 2
-MLA_LOAD_MODES = {"none": 0, "ahead": MLA_PAGES_AHEAD, "prefetch": MLA_PREFETCH_PREWAIT,
-                  "both": MLA_PREFETCH_PREWAIT | MLA_PAGES_AHEAD}
-MLA_LOADS = os.environ.get("DDT_MLA_LOADS", "auto")
-if MLA_LOADS not in ("auto", *MLA_LOAD_MODES):
-    raise ValueError(f"DDT_MLA_LOADS: expected one of {('auto', *MLA_LOAD_MODES)}, got {MLA_LOADS!r}")
-
-
-def set_mla_loads(mode: str) -> str:
-    """Set the module-wide MLA load features ("auto", "none", "ahead", "prefetch", "both"); returns the previous.
-    Read at launch time, so set it before capturing graphs (the flags are a kernel argument)."""
-    global MLA_LOADS
-    if mode not in ("auto", *MLA_LOAD_MODES):
-        raise ValueError(f"mode: expected one of {('auto', *MLA_LOAD_MODES)}, got {mode!r}")
-    prev, MLA_LOADS = MLA_LOADS, mode
-    return prev
-
-
-def mla_load_flags(mode: Optional[str] = None, pdl: Optional[bool] = None) -> int:
-    """The kernels' flags for ``mode`` (None = MLA_LOADS). "auto": page ids ahead always; the pre-wait
-    prefetch only when the launch uses PDL (``pdl`` None = launch.pdl_enabled()): otherwise nothing runs
-    before the wait returns and the prefetch has nothing to overlap."""
-    mode = mode or MLA_LOADS
-    if mode != "auto":
-        if mode not in MLA_LOAD_MODES:
-            raise ValueError(f"mode: expected one of {('auto', *MLA_LOAD_MODES)}, got {mode!r}")
-        return MLA_LOAD_MODES[mode]
-    if pdl is None:
-        from .launch import pdl_enabled
-        pdl = pdl_enabled()
-    return MLA_PAGES_AHEAD | (MLA_PREFETCH_PREWAIT if pdl else 0)
-
-
 class MlaWorkspace:
     """fp32 split partials for one shape bucket: allocate once (outside graph capture) and reuse."""
 
@@ -398,8 +355,7 @@ class MlaWorkspace:
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
-                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None,
-                  load_flags: Optional[int] = None):
+                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -417,7 +373,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  (it must name the config's kernel and, when the plan splits, the combine).
     combine_unroll_override: 1 or 4 splits per combine warp in flight instead of combine_unroll's rule (tests,
                  benchmarks).
-    load_flags:  MLA_PREFETCH_PREWAIT | MLA_PAGES_AHEAD (0..3) instead of mla_load_flags() (tests, benchmarks).
     """
     import cupy
     dims: dict = {}
@@ -455,9 +410,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         else:
             num_splits = mla_num_splits(S, max_rows, H, max_kv_len, num_sms, config, _blocks_per_sm(config))
     check_range("num_splits", num_splits, 1, MAX_SPLITS)
-    if load_flags is None:
-        load_flags = mla_load_flags()
-    check_range("load_flags", load_flags, 0, MLA_PREFETCH_PREWAIT | MLA_PAGES_AHEAD)
     if num_splits > 1:
         if workspace is None:
             workspace = MlaWorkspace(num_splits, T, H)
@@ -474,8 +426,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
             mask if mask is not None else null, out,
             part_o if part_o is not None else null, part_lse if part_lse is not None else null,
             np.int32(block_table.shape[1]), np.int32(mask.shape[1] if mask is not None else 0), np.int32(H),
-            np.int32(T * H), np.int32(num_splits), np.float32(float(softmax_scale) * LOG2E),
-            np.int32(pool.shape[0]), np.int32(load_flags))
+            np.int32(T * H), np.int32(num_splits), np.float32(float(softmax_scale) * LOG2E))
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)

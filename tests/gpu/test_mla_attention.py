@@ -89,7 +89,7 @@ def to_dev(c):
     return d
 
 
-def run(c, d=None, config=None, num_splits=None, out=None, unroll=None, loads=None):
+def run(c, d=None, config=None, num_splits=None, out=None, unroll=None):
     x = cp()
     a = attn()
     d = d or to_dev(c)
@@ -102,7 +102,7 @@ def run(c, d=None, config=None, num_splits=None, out=None, unroll=None, loads=No
         cfg = a.MLA_CONFIGS[config] if config else None
     a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
                     softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
-                    config=cfg, num_splits=num_splits, combine_unroll_override=unroll, load_flags=loads)
+                    config=cfg, num_splits=num_splits, combine_unroll_override=unroll)
     x.cuda.get_current_stream().synchronize()
     return out.get()
 
@@ -154,14 +154,8 @@ def test_tree_verify_random(config, H):
             check(c, got, f"{config} H={H} trial {trial} splits={splits}", ref)
 
 
-# load features (kernels/attention.py MLA_LOAD_MODES): 0 = session 3 (DDT_MLA_LOADS=none), 3 = pre-wait L2
-# prefetch + page ids one tile ahead (what "auto" launches with PDL; without PDL it launches 2)
-LOADS = [0, 3]
-
-
-@pytest.mark.parametrize("loads", LOADS)
 @pytest.mark.parametrize("config", ALL_CONFIGS + ["model"])
-def test_mask_hides_every_invisible_row(config, loads):
+def test_mask_hides_every_invisible_row(config):
     """Perturb the K/V of every tree slot that a chosen row must not see (and every page no stream
     owns): that row's outputs must not change by a single bit, while rows that see a perturbed slot do."""
     x = cp()
@@ -173,7 +167,7 @@ def test_mask_hides_every_invisible_row(config, loads):
     n_list = [int(rng.integers(2, 130)) for _ in range(S)]
     s_list = [int(rng.integers(0, 700)) for _ in range(S)]
     c = make_case(rng, S, H, n_list, s_list, "tree", extra_pages=6)
-    base = run(c, config=config, loads=loads)
+    base = run(c, config=config)
     check(c, base, "base")
     pool2 = c["pool"].copy()
     used = set(c["table"][c["table"] >= 0].tolist())
@@ -190,7 +184,7 @@ def test_mask_hides_every_invisible_row(config, loads):
             pos = s + j
             pool2[c["table"][b, pos // 64], pos % 64] = to_bf16_bits(rng.standard_normal(576) * 30)
     c2 = dict(c, pool=pool2)
-    got = run(c2, config=config, loads=loads)
+    got = run(c2, config=config)
     changed_any = False
     for b in range(S):
         r = c["row_start"][b] + chosen[b]
@@ -265,9 +259,8 @@ def test_split_count_does_not_change_results_beyond_rounding(config):
         assert np.linalg.norm(o[own] - outs[0][own]) / np.linalg.norm(ref[own]) < TOL
 
 
-@pytest.mark.parametrize("loads", LOADS)
 @pytest.mark.parametrize("config", [None, "model"] + KSPLIT_CONFIGS)
-def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config, loads):
+def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
     skip_unless_fits(config)
     x = cp()
     a = attn()
@@ -293,13 +286,11 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config, loa
     stream = x.cuda.Stream(non_blocking=True)
     with stream:   # eager first: compiles and loads the module outside the capture
         a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
-                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg,
-                        load_flags=loads)
+                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg)
         stream.synchronize()
         stream.begin_capture()
         a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
-                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg,
-                        load_flags=loads)
+                        softmax_scale=SCALE, max_rows=32, max_kv_len=2048, out=out, workspace=ws, config=cfg)
         graph = stream.end_capture()
     for step in range(3):
         # new lengths / trees / queries written into the captured buffers
@@ -319,7 +310,7 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config, loa
         replay = out.get()
         c2 = dict(c, n=n_new, prefix=s_new, mask=mask_new, row_start=np.arange(S, dtype=np.int32) * 32,
                   T=c["T"], max_rows=32)
-        eager = run(c2, d=to_dev(c2), num_splits=splits, config=config, loads=0)   # eager = the old loads
+        eager = run(c2, d=to_dev(c2), num_splits=splits, config=config)
         assert np.array_equal(replay, eager), f"step {step}: graph replay differs from eager"
         check(c2, replay, f"graph step {step}")
 
@@ -387,9 +378,8 @@ def test_bad_inputs_name_the_argument():
                         **dict(kw, softmax_scale=float("nan")))
 
 
-@pytest.mark.parametrize("loads_mode", ["auto", "none"])
 @pytest.mark.parametrize("policy", ["measured", "model"])
-def test_pdl_chain_equals_plain_launches(policy, loads_mode):
+def test_pdl_chain_equals_plain_launches(policy):
     """kv_write_latent -> mla_attention (split + combine) with programmatic dependent launch: every round
     rewrites the whole context of every stream (a multi-wave producer grid) and then attends over it, so
     an attention block that read the cache, the queries or the partials before its DDT_PDL_WAIT() would
@@ -408,7 +398,6 @@ def test_pdl_chain_equals_plain_launches(policy, loads_mode):
     sid = x.asarray(np.concatenate([np.full(L, b, np.int32) for b, L in enumerate(lengths)]))
     pos = x.asarray(np.concatenate([np.arange(L, dtype=np.int32) for L in lengths]))
     prev_policy = a.set_mla_policy(policy)
-    prev_loads = a.set_mla_loads(loads_mode)   # "auto": 3 (prefetch + ahead) with PDL, 2 without
     cfg, splits = a.plan_mla(S, n, H, c["max_kv"])
     assert splits > 1, "the chain must include the combine launch"
     ws = a.MlaWorkspace(splits, c["T"], H)
@@ -460,7 +449,6 @@ def test_pdl_chain_equals_plain_launches(policy, loads_mode):
     finally:
         launch.set_pdl(False)
         a.set_mla_policy(prev_policy)
-        a.set_mla_loads(prev_loads)
 
 
 def test_module_policy_switch_reaches_the_launch():
@@ -487,101 +475,3 @@ def test_module_policy_switch_reaches_the_launch():
         a.set_mla_policy(prev)
     assert np.array_equal(explicit, switched)
     check(c, switched, "module policy model")
-
-
-@pytest.mark.parametrize("config", ["large", "small", "ks16_2stage"] + KSPLIT_CONFIGS)
-def test_load_features_are_bit_identical(config):
-    """Every combination of the load features (pre-wait L2 prefetch, page ids one tile ahead) gives the same
-    bits as flags 0, with many tiles per split (1 and 3 splits: the read-ahead refills run), the planned split
-    count, prefixes that are no multiple of a tile, and tables with unassigned (-1) and out-of-pool entries past
-    each stream's pages (a prefetch must never use them)."""
-    skip_unless_fits(config)
-    a = attn()
-    rng = np.random.default_rng(31)
-    S, H = 3, 8
-    n_list = [int(rng.integers(1, 12)) for _ in range(S)]
-    c = make_case(rng, S, H, n_list, [2999, 1037, 64], "tree")
-    num_pages = c["pool"].shape[0]
-    for b in range(S):
-        past = c["table"][b] < 0
-        c["table"][b, past] = rng.choice([-1, num_pages, 1 << 30, -(1 << 30)], int(past.sum()))
-    ref = reference(c)
-    for splits in (1, 3, None):
-        base = run(c, config=config, num_splits=splits, loads=0)
-        check(c, base, f"splits={splits} loads=0", ref)
-        for flags in (a.MLA_PAGES_AHEAD, a.MLA_PREFETCH_PREWAIT, a.MLA_PAGES_AHEAD | a.MLA_PREFETCH_PREWAIT):
-            got = run(c, config=config, num_splits=splits, loads=flags)
-            assert np.array_equal(got, base), f"splits={splits}: load flags {flags} changed the result"
-
-
-# A predecessor that lets its dependents launch at its start, spins, then writes the real per-stream values
-# over the stale ones: an attention launched with PDL runs its pre-wait prefetch on the stale values.
-_SPIN_WRITE = r"""
-extern "C" __global__ void spin_then_copy(const int* __restrict__ src, int* __restrict__ dst, int n,
-                                          unsigned long long ns) {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
-}
-"""
-
-
-@pytest.mark.parametrize("config", [None, "ks32", "large"])
-def test_stale_prewait_values_never_fault_or_change_results(config):
-    """The per-stream lengths and the block table hold stale garbage (lengths up to the table's reach or far
-    past it, page ids out of the pool or negative) until the kernel before the attention overwrites them
-    with the real values after ~50 us; the attention is launched with PDL and the pre-wait prefetch on, so it
-    reads the garbage before its wait. It must not fault, and the result must be bit-identical to the plain
-    launch with the real values (and correct)."""
-    x = cp()
-    a = attn()
-    from ddtree_cupy.kernels import launch
-    if int(x.cuda.Device().compute_capability) < 90:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    rng = np.random.default_rng(37)
-    S, H = 4, 8
-    n_list = [int(rng.integers(1, 9)) for _ in range(S)]
-    c = make_case(rng, S, H, n_list, [4000, 2500, 700, 3333], "tree", gap=False)
-    d = to_dev(c)
-    cfg = a.MLA_CONFIGS[config] if config else None
-    mp = c["table"].shape[1]
-    # one int32 blob: prefix | n | row_start | table, so one copy kernel rewrites all of them
-    real = np.concatenate([c["prefix"], c["n"], c["row_start"], c["table"].ravel()]).astype(np.int32)
-    blob = x.empty(real.size, x.int32)
-    prefix, n_rows, row_start = blob[:S], blob[S:2 * S], blob[2 * S:3 * S]
-    table = blob[3 * S:].reshape(S, mp)
-    src = x.asarray(real)
-    copy_k = x.RawKernel(_SPIN_WRITE, "spin_then_copy")
-    spin_ns = np.uint64(50_000)
-    out_plain = run(c, config=config, loads=0)
-    for stale_len in (mp * 64 - 8, 1 << 29):
-        stale = np.concatenate([np.full(S, stale_len), np.full(S, 7), np.zeros(S),
-                                rng.choice([-1, c["pool"].shape[0], 1 << 30, -7], S * mp)]).astype(np.int32)
-        blob[...] = x.asarray(stale)
-        out = x.full((c["T"], H, 512), POISON, dtype=x.uint16)
-        x.cuda.Device().synchronize()
-        stream = x.cuda.Stream(non_blocking=True)
-        launch.set_pdl(True)
-        try:
-            with stream:
-                copy_k((4,), (128,), (src, blob, np.int32(real.size), spin_ns))
-                a.mla_attention(d["q"], d["pool"], table, prefix, n_rows, row_start, mask=d["mask"],
-                                softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
-                                config=cfg, load_flags=a.MLA_PREFETCH_PREWAIT | a.MLA_PAGES_AHEAD)
-                stream.synchronize()
-        finally:
-            launch.set_pdl(False)
-        got = out.get()
-        assert np.array_equal(got, out_plain), f"stale length {stale_len}: PDL + prefetch result differs"
-        check(c, got, f"stale length {stale_len}")
-
-
-def test_bad_load_flags_name_the_argument():
-    """(The mode rule itself is a CPU test: tests/test_attention_planner.py.)"""
-    rng = np.random.default_rng(41)
-    c = make_case(rng, 1, 8, [3], [500], "tree")
-    for bad in (4, -1):
-        with pytest.raises(ValueError, match="load_flags"):
-            run(c, loads=bad)
