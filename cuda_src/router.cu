@@ -68,47 +68,16 @@ __device__ __forceinline__ void load_bias(const float* __restrict__ bias, int E,
 }
 
 // The lane's best live candidate: highest key, ties to the lower j (= lower expert id); best_j = -1 when
-// none is live. ROUTER_SEL_TREE (default 1, session 3 E2; also the ballot pick in route_token): a 4-level
-// tournament over the 16 registers (dead slots enter as key 0 / j 16 and lose every tie to a live slot),
-// ~9 dependent operations; 0: the
-// v2 linear scan, a chain of 16 dependent compare-selects. The same winner either way (the tournament's
-// left operand is always the lower-j half, so equal keys keep the lower j).
-#ifndef ROUTER_SEL_TREE
-#define ROUTER_SEL_TREE 1
-#endif
+// none is live. A linear scan (16 dependent compare-selects). A 4-level tournament with a ballot pick was
+// tried in session 3 and measured slower on the H200 (route launch 5.6 -> 9.6 us; docs/MODELS.md), so removed.
 __device__ __forceinline__ void lane_best(const uint32_t (&key)[ROUTER_PER_LANE], const float (&s_r)[ROUTER_PER_LANE],
                                           uint32_t live, uint32_t& best_key, int& best_j, float& best_s) {
-#if ROUTER_SEL_TREE
-    uint32_t kk[ROUTER_PER_LANE];
-    int jj[ROUTER_PER_LANE];
-    float ss[ROUTER_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < ROUTER_PER_LANE; ++j) {
-        const bool on = (live >> j) & 1u;
-        kk[j] = on ? key[j] : 0u;
-        jj[j] = on ? j : ROUTER_PER_LANE;
-        ss[j] = s_r[j];
-    }
-#pragma unroll
-    for (int w = 1; w < ROUTER_PER_LANE; w *= 2)
-#pragma unroll
-        for (int j = 0; j < ROUTER_PER_LANE; j += 2 * w) {
-            const bool b = kk[j + w] > kk[j] || (kk[j + w] == kk[j] && jj[j + w] < jj[j]);
-            kk[j] = b ? kk[j + w] : kk[j];
-            jj[j] = b ? jj[j + w] : jj[j];
-            ss[j] = b ? ss[j + w] : ss[j];
-        }
-    best_key = kk[0];
-    best_j = jj[0] < ROUTER_PER_LANE ? jj[0] : -1;
-    best_s = ss[0];
-#else
     best_key = 0;
     best_j = -1;
     best_s = 0.f;
 #pragma unroll
     for (int j = 0; j < ROUTER_PER_LANE; ++j)
         if (((live >> j) & 1u) && (best_j < 0 || key[j] > best_key)) { best_key = key[j]; best_j = j; best_s = s_r[j]; }
-#endif
 }
 
 // The selection of token t by one warp (all 32 lanes; t < T). c: the warp's ROUTER_MAX_E floats of shared
@@ -167,23 +136,8 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
         const bool has = best_j >= 0;
         const uint32_t m = __reduce_max_sync(0xffffffffu, has ? best_key : 0u);
         const uint32_t cand = (has && best_key == m) ? (uint32_t)(lane + 32 * best_j) : 0xffffffffu;
-#if ROUTER_SEL_TREE
-        // usually ONE lane holds the maximum: a ballot names it (cheaper than a second warp reduction, and the
-        // owner's rescan depends only on it); the id then travels by a shuffle off that chain. Cross-lane
-        // ties take the v2 path (the lowest id among the holders).
-        const unsigned int holders = __ballot_sync(0xffffffffu, cand != 0xffffffffu);
-        int owner, id;
-        if (__popc(holders) == 1) {
-            owner = __ffs(holders) - 1;
-            id = __shfl_sync(0xffffffffu, (int)cand, owner);
-        } else {
-            id = (int)__reduce_min_sync(0xffffffffu, cand);
-            owner = id & 31;
-        }
-#else
         const int id = (int)__reduce_min_sync(0xffffffffu, cand);
         const int owner = id & 31;
-#endif
         const float sw = __shfl_sync(0xffffffffu, best_s, owner);
         sum += sw;
         if (lane == r) { my_id = id; my_s = sw; }

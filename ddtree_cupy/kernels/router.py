@@ -15,7 +15,7 @@ and the shared expert's gate+up (weight [E + 2I, H]) and passes its column slice
 ``route_logits(..., gate_up=, down_w=, down_out=)`` (``router_topk_down``) goes one step further: the
 extra blocks compute the shared expert's down projection down_out [T, H] = act @ down_w^T (down_w bf16
 [H, I]) with act formed on the fly (the same bf16 values as above), so the shared down GEMM's launch goes
-away. ``shared_down_fused(T, I, H)`` is the rule the target uses to pick it (T <= 64 and I in 64/128/256;
+away. ``shared_down_fused(T, I, H)`` is the rule the target uses to pick it (T <= DOWN_MAX_T and I in 64/128/256;
 env DDT_ROUTER_DOWN=0 falls back to route + SwiGLU and a separate gemm_bf16, =1 forces it where the
 shapes allow).
 """
@@ -31,24 +31,14 @@ from .gemm import gemm_bf16
 
 DOWN_KS = (1, 2, 4)      # router_topk_down<KS>: shared intermediate I = 64 KS (Kimi TP8 rank: 256)
 _NAMES = ("router_topk",) + tuple(f"router_topk_down<{ks}>" for ks in DOWN_KS)
-# The lane's best candidate by a 4-level tournament (default, session 3) or by the v2 linear scan
-# (DDT_ROUTER_SEL=scan, the previous variant): the same ids and weights, only the dependent chain differs.
-SPEC = register(KernelSpec("router.cu", _NAMES, defines=(("ROUTER_SEL_TREE", "1"),), hot=True, pdl=True,
+SPEC = register(KernelSpec("router.cu", _NAMES, hot=True, pdl=True,
                            doc="noaux_tc group-limited top-k (+ the shared expert's silu_mul, or its whole "
-                               "SwiGLU + down projection); tournament rescan"))
-SPEC_SCAN = register(KernelSpec("router.cu", _NAMES, defines=(("ROUTER_SEL_TREE", "0"),), hot=True, pdl=True,
-                                doc="router.cu with the v2 linear rescan (DDT_ROUTER_SEL=scan)"))
-
-
-def _spec():
-    """The selection variant: env DDT_ROUTER_SEL = tree (default) | scan, read at every launch."""
-    mode = os.environ.get("DDT_ROUTER_SEL", "tree") or "tree"
-    if mode not in ("tree", "scan"):
-        raise ValueError(f"DDT_ROUTER_SEL: expected tree or scan, got {mode!r}")
-    return SPEC if mode == "tree" else SPEC_SCAN
+                               "SwiGLU + down projection)"))
 MAX_E = 512
 WARPS = 4          # tokens per block (one warp each)
-DOWN_MAX_T = 64    # the rule's limit: each column block recomputes its tile's SwiGLU (see router.cu)
+DOWN_MAX_T = 32    # the rule's limit (each column block recomputes its tile's SwiGLU, see router.cu): on the
+                   # H200 the fused launch beat route + SwiGLU then gemm_bf16 at T = 1 / 8 / 32 by 2.1 / 2.1 / 0.4 us
+                   # per layer and lost at 64 by ~1.7 us (session 3 integration run, docs/MODELS.md)
 DOWN_TILE = 16
 
 
@@ -114,7 +104,7 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
         raise ValueError("act_out: given without gate_up")
     if T:
         route_blocks = (T + WARPS - 1) // WARPS
-        kern = get_kernel(_spec(), "router_topk")
+        kern = get_kernel(SPEC, "router_topk")
         kern((route_blocks + act_blocks,), (32 * WARPS,),
              (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
               np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights,
@@ -150,7 +140,7 @@ def _route_down(logits, ls, bias, T, E, k, n_group, topk_group, scale, normalize
         col_blocks = H // 32
         zgroups = -(-T // DOWN_TILE)            # one token tile per block up to DOWN_MAX_T rows, then loops
         zgroups = min(zgroups, DOWN_MAX_T // DOWN_TILE)
-        kern = get_kernel(_spec(), f"router_topk_down<{I // 64}>")
+        kern = get_kernel(SPEC, f"router_topk_down<{I // 64}>")
         kern((route_blocks + col_blocks * zgroups,), (32 * WARPS,),
              (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group),
               np.int32(k), np.int32(1 if normalize else 0), np.float32(scale), out_ids, out_weights,

@@ -221,20 +221,18 @@ def test_router_shared_gate_up_fused(T, I, n_group, topk_group):
 @pytest.mark.parametrize("T,I,H,n_group,topk_group", [(1, 256, 7168, 1, 1), (8, 256, 7168, 1, 1),
                                                       (19, 128, 1024, 8, 4), (37, 64, 512, 1, 1),
                                                       (64, 256, 1024, 1, 1), (100, 256, 2048, 1, 1)])
-@pytest.mark.parametrize("sel", ["tree", "scan"])
-def test_router_shared_down_fused(T, I, H, n_group, topk_group, sel, monkeypatch):
+def test_router_shared_down_fused(T, I, H, n_group, topk_group):
     """router_topk_down (route_logits(down_w=, down_out=)): the selection, the shared SwiGLU formed on the
     fly and the shared down projection in one launch, on the fused head GEMM's fp32 output. ids / weights
     bit-equal to the plain selection (and ids to the float64 reference); down_out vs float64 of the exact
     bf16 act (silu_mul of the host-rounded gate|up) per row, and vs the chain it replaces (route_logits with
     act_out, then gemm_bf16): at most 1 bf16 ulp apart (fp32 sums in another order). T = 100 runs the
     token-tile loop (the rule never sends it, DDT_ROUTER_DOWN=1 may). Poisoned outputs: a column block and a
-    row past the view must stay poisoned. Both rescan variants (DDT_ROUTER_SEL)."""
+    row past the view must stay poisoned."""
     import cupy as cp
     from ddtree_cupy.bf16 import to_bf16_bits
     from ddtree_cupy.kernels.gemm import gemm_bf16
     from ddtree_cupy.kernels.router import route_logits
-    monkeypatch.setenv("DDT_ROUTER_SEL", sel)
     rng = np.random.default_rng(700 + T + I + H)
     E, k, Hx = 384, 8, 1024
     xb, x = rand_bf16(rng, (T, Hx))
@@ -283,7 +281,7 @@ def test_router_shared_down_fused(T, I, H, n_group, topk_group, sel, monkeypatch
 
 def test_router_shared_down_args_and_rule(monkeypatch):
     import cupy as cp
-    from ddtree_cupy.kernels.router import shared_down_fused, route_logits
+    from ddtree_cupy.kernels.router import DOWN_MAX_T, shared_down_fused, route_logits
     lg = cp.zeros((4, 384 + 512), np.float32)
     bias = cp.zeros(384, np.float32)
     wd, out = cp.zeros((1024, 256), np.uint16), cp.zeros((4, 1024), np.uint16)
@@ -306,8 +304,8 @@ def test_router_shared_down_args_and_rule(monkeypatch):
     with pytest.raises(ValueError, match="down_out"):
         route_logits(lg[:, :384], bias, 8, gate_up=lg[:, 384:], down_w=wd, down_out=cp.zeros((5, 1024), np.uint16))
     monkeypatch.delenv("DDT_ROUTER_DOWN", raising=False)
-    assert shared_down_fused(8, 256, 7168) and shared_down_fused(64, 64, 512)
-    assert not shared_down_fused(65, 256, 7168) and not shared_down_fused(8, 192, 7168)
+    assert shared_down_fused(8, 256, 7168) and shared_down_fused(DOWN_MAX_T, 64, 512)
+    assert not shared_down_fused(DOWN_MAX_T + 1, 256, 7168) and not shared_down_fused(8, 192, 7168)
     assert not shared_down_fused(8, 2048, 7168) and not shared_down_fused(8, 256, 1000)
     monkeypatch.setenv("DDT_ROUTER_DOWN", "0")
     assert not shared_down_fused(8, 256, 7168)
@@ -316,9 +314,6 @@ def test_router_shared_down_args_and_rule(monkeypatch):
     monkeypatch.setenv("DDT_ROUTER_DOWN", "yes")
     with pytest.raises(ValueError, match="DDT_ROUTER_DOWN"):
         shared_down_fused(8, 256, 7168)
-    monkeypatch.setenv("DDT_ROUTER_SEL", "sorted")
-    with pytest.raises(ValueError, match="DDT_ROUTER_SEL"):
-        route_logits(lg[:, :384], bias, 8)
 
 
 def test_router_shared_args():
@@ -340,16 +335,13 @@ def test_router_shared_args():
 
 @pytest.mark.parametrize("E,k,n_group,topk_group", [(384, 8, 1, 1), (384, 8, 8, 4), (72, 6, 3, 2),
                                                      (512, 32, 16, 3), (48, 8, 1, 1), (256, 8, 8, 1)])
-@pytest.mark.parametrize("sel", ["tree", "scan"])
-def test_router_selection_exact_ties_and_groups(E, k, n_group, topk_group, sel, monkeypatch):
+def test_router_selection_exact_ties_and_groups(E, k, n_group, topk_group):
     """Register top-k selection vs the float64 reference with CONSTRUCTED ties: equal choice values at the
     k-th / (k+1)-th place on the same lane (ids 32 apart) and on different lanes (the lower id must win),
     a row of all-equal logits, whole groups that tie on their top-2 score (the lower group must win), and
-    E that is not a multiple of 32 (lanes with fewer candidates). Outputs poisoned. Both rescan variants
-    (DDT_ROUTER_SEL: the tournament and the v2 linear scan)."""
+    E that is not a multiple of 32 (lanes with fewer candidates). Outputs poisoned."""
     import cupy as cp
     from ddtree_cupy.kernels.router import route_logits
-    monkeypatch.setenv("DDT_ROUTER_SEL", sel)
     rng = np.random.default_rng(E * 7 + k + n_group)
     T = 13
     lg = rng.standard_normal((T, E)).astype(np.float32)
@@ -528,28 +520,12 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
                                           np.int64(H), np.uint64(0), np.int32(H), np.float32(1e-6)))
         x2 = cp.empty((T, H), np.uint16)
 
-        def with_sel(sel, fn):
-            def run():
-                prev = os.environ.get("DDT_ROUTER_SEL")
-                os.environ["DDT_ROUTER_SEL"] = sel
-                try:
-                    fn()
-                finally:
-                    if prev is None:
-                        del os.environ["DDT_ROUTER_SEL"]
-                    else:
-                        os.environ["DDT_ROUTER_SEL"] = prev
-            return run
         # order matters: norm_only fills x, new_layers fills the fp32 head output the selections read
         r = dict(T=T, norm_us=timed(norm_only, st) / layers, new_us=timed(new_layers, st) / layers,
                  new_route_us=timed(new_route, st) / layers, down_us=timed(down_layers, st) / layers,
                  route_down_us=timed(route_down, st) / layers,
                  ceiling_us=(Ws[0]["rgu"].nbytes + Ws[0]["down"].nbytes + Ws[0]["norm"].nbytes) / bw * 1e6)
-        r.update(route_scan_us=timed(with_sel("scan", new_route), st) / layers,
-                 route_tree_us=timed(with_sel("tree", new_route), st) / layers,
-                 down_scan_us=timed(with_sel("scan", down_layers), st) / layers,
-                 down_tree_us=timed(with_sel("tree", down_layers), st) / layers,
-                 norm_res_us=timed(norm_res, st) / layers)
+        r.update(norm_res_us=timed(norm_res, st) / layers)
         if old_k is not None:
             r.update(old_us=timed(old_layers, st) / layers, old_route_us=timed(old_route_only, st) / layers)
         if old_norm_k is not None:
@@ -568,12 +544,6 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
     for r in res:
         print(f"{r['T']:>4} {r['new_us']:>9.1f} {r['down_us']:>10.1f} {r['new_route_us']:>11.1f} "
               f"{r['route_down_us']:>11.1f} {r.get('old_norm_res_us', float('nan')):>13.1f} {r['norm_res_us']:>13.1f}")
-    print("\nDDT_ROUTER_SEL, us per layer: the tree default wins where 'tree' < 'scan' (route + SwiGLU alone, "
-          "and the down head)")
-    print(f"{'T':>4} {'route scan':>11} {'route tree':>11} {'down head scan':>15} {'down head tree':>15}")
-    for r in res:
-        print(f"{r['T']:>4} {r['route_scan_us']:>11.1f} {r['route_tree_us']:>11.1f} {r['down_scan_us']:>15.1f} "
-              f"{r['down_tree_us']:>15.1f}")
     if out_json:
         with open(out_json, "w") as f:
             json.dump(dict(copy_bw_GBps=bw / 1e9, layers=layers, reps=reps, device=cp.cuda.runtime.getDeviceProperties(
