@@ -87,12 +87,13 @@ def _u_for(nt: int) -> int:
 # in all three, so outputs are bit-identical): 0 = the previous loop; 1 = the reduced-instruction loop (session 4:
 # -28..-31% SASS instructions per k64 step; activations one step ahead, the next unit prefetched at the unit
 # start); 2 = loop 1 with the previous memory pattern (activations U steps ahead, rolling prefetch across the unit
-# boundary). Measured on the H200 (docs/MOE.md, session 4): 1 wins at T = 1 (20.7 -> 19.3 us at I = 256), loses
-# 1-17% from T = 8 up; 2 is the candidate for T >= 2, not yet measured, so the table keeps 0 there.
-# Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
+# boundary). Measured on the H200 (docs/MOE.md, "Session 4" and the integration run): 1 wins at T = 1 at I = 256
+# (20.7 -> 19.4 us), loses 1-17% from T = 8 up; 2 wins from T = 2 up (I = 256, T = 8: 89.2 -> 82.8 us, T = 64:
+# 353 -> 332; I = 2048, T = 8: 524 -> 486) and ties 0 at I = 2048, T = 64 (2420 vs 2415), where 0 stays
+# reachable. Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
 LEAN_LOOP: Optional[int] = int(os.environ["DDT_MOE_LEAN"]) if os.environ.get("DDT_MOE_LEAN", "") != "" else None
 LEAN_T1 = 1         # the table's loop at T = 1
-LEAN_T_GE_2 = 0     # ... and from T = 2 up (the lead flips this to 2 if it measures faster)
+LEAN_T_GE_2 = 2     # ... and from T = 2 up
 
 
 def lean_for(T: int) -> int:
