@@ -41,3 +41,39 @@ __device__ __forceinline__ bf16_bits silu_mul1(const bf16_bits g, const bf16_bit
     const float gf = bf16_to_f32(g);
     return f32_to_bf16(gf / (1.f + expf(-gf)) * bf16_to_f32(u));
 }
+
+// --- the split-K warp tile of the small GEMMs in fused_layer.cu (mla_head_gemm) and router.cu (the shared
+// expert's down projection): each warp accumulates a 16-row x 32-column tile over its own k slice with four
+// m16n8k16 MMAs per k step, parks it in shared memory, and the block sums the warps' tiles in a fixed order.
+
+// acc (16 x 8 fp32 C fragment) += A (16 x 16 bf16, row-major fragment a0..a3) * B (16 x 8, .col fragment).
+__device__ __forceinline__ void mma_16816_bf16(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A warp's four C fragments (16 x 32 fp32) into its slot of the block's [warps][16][33] tile: c0, c1 = (row g,
+// cols 2 tig, +1), c2, c3 = row g + 8 (lane = 4 g + tig). Row stride 33 keeps the later column reads
+// conflict-free.
+__device__ __forceinline__ void park_c_tile(float (*red)[33], const float (&acc)[4][4], int g, int tig) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        red[g][j * 8 + 2 * tig] = acc[j][0];
+        red[g][j * 8 + 2 * tig + 1] = acc[j][1];
+        red[g + 8][j * 8 + 2 * tig] = acc[j][2];
+        red[g + 8][j * 8 + 2 * tig + 1] = acc[j][3];
+    }
+}
+
+// The block's sum of element (r, c) over the WARPS parked tiles, in warp order (a fixed summation order: the
+// result does not depend on scheduling).
+template <int WARPS>
+__device__ __forceinline__ float sum_parked(const float (*red)[16][33], int r, int c) {
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) sum += red[q][r][c];
+    return sum;
+}

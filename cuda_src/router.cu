@@ -282,28 +282,16 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const uint32_t b0 = lds_pair(W_s + (j * 8 + g) * LD + kk), b1 = lds_pair(W_s + (j * 8 + g) * LD + kk + 8);
-                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                             : "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                mma_16816_bf16(acc[j], a0, a1, a2, a3, b0, b1);
             }
         }
-        // C fragment: c0, c1 = (row g, cols 2 tig, +1), c2, c3 = row g + 8
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            red[warp][g][j * 8 + 2 * tig] = acc[j][0];
-            red[warp][g][j * 8 + 2 * tig + 1] = acc[j][1];
-            red[warp][g + 8][j * 8 + 2 * tig] = acc[j][2];
-            red[warp][g + 8][j * 8 + 2 * tig + 1] = acc[j][3];
-        }
+        park_c_tile(red[warp], acc, g, tig);
         __syncthreads();
 #pragma unroll
         for (int i = tid; i < 16 * 32; i += RD_WARPS * 32) {
             const int r = i >> 5, c = i & 31, t = tile * 16 + r;
             if (t < T) {
-                float sum = 0.f;
-#pragma unroll
-                for (int q = 0; q < RD_WARPS; ++q) sum += red[q][r][c];
+                const float sum = sum_parked<RD_WARPS>(red, r, c);
                 out[t * out_stride + n0 + c] = f32_to_bf16(sum);
             }
         }
