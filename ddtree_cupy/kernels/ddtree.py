@@ -83,12 +83,21 @@ DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
 DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
+# Variant 9 ("scan-rank-cache-regs-notup"): 8 whose cache entries carry no 64-bit rank tuple (scores alone rank
+# the new entries; a pop with an equal score rebuilds the tuples from the emitted rows' info words, a
+# warp-uniform branch). Same outputs bit for bit (tests/test_ddtree_cache_model.py models both paths).
+# NOT yet run on a GPU (docs/DDTREE.md "Variant 9" has the prediction and the decision rule).
+DDTREE_NOTUP_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "9"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 8 with tuple-free cache entries (tuples rebuilt only on score ties)"))
 _SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC,
-          6: DDTREE_SCAN_CACHE_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC}
+          6: DDTREE_SCAN_CACHE_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
+          9: DDTREE_NOTUP_SPEC}
 VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank", 6: "scan-cache",
-            7: "scan-rank-cache", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (4, 5, 6, 7, 8)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (6, 7, 8)       # variants with the sorted-cache builder
+            7: "scan-rank-cache", 8: "scan-rank-cache-regs",
+            9: "scan-rank-cache-regs-notup"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (4, 5, 6, 7, 8, 9)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (6, 7, 8, 9)       # variants with the sorted-cache builder
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
