@@ -63,7 +63,7 @@ def _variants(T, variants):
     return [v for v in variants if v != "decode" or T <= 16]
 
 
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "s3": " [s3]", "s4": " [s4]"}
 
 
 def _tag(v):
@@ -71,7 +71,7 @@ def _tag(v):
 
 
 def _cfg_str(c):
-    return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
+    return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}" + (" sx" if c.sx else "")
 
 
 # The previous session's rule (commit bbf9da7), kept here only to time "was" against "now" in one run: the
@@ -127,12 +127,16 @@ def _with_variant(v, fn, shape=None):
 
     def run():
         fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else (v, None)
-        old, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
+        rule = gemm.decode_rule()
+        if fam in gemm.DEC_RULES:       # "s3" / "s4": the automatic choice under that selection rule
+            fam, rule = "auto", fam
+        old, od, orule = gemm.set_variant(fam), gemm.set_decode_config(cfg), gemm.set_decode_rule(rule)
         try:
             fn()
         finally:
             gemm.set_variant(old)
             gemm.set_decode_config(od)
+            gemm.set_decode_rule(orule)
     return run
 
 
@@ -358,7 +362,8 @@ def main(argv=None):
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode")
+                         "'auto', or a comma list of auto, old, splitk, decode, s3, s4 (s3 / s4: the automatic "
+                         "choice under that decode rule, gemm.set_decode_rule)")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)

@@ -408,12 +408,207 @@ gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_strid
 // One m16 row tile per block, K split over a cluster of CS blocks along grid.y (compile-time cluster shape:
 // an ordinary launch, or the PDL one, needs no cluster attribute).
 template <int NT, int STAGES, int CS, bool OUT_F32>
-__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(DEC_THREADS, 2)
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(DEC_THREADS, (DecOcc<NT, STAGES>::value))
 gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                            const bf16_bits* __restrict__ w, long long w_batch_stride,
                            void* __restrict__ out, long long out_batch_stride, int out_row_stride,
                            float* __restrict__ ws_unused, int T, int N, int K, int unused) {
     gemm_decode_body<NT, STAGES, OUT_F32, 1, CS>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
                                                  out_batch_stride, out_row_stride, T, N, K);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Shared-token-tile ("SX") decode variant (session 4, issue #4 at T = 9..16). Same block decomposition,
+// K slices and summation order as gemm_decode_body<NT, STAGES, OUT_F32, RT, CS> (so SX with CS = 1 is
+// bit-identical to the RT config of the same NT), but the RT warps of one K slice (a "group") share ONE
+// ring: per stage RT weight tiles (one per warp) + ONE token tile, instead of RT copies of the token tile.
+// At NT = 2 the token tile is as large as a weight tile, so the old per-warp ring spent half of its 96 KB
+// on token copies (3 stages, 2 in flight); SX RT 2 fits 4 stages (3 in flight) in the same 96 KB, and
+// RT 4 4 stages in 80 KB. The cost: the group synchronises on a named barrier (id 1 + slice, RT x 32
+// threads) per stage instead of __syncwarp. CS > 1 (cluster K split, DSMEM reduction) works with RT > 1.
+template <int NT, int STAGES, bool OUT_F32, int RT, int CS>
+__device__ __forceinline__ void gemm_decode_sx_body(
+        const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+        const bf16_bits* __restrict__ w, long long w_batch_stride,
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K) {
+    constexpr int WST = 16 * 8;                 // uint4 per weight tile: 16 rows x 8 chunks of 16 B
+    constexpr int XST = NT * 64;                // uint4 per token tile: NT*8 rows x 8 chunks
+    constexpr int GST = RT * WST + XST;         // uint4 per group stage
+    constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
+    constexpr int KS = DEC_WARPS / RT;          // K slices (groups) per block
+    constexpr int OUTS = 16 * RT * NT * 8;      // outputs per block (incl. token padding)
+    static_assert(RT >= 2 && DEC_WARPS % RT == 0 && KS <= 15, "groups of RT >= 2 warps; barrier ids 1..KS");
+    static_assert((DEC_WARPS * 16 * RS + (CS > 1 ? OUTS : 0)) * 4 <= KS * STAGES * GST * 16,
+                  "reduction fits the rings");
+    extern __shared__ uint4 smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rt = warp % RT, ks = warp / RT;           // warp = ks * RT + rt, as in gemm_decode_body
+    uint4* g_s = smem + ks * STAGES * GST;              // the group's ring: [STAGES][RT * WST + XST]
+    const int n0 = blockIdx.x * 16 * RT, b = blockIdx.z;
+    const int crank = CS > 1 ? (int)cluster_rank() : 0;
+    const int k_tiles = K / GEMM_BK;
+    const int kb0 = crank * k_tiles / CS, nb = (crank + 1) * k_tiles / CS - kb0;   // this block's K tiles
+    const int kt0 = kb0 + ks * nb / KS;                 // this group's slice (all RT warps: same count)
+    const int nkt = kb0 + (ks + 1) * nb / KS - kt0;
+    x += b * x_batch_stride;
+    w += b * w_batch_stride + (long long)(n0 + rt * 16) * K;   // N % (16 RT) == 0 (wrapper): rows exist
+
+    auto load_w = [&](int slot, int kt) {               // this warp's own weight tile of the stage
+        uint4* d = g_s + slot * GST + rt * WST;
+        const bf16_bits* src = w + kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < WST / 32; ++j) {
+            const int i = lane + 32 * j, r = i >> 3, c = i & 7;
+            cp_async16(smem_addr(d + swz(r, c)), src + (long long)r * K + c * 8, 16);
+        }
+    };
+    auto load_x = [&](int slot, int kt, bool async) {   // this warp's share of the group's token tile
+        uint4* d = g_s + slot * GST + RT * WST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < (XST + RT * 32 - 1) / (RT * 32); ++j) {
+            const int i = rt * 32 + lane + j * RT * 32, r = i >> 3, c = i & 7;
+            if (i < XST) {
+                const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
+                if (async) {
+                    cp_async16(smem_addr(d + swz(r, c)), r < T ? src : x, r < T ? 16 : 0);
+                } else {
+                    d[swz(r, c)] = r < T ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+                }
+            }
+        }
+    };
+    // The group's RT warps meet here: every warp's copies (cp.async after its wait_group, or plain stores)
+    // become visible to the group, and no warp still reads the slot about to be overwritten.
+    auto group_sync = [&]() {
+        asm volatile("bar.sync %0, %1;\n" :: "r"(1 + ks), "r"(RT * 32) : "memory");
+    };
+
+    DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // weights only: allowed before the wait
+        if (s < nkt) load_w(s, kt0 + s);
+        cp_async_commit();                  // one group per stage, even when empty: the count stays in step
+    }
+    DDT_PDL_WAIT();                         // x and out belong to earlier kernels in the stream
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nkt) load_x(s, kt0 + s, false);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();       // this thread's copies of stage `it` have landed ...
+        group_sync();                      // ... every group thread's; slot (it-1) % STAGES is free
+        const int nxt = it + STAGES - 1;
+        if (nxt < nkt) {
+            load_w(nxt % STAGES, kt0 + nxt);
+            load_x(nxt % STAGES, kt0 + nxt, true);
+        }
+        cp_async_commit();
+
+        const uint4* ws_ = g_s + (it % STAGES) * GST + rt * WST;
+        const uint4* xs_ = g_s + (it % STAGES) * GST + RT * WST;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+            uint32_t a0, a1, a2, a3, b0, b1, b2 = 0, b3 = 0;
+            {   // A: 16 weight rows x 16 k; lanes 0-15 address rows at k 0-7, lanes 16-31 at k 8-15
+                const int r = lane & 15, c = kk * 2 + (lane >> 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(smem_addr(ws_ + swz(r, c))));
+            }
+            const int c = kk * 2 + ((lane >> 3) & 1);
+            if (NT == 2) {      // matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,k0-7) (t8-15,k8-15)
+                const int r = (lane & 7) + ((lane >> 4) << 3);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+            } else {
+                const int r = lane & 7;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                             : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+            }
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+            if (NT == 2) {
+                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                             : "+f"(acc[NT - 1][0]), "+f"(acc[NT - 1][1]), "+f"(acc[NT - 1][2]),
+                               "+f"(acc[NT - 1][3])
+                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
+            }
+        }
+    }
+    cp_async_wait<0>();                     // only empty groups can remain; keep the count clean anyway
+    __syncthreads();                        // every group is done with its ring: reuse it for the reduction
+
+    // From here on exactly gemm_decode_body's reduction (same layout, same order).
+    float* red = reinterpret_cast<float*>(smem);        // [DEC_WARPS][16 rows][RS]
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            red[(warp * 16 + (lane >> 2) + (e >> 1) * 8) * RS + j * 8 + 2 * (lane & 3) + (e & 1)] = acc[j][e];
+    __syncthreads();
+    auto block_sum = [&](int i) {
+        const int r = i % (16 * RT), t = i / (16 * RT);
+        const float* p = red + ((r >> 4) * 16 + (r & 15)) * RS + t;     // warp (ks = 0, rt = r / 16)
+        float s = 0.f;
+#pragma unroll
+        for (int q = 0; q < KS; ++q) s += p[q * RT * 16 * RS];
+        return s;
+    };
+    auto store = [&](int i, float s) {
+        const int r = i % (16 * RT), t = i / (16 * RT);
+        if (t < T) {
+            const long long o = b * out_batch_stride + (long long)t * out_row_stride + n0 + r;
+            if (OUT_F32) ((float*)out)[o] = s;
+            else ((bf16_bits*)out)[o] = f32_to_bf16(s);
+        }
+    };
+    if (CS == 1) {
+        for (int i = tid; i < OUTS; i += DEC_THREADS)
+            if (i / (16 * RT) < T) store(i, block_sum(i));
+    } else {
+        float* part = red + DEC_WARPS * 16 * RS;        // [OUTS] this block's partial, read by the cluster
+        for (int i = tid; i < OUTS; i += DEC_THREADS) part[i] = block_sum(i);
+        cluster_sync_all();                 // every block's partial is written and visible cluster-wide
+        const int i0 = crank * OUTS / CS, i1 = (crank + 1) * OUTS / CS;
+        for (int i = i0 + tid; i < i1; i += DEC_THREADS) {
+            if (i / (16 * RT) >= T) continue;
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < CS; ++q) s += ld_cluster_f32(part + i, (uint32_t)q);
+            store(i, s);
+        }
+        cluster_sync_all();                 // no block leaves (freeing its shared memory) while read remotely
+    }
+}
+
+// SX, no cluster (output type last, as in every GEMM kernel).
+template <int NT, int STAGES, int RT, bool OUT_F32>
+__global__ void __launch_bounds__(DEC_THREADS, 2)
+gemm_bf16_kernel_decode_sx(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                           const bf16_bits* __restrict__ w, long long w_batch_stride,
+                           void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                           float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_decode_sx_body<NT, STAGES, OUT_F32, RT, 1>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                                    out_batch_stride, out_row_stride, T, N, K);
+}
+
+#ifdef DDT_HAS_CLUSTERS
+// SX with a cluster K split of CS blocks along grid.y (RT row tiles per block).
+template <int NT, int STAGES, int RT, int CS, bool OUT_F32>
+__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(DEC_THREADS, 2)
+gemm_bf16_kernel_decode_sxcl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                             const bf16_bits* __restrict__ w, long long w_batch_stride,
+                             void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                             float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_decode_sx_body<NT, STAGES, OUT_F32, RT, CS>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
+                                                     out_batch_stride, out_row_stride, T, N, K);
 }
 #endif
