@@ -5,6 +5,7 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
+        # one tile per down warp (I = 256): --ts '256:1,2,8,64' --variants down_mt2,down_mt1
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -199,11 +200,14 @@ def _prev_plan(prev_src, *args, **kw):
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
     with open(prev_src) as f:
-        six = "int U, int S>" in f.read()      # a kernel file from before the LEAN template parameter
+        text = f.read()
+    six = "int U, int S>" in text      # a kernel file from before the LEAN template parameter
+    has_mt = "int MT" in text          # ... and from before MT (one tile per down warp): no 8-parameter names
 
     def prev_name(name):   # that file runs its only k loop: drop ", lean>" from the name
         return name.rsplit(",", 1)[0] + ">" if six else name
-    spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in moe._all_gemm_names())))
+    names = [n for n in moe._all_gemm_names() if has_mt or n.count(",") == 6]
+    spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in names)))
     orig = moe.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
@@ -244,6 +248,11 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
                 variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
+            if tab.nt == 1 and (tab.down.wm, tab.down.wk, tab.down.stages) == (8, 1, 0):
+                # one m16 tile per down warp (MT = 1, 3 blocks per SM) vs two (the previous down), same k loop
+                base = tab if tab.down.lean in (1, 2) else moe.with_lean(tab, 2)
+                variants["down_mt2"] = dict(tiles=moe.with_down_mt(base, 2))
+                variants["down_mt1"] = dict(tiles=moe.with_down_mt(base, 1))
             if only_variants is not None:
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
@@ -252,7 +261,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2", "down_mt2", "down_mt1") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -266,7 +275,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
-                             stages_lean2_us_cumulative=stage_sets.get("lean2"), tiles=str(tab)))
+                             stages_lean2_us_cumulative=stage_sets.get("lean2"),
+                             stages_down_mt2_us_cumulative=stage_sets.get("down_mt2"),
+                             stages_down_mt1_us_cumulative=stage_sets.get("down_mt1"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -276,9 +287,10 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | now us | % ceiling prev -> now "
-             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | down_mt2 us | down_mt1 us "
+             "| mt1 vs mt2 | now us | % ceiling prev -> now "
+             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 | stages down_mt2 | stages down_mt1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -289,10 +301,13 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2"))
+        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2", "down_mt2", "down_mt1"))
+        var += " | " + (f"{100 * (vu['down_mt1'] / vu['down_mt2'] - 1):+.1f}%" if "down_mt1" in vu and "down_mt2" in vu
+                        else "-")
         lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
+                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} | "
+                     f"{st(r.get('stages_down_mt2_us_cumulative'))} | {st(r.get('stages_down_mt1_us_cumulative'))} |")
     return "\n".join(lines)
 
 

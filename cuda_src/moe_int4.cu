@@ -412,8 +412,8 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
 
-template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN>
-__global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
+template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN, int MT = 2>
+__global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT == 1 ? 3 : 2) : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
@@ -421,14 +421,18 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         bf16_bits* __restrict__ h_out, int h_stride,
         float* __restrict__ y, int pf_steps, int pf_next) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
-    constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
+    // MT = m16 weight tiles per warp: 2 (the pair 2r, 2r+1; gate/up needs it for SiLU(gate)*up in registers),
+    // or 1 (down only, lean loops only): half the ring registers, so 3 blocks (24 warps) fit per SM instead of 2.
+    // A tile's accumulation never involves the other tile, so MT = 1 gives bit-identical y (docs/MOE.md).
+    static_assert(MT == 2 || (MT == 1 && MODE == 1 && S == 0 && LEAN != 0), "MT = 1: down GEMM, lean loops only");
+    constexpr int RED = WK > 1 ? WM * WK * MT * NT * 4 * 32 : 1;
     __shared__ float red[RED];
     extern __shared__ __align__(16) uint4 moe_dyn[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = N / 16;
-    const int n_mg = (ntiles / 2 + WM - 1) / WM;
+    const int n_mg = (ntiles / MT + WM - 1) / WM;
     const int spw = (KS + WK - 1) / WK;
     const int sb = kw * spw;
     const int nsteps = max(0, min(KS, sb + spw) - sb);
@@ -465,7 +469,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         if (u + (int)gridDim.x >= n_units) DDT_PDL_LAUNCH_DEPENDENTS();   // last unit: SMs are freeing up
         const int4 ch = chs[cidx];
         const int e = ch.x, slot0 = ch.y, ntok = ch.z;
-        const int tile0 = (mg * WM + wm) * 2;
+        const int tile0 = (mg * WM + wm) * MT;
         const bool wactive = tile0 < ntiles;
         // this warp's tiles in the block's next unit (for the prefetch across the unit boundary)
         // (two ints, not pointers: the gate/up kernel sits at the 128-register cap)
@@ -473,7 +477,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         int nx_e = -1, nx_t = 0;
         if (pf_next && pf_steps > 0 && un < n_units) {
             const int mgn = un / n_chunks;
-            nx_t = (mgn * WM + wm) * 2;
+            nx_t = (mgn * WM + wm) * MT;
             if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
         }
         const bool nx = nx_e >= 0;
@@ -485,9 +489,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         float my_w = 0.f;
         if (MODE == 1 && lane < ntok) my_pair = spair[slot0 + lane];
 
-        float acc[2][NT][4];
+        float acc[MT][NT][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -535,7 +539,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             }
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < MT; ++mt) {
                     uint32_t A[4][4];
                     dequant_word(a[mt].x, A[0]);
                     dequant_word(a[mt].y, A[1]);
@@ -581,9 +585,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             if constexpr (S == 0 && LEAN) {
                 // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
                 // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
-                auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
+                auto compute_lean = [&](const uint4 (&a)[MT], const uint2 (&sc)[MT], const uint4 (&b)[NT][2]) {
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < MT; ++mt) {
                         uint32_t A[4][4];
                         dequant_word(a[mt].x, A[0]);
                         dequant_word(a[mt].y, A[1]);
@@ -611,9 +615,10 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
                 // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
                 // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
+                // 64-bit product per step); MT = 1: lanes 0..3 and 8 (one tile). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
                 // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
                 // unit boundary like the LEAN = 0 one.
+                const bool pf_lane = MT == 2 ? lane < 10 : (lane < 4 || lane == 8);
                 const unsigned pstride = lane < 8 ? 512u : 64u;
                 const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
                                            : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
@@ -624,7 +629,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 };
                 if constexpr (LEAN == 1) {
                     // LEAN 1: the next unit's first steps are requested here, once per unit
-                    const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                    const int plim = (pf_lane && pf_steps > 0) ? nsteps : 0;
                     for (int s = pf_done; s < pf_steps; ++s)
                         if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
                     next_done = 0;
@@ -632,12 +637,12 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         const char* pn = next_unit_ptr();
                         next_done = min(nsteps, pf_steps);
                         for (int s = 0; s < next_done; ++s)
-                            if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                            if (pf_lane) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
                     }
                 }
                 // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
                 // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
-                const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
+                const int plim = (pf_lane && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
                 auto prefetch_step = [&](int s) {
                     if constexpr (LEAN == 2) {
                         if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
@@ -650,8 +655,8 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     next_done = nx ? min(nsteps, pf_steps) : 0;
                 }
 
-                uint4 ra[U][2];
-                uint2 rs[U][2];
+                uint4 ra[U][MT];
+                uint2 rs[U][MT];
                 // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
                 // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
                 // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
@@ -668,9 +673,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
                 auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
                     ra[r][0] = ld_stream_v4(qa0 + i * 32);
-                    ra[r][1] = ld_stream_v4(qa1 + i * 32);
+                    if constexpr (MT == 2) ra[r][1] = ld_stream_v4(qa1 + i * 32);
                     rs[r][0] = ld_stream_v2(qs0 + i * 8);
-                    rs[r][1] = ld_stream_v2(qs1 + i * 8);
+                    if constexpr (MT == 2) rs[r][1] = ld_stream_v2(qs1 + i * 8);
                 };
                 auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
 #pragma unroll
@@ -775,9 +780,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         pf_done = next_done;
 
         if (WK > 1) {
-            float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
+            float* mine = red + (size_t)(warp * MT * NT * 4) * 32 + lane;
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -785,14 +790,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
             __syncthreads();
             if (kw == 0) {
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int q = 0; q < 4; ++q) {
                             float sum = 0.f;
                             for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
-                                sum += red[((size_t)((k2 * WM + wm) * 2 * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
+                                sum += red[((size_t)((k2 * WM + wm) * MT * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
                             acc[mt][nt][q] = sum;
                         }
             }
@@ -808,14 +813,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     const float wgt = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_w, j & 31) : 0.f;
                     if (j >= ntok) continue;
                     const int slot = slot0 + j;
-                    if (MODE == 0) {
+                    if constexpr (MODE == 0) {
                         const int row = (tile0 >> 1) * 16 + g + 8 * (q >> 1);
-                        const float gv = acc[0][nt][q], uv = acc[1][nt][q];
+                        const float gv = acc[0][nt][q], uv = acc[MT - 1][nt][q];   // MT == 2 (static_assert)
                         const float hv = gv / (1.f + expf(-gv)) * uv;
                         h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
                     } else {
 #pragma unroll
-                        for (int mt = 0; mt < 2; ++mt) {
+                        for (int mt = 0; mt < MT; ++mt) {
                             const int row = (tile0 + mt) * 16 + g + 8 * (q >> 1);
                             y[(size_t)pair * N + row] = wgt * acc[mt][nt][q];
                         }

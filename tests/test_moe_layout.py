@@ -221,3 +221,54 @@ def test_fused_sort_model_contract():
             pe = slot_pair[flat[slot_pair] == e]
             assert (np.diff(pe) > 0).all()
     assert moe.fuse_route_default(32, 8) and not moe.fuse_route_default(33, 8)
+
+
+def test_one_tile_down_warp_variant_in_the_table_and_the_registry(monkeypatch):
+    # MT = 1 (one m16 tile per down warp, 3 blocks per SM): only the narrow 8 x 1 down block with a lean loop at
+    # nt = 1; the table uses it where DOWN_MT_NARROW = 1 (or DDT_MOE_DOWN_MT=1), the previous tiles otherwise
+    monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    monkeypatch.setattr(moe, "DOWN_MT_ENV", None)
+    names = moe._all_gemm_names()
+    for arch in ("sm_90", "sm_120"):
+        for T in (1, 2, 8, 64):
+            t = moe.select_tiles(arch, T, 256)
+            assert t.down.mt == moe.DOWN_MT_NARROW and t.gateup.mt == 2
+            v = moe.with_down_mt(t, 1)
+            assert (v.down.mt, v.down.u, v.down.lean, v.down.wm, v.down.wk) == (1, moe.U_MT1, t.down.lean, 8, 1)
+            assert v.gateup == t.gateup
+            assert moe._gemm_name(1, v.down, 1) in names
+            assert moe._gemm_name(1, v.down, 1).endswith(f", {t.down.lean}, 1>")
+            assert v.down.blocks_per_sm == 3 and t.down.blocks_per_sm == (3 if t.down.mt == 1 else 2)
+            back = moe.with_down_mt(v, 2)
+            assert (back.down.mt, back.down.u) == (2, 3)
+            # the previous loop has no one-tile form: with_lean(.., 0) falls back to two tiles
+            assert moe.with_lean(v, 0).down.mt == 2 and moe.with_lean(v, 0).down.u == 3
+            assert moe.with_lean(v, 1).down.mt == 1
+            assert moe.with_stages(v, 8).down.mt == 2 and moe.with_stages(v, 8).down.u == 3
+        for T in (8, 300):      # wide down (2 x 4) and nt = 2: not compiled, refused by name
+            with pytest.raises(ValueError, match="mt"):
+                moe.with_down_mt(moe.select_tiles(arch, T, 2048 if T == 8 else 256), 1)
+        assert moe.select_tiles(arch, 8, 2048).down.mt == 2
+    # the MT = 2 names are the ones from before the MT parameter (same kernels, same registry entries)
+    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == \
+        ("moe_gemm<1, 8, 1, 1, 3, 0, 2>" if moe.DOWN_MT_NARROW == 2 else "moe_gemm<1, 8, 1, 1, 2, 0, 2, 1>")
+    assert moe.Tile(8, 1, 3).smem_static(1) == 4 and moe.Tile(2, 4, 3, mt=1).smem_static(1) == 2 * 4 * 1 * 4 * 32 * 4
+    monkeypatch.setattr(moe, "DOWN_MT_NARROW", 1)
+    t = moe.select_tiles("sm_120", 8, 256)
+    assert (t.down.mt, t.down.u, t.gateup.mt) == (1, moe.U_MT1, 2)
+    assert moe.select_tiles("sm_120", 8, 2048).down.mt == 2              # wide: rule does not apply
+    assert moe.select_tiles("sm_120", 300, 256).down.mt == 2             # nt = 2: rule does not apply
+    monkeypatch.setattr(moe, "LEAN_LOOP", 0)
+    assert moe.select_tiles("sm_120", 8, 256).down.mt == 2               # previous loop: no one-tile form
+    monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    monkeypatch.setattr(moe, "DOWN_MT_NARROW", 2)
+    monkeypatch.setattr(moe, "DOWN_MT_ENV", 1)
+    assert moe.select_tiles("sm_90", 1, 256).down.mt == 1
+    monkeypatch.setattr(moe, "DOWN_MT_ENV", 2)
+    monkeypatch.setattr(moe, "DOWN_MT_NARROW", 1)
+    assert moe.select_tiles("sm_90", 8, 256).down.mt == 2
+    with pytest.raises(ValueError, match="mt"):
+        moe.with_down_mt(moe.select_tiles("sm_90", 8, 256), 3)
+    monkeypatch.setattr(moe, "DOWN_MT_ENV", 3)
+    with pytest.raises(ValueError, match="DDT_MOE_DOWN_MT"):
+        moe.select_tiles("sm_90", 8, 256)

@@ -273,6 +273,74 @@ def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, lean, reque
         np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
 
 
+@pytest.mark.parametrize("layer_name,T,mode,kw", [
+    ("narrow", 1, "uniform", {}), ("narrow", 8, "uniform", {}), ("narrow", 20, "one_expert", {}),
+    ("narrow", 64, "uniform", {}), ("narrow", 64, "uniform", dict(fuse_route=False, l2_prefetch=False)),
+    ("tiny", 37, "uniform", {}), ("tiny256", 30, "duplicates", dict(fuse_route=False))])
+@pytest.mark.parametrize("lean", [1, 2])
+def test_one_tile_down_warp_is_bit_identical(layer_name, T, mode, kw, lean, request):
+    # MT = 1 (one m16 tile per down warp, 3 blocks per SM): every tile accumulates exactly as in the two-tile
+    # warp, so y and out must match the MT = 2 kernel bit for bit -- both routing paths (padded and unpadded
+    # slots), 3-chunk experts, duplicates, K = 1 step (I = 32) and 4 steps (I = 256) -- and be right
+    layer = request.getfixturevalue(layer_name)
+    tab = moe.with_lean(moe.select_tiles("sm_90", T, layer.I), lean)
+    one = moe.with_down_mt(tab, 1)
+    assert one.down.mt == 1 and tab.down.mt == 2
+    o0, y0, x, ids, wts = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=moe.with_down_mt(tab, 2), **kw)
+    o1, y1, *_ = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=one, **kw)
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(o1, o0)
+    ref = layer.reference(x, ids, wts)
+    got = bf16_bits_to_f32(o1).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+@pytest.mark.parametrize("lean", [1, 2])
+def test_one_tile_down_warp_prefetch_settings_are_bit_identical(narrow, lean):
+    # its prefetch lanes (0..3 and 8: one tile) and the next-unit re-aim change no result; a wrong address faults
+    T = 16
+    tab = moe.with_lean(moe.select_tiles("sm_90", T, narrow.I), lean)
+    o0, y0, *_ = _out_and_y(narrow, T, 8, 2000, tiles=moe.with_down_mt(tab, 2))
+    for kw in (dict(pf_steps=0), dict(pf_steps=4), dict(pf_steps=16), dict(pf_next=False)):
+        o1, y1, *_ = _out_and_y(narrow, T, 8, 2000, tiles=moe.with_down_mt(tab, 1), **kw)
+        np.testing.assert_array_equal(y1, y0, err_msg=str(kw))
+        np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
+
+
+def test_one_tile_down_warp_graph_replay_equals_eager(tiny256):
+    import cupy as cp
+    layer = tiny256
+    rng = np.random.default_rng(2100)
+    T, k = 24, 8
+    tiles = moe.with_down_mt(moe.with_lean(moe.select_tiles("sm_90", T, layer.I), 2), 1)
+    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
+    ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, tiles=tiles)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, tiles=tiles)
+        stream.synchronize()
+        stream.begin_capture()
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, tiles=tiles)
+        graph = stream.end_capture()
+        out.fill(0xFFFF)
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(out.get(), eager.get())
+    ids2, wts2 = _routing(rng, T, layer.E, k)
+    ids[...] = cp.asarray(ids2)
+    wts[...] = cp.asarray(wts2)
+    with stream:
+        graph.launch(stream)
+        stream.synchronize()
+    ref = layer.reference(x.get(), ids2, wts2)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
 def test_small_t_in_large_workspace(narrow):
     assert _run(narrow, 3, 8, seed=500, t_max=650) < TOL
 
