@@ -2,7 +2,7 @@
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
     PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
-                                         [--variant oldnew|auto|old,splitk,decode] [--rows 1,8,16]
+                                         [--variant oldnew|auto|old,splitk,decode,s3,s4] [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
@@ -19,7 +19,8 @@ config (and split-K) forced at each shape and T, then the fastest per shape. --p
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule).
+gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule), or of decode selection rules ('s3', 's4':
+gemm.set_decode_rule; session 4's old-vs-new comparison is --variant s3,s4).
 """
 from __future__ import annotations
 

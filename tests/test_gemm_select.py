@@ -55,8 +55,16 @@ H200_WINNERS = {
 
 @pytest.mark.parametrize("name,N,K,B", ENGINE, ids=[e[0] for e in ENGINE])
 def test_h200_picks_are_the_measured_winners(name, N, K, B):
+    old = gemm.set_decode_rule("s3")      # session 3's rule, whichever is the default
+    try:
+        _check_s3_winners(name, N, K, B)
+    finally:
+        gemm.set_decode_rule(old)
+
+
+def _check_s3_winners(name, N, K, B):
     for T, want in zip((1, 16), H200_WINNERS[name]):
-        c = gemm.choose_decode(T, N, K, B, **H200)
+        c = gemm.choose_decode(T, N, K, B, rule="s3", **H200)
         if want is None:
             assert c is None and not gemm.use_decode(T, N, K, B, **H200)
         elif want == "light":
@@ -103,7 +111,8 @@ H200_S4_CHANGES = {
 
 
 @pytest.mark.parametrize("name,N,K,B", ENGINE, ids=[e[0] for e in ENGINE])
-def test_h200_s4_changes(name, N, K, B):
+def test_h200_s4_changes(monkeypatch, name, N, K, B):
+    monkeypatch.setattr(gemm, "S4_ENABLED", set(gemm.S4_REPLACEMENTS))   # independent of DDT_GEMM_S4_OFF
     for T in (1, 5, 8, 9, 13, 16):
         s3 = gemm.choose_decode(T, N, K, B, rule="s3", **H200)
         s4 = gemm.choose_decode(T, N, K, B, rule="s4", **H200)
@@ -122,7 +131,7 @@ def test_sx_same_grid_or_one_wave_on_sm120():
 
 
 def test_rule_switch_and_env(monkeypatch):
-    assert gemm.DEFAULT_RULE == "s3"        # session 4's rule becomes the default only once measured
+    assert gemm.DEFAULT_RULE in gemm.DEC_RULES     # "s3" until the lead's run measures "s4"
     old = gemm.set_decode_rule("s4")
     try:
         assert gemm.decode_rule() == "s4"
@@ -147,7 +156,7 @@ def test_rule_switch_and_env(monkeypatch):
 
 
 def test_switches():
-    old = gemm.set_variant("splitk")
+    old, old_rule = gemm.set_variant("splitk"), gemm.set_decode_rule("s3")
     try:
         assert not gemm.use_decode(1, 2112, 7168)
         gemm.set_variant("decode")
@@ -157,6 +166,7 @@ def test_switches():
         assert gemm.use_decode(16, 2112, 7168)
     finally:
         gemm.set_variant(old)
+        gemm.set_decode_rule(old_rule)
     with pytest.raises(ValueError, match="variant"):
         gemm.set_variant("fast")
     with pytest.raises(ValueError, match="cfg"):

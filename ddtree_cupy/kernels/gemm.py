@@ -9,7 +9,9 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
  * "decode": ``gemm_bf16_kernel_decode`` / ``_decode_cl`` (T <= 16: 16 RT weight rows per block, K split
    across the block's 8 warps and, for CS > 1, across a cluster of CS blocks, reduced in (distributed)
    shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
-   forces one).
+   forces one) under a selection rule: "s3" (session 3, measured; the default) or "s4" (adds the
+   shared-token-tile ``gemm_bf16_kernel_decode_sx`` / ``_sxcl`` kernels and a CS 3 cluster split;
+   ``set_decode_rule``, env DDT_GEMM_RULE, per-replacement switches S4_ENABLED / DDT_GEMM_S4_OFF).
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
