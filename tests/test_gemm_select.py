@@ -131,6 +131,7 @@ def test_sx_same_grid_or_one_wave_on_sm120():
 
 
 def test_rule_switch_and_env(monkeypatch):
+    monkeypatch.setattr(gemm, "S4_ENABLED", set(gemm.S4_REPLACEMENTS))
     assert gemm.DEFAULT_RULE in gemm.DEC_RULES     # "s3" until the lead's run measures "s4"
     old = gemm.set_decode_rule("s4")
     try:
@@ -191,7 +192,7 @@ def test_s4_replacements_switch_individually(monkeypatch):
                 want = s3 if which.get(key) == off else H200_S4_CHANGES.get(key, s3)
                 assert s4 == want, (off, name, T, s4)
     monkeypatch.setenv("DDT_GEMM_S4_OFF", "sx_cs2, cs3")
-    assert gemm._s4_from_env() == set(gemm.S4_REPLACEMENTS) - {"sx_cs2", "cs3"}
+    assert gemm._s4_from_env() == set(gemm.S4_REPLACEMENTS) - {"sx_cs2", "cs3"} - set(gemm.S4_DEFAULT_OFF)
     monkeypatch.setenv("DDT_GEMM_S4_OFF", "sx_cs3")
     with pytest.raises(ValueError, match="DDT_GEMM_S4_OFF"):
         gemm._s4_from_env()

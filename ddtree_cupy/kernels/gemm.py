@@ -128,16 +128,17 @@ def _rule_from_env() -> str:
 
 _RULE = [_rule_from_env()]
 # Session 4's replacements, each switchable on its own (so a measured loser can be dropped without losing
-# the winners): remove names from S4_ENABLED, or set DDT_GEMM_S4_OFF to a comma list of them.
+# the winners): list it in S4_DEFAULT_OFF, or set DDT_GEMM_S4_OFF to a comma list of names (added to it).
 S4_REPLACEMENTS = ("cs3", "sx_rt", "sx_thin", "sx_cs4", "sx_cs2")
+S4_DEFAULT_OFF: tuple = ()
 
 
 def _s4_from_env() -> set:
     off = {n.strip() for n in os.environ.get("DDT_GEMM_S4_OFF", "").split(",") if n.strip()}
-    bad = off - set(S4_REPLACEMENTS)
+    bad = (off | set(S4_DEFAULT_OFF)) - set(S4_REPLACEMENTS)
     if bad:
         raise ValueError(f"DDT_GEMM_S4_OFF: unknown replacement(s) {sorted(bad)}; known: {S4_REPLACEMENTS}")
-    return set(S4_REPLACEMENTS) - off
+    return set(S4_REPLACEMENTS) - off - set(S4_DEFAULT_OFF)
 
 
 S4_ENABLED = _s4_from_env()
