@@ -280,3 +280,61 @@ def test_cache_model_follows_the_kernel():
         assert stmt in SRC, stmt
     assert "#define DDT_CACHE_NOTUP (DDT_FAST == 9)" in SRC and "#define DDT_CACHE_LEAN (DDT_FAST >= 8)" in SRC
     assert ddt.VARIANTS[9] == "scan-rank-cache-regs-notup" and 9 in ddt.CACHE_VARIANTS
+
+
+def write_tree_ilp_masks(t_par: dict, n: int) -> np.ndarray:
+    """write_tree's mask words in variant 9 (DDT_TREE_ILP), lane by lane: lane l holds rows l + 32 q
+    (q < 5), every step advances all of a lane's ancestor walks at once. Returns uint32 [R, MASK_WORDS]."""
+    R, W = MAX_ROWS, dd.MASK_WORDS
+    NQ = (R + 31) // 32
+    out = np.zeros((R, W), np.uint32)
+    for lane in range(32):
+        a, w = [], []
+        for q in range(NQ):
+            i = lane + 32 * q
+            pad = i > n
+            a.append(-1 if pad else i)
+            w.append([((1 if j == 0 else 0) | ((1 << (i & 31)) if (i >> 5) == j else 0)) if pad else 0
+                      for j in range(W)])
+        for _step in range(8 + 1):            # DDT_MAX_DEPTH + 1 nodes: self .. root
+            for q in range(NQ):
+                cur = a[q]
+                bit = (1 << (cur & 31)) if cur >= 0 else 0
+                for j in range(W):
+                    w[q][j] |= bit if (cur >> 5) == j else 0
+                a[q] = t_par[cur] if cur >= 0 else -1
+        for q in range(NQ):
+            i = lane + 32 * q
+            if i < R:
+                out[i] = w[q]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["normal", "dyadic"])
+def test_write_tree_ilp_masks_equal_reference(kind):
+    """The interleaved ancestor walks give the reference's packed masks on real rows and {root, self} on
+    padding rows; trees of depth 8 (the deepest walk: 9 nodes) and budgets 0..128."""
+    rng = np.random.default_rng(11)
+    for trial in range(12):
+        D, K = (8, 128) if trial < 3 else (int(rng.integers(1, 9)), int(rng.integers(1, 129)))
+        budget = (128, 64, 0)[trial] if trial < 3 else int(rng.integers(0, 129))
+        lp, ids = _top(rng, D, K, kind)
+        t = dd.build_tree(lp, ids, budget, include_chain=bool(trial % 2))
+        f = dd.flatten(t, 5, 100)
+        n = len(t.tokens)
+        t_par = {0: -1, **{i + 1: int(p) for i, p in enumerate(t.parents)}}
+        got = write_tree_ilp_masks(t_par, n)
+        np.testing.assert_array_equal(got[:n + 1], f.mask_bits, err_msg=f"trial {trial}")
+        for i in range(n + 1, MAX_ROWS):
+            want = np.zeros(dd.MASK_WORDS, np.uint32)
+            want[0] |= 1
+            want[i // 32] |= np.uint32(1 << (i % 32))
+            np.testing.assert_array_equal(got[i], want, err_msg=f"trial {trial} padding row {i}")
+    for stmt in ("a[q] = pad ? -1 : i;",
+                 "w[q][j] = pad ? ((j == 0 ? 1u : 0u) | ((i >> 5) == j ? 1u << (i & 31) : 0u)) : 0u;",
+                 "for (int step = 0; step <= DDT_MAX_DEPTH; ++step) {",
+                 "const uint32_t bit = on ? 1u << (cur & 31) : 0u;",
+                 "for (int j = 0; j < DDT_MASK_WORDS; ++j) w[q][j] |= (cur >> 5) == j ? bit : 0u;",
+                 "a[q] = on ? t_par[cur] : -1;",
+                 "#define DDT_TREE_ILP (DDT_FAST == 9)"):
+        assert stmt in SRC, stmt
