@@ -26,21 +26,20 @@
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
-// DDT_FAST=4 ("scan", the default) is variant 3's builder and walk with a streaming top-K: stage 1 only
-// reads (per thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and
-// re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
-// DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
-// placement (rank_out; H200: -3 us at k = 64 bf16, -9 us f32, docs/DDTREE.md).
-// DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
-// 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
+// The thresholds below are the history of the variants: 4 ("scan") added a streaming top-K (stage 1 only
+// reads: per thread max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads
+// the few 32-logit groups that can hold the row's top-k, "Stage 2, scan variant" below), 5 the merge's
+// output placed by rank (rank_out), 6 the builder's sorted 32-entry cache for budgets <= 64 ("Builder,
+// sorted cache"). 4, 5 and 6 were measured slower than 7 everywhere and are no longer built.
+// DDT_FAST=7 ("scan-rank-cache") has all three.
 // DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers
 // and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs),
 // whose cache loop stores one info word per pop, and whose walk reads the tree from registers.
 // DDT_FAST=9 ("scan-rank-cache-regs-notup") is variant 8 whose cache entries carry no rank tuple: the ranking
 // compares 32-bit ordered scores, and only a pop where a score ties (warp-uniform, rare on real drafts)
 // rebuilds the tuples of the entries from the emitted rows' info words (docs/DDTREE.md "Variant 9").
-#if DDT_FAST != 0 && (DDT_FAST < 3 || DDT_FAST > 9)
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 9 (scan-rank-cache-regs-notup)"
+#if DDT_FAST != 0 && DDT_FAST != 3 && (DDT_FAST < 7 || DDT_FAST > 9)
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 9 (scan-rank-cache-regs-notup)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
 #define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST >= 7)   // the merge's output placed by rank

@@ -116,7 +116,7 @@ def test_candidates_hold_the_top_k(V, k):
         assert m["cand"].size >= k, name
         assert m["n_groups"] <= m["gcap"], name              # s_gl holds gcap group indices
         assert m["cand"].size <= 32 * m["gcap"], name       # the candidate region
-        smem = ddt.merge_smem(m["P"], k, parts_major=False, fast=4)
+        smem = ddt.merge_smem(m["P"], k, parts_major=False, fast=7)
         assert smem >= m["cand"].size * 8 + m["n_groups"] * 4 and smem <= ddt.MAX_MERGE_SMEM, name
 
 

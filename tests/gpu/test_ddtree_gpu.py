@@ -14,10 +14,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 4, 5, 6, 7, 8], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
-                                                   "scan-rank-cache", "scan-rank-cache-regs"])
+@pytest.fixture(params=[0, 3, 7, 8, 9], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
+                                             "scan-rank-cache-regs-notup"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3-8, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Every kernel variant (DDT_FAST = 0, 3, 7, 8, 9: kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -191,7 +191,7 @@ def test_build_tree_matches_reference(source, cap_k, chain, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(11 + cap_k + 100 * chain + 1000 * len(source))
-    # budgets on both sides of the sorted-cache builder's limit (64, variants 6 and 7)
+    # budgets on both sides of the sorted-cache builder's limit (64, variants 7-9)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100, 128, 96, 50, 127, 63, 65, 32, 40], np.int32)
     S, D, K = budgets.shape[0], 7, 128
     if source in ("sparse", "zero", "flat"):   # depth 8 (the most): the largest frontier (137 positions)
