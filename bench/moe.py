@@ -5,7 +5,7 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
-        # one tile per down warp (I = 256): --ts '256:1,2,8,64' --variants down_mt2,down_mt1
+        # down variants: --ts '256:1,2,8,64;2048:8' --variants down_mt2,down_lean2,down_mt1,down_pre,down_mt1_pre
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -253,6 +253,13 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 base = tab if tab.down.lean in (1, 2) else moe.with_lean(tab, 2)
                 variants["down_mt2"] = dict(tiles=moe.with_down_mt(base, 2))
                 variants["down_mt1"] = dict(tiles=moe.with_down_mt(base, 1))
+            if tab.down.stages == 0 and tab.down.lean in (2, 3):
+                # the down's ring kept across units (LEAN 3) vs LEAN 2, two tiles per warp (and with one tile)
+                two = moe.with_down_mt(tab, 2) if tab.down.mt == 1 else tab
+                variants["down_lean2"] = dict(tiles=moe.with_down_preload(two, False))
+                variants["down_pre"] = dict(tiles=moe.with_down_preload(two, True))
+                if "down_mt1" in variants:
+                    variants["down_mt1_pre"] = dict(tiles=moe.with_down_mt(moe.with_down_preload(two, True), 1))
             if only_variants is not None:
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
@@ -261,7 +268,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "down_mt2", "down_mt1") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2") + DOWN_VARIANTS if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -276,8 +283,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_prev_us_cumulative=stage_sets.get("prev"),
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
-                             stages_down_mt2_us_cumulative=stage_sets.get("down_mt2"),
-                             stages_down_mt1_us_cumulative=stage_sets.get("down_mt1"), tiles=str(tab)))
+                             stages_variants_us_cumulative=stage_sets, tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -287,10 +293,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | down_mt2 us | down_mt1 us "
-             "| mt1 vs mt2 | now us | % ceiling prev -> now "
-             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 | stages down_mt2 | stages down_mt1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | now us | % ceiling prev -> now "
+             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -301,13 +306,52 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2", "down_mt2", "down_mt1"))
-        var += " | " + (f"{100 * (vu['down_mt1'] / vu['down_mt2'] - 1):+.1f}%" if "down_mt1" in vu and "down_mt2" in vu
-                        else "-")
+        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2"))
         lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} | "
-                     f"{st(r.get('stages_down_mt2_us_cumulative'))} | {st(r.get('stages_down_mt1_us_cumulative'))} |")
+                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
+    lines.append("")
+    lines.append(down_table(res))
+    return "\n".join(lines)
+
+
+DOWN_VARIANTS = ("down_mt2", "down_lean2", "down_mt1", "down_pre", "down_mt1_pre")
+
+
+def _down_stage(stages):
+    """The down GEMM's share of a launch-prefix timing (us), or None."""
+    if not stages or "down" not in stages:
+        return None
+    keys = list(stages)
+    i = keys.index("down")
+    return stages["down"] - (stages[keys[i - 1]] if i > 0 else 0.0)
+
+
+def down_table(res):
+    """Session 4 (third engineer): the down-GEMM variants, whole layer and down stage (us), each vs its base
+    (down_mt2 for the one-tile ones at I <= 512 with the table's loop; down_lean2 for the preload)."""
+    lines = ["| I | routing | T | experts | " + " | ".join(f"{k} layer / down" for k in DOWN_VARIANTS)
+             + " | mt1 vs mt2 (layer, down) | pre vs lean2 (layer, down) | mt1_pre vs mt2 (layer, down) |",
+             "|---|---|---|---|" + "---|" * (len(DOWN_VARIANTS) + 3)]
+
+    def pct(a, b):
+        return f"{100 * (a / b - 1):+.1f}%" if a is not None and b else "-"
+    for r in res["rows"]:
+        vu = r["variants_us"]
+        sv = r.get("stages_variants_us_cumulative") or {}
+        if not any(k in vu for k in DOWN_VARIANTS):
+            continue
+        dn = {k: _down_stage(sv.get(k)) for k in DOWN_VARIANTS}
+        cells = []
+        for k in DOWN_VARIANTS:
+            cells.append(f"{vu[k]:.1f} / {dn[k]:.1f}" if k in vu and dn[k] is not None
+                         else (f"{vu[k]:.1f} / -" if k in vu else "-"))
+
+        def both(a, b):
+            return f"{pct(vu.get(a), vu.get(b))}, {pct(dn.get(a), dn.get(b))}"
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | " + " | ".join(cells)
+                     + f" | {both('down_mt1', 'down_mt2')} | {both('down_pre', 'down_lean2')} | "
+                     f"{both('down_mt1_pre', 'down_mt2')} |")
     return "\n".join(lines)
 
 

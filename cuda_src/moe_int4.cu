@@ -425,6 +425,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
     // or 1 (down only, lean loops only): half the ring registers, so 3 blocks (24 warps) fit per SM instead of 2.
     // A tile's accumulation never involves the other tile, so MT = 1 gives bit-identical y (docs/MOE.md).
     static_assert(MT == 2 || (MT == 1 && MODE == 1 && S == 0 && LEAN != 0), "MT = 1: down GEMM, lean loops only");
+    // LEAN 3 (the ring preloaded across units) exists for the down GEMM only: in the gate/up kernels at the
+    // 128-register cap the ring live across the K reduction and epilogue spilled on sm_120 (NVRTC 12.9)
+    static_assert(LEAN != 3 || (MODE == 1 && S == 0), "LEAN 3: down GEMM, register ring only");
     constexpr int RED = WK > 1 ? WM * WK * MT * NT * 4 * 32 : 1;
     __shared__ float red[RED];
     extern __shared__ __align__(16) uint4 moe_dyn[];
@@ -461,6 +464,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
     }
     const int n_units = n_chunks * n_mg;
     int pf_done = 0;     // k64 steps of this unit's tiles already prefetched by the previous unit
+    // LEAN 3 (down only): the register ring lives across units. After a unit's last k step the warp loads the first U steps
+    // of its next unit into the (now free) ring BEFORE the K reduction, epilogue and barriers, so those loads are
+    // in flight while the block finishes the unit (LEAN 2 issues them only after; a unit then starts with an empty
+    // ring and waits one L2 round trip). `pre`: the ring holds this unit's first min(U, nsteps) steps.
+    uint4 lra[U][MT];
+    uint2 lrs[U][MT];
+    uint4 rb[U][NT][2];
+    bool pre = false;
 
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         // Consecutive units are consecutive chunks of the same m-group: chunks of one expert run side by side
@@ -475,12 +486,12 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
         // (two ints, not pointers: the gate/up kernel sits at the 128-register cap)
         const int un = u + gridDim.x;
         int nx_e = -1, nx_t = 0;
-        if (pf_next && pf_steps > 0 && un < n_units) {
+        if ((LEAN == 3 || (pf_next && pf_steps > 0)) && un < n_units) {
             const int mgn = un / n_chunks;
             nx_t = (mgn * WM + wm) * MT;
             if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
         }
-        const bool nx = nx_e >= 0;
+        const bool nx = nx_e >= 0 && pf_next && pf_steps > 0;   // the prefetch crosses into the next unit
         int next_done = 0;
         // MODE 1: lane j < ntok holds token column j's pair and routing weight for the epilogue (taken by
         // shuffle). The pair load is issued now; the dependent weight load only after the first weight loads
@@ -576,7 +587,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                     }
                 }
             };
-            uint4 rb[U][NT][2];
             if (!(S == 0 && LEAN)) {
 #pragma unroll
                 for (int i = 0; i < U; ++i)
@@ -642,21 +652,21 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 }
                 // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
                 // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
-                const int plim = (pf_lane && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
+                const int plim = (pf_lane && pf_steps > 0) ? (LEAN >= 2 && nx ? 2 * nsteps : nsteps) : 0;
                 auto prefetch_step = [&](int s) {
-                    if constexpr (LEAN == 2) {
+                    if constexpr (LEAN >= 2) {
                         if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
                             ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
                     }
                     if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
                 };
-                if constexpr (LEAN == 2) {
+                if constexpr (LEAN >= 2) {
                     for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
                     next_done = nx ? min(nsteps, pf_steps) : 0;
                 }
 
-                uint4 ra[U][MT];
-                uint2 rs[U][MT];
+                auto& ra = lra;
+                auto& rs = lrs;
                 // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
                 // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
                 // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
@@ -694,9 +704,12 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 };
                 // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
                 if (LEAN == 1) load_x(0, 0);
+                if (!pre) {
 #pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
+                    for (int i = 0; i < U; ++i)
+                        if (i < nsteps) { load_w(i, i); if (LEAN >= 2) load_x(i, i); }
+                }
+                pre = false;
                 if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
                 // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
@@ -707,11 +720,45 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                         if (base + i < nsteps) {
                             if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
                             compute_lean(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
+                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN >= 2) load_x(i, i + U); }
                             prefetch_step(base + i + pf_steps);
                         }
                     }
                     advance();
+                }
+                if constexpr (LEAN == 3) {
+                    // the next unit's first U steps into the free ring (same slots and values the unit start of
+                    // LEAN 2 would load: bit-identical); weights first (nx_e is known), then the activation rows,
+                    // whose chunk entry is one more (shared-memory or L2) load
+                    if (nx_e >= 0) {
+                        const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
+                        qa0 = wp + nb * 32 + lane;
+                        qa1 = qa0 + (size_t)KS * 32;
+                        qs0 = sp + nb * 8 + g;
+                        qs1 = qs0 + (size_t)KS * 8;
+#pragma unroll
+                        for (int i = 0; i < U; ++i)
+                            if (i < nsteps) load_w(i, i);
+                        const int4 cn = chs[un - (un / n_chunks) * n_chunks];
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            const int j = nt * 8 + g;
+                            // as pb[] at a unit start: absent columns read row 0 (never stored)
+                            const int row = j < cn.z ? (MODE == 0 ? spair[cn.y + j] / k : cn.y + j) : 0;
+                            const bf16_bits* q = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
+                            if (nt == 0 || nt * 8 < cn.z) {
+#pragma unroll
+                                for (int i = 0; i < U; ++i) {
+                                    if (i < nsteps) {
+                                        const uint4* p = reinterpret_cast<const uint4*>(q + i * 64);
+                                        rb[i][nt][0] = __ldg(p);
+                                        rb[i][nt][1] = __ldg(p + 4);
+                                    }
+                                }
+                            }
+                        }
+                        pre = true;
+                    }
                 }
             } else if constexpr (S == 0) {
                 uint4 ra[U][2];

@@ -173,6 +173,8 @@ def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
     # all three loops of every register-ring table entry are compiled (registry names), the cp.async ring has
     # only the previous loop
     monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)        # the down-only LEAN 3: its own test below
+    monkeypatch.setattr(moe, "DOWN_PRELOAD_ENV", None)
     names = moe._all_gemm_names()
     for T, inter in ((1, 256), (1, 2048), (8, 256), (64, 2048), (300, 256), (650, 2048)):
         for arch in ("sm_90", "sm_120"):
@@ -271,4 +273,48 @@ def test_one_tile_down_warp_variant_in_the_table_and_the_registry(monkeypatch):
         moe.with_down_mt(moe.select_tiles("sm_90", 8, 256), 3)
     monkeypatch.setattr(moe, "DOWN_MT_ENV", 3)
     with pytest.raises(ValueError, match="DDT_MOE_DOWN_MT"):
+        moe.select_tiles("sm_90", 8, 256)
+
+
+def test_down_preload_variant_in_the_table_and_the_registry(monkeypatch):
+    # LEAN 3 (the down's ring kept across units): only where the down runs LEAN 2, on every register-ring down
+    # block (8 x 1 and 2 x 4, nt = 1/2/4) and with one tile per warp; the table uses it where DOWN_PRELOAD (or
+    # DDT_MOE_DOWN_PRELOAD=1), the gate/up never
+    for name in ("LEAN_LOOP", "DOWN_MT_ENV", "DOWN_PRELOAD_ENV"):
+        monkeypatch.setattr(moe, name, None)
+    names = moe._all_gemm_names()
+    for arch in ("sm_90", "sm_120"):
+        for T, inter in ((2, 256), (8, 256), (64, 2048), (300, 256), (650, 2048), (650, 256)):
+            t = moe.select_tiles(arch, T, inter)
+            assert t.down.lean == (3 if moe.DOWN_PRELOAD else 2) and t.gateup.lean == 2
+            on = moe.with_down_preload(t, True)
+            assert on.down.lean == 3 and on.gateup == t.gateup
+            assert (on.down.wm, on.down.wk, on.down.u, on.down.mt) == (t.down.wm, t.down.wk, t.down.u, t.down.mt)
+            assert moe._gemm_name(1, on.down, on.nt) in names
+            assert moe.with_down_preload(on, False).down.lean == 2
+            assert moe.with_lean(on, 2).down.lean == 2                 # with_lean drops the preload
+            if on.nt == 1 and (on.down.wm, on.down.wk) == (8, 1):
+                assert moe._gemm_name(1, moe.with_down_mt(on, 1).down, 1) in names
+        with pytest.raises(ValueError, match="on"):
+            moe.with_down_preload(moe.select_tiles(arch, 1, 256), True)           # T = 1 runs LEAN 1
+        with pytest.raises(ValueError, match="on"):
+            moe.with_down_preload(moe.with_stages(moe.select_tiles(arch, 8, 256), 8), True)
+    assert not any(n.startswith("moe_gemm<0") and n.endswith(" 3>") for n in names)    # no gate/up LEAN 3
+    with pytest.raises(ValueError, match="lean"):
+        moe.with_lean(moe.select_tiles("sm_90", 8, 256), 3)
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", True)
+    t = moe.select_tiles("sm_120", 8, 256)
+    assert (t.down.lean, t.gateup.lean) == (3, 2)
+    assert moe.select_tiles("sm_120", 1, 256).down.lean == 1                    # T = 1: LEAN 1, no preload
+    monkeypatch.setattr(moe, "DOWN_MT_NARROW", 1)
+    t = moe.select_tiles("sm_120", 8, 256)
+    assert (t.down.lean, t.down.mt, t.down.u) == (3, 1, moe.U_MT1)
+    assert moe._gemm_name(1, t.down, 1) == "moe_gemm<1, 8, 1, 1, 2, 0, 3, 1>"
+    monkeypatch.setattr(moe, "DOWN_PRELOAD_ENV", 0)
+    assert moe.select_tiles("sm_120", 8, 256).down.lean == 2
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)
+    monkeypatch.setattr(moe, "DOWN_PRELOAD_ENV", 1)
+    assert moe.select_tiles("sm_90", 64, 2048).down.lean == 3
+    monkeypatch.setattr(moe, "DOWN_PRELOAD_ENV", 2)
+    with pytest.raises(ValueError, match="DDT_MOE_DOWN_PRELOAD"):
         moe.select_tiles("sm_90", 8, 256)

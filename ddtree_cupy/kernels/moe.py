@@ -122,6 +122,34 @@ def down_mt_for(T: int, inter: int) -> int:
     return DOWN_MT_NARROW if inter <= 512 else 2
 
 
+# The down GEMM's k loop LEAN = 3 (session 4, third engineer): LEAN 2 with the register ring kept across units --
+# the next unit's first U steps (weights and h rows) are loaded right after a unit's last k step, before its
+# epilogue, instead of at the next unit's start. Same loads, same arithmetic: bit-identical y. Down GEMM only
+# (the gate/up kernels spilled with it on sm_120). DOWN_PRELOAD = the table's choice (False = previous until
+# measured); environment DDT_MOE_DOWN_PRELOAD=0/1 forces it. Applies where the down runs LEAN 2.
+DOWN_PRELOAD_ENV: Optional[int] = (int(os.environ["DDT_MOE_DOWN_PRELOAD"])
+                                   if os.environ.get("DDT_MOE_DOWN_PRELOAD", "") != "" else None)
+DOWN_PRELOAD = False
+
+
+def down_preload_for(T: int) -> bool:
+    """Whether the table's down GEMM keeps its ring across units (LEAN 3 where it would run LEAN 2)."""
+    if DOWN_PRELOAD_ENV is not None:
+        if DOWN_PRELOAD_ENV not in (0, 1):
+            raise ValueError(f"DDT_MOE_DOWN_PRELOAD: must be 0 or 1, got {DOWN_PRELOAD_ENV}")
+        return bool(DOWN_PRELOAD_ENV)
+    return DOWN_PRELOAD
+
+
+def with_down_preload(t: MoETiles, on: bool) -> MoETiles:
+    """The same tiles with the down GEMM's loop LEAN 3 (on) or LEAN 2 (off); needs a register-ring down block
+    running LEAN 2 or 3."""
+    dn = t.down
+    if not (dn.stages == 0 and dn.lean in (2, 3)):
+        raise ValueError(f"on: the ring kept across units needs the register-ring down GEMM with LEAN 2, got {dn}")
+    return MoETiles(t.nt, t.gateup, replace(dn, lean=3 if on else 2))
+
+
 def with_down_mt(t: MoETiles, mt: int) -> MoETiles:
     """The same tiles with ``mt`` m16 tiles per down warp. mt = 1 exists for the narrow down block (8 x 1) with a
     lean loop on the register ring at nt = 1 (the compiled instantiations); elsewhere it raises."""
@@ -130,7 +158,7 @@ def with_down_mt(t: MoETiles, mt: int) -> MoETiles:
         return MoETiles(t.nt, t.gateup, replace(dn, mt=2, u=_u_for(t.nt)))
     if mt != 1:
         raise ValueError(f"mt: must be 1 or 2, got {mt}")
-    if not (t.nt == 1 and dn.stages == 0 and dn.lean in (1, 2) and (dn.wm, dn.wk) == (8, 1)):
+    if not (t.nt == 1 and dn.stages == 0 and dn.lean in (1, 2, 3) and (dn.wm, dn.wk) == (8, 1)):
         raise ValueError(f"mt: one tile per warp needs the 8 x 1 register-ring down block with a lean loop at nt = 1, "
                          f"got {dn} at nt = {t.nt}")
     return MoETiles(t.nt, t.gateup, replace(dn, mt=1, u=U_MT1))
@@ -172,15 +200,19 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     # the k loop (lean_for): the same on both architectures (all spill-free; measured on the H200 only)
     lean = lean_for(T)
     tiles = MoETiles(nt, replace(gu, lean=lean), replace(dn, lean=lean))
+    if lean == 2 and down_preload_for(T):
+        tiles = with_down_preload(tiles, True)
     mt = down_mt_for(T, inter)
-    if mt == 1 and nt == 1 and lean in (1, 2) and (dn.wm, dn.wk, dn.stages) == (8, 1, 0):
+    if mt == 1 and nt == 1 and lean in (1, 2, 3) and (dn.wm, dn.wk, dn.stages) == (8, 1, 0):
         tiles = with_down_mt(tiles, 1)
     return tiles
 
 
 def with_lean(t: MoETiles, lean: int) -> MoETiles:
     """The same tiles with the register-ring k loop ``lean`` (0 previous, 1 and 2 reduced-instruction) in both
-    GEMMs (a one-tile down warp keeps mt = 1 only with a lean loop)."""
+    GEMMs (a one-tile down warp keeps mt = 1 only with a lean loop; the down's LEAN 3 becomes ``lean``)."""
+    if lean not in (0, 1, 2):
+        raise ValueError(f"lean: must be 0, 1 or 2 (LEAN 3 is the down GEMM's: with_down_preload), got {lean}")
     dn = replace(t.down, lean=lean)
     if dn.mt == 1 and lean == 0:
         dn = replace(dn, mt=2, u=_u_for(t.nt))
@@ -206,9 +238,10 @@ def all_table_tiles() -> Tuple[MoETiles, ...]:
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
                 # every k loop of the register ring (the table's and the alternatives), and the cp.async ring
-                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2))
-                if t.nt == 1 and (t.down.wm, t.down.wk) == (8, 1):     # one tile per down warp (both lean loops)
-                    vs += (with_down_mt(with_lean(t, 1), 1), with_down_mt(with_lean(t, 2), 1))
+                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2), with_down_preload(with_lean(t, 2), True))
+                if t.nt == 1 and (t.down.wm, t.down.wk) == (8, 1):     # one tile per down warp (the lean loops)
+                    vs += (with_down_mt(with_lean(t, 1), 1), with_down_mt(with_lean(t, 2), 1),
+                           with_down_mt(with_down_preload(with_lean(t, 2), True), 1))
                 for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
                     if v not in seen:
                         seen.append(v)

@@ -273,57 +273,90 @@ def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, lean, reque
         np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
 
 
-@pytest.mark.parametrize("layer_name,T,mode,kw", [
-    ("narrow", 1, "uniform", {}), ("narrow", 8, "uniform", {}), ("narrow", 20, "one_expert", {}),
-    ("narrow", 64, "uniform", {}), ("narrow", 64, "uniform", dict(fuse_route=False, l2_prefetch=False)),
-    ("tiny", 37, "uniform", {}), ("tiny256", 30, "duplicates", dict(fuse_route=False))])
-@pytest.mark.parametrize("lean", [1, 2])
-def test_one_tile_down_warp_is_bit_identical(layer_name, T, mode, kw, lean, request):
-    # MT = 1 (one m16 tile per down warp, 3 blocks per SM): every tile accumulates exactly as in the two-tile
-    # warp, so y and out must match the MT = 2 kernel bit for bit -- both routing paths (padded and unpadded
-    # slots), 3-chunk experts, duplicates, K = 1 step (I = 32) and 4 steps (I = 256) -- and be right
+def _down_variants(tab):
+    """The down-GEMM variants of session 4 (third engineer) applicable to ``tab`` (its LEAN 1/2 loop, two tiles
+    per warp, no preload = the base): one tile per warp (MT = 1), the ring kept across units (LEAN 3), both."""
+    out = {}
+    one_tile_ok = tab.nt == 1 and (tab.down.wm, tab.down.wk) == (8, 1)
+    if one_tile_ok:
+        out["mt1"] = moe.with_down_mt(tab, 1)
+    if tab.down.lean == 2:
+        out["preload"] = moe.with_down_preload(tab, True)
+        if one_tile_ok:
+            out["mt1_preload"] = moe.with_down_mt(moe.with_down_preload(tab, True), 1)
+    return out
+
+
+@pytest.mark.parametrize("layer_name,T,mode,kw,lean,check_ref", [
+    ("narrow", 1, "uniform", {}, 1, True), ("narrow", 1, "uniform", {}, 2, False),
+    ("narrow", 8, "uniform", {}, 2, True), ("narrow", 20, "one_expert", {}, 2, False),
+    ("narrow", 64, "uniform", {}, 2, False), ("narrow", 64, "uniform", dict(fuse_route=False, l2_prefetch=False), 1, False),
+    ("tiny", 37, "uniform", {}, 2, True), ("tiny256", 30, "duplicates", dict(fuse_route=False), 2, True),
+    ("wide", 5, "uniform", {}, 2, False), ("wide", 40, "uniform", {}, 2, False),
+    ("tiny256", 300, "one_expert", {}, 2, True), ("tiny256", 650, "uniform", {}, 2, True)])
+def test_down_variants_are_bit_identical(layer_name, T, mode, kw, lean, check_ref, request):
+    # MT = 1 (one m16 tile per down warp, 3 blocks per SM) and LEAN 3 (the next unit's first ring steps loaded
+    # before the epilogue) change which warp/when, never what is summed in which order: y and out must match the
+    # base down (two tiles, LEAN 1/2) bit for bit -- both routing paths (padded and unpadded slots), 3-chunk
+    # experts, duplicates, K = 1 step (I = 32), 4 steps (I = 256), the 2 x 4 K-split down (I = 2048), nt = 2/4 --
+    # and the base must be right (float64 reference where it is cheap; the other tests cover the rest)
     layer = request.getfixturevalue(layer_name)
-    tab = moe.with_lean(moe.select_tiles("sm_90", T, layer.I), lean)
-    one = moe.with_down_mt(tab, 1)
-    assert one.down.mt == 1 and tab.down.mt == 2
-    o0, y0, x, ids, wts = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=moe.with_down_mt(tab, 2), **kw)
-    o1, y1, *_ = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=one, **kw)
-    np.testing.assert_array_equal(y1, y0)
-    np.testing.assert_array_equal(o1, o0)
-    ref = layer.reference(x, ids, wts)
-    got = bf16_bits_to_f32(o1).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    tab = moe.with_down_mt(moe.with_lean(moe.select_tiles("sm_90", T, layer.I), lean), 2) \
+        if T <= 256 and layer.I <= 512 else moe.with_lean(moe.select_tiles("sm_90", T, layer.I), lean)
+    assert tab.down.mt == 2 and tab.down.lean == lean
+    variants = _down_variants(tab)
+    assert variants, "no down variant applies: the case tests nothing"
+    o0, y0, x, ids, wts = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=tab, **kw)
+    for name, tiles in variants.items():
+        o1, y1, *_ = _out_and_y(layer, T, 8, 1900 + T, mode, tiles=tiles, **kw)
+        np.testing.assert_array_equal(y1, y0, err_msg=name)
+        np.testing.assert_array_equal(o1, o0, err_msg=name)
+    if check_ref:
+        ref = layer.reference(x, ids, wts)
+        got = bf16_bits_to_f32(o0).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
 
 
-@pytest.mark.parametrize("lean", [1, 2])
-def test_one_tile_down_warp_prefetch_settings_are_bit_identical(narrow, lean):
-    # its prefetch lanes (0..3 and 8: one tile) and the next-unit re-aim change no result; a wrong address faults
+@pytest.mark.parametrize("layer_name,lean", [("narrow", 1), ("narrow", 2), ("wide", 2)])
+def test_down_variants_prefetch_settings_are_bit_identical(layer_name, lean, request):
+    # the one-tile prefetch lanes (0..3 and 8), the next-unit re-aim and the preload (which runs whatever the
+    # prefetch settings) change no result; a wrong address faults
+    layer = request.getfixturevalue(layer_name)
     T = 16
-    tab = moe.with_lean(moe.select_tiles("sm_90", T, narrow.I), lean)
-    o0, y0, *_ = _out_and_y(narrow, T, 8, 2000, tiles=moe.with_down_mt(tab, 2))
+    tab = moe.with_lean(moe.select_tiles("sm_90", T, layer.I), lean)
+    if layer.I <= 512:
+        tab = moe.with_down_mt(tab, 2)
+    o0, y0, *_ = _out_and_y(layer, T, 8, 2000, tiles=tab)
+    variants = _down_variants(tab)
+    assert variants
     for kw in (dict(pf_steps=0), dict(pf_steps=4), dict(pf_steps=16), dict(pf_next=False)):
-        o1, y1, *_ = _out_and_y(narrow, T, 8, 2000, tiles=moe.with_down_mt(tab, 1), **kw)
-        np.testing.assert_array_equal(y1, y0, err_msg=str(kw))
-        np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
+        for name, tiles in variants.items():
+            o1, y1, *_ = _out_and_y(layer, T, 8, 2000, tiles=tiles, **kw)
+            np.testing.assert_array_equal(y1, y0, err_msg=f"{name} {kw}")
+            np.testing.assert_array_equal(o1, o0, err_msg=f"{name} {kw}")
 
 
-def test_one_tile_down_warp_graph_replay_equals_eager(tiny256):
+@pytest.mark.parametrize("fused", [True, False])
+def test_down_variants_graph_replay_equals_eager(tiny256, fused):
+    # one tile per down warp + the ring kept across units, captured: replay == eager, new routing picked up
     import cupy as cp
     layer = tiny256
     rng = np.random.default_rng(2100)
     T, k = 24, 8
-    tiles = moe.with_down_mt(moe.with_lean(moe.select_tiles("sm_90", T, layer.I), 2), 1)
+    tiles = moe.with_down_mt(moe.with_down_preload(moe.with_lean(moe.select_tiles("sm_90", T, layer.I), 2), True), 1)
+    assert (tiles.down.mt, tiles.down.lean) == (1, 3)
+    fz = dict(tiles=tiles, fuse_route=fused, l2_prefetch=False)
     x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
     ws = moe.MoEWorkspace(T, k, layer.w)
-    eager = moe.moe_forward(x, ids, wts, layer.w, ws, tiles=tiles)
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, **fz)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, tiles=tiles)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
         stream.synchronize()
         stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, tiles=tiles)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
         graph = stream.end_capture()
         out.fill(0xFFFF)
         stream.synchronize()
