@@ -8,8 +8,8 @@ last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
 variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 7
-scan-rank-cache / 8 scan-rank-cache-regs, the default / 9 scan-rank-cache-regs-notup, its candidate;
-default: 8 and 9, old vs new in one process: ~15 s on an H200 with --streams 1 10 --budgets 8 64)
+scan-rank-cache / 8 scan-rank-cache-regs, the default / 9 scan-rank-cache-regs-notup and 10 notup-s1occ5,
+the candidates; default: 8, 9, 10: old vs new in one process)
 run on the same inputs; "same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
@@ -152,9 +152,9 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[8, 9],
+    ap.add_argument("--variants", type=int, nargs="+", default=[8, 9, 10],
                     help="kernel variants to time (0 = verified, 3 = v3, 7 = scan-rank-cache, 8 = "
-                         "scan-rank-cache-regs, 9 = scan-rank-cache-regs-notup); the reference of the "
+                         "scan-rank-cache-regs, 9 = scan-rank-cache-regs-notup, 10 = notup-s1occ5); the reference of the "
                          "'same' column is 0 when given, else the lowest")
     ap.add_argument("--was-variant", default="scan-rank-cache-regs",
                     help="the --was file's variant whose figures stand for a variant that file lacks")

@@ -38,8 +38,12 @@
 // DDT_FAST=9 ("scan-rank-cache-regs-notup") is variant 8 whose cache entries carry no rank tuple: the ranking
 // compares 32-bit ordered scores, and only a pop where a score ties (warp-uniform, rare on real drafts)
 // rebuilds the tuples of the entries from the emitted rows' info words (docs/DDTREE.md "Variant 9").
-#if DDT_FAST != 0 && DDT_FAST != 3 && (DDT_FAST < 7 || DDT_FAST > 9)
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 9 (scan-rank-cache-regs-notup)"
+// DDT_FAST=10 ("notup-s1occ5") is variant 9 whose stage-1 top-K kernels are compiled for 5 blocks per SM
+// (48 registers, no spill on sm_90 / sm_120) instead of 4: 25% more logit loads in flight per SM. Same
+// code otherwise; kept apart from 9 so that a rounding difference (none expected: same PTX) or a slowdown
+// cannot take 9's builder changes down with it.
+#if DDT_FAST != 0 && DDT_FAST != 3 && (DDT_FAST < 7 || DDT_FAST > 10)
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 9 (scan-rank-cache-regs-notup), 10 (notup-s1occ5)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
 #define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST >= 7)   // the merge's output placed by rank
@@ -47,10 +51,12 @@
 #define DDT_MERGE_REGS (DDT_FAST >= 8)  // the scan merge with group keys in registers (merge_scan_regs)
 #define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
 #define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
-#define DDT_CACHE_NOTUP (DDT_FAST == 9) // cache entries without rank tuples; tuples rebuilt only on score ties
-#define DDT_TREE_ILP (DDT_FAST == 9)    // write_tree walks a lane's <= 5 rows' ancestors together (independent loads)
+#define DDT_CACHE_NOTUP (DDT_FAST >= 9) // cache entries without rank tuples; tuples rebuilt only on score ties
+#define DDT_TREE_ILP (DDT_FAST >= 9)    // write_tree walks a lane's <= 5 rows' ancestors together (independent loads)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_SCAN
+#if DDT_FAST == 10
+#define DDT_PARTIAL_MIN_BLOCKS 5
+#elif DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
 #define DDT_PARTIAL_MIN_BLOCKS 2

@@ -64,7 +64,7 @@ def test_chunk_constants_match_the_kernel():
 
 def test_topk_variant_rule():
     """The scan variant's workspace launches the list top-K only where it measured faster (1 stream, k 8)."""
-    for v in (7, 8, 9):   # the scan variants
+    for v in (7, 8, 9, 10):   # the scan variants
         assert ddt.topk_variant(7, 8, v) == 3 and ddt.topk_variant(7, 1, v) == 3
         assert ddt.topk_variant(7, 16, v) == v and ddt.topk_variant(8, 8, v) == v and ddt.topk_variant(70, 64, v) == v
     assert ddt.topk_variant(7, 8, 0) == 0 and ddt.topk_variant(70, 64, 3) == 3

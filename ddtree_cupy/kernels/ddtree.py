@@ -80,12 +80,18 @@ DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
 DDTREE_NOTUP_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "9"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 8 with tuple-free cache entries (tuples rebuilt only on score ties)"))
+# Variant 10 ("notup-s1occ5"): 9 with the stage-1 top-K kernels compiled for 5 blocks per SM (48 registers, no
+# spill) instead of 4: more logit loads in flight. Same code as 9 otherwise; NOT yet run on a GPU. The GPU
+# tests run it in the top-K and graph tests (its builder and walk are 9's).
+DDTREE_NOTUP_OCC5_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "10"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 9 with the stage-1 top-K at 5 blocks per SM"))
 _SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
-          9: DDTREE_NOTUP_SPEC}
+          9: DDTREE_NOTUP_SPEC, 10: DDTREE_NOTUP_OCC5_SPEC}
 VARIANTS = {0: "verified", 3: "v3", 7: "scan-rank-cache", 8: "scan-rank-cache-regs",
-            9: "scan-rank-cache-regs-notup"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (7, 8, 9)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (7, 8, 9)       # variants with the sorted-cache builder
+            9: "scan-rank-cache-regs-notup", 10: "notup-s1occ5"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (7, 8, 9, 10)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (7, 8, 9, 10)       # variants with the sorted-cache builder
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
@@ -95,7 +101,9 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # 9: 8 with tuple-free cache entries and the interleaved mask walk; compiled without spills, CPU-modelled,
 # NOT yet run on a GPU: DEFAULT_VARIANT = 9 (the one line below) once the integration run shows every
 # variant-9 GPU test passing, every bench row "same: yes" and 9's build below 8's at 1 x 64 and 10 x 64
-# (DDT_TREE_VARIANT=9 runs the whole engine on it before that).
+# (DDT_TREE_VARIANT=9 runs the whole engine on it before that). 10: 9 with a 5-blocks-per-SM stage 1; the
+# default becomes 10 instead when its tests pass, its rows say "same: yes" and its stage 1 is below 9's
+# at 10 x 64 bf16 (docs/DDTREE.md "Variant 9": the rule in full).
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
