@@ -491,7 +491,8 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
             nx_t = (mgn * WM + wm) * MT;
             if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
         }
-        const bool nx = nx_e >= 0 && pf_next && pf_steps > 0;   // the prefetch crosses into the next unit
+        // the prefetch crosses into the next unit (LEAN 3 also computes nx_e for its ring preload)
+        const bool nx = nx_e >= 0 && (LEAN != 3 || (pf_next && pf_steps > 0));
         int next_done = 0;
         // MODE 1: lane j < ntok holds token column j's pair and routing weight for the epilogue (taken by
         // shuffle). The pair load is issued now; the dependent weight load only after the first weight loads
