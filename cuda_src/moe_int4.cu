@@ -408,8 +408,11 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
 // and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
 // ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, session 4.
+// LEAN 3 (down only): LEAN 2 with the register ring kept across units (the next unit's first U steps loaded
+// before this unit's epilogue). MT (down, lean loops): 1 = one m16 tile per warp at <= 80 registers, 3 blocks
+// per SM. Both are bit-identical to LEAN 2 / MT = 2 (same values summed in the same order per tile).
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
-// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
+// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations, three with MT = 1.
 // ---------------------------------------------------------------------------------------------------------
 
 template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN, int MT = 2>
@@ -629,9 +632,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
                 // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
                 // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step); MT = 1: lanes 0..3 and 8 (one tile). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
-                // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
-                // unit boundary like the LEAN = 0 one.
+                // 64-bit product per step); MT = 1: lanes 0..3 and 8 (one tile). pf_next, LEAN 1: the block's next
+                // unit's first pf_steps steps are requested at the unit start (a whole unit ahead); LEAN 2, 3: the
+                // rolling prefetch crosses the unit boundary like the LEAN = 0 one.
                 const bool pf_lane = MT == 2 ? lane < 10 : (lane < 4 || lane == 8);
                 const unsigned pstride = lane < 8 ? 512u : 64u;
                 const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
