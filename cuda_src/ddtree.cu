@@ -37,7 +37,7 @@
 // whose cache loop stores one info word per pop, and whose walk reads the tree from registers.
 // DDT_FAST=9 ("scan-rank-cache-regs-notup") is variant 8 whose cache entries carry no rank tuple: the ranking
 // compares 32-bit ordered scores, and only a pop where a score ties (warp-uniform, rare on real drafts)
-// rebuilds the tuples of the entries from the emitted rows' info words (docs/DDTREE.md "Variant 9").
+// rebuilds the tuples of the entries from the emitted rows' info words (docs/DDTREE.md "Variants 9 and 10").
 // DDT_FAST=10 ("notup-s1occ5") is variant 9 whose stage-1 top-K kernels are compiled for 5 blocks per SM
 // (48 registers, no spill on sm_90 / sm_120) instead of 4: 25% more logit loads in flight per SM. Same
 // code otherwise; kept apart from 9 so that a rounding difference (none expected: same PTX) or a slowdown
@@ -52,7 +52,6 @@
 #define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
 #define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
 #define DDT_CACHE_NOTUP (DDT_FAST >= 9) // cache entries without rank tuples; tuples rebuilt only on score ties
-#define DDT_TREE_ILP (DDT_FAST >= 9)    // write_tree walks a lane's <= 5 rows' ancestors together (independent loads)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_FAST == 10
 #define DDT_PARTIAL_MIN_BLOCKS 5
@@ -1157,50 +1156,6 @@ __device__ __forceinline__ void write_tree(int st, int n, int pre, int lane, con
                                            int* positions, int* n_rows, uint32_t* mask) {
     const int R = DDT_MAX_TREE_ROWS;
     const size_t o = (size_t)st * R;
-#if DDT_TREE_ILP
-    // Row i = lane + 32 q. The ancestor walks of a lane's rows are independent: one step advances all of
-    // them (<= 5 shared loads in flight) instead of one walk after another (each step a dependent load).
-    // Self, parent, ..., root: depth + 1 <= DDT_MAX_DEPTH + 1 nodes; the root's parent is -1.
-    constexpr int NQ = (DDT_MAX_TREE_ROWS + 31) / 32;
-    int a[NQ];
-    uint32_t w[NQ][DDT_MASK_WORDS];
-#pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int i = lane + 32 * q;
-        const bool pad = i > n;   // a padding row: {root, self}; rows past R are never stored
-        a[q] = pad ? -1 : i;      // real rows are walked below
-        // selects, not `if (...) w[q][j] |= ...`: NVRTC turned that form into an indexed local-memory array
-#pragma unroll
-        for (int j = 0; j < DDT_MASK_WORDS; ++j)
-            w[q][j] = pad ? ((j == 0 ? 1u : 0u) | ((i >> 5) == j ? 1u << (i & 31) : 0u)) : 0u;
-    }
-#pragma unroll 1
-    for (int step = 0; step <= DDT_MAX_DEPTH; ++step) {
-#pragma unroll
-        for (int q = 0; q < NQ; ++q) {
-            const int cur = a[q];
-            const bool on = cur >= 0;
-            const uint32_t bit = on ? 1u << (cur & 31) : 0u;
-#pragma unroll
-            for (int j = 0; j < DDT_MASK_WORDS; ++j) w[q][j] |= (cur >> 5) == j ? bit : 0u;
-            a[q] = on ? t_par[cur] : -1;
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < NQ; ++q) {
-        const int i = lane + 32 * q;
-        if (i < R) {
-            const bool real = i <= n;
-            const int dep = real ? t_dep[i] : 0;
-            tokens[o + i] = real ? t_tok[i] : t_tok[0];
-            parents[o + i] = real ? t_par[i] : -1;
-            depths[o + i] = dep;
-            positions[o + i] = pre + dep;
-#pragma unroll
-            for (int j = 0; j < DDT_MASK_WORDS; ++j) mask[(o + i) * DDT_MASK_WORDS + j] = w[q][j];
-        }
-    }
-#else
     for (int i = lane; i < R; i += 32) {
         const bool real = i <= n;
         const int dep = real ? t_dep[i] : 0;
@@ -1225,7 +1180,6 @@ __device__ __forceinline__ void write_tree(int st, int n, int pre, int lane, con
 #pragma unroll
         for (int j = 0; j < DDT_MASK_WORDS; ++j) mask[(o + i) * DDT_MASK_WORDS + j] = w[j];
     }
-#endif
     if (lane == 0) n_rows[st] = n + 1;
 }
 

@@ -75,8 +75,7 @@ DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
 # Variant 9 ("scan-rank-cache-regs-notup"): 8 whose cache entries carry no 64-bit rank tuple (scores alone rank
 # the new entries; a pop with an equal score rebuilds the tuples from the emitted rows' info words, a
 # warp-uniform branch). Same outputs bit for bit (tests/test_ddtree_cache_model.py models both paths).
-# Its write_tree also walks a lane's rows' ancestors together (DDT_TREE_ILP). NOT yet run on a GPU
-# (docs/DDTREE.md "Variant 9" has the prediction and the decision rule).
+# NOT yet run on a GPU (docs/DDTREE.md "Variants 9 and 10" has the prediction and the decision rule).
 DDTREE_NOTUP_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "9"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 8 with tuple-free cache entries (tuples rebuilt only on score ties)"))
@@ -98,7 +97,7 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # variant, or a fallback: DDT_TREE_VARIANT=7 is the previous H200-proven one).
 # 8: H200 integration run (bench/results/tree_h200.json, every DDTree GPU test passed): 10 x 64 bf16 total
 # 40.5 (7) -> 35.8 us (PDL 35.2); 7 is 1.2 us faster only on f32 logits, which the engine never feeds.
-# 9: 8 with tuple-free cache entries and the interleaved mask walk; compiled without spills, CPU-modelled,
+# 9: 8 with tuple-free cache entries; compiled without spills, CPU-modelled,
 # NOT yet run on a GPU: DEFAULT_VARIANT = 9 (the one line below) once the integration run shows every
 # variant-9 GPU test passing, every bench row "same: yes" and 9's build below 8's at 1 x 64 and 10 x 64
 # (DDT_TREE_VARIANT=9 runs the whole engine on it before that). 10: 9 with a 5-blocks-per-SM stage 1; the
