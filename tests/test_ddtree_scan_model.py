@@ -1,6 +1,6 @@
 """CPU model of the scan variant's top-K (cuda_src/ddtree.cu, DDT_FAST=4: stage 1's group keys, the merge's
 radix narrowing of them, the re-read of the selected groups). The kernel's exactness is tested on the GPU
-(tests/gpu/test_ddtree_gpu.py, variant "scan"); this model checks the argument the merge rests on, with the
+(tests/gpu/test_ddtree_gpu.py, the scan variants 7-10); this model checks the argument the merge rests on, with the
 kernel's own constants and stopping rule, on inputs that stress it: the candidates it gathers contain the
 row's top-k (ties and -inf included), at most cand_cap(k) groups are re-read, at most 32 cand_cap(k)
 candidates land in the shared buffer, and the buffer fits the kernel's shared memory (merge_smem)."""
