@@ -6,6 +6,7 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
         # down variants: --ts '256:1,2,8,64;2048:8' --variants down_mt2,down_lean2,down_mt1,down_pre,down_mt1_pre
+        #   (and the gate/up block at I = 256: gu_1x8,gu_2x4)
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -260,6 +261,10 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 variants["down_pre"] = dict(tiles=moe.with_down_preload(two, True))
                 if "down_mt1" in variants:
                     variants["down_mt1_pre"] = dict(tiles=moe.with_down_mt(moe.with_down_preload(two, True), 1))
+            if I <= 512 and tab.nt == 1:
+                # the gate/up block at I <= 512: 1 x 8 (previous) vs 2 x 4 (half the units; not bit-identical)
+                variants["gu_1x8"] = dict(tiles=moe.with_gateup_block(tab, 1, 8))
+                variants["gu_2x4"] = dict(tiles=moe.with_gateup_block(tab, 2, 4))
             if only_variants is not None:
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
@@ -268,7 +273,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2") + DOWN_VARIANTS if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2") + DOWN_VARIANTS + GU_VARIANTS if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -312,19 +317,39 @@ def focus_table(res):
                      f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
     lines.append("")
     lines.append(down_table(res))
+    lines.append("")
+    lines.append(gu_table(res))
     return "\n".join(lines)
 
 
 DOWN_VARIANTS = ("down_mt2", "down_lean2", "down_mt1", "down_pre", "down_mt1_pre")
+GU_VARIANTS = ("gu_1x8", "gu_2x4")
 
 
-def _down_stage(stages):
-    """The down GEMM's share of a launch-prefix timing (us), or None."""
-    if not stages or "down" not in stages:
+def _stage(stages, name):
+    """One launch's share of a launch-prefix timing (us), or None."""
+    if not stages or name not in stages:
         return None
     keys = list(stages)
-    i = keys.index("down")
-    return stages["down"] - (stages[keys[i - 1]] if i > 0 else 0.0)
+    i = keys.index(name)
+    return stages[name] - (stages[keys[i - 1]] if i > 0 else 0.0)
+
+
+def gu_table(res):
+    """Session 4 (third engineer): the gate/up block at I <= 512, layer and gate/up stage (us)."""
+    lines = ["| I | routing | T | experts | gu_1x8 layer / gate_up | gu_2x4 layer / gate_up | 2x4 vs 1x8 (layer, gate_up) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        vu = r["variants_us"]
+        sv = r.get("stages_variants_us_cumulative") or {}
+        if not all(k in vu for k in GU_VARIANTS):
+            continue
+        g = {k: _stage(sv.get(k), "gate_up") for k in GU_VARIANTS}
+        cells = [f"{vu[k]:.1f} / " + (f"{g[k]:.1f}" if g[k] is not None else "-") for k in GU_VARIANTS]
+        d = f"{100 * (vu['gu_2x4'] / vu['gu_1x8'] - 1):+.1f}%"
+        dg = f"{100 * (g['gu_2x4'] / g['gu_1x8'] - 1):+.1f}%" if g["gu_1x8"] and g["gu_2x4"] is not None else "-"
+        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | " + " | ".join(cells) + f" | {d}, {dg} |")
+    return "\n".join(lines)
 
 
 def down_table(res):
@@ -341,7 +366,7 @@ def down_table(res):
         sv = r.get("stages_variants_us_cumulative") or {}
         if not any(k in vu for k in DOWN_VARIANTS):
             continue
-        dn = {k: _down_stage(sv.get(k)) for k in DOWN_VARIANTS}
+        dn = {k: _stage(sv.get(k), "down") for k in DOWN_VARIANTS}
         cells = []
         for k in DOWN_VARIANTS:
             cells.append(f"{vu[k]:.1f} / {dn[k]:.1f}" if k in vu and dn[k] is not None

@@ -318,3 +318,37 @@ def test_down_preload_variant_in_the_table_and_the_registry(monkeypatch):
     monkeypatch.setattr(moe, "DOWN_PRELOAD_ENV", 2)
     with pytest.raises(ValueError, match="DDT_MOE_DOWN_PRELOAD"):
         moe.select_tiles("sm_90", 8, 256)
+
+
+def test_gateup_block_switch(monkeypatch):
+    # GU_2X4_MIN_T (env DDT_MOE_GU_2X4_MIN_T, 0 = off): the 2 x 4 gate/up block at I <= 512 from T = N up;
+    # the kernels exist (registry), the down and the loop are untouched, wide and nt = 4 shapes are unaffected
+    for name in ("LEAN_LOOP", "DOWN_MT_ENV", "DOWN_PRELOAD_ENV", "GU_2X4_ENV"):
+        monkeypatch.setattr(moe, name, None)
+    monkeypatch.setattr(moe, "GU_2X4_MIN_T", None)
+    names = moe._all_gemm_names()
+    assert all((moe.select_tiles(a, T, 256).gateup.wm, moe.select_tiles(a, T, 256).gateup.wk) == (1, 8)
+               for a in ("sm_90", "sm_120") for T in (1, 8, 64, 256))
+    monkeypatch.setattr(moe, "GU_2X4_MIN_T", 2)
+    for arch in ("sm_90", "sm_120"):
+        assert (moe.select_tiles(arch, 1, 256).gateup.wm, moe.select_tiles(arch, 1, 256).gateup.wk) == (1, 8)
+        for T in (2, 8, 64, 256):
+            t = moe.select_tiles(arch, T, 256)
+            assert (t.gateup.wm, t.gateup.wk, t.gateup.lean, t.gateup.u) == (2, 4, 2, 3)
+            assert (t.down.wm, t.down.wk) == (8, 1)
+            assert moe._gemm_name(0, t.gateup, t.nt) in names
+            back = moe.with_gateup_block(t, 1, 8)
+            assert (back.gateup.wm, back.gateup.wk, back.down) == (1, 8, t.down)
+        assert (moe.select_tiles(arch, 300, 256).gateup.wm, moe.select_tiles(arch, 300, 256).gateup.wk) == (1, 8)
+        assert moe.select_tiles(arch, 8, 2048).gateup.wk == 4
+    monkeypatch.setattr(moe, "GU_2X4_ENV", 0)
+    assert moe.select_tiles("sm_90", 8, 256).gateup.wk == 8
+    monkeypatch.setattr(moe, "GU_2X4_ENV", 8)
+    assert moe.select_tiles("sm_90", 4, 256).gateup.wk == 8 and moe.select_tiles("sm_90", 8, 256).gateup.wk == 4
+    with pytest.raises(ValueError, match="wm, wk"):
+        moe.with_gateup_block(moe.select_tiles("sm_90", 8, 256), 1, 16)
+    with pytest.raises(ValueError, match="wm, wk"):
+        moe.with_gateup_block(moe.select_tiles("sm_90", 650, 256), 1, 8)
+    monkeypatch.setattr(moe, "GU_2X4_ENV", -1)
+    with pytest.raises(ValueError, match="DDT_MOE_GU_2X4_MIN_T"):
+        moe.select_tiles("sm_90", 8, 256)

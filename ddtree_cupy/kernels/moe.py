@@ -164,6 +164,37 @@ def with_down_mt(t: MoETiles, mt: int) -> MoETiles:
     return MoETiles(t.nt, t.gateup, replace(dn, mt=1, u=U_MT1))
 
 
+# The gate/up block at I <= 512 (session 4, third engineer): 1 x 8 (16 units per chunk, K in 8 slices of 14
+# steps) or 2 x 4 (8 units per chunk, 4 slices of 28 steps: half the unit boundaries -- empty ring, K reduction,
+# epilogue, barriers -- per byte; at T = 8, 480 units over 264 blocks = 2 rounds at 91% vs 4 rounds at 91%).
+# The K split changes the fp32 summation order: NOT bit-identical (tests vs the float64 reference). Both blocks
+# are compiled anyway (2 x 4 is the I = 2048 entry). GU_2X4_MIN_T = None: 1 x 8 everywhere (previous); N: 2 x 4
+# from T = N up (T = 1 should stay 1 x 8: 64 units would leave 200 of 264 blocks idle). Environment
+# DDT_MOE_GU_2X4_MIN_T=N (0 = off) overrides.
+GU_2X4_MIN_T: Optional[int] = None
+GU_2X4_ENV: Optional[int] = (int(os.environ["DDT_MOE_GU_2X4_MIN_T"])
+                             if os.environ.get("DDT_MOE_GU_2X4_MIN_T", "") != "" else None)
+
+
+def gu_wide_block_for(T: int) -> bool:
+    """Whether the table's gate/up uses the 2 x 4 block at I <= 512 for T tokens."""
+    lim = GU_2X4_MIN_T
+    if GU_2X4_ENV is not None:
+        if GU_2X4_ENV < 0:
+            raise ValueError(f"DDT_MOE_GU_2X4_MIN_T: must be >= 0 (0 = off), got {GU_2X4_ENV}")
+        lim = GU_2X4_ENV or None
+    return lim is not None and T >= lim
+
+
+def with_gateup_block(t: MoETiles, wm: int, wk: int) -> MoETiles:
+    """The same tiles with the gate/up block wm x wk (1 x 8 or 2 x 4: the compiled ones), same loop and depth."""
+    if (wm, wk) not in ((1, 8), (2, 4)):
+        raise ValueError(f"wm, wk: the gate/up block must be 1 x 8 or 2 x 4, got {wm} x {wk}")
+    if (wm, wk) == (1, 8) and t.nt == 4:
+        raise ValueError("wm, wk: the 1 x 8 gate/up block spills at nt = 4 on sm_120 (not compiled)")
+    return MoETiles(t.nt, replace(t.gateup, wm=wm, wk=wk), t.down)
+
+
 def lean_for(T: int) -> int:
     """The k loop the table uses for T tokens (LEAN_LOOP, when set, overrides the rule)."""
     if LEAN_LOOP is not None:
@@ -194,6 +225,8 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
         ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
     }
     gu, dn = table[(family, narrow)]
+    if narrow and nt == 1 and gu_wide_block_for(T):
+        gu = Tile(2, 4, u)     # GU_2X4_MIN_T: the 2 x 4 gate/up block at I <= 512 (half the units, 28-step slices)
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
