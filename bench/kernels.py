@@ -2,7 +2,7 @@
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
     PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
-                                         [--variant oldnew|auto|old,splitk,decode,s3,s4] [--rows 1,8,16]
+                                         [--variant oldnew|auto|old,splitk,decode] [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
@@ -19,8 +19,7 @@ config (and split-K) forced at each shape and T, then the fastest per shape. --p
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule), or of decode selection rules ('s3', 's4':
-gemm.set_decode_rule; session 4's old-vs-new comparison is --variant s3,s4).
+gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule).
 """
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def _variants(T, variants):
     return [v for v in variants if v != "decode" or T <= 16]
 
 
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "s3": " [s3]", "s4": " [s4]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]"}
 
 
 def _tag(v):
@@ -72,7 +71,7 @@ def _tag(v):
 
 
 def _cfg_str(c):
-    return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}" + (" sx" if c.sx else "")
+    return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 
 # The previous session's rule (commit bbf9da7), kept here only to time "was" against "now" in one run: the
@@ -128,16 +127,12 @@ def _with_variant(v, fn, shape=None):
 
     def run():
         fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else (v, None)
-        rule = gemm.decode_rule()
-        if fam in gemm.DEC_RULES:       # "s3" / "s4": the automatic choice under that selection rule
-            fam, rule = "auto", fam
-        old, od, orule = gemm.set_variant(fam), gemm.set_decode_config(cfg), gemm.set_decode_rule(rule)
+        old, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
         try:
             fn()
         finally:
             gemm.set_variant(old)
             gemm.set_decode_config(od)
-            gemm.set_decode_rule(orule)
     return run
 
 
@@ -363,8 +358,7 @@ def main(argv=None):
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode, s3, s4 (s3 / s4: the automatic "
-                         "choice under that decode rule, gemm.set_decode_rule)")
+                         "'auto', or a comma list of auto, old, splitk, decode")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)

@@ -9,16 +9,13 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
  * "decode": ``gemm_bf16_kernel_decode`` / ``_decode_cl`` (T <= 16: 16 RT weight rows per block, K split
    across the block's 8 warps and, for CS > 1, across a cluster of CS blocks, reduced in (distributed)
    shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
-   forces one) under a selection rule: "s3" (session 3, measured; the default) or "s4" (adds the
-   shared-token-tile ``gemm_bf16_kernel_decode_sx`` / ``_sxcl`` kernels and a CS 3 cluster split;
-   ``set_decode_rule``, env DDT_GEMM_RULE, per-replacement switches S4_ENABLED / DDT_GEMM_S4_OFF).
+   forces one).
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -56,14 +53,11 @@ DEC_NT = (1, 2)
 
 class DecodeConfig(NamedTuple):
     nt: int        # n8 token tiles (T <= 8 nt)
-    stages: int    # ring depth per warp (per group of RT warps with sx)
+    stages: int    # ring depth per warp
     rt: int        # m16 row tiles per block
     cs: int        # blocks per cluster splitting K (1: no cluster)
-    sx: bool = False   # the RT warps of a K slice share one ring and one token tile (session 4, RT >= 2)
 
     def smem(self) -> int:
-        if self.sx:     # (DEC_WARPS / RT) groups x stages x (RT weight tiles + one token tile)
-            return DEC_WARPS // self.rt * self.stages * (DEC_ROWS * self.rt + 8 * self.nt) * BK * 2
         return DEC_WARPS * self.stages * (DEC_ROWS + 8 * self.nt) * BK * 2
 
     def rows(self) -> int:
@@ -71,10 +65,6 @@ class DecodeConfig(NamedTuple):
 
     def name(self, out_f32: bool) -> str:
         f = "true" if out_f32 else "false"
-        if self.sx:
-            if self.cs == 1:
-                return f"gemm_bf16_kernel_decode_sx<{self.nt}, {self.stages}, {self.rt}, {f}>"
-            return f"gemm_bf16_kernel_decode_sxcl<{self.nt}, {self.stages}, {self.rt}, {self.cs}, {f}>"
         if self.cs == 1:      # the output type last, as in every GEMM kernel (tests/_target_shim.py reads it)
             return f"gemm_bf16_kernel_decode<{self.nt}, {self.stages}, {self.rt}, {f}>"
         return f"gemm_bf16_kernel_decode_cl<{self.nt}, {self.stages}, {self.cs}, {f}>"
@@ -91,14 +81,8 @@ def dec_smem_bytes(nt: int) -> int:
 
 # Every compiled decode config (the selection below picks only from these; the tests run each one).
 # The light ring (NT = 1, 3 stages, 72 KB) lets 3 blocks share an H200 SM (gate+up: 288 blocks, 396 slots).
-DEC_CONFIGS_S3 = tuple(DecodeConfig(nt, dec_stages(nt), rt, cs) for nt in DEC_NT
-                       for rt, cs in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4))) + (DecodeConfig(1, 3, 1, 1),)
-# Session 4 candidates (docs/KERNELS.md "Session 4"): a 3-block cluster split at NT 1 (drafter qkv: 240
-# blocks fill 264 slots in one wave; CS 4 would need 320) and the shared-token-tile (sx) rings at NT 2, 4
-# stages: RT 2 (96 KB) and RT 4 (80 KB) without a cluster, RT 2 with CS 2 / 4.
-DEC_CONFIGS_S4 = (DecodeConfig(1, 4, 1, 3), DecodeConfig(2, 4, 2, 1, True), DecodeConfig(2, 4, 4, 1, True),
-                  DecodeConfig(2, 4, 2, 2, True), DecodeConfig(2, 4, 2, 4, True))
-DEC_CONFIGS = DEC_CONFIGS_S3 + DEC_CONFIGS_S4
+DEC_CONFIGS = tuple(DecodeConfig(nt, dec_stages(nt), rt, cs) for nt in DEC_NT
+                    for rt, cs in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4))) + (DecodeConfig(1, 3, 1, 1),)
 DEC_CS_MIN_K_TILES = 24        # a cluster split must leave each block >= 24 k tiles (3 per warp)
 DEC_RT_MIN_TILES_PER_WARP = 2  # RT > 1 must leave each warp >= 2 k tiles
 DEC_THIN_TAIL = 1.5            # base grids of (1, 1.5) waves: light ring (NT 1) or split-K (NT 2)
@@ -112,106 +96,9 @@ def _slots(c: DecodeConfig, sm_count: int, smem_per_sm: int) -> int:
     return sm_count * max(1, smem_per_sm // (c.smem() + 1024))
 
 
-# Which selection rule serves calls: "s3" (session 3's measured rule, the default) or "s4" (session 4's
-# predicted wins, docs/KERNELS.md "Session 4"; unmeasured when written). Flip DEFAULT_RULE, or set
-# DDT_GEMM_RULE=s3|s4 in the environment, or call set_decode_rule().
-DEC_RULES = ("s3", "s4")
-DEFAULT_RULE = "s3"
-
-
-def _rule_from_env() -> str:
-    r = os.environ.get("DDT_GEMM_RULE", "").strip() or DEFAULT_RULE
-    if r not in DEC_RULES:
-        raise ValueError(f"DDT_GEMM_RULE: one of {DEC_RULES}, got {r!r}")
-    return r
-
-
-_RULE = [_rule_from_env()]
-# Session 4's replacements, each switchable on its own (so a measured loser can be dropped without losing
-# the winners): list it in S4_DEFAULT_OFF, or set DDT_GEMM_S4_OFF to a comma list of names (added to it).
-S4_REPLACEMENTS = ("cs3", "sx_rt", "sx_thin", "sx_cs4", "sx_cs2")
-S4_DEFAULT_OFF: tuple = ()
-
-
-def _s4_from_env() -> set:
-    off = {n.strip() for n in os.environ.get("DDT_GEMM_S4_OFF", "").split(",") if n.strip()}
-    bad = (off | set(S4_DEFAULT_OFF)) - set(S4_REPLACEMENTS)
-    if bad:
-        raise ValueError(f"DDT_GEMM_S4_OFF: unknown replacement(s) {sorted(bad)}; known: {S4_REPLACEMENTS}")
-    return set(S4_REPLACEMENTS) - off - set(S4_DEFAULT_OFF)
-
-
-S4_ENABLED = _s4_from_env()
-
-
-def set_decode_rule(rule: str) -> str:
-    """Select the decode selection rule ("s3" or "s4") for every later call; returns the old one."""
-    if rule not in DEC_RULES:
-        raise ValueError(f"rule: one of {DEC_RULES}, got {rule!r}")
-    old, _RULE[0] = _RULE[0], rule
-    return old
-
-
-def decode_rule() -> str:
-    return _RULE[0]
-
-
 def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
-                  smem_per_sm: int = 228 * 1024, rule: Optional[str] = None) -> Optional[DecodeConfig]:
-    """The decode config for a call under ``rule`` (None: the current one, ``set_decode_rule``)."""
-    rule = _RULE[0] if rule is None else rule
-    if rule not in DEC_RULES:
-        raise ValueError(f"rule: one of {DEC_RULES}, got {rule!r}")
-    c = _choose_s3(T, N, K, batch, sm_count, smem_per_sm)
-    return _choose_s4(c, T, N, K, batch, sm_count, smem_per_sm) if rule == "s4" else c
-
-
-def _choose_s4(c: Optional[DecodeConfig], T: int, N: int, K: int, batch: int, sm_count: int,
-               smem_per_sm: int) -> Optional[DecodeConfig]:
-    """Session 4's rule: session 3's pick ``c``, replaced where a session-4 config is predicted to win
-    (docs/KERNELS.md "Session 4"), each replacement keeping the grid within one wave of resident blocks:
-     * "cs3": NT 1, a CS 2 cluster pick -> CS 3 if 3 x the grid fits one wave with >= DEC_CS_MIN_K_TILES
-       k tiles per block (drafter qkv T <= 8: 160 -> 240 blocks, more bytes in flight);
-     * NT 2 (T = 9..16), with RT 2 blocks (N % 32 == 0) and the shared-token-tile rings (4 stages: 3 weight
-       stages in flight per warp instead of 2):
-       - "sx_rt": an RT 2 / RT 4 pick -> the sx config of the same RT (o_proj, dense down, shared down);
-       - "sx_thin": split-K (a thin-tail grid: dense gate+up) -> sx RT 2 (144 blocks, one wave);
-       - "sx_cs4": a CS 2 pick (drafter qkv) -> sx RT 2 CS 4 (the same 160 blocks);
-       - "sx_cs2": the base at >= SMs blocks that fit one wave (q_a+kv_a) -> sx RT 2 CS 2 (the same 132).
-    Each replacement applies only while its name is in S4_ENABLED."""
-    nt = 1 if T <= 8 else 2
-    k_tiles = K // BK
-    blocks = N // DEC_ROWS * batch
-    on = S4_ENABLED
-
-    def fits(cfg):
-        return N % cfg.rows() == 0 and N // cfg.rows() * cfg.cs * batch <= _slots(cfg, sm_count, smem_per_sm)
-
-    if nt == 1:
-        cs3 = DecodeConfig(1, dec_stages(1), 1, 3)
-        if ("cs3" in on and c is not None and c.rt == 1 and c.cs == 2 and k_tiles // 3 >= DEC_CS_MIN_K_TILES
-                and fits(cs3)):
-            return cs3
-        return c
-    if c is None:
-        sx = DecodeConfig(2, 4, 2, 1, True)
-        ok = "sx_thin" in on and fits(sx) and k_tiles / (DEC_WARPS // 2) >= DEC_RT_MIN_TILES_PER_WARP
-        return sx if ok else None
-    if c.cs == 1 and c.rt in (2, 4):
-        sx = DecodeConfig(2, 4, c.rt, 1, True)
-        return sx if "sx_rt" in on and fits(sx) else c
-    if c.cs == 2 and c.rt == 1:
-        sx = DecodeConfig(2, 4, 2, 4, True)
-        return sx if "sx_cs4" in on and fits(sx) and k_tiles // 4 >= DEC_CS_MIN_K_TILES else c
-    if c == _dec_base(2) and blocks >= sm_count:
-        sx = DecodeConfig(2, 4, 2, 2, True)
-        return sx if "sx_cs2" in on and fits(sx) and k_tiles // 2 >= DEC_CS_MIN_K_TILES else c
-    return c
-
-
-def _choose_s3(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
-               smem_per_sm: int = 228 * 1024) -> Optional[DecodeConfig]:
-    """Session 3's rule (docs/KERNELS.md "Session 3"), a rule fitted to the H200 run of every
+                  smem_per_sm: int = 228 * 1024) -> Optional[DecodeConfig]:
+    """The decode config for a call (docs/KERNELS.md "Session 3"), a rule fitted to the H200 run of every
     config at the engine's shapes. With B = N / 16 x batch base blocks (one m16 tile each) and W waves of
     resident full-ring blocks:
      * B < SMs: a cluster K split: among CS in 2, 4 that keep >= DEC_CS_MIN_K_TILES k tiles per block and

@@ -411,59 +411,15 @@ def test_every_decode_config(monkeypatch, cfg, T, N, K, B, f32):
     _run_forced(monkeypatch, "decode", gemm.set_decode_config, cfg, T, N, K, B, f32, rng, strided=(T % 2 == 1 or B > 1))
 
 
-# Session 4's sx configs against the session-3 RT config of the same NT and RT: the same K slices, mma
-# sequence and reduction order, only the staging differs, so the bits must be equal (not merely close).
-@pytest.mark.parametrize("rt,T,N,K,f32", [(2, 9, 32 * 7, 7168, False), (2, 16, 32 * 3, 576, True),
-                                          (4, 13, 64 * 3, 2304, False), (4, 16, 64, 128, True)])
-def test_sx_bit_identical_to_rt(rt, T, N, K, f32):
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm
-    rng = np.random.default_rng(rt * 100 + T + K)
-    dt = np.float32 if f32 else np.uint16
-    xb, x = rand_bf16(rng, (T, K))
-    wb, w = rand_bf16(rng, (N, K), 0.05)
-    x_dev, w_dev = cp.asarray(xb), cp.asarray(wb)
-    outs = []
-    for cfg in (gemm.DecodeConfig(2, gemm.dec_stages(2), rt, 1), gemm.DecodeConfig(2, 4, rt, 1, True)):
-        out = poisoned(cp, (T, N), dt)
-        old, old_v = gemm.set_decode_config(cfg), gemm.set_variant("decode")
-        try:
-            gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-        finally:
-            gemm.set_decode_config(old)
-            gemm.set_variant(old_v)
-        outs.append(out)
-    assert cp.array_equal(outs[0], outs[1]), "sx must reproduce the RT config bit for bit"
-    got = outs[1].get().astype(np.float64) if f32 else f64(outs[1])
-    assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
-
-
-@pytest.fixture(params=["s3", "s4"])
-def rule(request):
-    from ddtree_cupy.kernels import gemm
-    old = gemm.set_decode_rule(request.param)
-    yield request.param
-    gemm.set_decode_rule(old)
-
-
 @pytest.mark.parametrize("T,N,K,f32", [(1, 1280, 7168, False), (16, 384, 7168, True), (16, 7168, 1024, False),
                                        (1, 4608, 7168, False), (16, 4608, 7168, False), (8, 7168, 256, False),
-                                       (17, 2112, 7168, False), (160, 2112, 7168, False), (13, 2112, 7168, True),
-                                       (9, 1280, 7168, True), (16, 7168, 2304, False), (15, 7168, 256, False)])
-def test_auto_pick_graph_replay_equals_eager(monkeypatch, rule, T, N, K, f32):
-    """The rule's own pick under both rules (cluster, RT, light-ring, sx configs, split-K on both sides of
-    T = 16) captured once and replayed with new inputs: bit-identical to an eager call, right against
-    float64, with PDL on as the engine runs it; the launched kernel is the rule's pick."""
+                                       (17, 2112, 7168, False), (160, 2112, 7168, False)])
+def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
+    """The rule's own pick (cluster, RT, light-ring configs, split-K on both sides of T = 16) captured once
+    and replayed with new inputs: bit-identical to an eager call, right against float64, with PDL on as the
+    engine runs it."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch
-    launched = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        launched.append(name)
-        return real(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
-    pick = gemm.choose_decode(T, N, K, 1, gemm._sm_count(), gemm._smem_per_sm()) if T <= 16 else None
     rng = np.random.default_rng(T * 3 + N)
     wb, w = rand_bf16(rng, (N, K), 0.05)
     w_dev = cp.asarray(wb)
@@ -492,7 +448,3 @@ def test_auto_pick_graph_replay_equals_eager(monkeypatch, rule, T, N, K, f32):
             assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
     finally:
         launch.set_pdl(False)
-    if pick is not None:
-        assert set(launched) == {pick.name(f32)}, (pick, launched)
-    else:
-        assert all(not n.startswith("gemm_bf16_kernel_decode") for n in launched), launched
