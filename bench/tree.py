@@ -7,15 +7,16 @@ Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the f
 last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available). The kernel
-variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 7
-scan-rank-cache / 8 scan-rank-cache-regs, the default / 9 scan-rank-cache-regs-notup and 10 notup-s1occ5,
-the candidates; default: 8, 9, 10: old vs new in one process)
-run on the same inputs; "same" says a variant's outputs equal the reference
+variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
+5 scan-rank / 6 scan-cache / 7 scan-rank-cache / 8 scan-rank-cache-regs; default: 4, 7, 8: the default at
+the session's start (scan top-K + builder v3), the H200-measured sorted-cache builder with the rank-placed
+merge, and the default candidate (7 + the register merge and the lean cache loop)) run on the same inputs;
+"same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
 (--was); for a variant that file lacks, the figures of the variant it replaces (--was-variant, default
-scan-rank-cache-regs). The last lines compare every variant with the reference variant in this run.
+scan). The last lines compare every variant with the reference variant in this run.
 Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
@@ -152,11 +153,11 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[8, 9, 10],
-                    help="kernel variants to time (0 = verified, 3 = v3, 7 = scan-rank-cache, 8 = "
-                         "scan-rank-cache-regs, 9 = scan-rank-cache-regs-notup, 10 = notup-s1occ5); the reference of the "
+    ap.add_argument("--variants", type=int, nargs="+", default=[4, 7, 8],
+                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank, 6 = "
+                         "scan-cache, 7 = scan-rank-cache, 8 = scan-rank-cache-regs); the reference of the "
                          "'same' column is 0 when given, else the lowest")
-    ap.add_argument("--was-variant", default="scan-rank-cache-regs",
+    ap.add_argument("--was-variant", default="scan",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
     if args.profile:

@@ -26,36 +26,27 @@
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
-// The thresholds below are the history of the variants: 4 ("scan") added a streaming top-K (stage 1 only
-// reads: per thread max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads
-// the few 32-logit groups that can hold the row's top-k, "Stage 2, scan variant" below), 5 the merge's
-// output placed by rank (rank_out), 6 the builder's sorted 32-entry cache for budgets <= 64 ("Builder,
-// sorted cache"). 4, 5 and 6 were measured slower than 7 everywhere and are no longer built.
-// DDT_FAST=7 ("scan-rank-cache") has all three.
+// DDT_FAST=4 ("scan", the default) is variant 3's builder and walk with a streaming top-K: stage 1 only
+// reads (per thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and
+// re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
+// DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
+// placement (rank_out; H200: -3 us at k = 64 bf16, -9 us f32, docs/DDTREE.md).
+// DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
+// 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
 // DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers
 // and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs),
 // whose cache loop stores one info word per pop, and whose walk reads the tree from registers.
-// DDT_FAST=9 ("scan-rank-cache-regs-notup") is variant 8 whose cache entries carry no rank tuple: the ranking
-// compares 32-bit ordered scores, and only a pop where a score ties (warp-uniform, rare on real drafts)
-// rebuilds the tuples of the entries from the emitted rows' info words (docs/DDTREE.md "Variants 9 and 10").
-// DDT_FAST=10 ("notup-s1occ5") is variant 9 whose stage-1 top-K kernels are compiled for 5 blocks per SM
-// (48 registers, no spill on sm_90 / sm_120) instead of 4: 25% more logit loads in flight per SM. Same
-// code otherwise; kept apart from 9 so that a rounding difference (none expected: same PTX) or a slowdown
-// cannot take 9's builder changes down with it.
-#if DDT_FAST != 0 && DDT_FAST != 3 && (DDT_FAST < 7 || DDT_FAST > 10)
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 9 (scan-rank-cache-regs-notup), 10 (notup-s1occ5)"
+#if DDT_FAST != 0 && (DDT_FAST < 3 || DDT_FAST > 8)
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache), 8 (scan-rank-cache-regs)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST >= 7)   // the merge's output placed by rank
+#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7 || DDT_FAST == 8)   // the merge's output placed by rank
 #define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
-#define DDT_MERGE_REGS (DDT_FAST >= 8)  // the scan merge with group keys in registers (merge_scan_regs)
-#define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
-#define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
-#define DDT_CACHE_NOTUP (DDT_FAST >= 9) // cache entries without rank tuples; tuples rebuilt only on score ties
+#define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
+#define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
+#define DDT_WALK_REGS (DDT_FAST == 8)   // the walk reads the tree and post tokens from registers (one load batch)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_FAST == 10
-#define DDT_PARTIAL_MIN_BLOCKS 5
-#elif DDT_SCAN
+#if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
 #define DDT_PARTIAL_MIN_BLOCKS 2
@@ -1314,21 +1305,13 @@ __device__ __forceinline__ bool pops_before(uint32_t oa, u64 ta, uint32_t ob, u6
 }
 // One frontier entry: ordered score, rank tuple, info word, parent score, next sibling's log-prob, first
 // child's log-prob (the last three feed its successors' scores when it pops).
-// Variant 9 (DDT_CACHE_NOTUP) drops the tuple: 2 of 7 registers per entry, so 4 shuffles and 8 selects per
-// pop fewer, and no 64-bit tuple arithmetic or compares on the usual path.
 struct CEnt {
-#if DDT_CACHE_NOTUP
-    uint32_t os; int info; float ps, ls, lc;
-#else
     uint32_t os; u64 tup; int info; float ps, ls, lc;
-#endif
 };
 __device__ __forceinline__ CEnt cent_shfl(const CEnt& e, int src) {
     CEnt o;
     o.os = __shfl_sync(FULL_MASK, e.os, src);
-#if !DDT_CACHE_NOTUP
     o.tup = __shfl_sync(FULL_MASK, e.tup, src);
-#endif
     o.info = __shfl_sync(FULL_MASK, e.info, src);
     o.ps = __shfl_sync(FULL_MASK, e.ps, src);
     o.ls = __shfl_sync(FULL_MASK, e.ls, src);
@@ -1337,45 +1320,20 @@ __device__ __forceinline__ CEnt cent_shfl(const CEnt& e, int src) {
 }
 __device__ __forceinline__ CEnt cent_sel(bool c, const CEnt& a, const CEnt& b) {
     CEnt o;
-    o.os = c ? a.os : b.os; o.info = c ? a.info : b.info;
-#if !DDT_CACHE_NOTUP
-    o.tup = c ? a.tup : b.tup;
-#endif
+    o.os = c ? a.os : b.os; o.tup = c ? a.tup : b.tup; o.info = c ? a.info : b.info;
     o.ps = c ? a.ps : b.ps; o.ls = c ? a.ls : b.ls; o.lc = c ? a.lc : b.lc;
     return o;
 }
-#if DDT_CACHE_NOTUP
-// The rank tuple of the entry with info word `info`, rebuilt from the emitted rows: its own digit, then its
-// parent row's, ..., up to the root (row 0). t_info[row] is the info word of the entry popped into that row
-// (the loop's lean store; the chain rows 1..nc are written before the loop). Depth <= 8: <= 8 loads.
-__device__ __forceinline__ u64 rows_tuple(int info, const int* t_info) {
-    u64 t = 0ull;
-#pragma unroll 1
-    for (int q = 0; q < DDT_MAX_DEPTH; ++q) {
-        t += tuple_digit(info & 15, (info >> 4) & 255);
-        const int p = (info >> 12) & 255;
-        if (p == 0) break;
-        info = t_info[p];
-    }
-    return t;
-}
-#endif
 // Pops until `budget` rows are emitted or the frontier is empty; lane 0 writes rows nc + 1 .. (the chain
 // rows 1..nc are written by the caller). Returns the node count (warp-uniform).
 __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, int D, int K, int kf, int budget,
                                           int nc, int lane, int* t_tok, int* t_par, int* t_dep, int* t_info) {
     int nodes = nc;
     if (budget <= 0) return nodes;
-#if DDT_CACHE_NOTUP
-    // the chain rows' info words, for rows_tuple (read only after a __syncwarp in the tie path)
-    if (lane >= 1 && lane <= nc) t_info[lane] = pack_info(lane, 0, lane - 1, 1);
-#endif
     // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
     CEnt h;
     h.os = ordered_sum(0.f, s_lp[0]);
-#if !DDT_CACHE_NOTUP
     h.tup = tuple_digit(1, 0);
-#endif
     h.info = pack_info(1, 0, 0, nc >= 1);
     h.ps = 0.f;
     h.ls = s_lp[min(1, K - 1)];
@@ -1389,34 +1347,14 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         const float sc = ordered_to_f32(h.os);
         CEnt sib, ch;
         sib.os = ordered_sum(h.ps, h.ls);
+        sib.tup = h.tup + tuple_digit(d, 0);   // rank digit + 1
         ch.os = ordered_sum(sc, h.lc);
+        ch.tup = h.tup + (has_child ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);   // d < D <= 8 there
         // ranks among the entries after the head (lanes 1 .. n-1), then between the two new entries
         const bool valid = lane >= 1 && lane < n;
-#if DDT_CACHE_NOTUP
-        // Distinct scores decide alone (pops_before with oa != ob). If a new entry's score equals a live
-        // entry's or the other new entry's, the tuples decide: every lane rebuilds them from the rows (a
-        // warp-uniform branch; the same ballots with the full order). Exact either way.
-        unsigned bs = __ballot_sync(FULL_MASK, valid && c.os > sib.os);
-        unsigned bc = __ballot_sync(FULL_MASK, valid && c.os > ch.os);
-        bool child_first = ch.os > sib.os;
-        const bool tie = valid && ((has_sib && c.os == sib.os) || (has_child && c.os == ch.os));
-        if (__any_sync(FULL_MASK, tie) || (has_sib && has_child && ch.os == sib.os)) {
-            __syncwarp();   // lane 0's info words of the earlier pops (and the chain rows) are visible
-            const u64 ht = rows_tuple(h.info, t_info);
-            const u64 st = ht + tuple_digit(d, 0);   // rank digit + 1
-            const u64 ct = ht + (has_child ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);
-            const u64 et = valid ? rows_tuple(c.info, t_info) : 0ull;
-            bs = __ballot_sync(FULL_MASK, valid && pops_before(c.os, et, sib.os, st));
-            bc = __ballot_sync(FULL_MASK, valid && pops_before(c.os, et, ch.os, ct));
-            child_first = pops_before(ch.os, ct, sib.os, st);
-        }
-#else
-        sib.tup = h.tup + tuple_digit(d, 0);   // rank digit + 1
-        ch.tup = h.tup + (has_child ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);   // d < D <= 8 there
         const unsigned bs = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, sib.os, sib.tup));
         const unsigned bc = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, ch.os, ch.tup));
         const bool child_first = pops_before(ch.os, ch.tup, sib.os, sib.tup);
-#endif
         const int pos_s = has_sib ? __popc(bs) + (has_child && child_first ? 1 : 0) : 64;
         const int pos_c = has_child ? __popc(bc) + (has_sib && !child_first ? 1 : 0) : 64;
         // payloads (shared loads, off the ranking path)

@@ -37,29 +37,11 @@ def ballot(pred) -> int:
     return sum(1 << lane for lane in range(32) if pred(lane))
 
 
-def rows_tuple(info: int, t_info: dict) -> int:
-    """rows_tuple in the kernel (variant 9): the entry's digit, then its parent row's, ... up to row 0."""
-    t = 0
-    for _ in range(8):
-        t += digit(info & 15, (info >> 4) & 255)
-        p = (info >> 12) & 255
-        if p == 0:
-            break
-        info = t_info[p]          # KeyError: a row whose info word the kernel never wrote
-    return t & U64
-
-
-def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=False, notup=False):
+def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=False):
     """cache_pops for one stream (budget <= DDT_CACHE_BUDGET): returns (tokens, parents, depths) of rows
     1..n. ``width`` is the lane count (32 in the kernel; the test shrinks it to show the bound matters).
     ``lean``: variant 8 (DDT_CACHE_LEAN), the loop stores the popped info word at its row (scratch slots
-    past the rows for the other lanes and chain pops) and every lane decodes its rows after the loop.
-    ``notup`` (with lean: variant 9, DDT_CACHE_NOTUP): the ranking reads only the ordered scores; when a new
-    entry's score equals a live entry's or the other new entry's (the kernel's warp-uniform tie branch),
-    every tuple is rebuilt from the rows' info words (rows_tuple). The model still carries each entry's
-    tuple, only to assert that the rebuilt one equals it and that the list stays sorted: the ranking never
-    reads it."""
-    assert lean or not notup
+    past the rows for the other lanes and chain pops) and every lane decodes its rows after the loop."""
     D, K = lp_in.shape
     lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
                   lp_in).astype(np.float32)
@@ -71,9 +53,6 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
     t_tok, t_par, t_dep, t_info = {}, {}, {}, {}
     for lane in range(1, nc + 1):    # the chain rows (the kernel's prologue, shared by both loops)
         t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane
-    if notup and budget > 0:          # cache_pops' first statement in variant 9
-        for lane in range(1, nc + 1):
-            t_info[lane] = pack(lane, 0, lane - 1, 1)
     nodes = nc
     if budget > 0:
         # entry = (os, tup, info, ps, ls, lc)
@@ -99,33 +78,9 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
                   pack(d + 1, 0, row, int(bool(chain) and d + 1 <= nc)), sc,
                   s_lp[min(d, D - 1) * K + min(1, K - 1)], s_lp[min(d + 1, D - 1) * K])
             valid = [1 <= lane < n for lane in range(width)]
-            if notup:
-                bs = ballot(lambda lane: lane < width and valid[lane] and c[lane][0] > sib[0])
-                bc = ballot(lambda lane: lane < width and valid[lane] and c[lane][0] > ch[0])
-                child_first = ch[0] > sib[0]
-                tie = any(valid[lane] and ((has_sib and c[lane][0] == sib[0]) or (has_child and c[lane][0] == ch[0]))
-                          for lane in range(width))
-                if tie or (has_sib and has_child and ch[0] == sib[0]):
-                    stats["tie_path"] += 1
-                    ht = rows_tuple(info, t_info)
-                    assert ht == tup, "rows_tuple rebuilds the head's tuple"
-                    st = (ht + digit(d, 0)) & U64
-                    ct = (ht + (digit(min(d + 1, 8), 0) if has_child else 0)) & U64
-                    et = [rows_tuple(c[lane][2], t_info) if valid[lane] else 0 for lane in range(width)]
-                    for lane in range(width):
-                        if valid[lane]:
-                            assert et[lane] == c[lane][1], "rows_tuple rebuilds every live entry's tuple"
-                    bs2 = ballot(lambda lane: lane < width and valid[lane] and pops_before((c[lane][0], et[lane]), (sib[0], st)))
-                    bc2 = ballot(lambda lane: lane < width and valid[lane] and pops_before((c[lane][0], et[lane]), (ch[0], ct)))
-                    cf2 = pops_before((ch[0], ct), (sib[0], st))
-                    stats["tie_decides"] += int(bin(bs2).count("1") != bin(bs).count("1")
-                                                or bin(bc2).count("1") != bin(bc).count("1")
-                                                or (has_sib and has_child and cf2 != child_first))
-                    bs, bc, child_first = bs2, bc2, cf2
-            else:
-                bs = ballot(lambda lane: lane < width and valid[lane] and pops_before(c[lane], sib))
-                bc = ballot(lambda lane: lane < width and valid[lane] and pops_before(c[lane], ch))
-                child_first = pops_before(ch, sib)
+            bs = ballot(lambda lane: lane < width and valid[lane] and pops_before(c[lane], sib))
+            bc = ballot(lambda lane: lane < width and valid[lane] and pops_before(c[lane], ch))
+            child_first = pops_before(ch, sib)
             pos_s = bin(bs).count("1") + int(has_child and child_first) if has_sib else 64
             pos_c = bin(bc).count("1") + int(has_sib and not child_first) if has_child else 64
             if lean:
@@ -166,15 +121,15 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
 
 def _check(lp, ids, budget, cap, chain, stats, msg, width=32):
     t = dd.build_tree(lp, ids, min(max(budget, 0), MAX_ROWS - 1), cap_k=cap or None, include_chain=chain)
-    for lean, notup in ((False, False), (True, False), (True, True)):   # variants 6/7, 8, 9
-        tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width, lean, notup)
-        np.testing.assert_array_equal(tok, t.tokens, err_msg=f"{msg} lean {lean} notup {notup}")
-        np.testing.assert_array_equal(par, t.parents, err_msg=f"{msg} lean {lean} notup {notup}")
-        np.testing.assert_array_equal(dep, t.depths, err_msg=f"{msg} lean {lean} notup {notup}")
+    for lean in (False, True):
+        tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width, lean)
+        np.testing.assert_array_equal(tok, t.tokens, err_msg=f"{msg} lean {lean}")
+        np.testing.assert_array_equal(par, t.parents, err_msg=f"{msg} lean {lean}")
+        np.testing.assert_array_equal(dep, t.depths, err_msg=f"{msg} lean {lean}")
 
 
 def _stats():
-    return dict(drop=0, head_sib=0, head_child=0, head_e1=0, tie=0, tie_path=0, tie_decides=0)
+    return dict(drop=0, head_sib=0, head_child=0, head_e1=0, tie=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -192,8 +147,7 @@ def test_cache_model_equals_reference(kind):
         _check(lp, ids, budget, cap, chain, stats, f"trial {trial}: D {D} K {K} budget {budget} cap {cap} chain {chain}")
     assert stats["head_e1"] > 0 and stats["head_child"] > 0 and stats["head_sib"] > 0, stats
     if kind != "normal":
-        # ties happen, variant 9 takes its tie path, and there the tuples change the scores-only ranking
-        assert stats["tie"] > 0 and stats["tie_path"] > 0 and stats["tie_decides"] > 0, stats
+        assert stats["tie"] > 0, stats
 
 
 def _flat_top(D, K, rng):
@@ -259,25 +213,3 @@ def test_cache_model_follows_the_kernel():
                  "t_par[i] = (info >> 12) & 255;"):
         assert stmt in CACHE, stmt
     assert "if (budget <= DDT_CACHE_BUDGET) {" in SRC
-    # variant 9 (DDT_CACHE_NOTUP): the statements build_cache(notup=True) mirrors
-    for stmt in ("t += tuple_digit(info & 15, (info >> 4) & 255);",
-                 "const int p = (info >> 12) & 255;",
-                 "if (p == 0) break;",
-                 "info = t_info[p];",
-                 "if (lane >= 1 && lane <= nc) t_info[lane] = pack_info(lane, 0, lane - 1, 1);",
-                 "unsigned bs = __ballot_sync(FULL_MASK, valid && c.os > sib.os);",
-                 "unsigned bc = __ballot_sync(FULL_MASK, valid && c.os > ch.os);",
-                 "bool child_first = ch.os > sib.os;",
-                 "const bool tie = valid && ((has_sib && c.os == sib.os) || (has_child && c.os == ch.os));",
-                 "if (__any_sync(FULL_MASK, tie) || (has_sib && has_child && ch.os == sib.os)) {",
-                 "const u64 ht = rows_tuple(h.info, t_info);",
-                 "const u64 st = ht + tuple_digit(d, 0);",
-                 "const u64 ct = ht + (has_child ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);",
-                 "const u64 et = valid ? rows_tuple(c.info, t_info) : 0ull;",
-                 "bs = __ballot_sync(FULL_MASK, valid && pops_before(c.os, et, sib.os, st));",
-                 "bc = __ballot_sync(FULL_MASK, valid && pops_before(c.os, et, ch.os, ct));",
-                 "child_first = pops_before(ch.os, ct, sib.os, st);"):
-        assert stmt in SRC, stmt
-    assert "#define DDT_CACHE_NOTUP (DDT_FAST >= 9)" in SRC and "#define DDT_CACHE_LEAN (DDT_FAST >= 8)" in SRC
-    assert ddt.VARIANTS[9] == "scan-rank-cache-regs-notup" and 9 in ddt.CACHE_VARIANTS
-

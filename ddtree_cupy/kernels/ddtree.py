@@ -41,9 +41,10 @@ _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "dd
 # the frontier in shared memory and the candidate-list top-K (verified first: the plain twin); 3 = builder
 # v3 (only the frontier's ordered scores in registers, entries in shared memory, the popped position known
 # to every lane, entries carrying their successors' log-probs; H200: 1.4-1.7x faster builds than the
-# deleted variants 1 and 2) with the candidate-list top-K and the merge's final sort sized to k; 7, 8, 9
-# below (True = DEFAULT_VARIANT). Same results by construction; the GPU tests run every variant against the
-# reference. fast_math stays off: tree scores reproduce the reference bit for bit. pdl: every kernel
+# deleted variants 1 and 2) with the candidate-list top-K and the merge's final sort sized to k; 4 / True
+# (DEFAULT_VARIANT) = builder v3 with the scan top-K; 5 = 4 with the merge's output placed by rank. Same
+# results by construction; the GPU tests run every variant against the reference. The walk is the same
+# code in all. fast_math stays off: tree scores reproduce the reference bit for bit. pdl: every kernel
 # waits (DDT_PDL_WAIT) before its first global access.
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
@@ -51,58 +52,55 @@ DDTREE_SPEC = register(KernelSpec(
 DDTREE_V3_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, builder v3 (scores in registers, warp-uniform pop), merge sort sized to k"))
-# Variants 4 ("scan": the streaming top-K, stage 1 writes each thread's largest key and the merge re-reads the
-# few 32-logit groups that can hold the top-k), 5 ("scan-rank": 4 with the merge's output placed by rank) and
-# 6 ("scan-cache": 4 with the sorted-cache builder) were measured slower than 7 / 8 on every bench case
-# (docs/DDTREE.md) and their registry entries are deleted; their code lives on in 7 and later (DDT_FAST >= 4
-# selects the scan top-K, >= 6 the cache builder, >= 7 the rank-placed merge).
-# Variant 7 ("scan-rank-cache"): the scan top-K with the merge's output placed by rank, and a builder that pops
-# from a sorted 32-entry cache held one entry per lane (the head known to every lane, successors placed by
-# rank with two ballots and one shuffle round; no reduction, no shared memory per pop) for budgets <= 64
-# (CACHE_MAX_BUDGET; larger budgets run v3's loop in the same kernel). Same outputs bit for bit
-# (tests/test_ddtree_cache_model.py models it lane by lane; the GPU tests run it against the reference).
+# Variant 4 ("scan"): v3's builder and walk with the streaming top-K (stage 1 writes each thread's largest
+# key, the merge narrows those and re-reads the few 32-logit groups that can hold the top-k); same outputs
+# bit for bit (keys exact, log-sum-exp combined in the same order).
+DDTREE_SCAN_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "4"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, streaming top-K (group maxima + re-read of the groups that can hold the top-k), builder v3"))
+# Variant 5 ("scan-rank"): variant 4 with the merge's final one-warp bitonic sort replaced by a parallel rank
+# placement (every thread counts the selected keys greater than its own). Compiled and tested like the
+# others, NOT yet measured (docs/DDTREE.md "Next steps"): the next device run decides between 4 and 5.
+DDTREE_SCAN_RANK_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "5"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 4 with the merge's output placed by rank (no one-warp sort)"))
+# Variants 6 ("scan-cache") and 7 ("scan-rank-cache"): 4 and 5 whose builder pops from a sorted 32-entry
+# cache held one entry per lane (the head known to every lane, successors placed by rank with two ballots
+# and one shuffle round; no reduction, no shared memory per pop) for budgets <= 64 (CACHE_MAX_BUDGET;
+# larger budgets run v3's loop in the same kernel). Same outputs bit for bit (tests/test_ddtree_cache_model.py
+# models it lane by lane; the GPU tests run it against the reference).
+DDTREE_SCAN_CACHE_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "6"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 4 with the sorted-cache builder (budgets <= 64)"))
 DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "7"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, scan top-K with the merge output placed by rank, sorted-cache builder (budgets <= 64)"))
+    doc="DDTree kernels, variant 5 (merge output by rank) with the sorted-cache builder (budgets <= 64)"))
 # Variant 8 ("scan-rank-cache-regs"): 7 whose scan merge keeps each thread's group keys in registers (one
 # batch of loads) and places the selected groups and candidates by block scans of per-thread counts (no
 # per-key ballot + shared atomic + shuffle), rows of <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger
 # rows take variant 7's merge); its cache loop stores one info word per pop and its walk reads the tree from
-# registers (one batch of loads). H200: 10 x 64 40.5 (7) -> 35.8 us.
+# registers (one batch of loads). NOT yet run on a GPU.
 DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
-# Variant 9 ("scan-rank-cache-regs-notup"): 8 whose cache entries carry no 64-bit rank tuple (scores alone rank
-# the new entries; a pop with an equal score rebuilds the tuples from the emitted rows' info words, a
-# warp-uniform branch). Same outputs bit for bit (tests/test_ddtree_cache_model.py models both paths).
-# NOT yet run on a GPU (docs/DDTREE.md "Variants 9 and 10" has the prediction and the decision rule).
-DDTREE_NOTUP_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "9"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 8 with tuple-free cache entries (tuples rebuilt only on score ties)"))
-# Variant 10 ("notup-s1occ5"): 9 with the stage-1 top-K kernels compiled for 5 blocks per SM (48 registers, no
-# spill) instead of 4: more logit loads in flight. Same code as 9 otherwise; NOT yet run on a GPU. The GPU
-# tests run it in the top-K and graph tests (its builder and walk are 9's).
-DDTREE_NOTUP_OCC5_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "10"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 9 with the stage-1 top-K at 5 blocks per SM"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
-          9: DDTREE_NOTUP_SPEC, 10: DDTREE_NOTUP_OCC5_SPEC}
-VARIANTS = {0: "verified", 3: "v3", 7: "scan-rank-cache", 8: "scan-rank-cache-regs",
-            9: "scan-rank-cache-regs-notup", 10: "notup-s1occ5"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (7, 8, 9, 10)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (7, 8, 9, 10)       # variants with the sorted-cache builder
+_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC,
+          6: DDTREE_SCAN_CACHE_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC}
+VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank", 6: "scan-cache",
+            7: "scan-rank-cache", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (4, 5, 6, 7, 8)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (6, 7, 8)       # variants with the sorted-cache builder
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
-# variant, or a fallback: DDT_TREE_VARIANT=7 is the previous H200-proven one).
-# 8: H200 integration run (bench/results/tree_h200.json, every DDTree GPU test passed): 10 x 64 bf16 total
-# 40.5 (7) -> 35.8 us (PDL 35.2); 7 is 1.2 us faster only on f32 logits, which the engine never feeds.
-# 9: 8 with tuple-free cache entries; compiled without spills, CPU-modelled,
-# NOT yet run on a GPU: DEFAULT_VARIANT = 9 (the one line below) once the integration run shows every
-# variant-9 GPU test passing, every bench row "same: yes" and 9's build below 8's at 1 x 64 and 10 x 64
-# (DDT_TREE_VARIANT=9 runs the whole engine on it before that). 10: 9 with a 5-blocks-per-SM stage 1; the
-# default becomes 10 instead when its tests pass, its rows say "same: yes" and its stage 1 is below 9's
-# at 10 x 64 bf16 (docs/DDTREE.md "Variant 9": the rule in full).
+# variant, or the fallback: DDT_TREE_VARIANT=7 is the H200-proven sorted-cache variant, 4 the default at
+# this session's start).
+# 7: H200 run of this session (bench/results/tree_h200_cache.json, all builder/walk/graph GPU tests of
+# variants 0-7 passed, outputs equal to variant 4's): 10 x 64 bf16 total 52.3 (4) -> 40.4 us (build 23.8 ->
+# 15.9, top-K 24.1 -> 20.8 by the rank-placed merge); 1 x 8 20.2 -> 19.6; f32 10 x 64 62.2 -> 46.4.
+# 8: 7 with the register merge, the lean cache loop and the register walk (docs/DDTREE.md predicts 10 x 64
+# 40.4 -> 33-36 us);
+# compiled without spills, CPU-modelled, NOT yet run on a GPU when made the default: if the integration
+# run shows a variant-8 test failing or 8 slower than 7 in bench/tree.py, the default goes back to 7.
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])

@@ -14,18 +14,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 7, 8, 9], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
-                                             "scan-rank-cache-regs-notup"])
+@pytest.fixture(params=[0, 3, 4, 5, 6, 7, 8], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
+                                                   "scan-rank-cache", "scan-rank-cache-regs"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3, 7, 8, 9: kernels/ddtree.py VARIANTS) must equal the reference."""
-    return request.param
-
-
-@pytest.fixture(params=[0, 3, 7, 8, 9, 10], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
-                                                 "scan-rank-cache-regs-notup", "notup-s1occ5"])
-def fast_topk(request):
-    """The top-K and graph tests also run variant 10 (9 with its stage-1 kernels compiled for 5 blocks per
-    SM; its builder and walk are 9's code, covered through ``fast``)."""
+    """Every kernel variant (DDT_FAST = 0, 3-8, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -112,7 +104,7 @@ def _check_tree(ws, top_lp, top_id, budgets, prefix, bonus, cap_k, chain):
                                       # short rows: 64 groups of 8 logits, fewer than k (the scan merge takes
                                       # every group), and 128 groups for k = 64 (half of them selected)
                                       (512, 128, "normal"), (1024, 64, "ties")])
-def test_topk_matches_reference(dtype, V, k, kind, fast_topk):
+def test_topk_matches_reference(dtype, V, k, kind, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(V + k)
@@ -124,7 +116,7 @@ def test_topk_matches_reference(dtype, V, k, kind, fast_topk):
         dev = cp.asarray(bits)
     else:
         dev = cp.asarray(x)
-    ws = DDTreeWorkspace(S, D, V, k, fast=fast_topk)
+    ws = DDTreeWorkspace(S, D, V, k, fast=fast)
     _poison(ws)
     ws.topk(dev)
     lp, ids = ws.top_lp.get(), ws.top_id.get()
@@ -144,7 +136,7 @@ def test_topk_matches_reference(dtype, V, k, kind, fast_topk):
 
 @pytest.mark.parametrize("shards,k", [(2, 64), (4, 64), (8, 64), (4, 1), (8, 128)])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_topk_vocab_shards_merge(shards, k, dtype, fast_topk):
+def test_topk_vocab_shards_merge(shards, k, dtype, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace, topk_merge
     rng = np.random.default_rng(shards + k)
@@ -160,7 +152,7 @@ def test_topk_vocab_shards_merge(shards, k, dtype, fast_topk):
     keys = cp.empty((shards, S * D, k), cp.uint64)
     ms = cp.empty((shards, S * D, 2), cp.float32)
     for r in range(shards):
-        ws = DDTreeWorkspace(S, D, Vl, k, fast=fast_topk)
+        ws = DDTreeWorkspace(S, D, Vl, k, fast=fast)
         _poison(ws)
         ws.topk(cp.ascontiguousarray(full[:, :, r * Vl:(r + 1) * Vl]), id_offset=r * Vl)
         keys[r] = ws.keys
@@ -169,8 +161,8 @@ def test_topk_vocab_shards_merge(shards, k, dtype, fast_topk):
     out_ms = cp.empty((S * D, 2), cp.float32)
     out_lp = cp.full((S * D, k), np.nan, cp.float32)
     out_id = cp.full((S * D, k), -7, cp.int32)
-    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True, fast=fast_topk)
-    whole = DDTreeWorkspace(S, D, V, k, fast=fast_topk)
+    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True, fast=fast)
+    whole = DDTreeWorkspace(S, D, V, k, fast=fast)
     _poison(whole)
     whole.topk(full)
     np.testing.assert_array_equal(out_keys.get(), whole.keys.get())
@@ -199,7 +191,7 @@ def test_build_tree_matches_reference(source, cap_k, chain, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(11 + cap_k + 100 * chain + 1000 * len(source))
-    # budgets on both sides of the sorted-cache builder's limit (64, variants 7-9)
+    # budgets on both sides of the sorted-cache builder's limit (64, variants 6 and 7)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100, 128, 96, 50, 127, 63, 65, 32, 40], np.int32)
     S, D, K = budgets.shape[0], 7, 128
     if source in ("sparse", "zero", "flat"):   # depth 8 (the most): the largest frontier (137 positions)
@@ -345,12 +337,12 @@ def _assert_same_candidate_sets(a, b, trial):
                                       err_msg=f"part_keys {idx} (trial {trial})")
 
 
-def test_graph_replay_equals_eager(fast_topk):
+def test_graph_replay_equals_eager(fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import SCAN_VARIANTS, DDTreeWorkspace
     rng = np.random.default_rng(99)
     S, D, V, K = 10, 7, 163840, 64
-    ws = DDTreeWorkspace(S, D, V, K, fast=fast_topk)
+    ws = DDTreeWorkspace(S, D, V, K, fast=fast)
     logits = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
     budgets = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
     prefix = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
