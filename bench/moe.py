@@ -5,8 +5,6 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
-        # down variants: --ts '256:1,2,8,64;2048:8' --variants down_mt2,down_lean2,down_mt1,down_pre,down_mt1_pre
-        #   (and the gate/up block at I = 256: gu_1x8,gu_2x4)
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -201,14 +199,11 @@ def _prev_plan(prev_src, *args, **kw):
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
     with open(prev_src) as f:
-        text = f.read()
-    six = "int U, int S>" in text      # a kernel file from before the LEAN template parameter
-    has_mt = "int MT" in text          # ... and from before MT (one tile per down warp): no 8-parameter names
+        six = "int U, int S>" in f.read()      # a kernel file from before the LEAN template parameter
 
     def prev_name(name):   # that file runs its only k loop: drop ", lean>" from the name
         return name.rsplit(",", 1)[0] + ">" if six else name
-    names = [n for n in moe._all_gemm_names() if has_mt or n.count(",") == 6]
-    spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in names)))
+    spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in moe._all_gemm_names())))
     orig = moe.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
@@ -249,22 +244,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
                 variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
-            if tab.nt == 1 and (tab.down.wm, tab.down.wk, tab.down.stages) == (8, 1, 0):
-                # one m16 tile per down warp (MT = 1, 3 blocks per SM) vs two (the previous down), same k loop
-                base = tab if tab.down.lean in (1, 2) else moe.with_lean(tab, 2)
-                variants["down_mt2"] = dict(tiles=moe.with_down_mt(base, 2))
-                variants["down_mt1"] = dict(tiles=moe.with_down_mt(base, 1))
-            if tab.down.stages == 0 and tab.down.lean in (2, 3):
-                # the down's ring kept across units (LEAN 3) vs LEAN 2, two tiles per warp (and with one tile)
-                two = moe.with_down_mt(tab, 2) if tab.down.mt == 1 else tab
-                variants["down_lean2"] = dict(tiles=moe.with_down_preload(two, False))
-                variants["down_pre"] = dict(tiles=moe.with_down_preload(two, True))
-                if "down_mt1" in variants:
-                    variants["down_mt1_pre"] = dict(tiles=moe.with_down_mt(moe.with_down_preload(two, True), 1))
-            if I <= 512 and tab.nt == 1:
-                # the gate/up block at I <= 512: 1 x 8 (previous) vs 2 x 4 (half the units; not bit-identical)
-                variants["gu_1x8"] = dict(tiles=moe.with_gateup_block(tab, 1, 8))
-                variants["gu_2x4"] = dict(tiles=moe.with_gateup_block(tab, 2, 4))
             if only_variants is not None:
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
@@ -273,7 +252,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2") + DOWN_VARIANTS + GU_VARIANTS if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -287,8 +266,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
-                             stages_lean2_us_cumulative=stage_sets.get("lean2"),
-                             stages_variants_us_cumulative=stage_sets, tiles=str(tab)))
+                             stages_lean2_us_cumulative=stage_sets.get("lean2"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -315,68 +293,6 @@ def focus_table(res):
         lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
                      f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
-    lines.append("")
-    lines.append(down_table(res))
-    lines.append("")
-    lines.append(gu_table(res))
-    return "\n".join(lines)
-
-
-DOWN_VARIANTS = ("down_mt2", "down_lean2", "down_mt1", "down_pre", "down_mt1_pre")
-GU_VARIANTS = ("gu_1x8", "gu_2x4")
-
-
-def _stage(stages, name):
-    """One launch's share of a launch-prefix timing (us), or None."""
-    if not stages or name not in stages:
-        return None
-    keys = list(stages)
-    i = keys.index(name)
-    return stages[name] - (stages[keys[i - 1]] if i > 0 else 0.0)
-
-
-def gu_table(res):
-    """Session 4 (third engineer): the gate/up block at I <= 512, layer and gate/up stage (us)."""
-    lines = ["| I | routing | T | experts | gu_1x8 layer / gate_up | gu_2x4 layer / gate_up | 2x4 vs 1x8 (layer, gate_up) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        vu = r["variants_us"]
-        sv = r.get("stages_variants_us_cumulative") or {}
-        if not all(k in vu for k in GU_VARIANTS):
-            continue
-        g = {k: _stage(sv.get(k), "gate_up") for k in GU_VARIANTS}
-        cells = [f"{vu[k]:.1f} / " + (f"{g[k]:.1f}" if g[k] is not None else "-") for k in GU_VARIANTS]
-        d = f"{100 * (vu['gu_2x4'] / vu['gu_1x8'] - 1):+.1f}%"
-        dg = f"{100 * (g['gu_2x4'] / g['gu_1x8'] - 1):+.1f}%" if g["gu_1x8"] and g["gu_2x4"] is not None else "-"
-        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | " + " | ".join(cells) + f" | {d}, {dg} |")
-    return "\n".join(lines)
-
-
-def down_table(res):
-    """Session 4 (third engineer): the down-GEMM variants, whole layer and down stage (us), each vs its base
-    (down_mt2 for the one-tile ones at I <= 512 with the table's loop; down_lean2 for the preload)."""
-    lines = ["| I | routing | T | experts | " + " | ".join(f"{k} layer / down" for k in DOWN_VARIANTS)
-             + " | mt1 vs mt2 (layer, down) | pre vs lean2 (layer, down) | mt1_pre vs mt2 (layer, down) |",
-             "|---|---|---|---|" + "---|" * (len(DOWN_VARIANTS) + 3)]
-
-    def pct(a, b):
-        return f"{100 * (a / b - 1):+.1f}%" if a is not None and b else "-"
-    for r in res["rows"]:
-        vu = r["variants_us"]
-        sv = r.get("stages_variants_us_cumulative") or {}
-        if not any(k in vu for k in DOWN_VARIANTS):
-            continue
-        dn = {k: _stage(sv.get(k), "down") for k in DOWN_VARIANTS}
-        cells = []
-        for k in DOWN_VARIANTS:
-            cells.append(f"{vu[k]:.1f} / {dn[k]:.1f}" if k in vu and dn[k] is not None
-                         else (f"{vu[k]:.1f} / -" if k in vu else "-"))
-
-        def both(a, b):
-            return f"{pct(vu.get(a), vu.get(b))}, {pct(dn.get(a), dn.get(b))}"
-        lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | " + " | ".join(cells)
-                     + f" | {both('down_mt1', 'down_mt2')} | {both('down_pre', 'down_lean2')} | "
-                     f"{both('down_mt1_pre', 'down_mt2')} |")
     return "\n".join(lines)
 
 

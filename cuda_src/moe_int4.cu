@@ -408,15 +408,12 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
 // instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
 // and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
 // ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, session 4.
-// LEAN 3 (down only): LEAN 2 with the register ring kept across units (the next unit's first U steps loaded
-// before this unit's epilogue). MT (down, lean loops): 1 = one m16 tile per warp at <= 80 registers, 3 blocks
-// per SM. Both are bit-identical to LEAN 2 / MT = 2 (same values summed in the same order per tile).
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
-// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations, three with MT = 1.
+// Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
 
-template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN, int MT = 2>
-__global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT == 1 ? 3 : 2) : 1) moe_gemm(
+template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN>
+__global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
@@ -424,21 +421,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
         bf16_bits* __restrict__ h_out, int h_stride,
         float* __restrict__ y, int pf_steps, int pf_next) {
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
-    // MT = m16 weight tiles per warp: 2 (the pair 2r, 2r+1; gate/up needs it for SiLU(gate)*up in registers),
-    // or 1 (down only, lean loops only): half the ring registers, so 3 blocks (24 warps) fit per SM instead of 2.
-    // A tile's accumulation never involves the other tile, so MT = 1 gives bit-identical y (docs/MOE.md).
-    static_assert(MT == 2 || (MT == 1 && MODE == 1 && S == 0 && LEAN != 0), "MT = 1: down GEMM, lean loops only");
-    // LEAN 3 (the ring preloaded across units) exists for the down GEMM only: in the gate/up kernels at the
-    // 128-register cap the ring live across the K reduction and epilogue spilled on sm_120 (NVRTC 12.9)
-    static_assert(LEAN != 3 || (MODE == 1 && S == 0), "LEAN 3: down GEMM, register ring only");
-    constexpr int RED = WK > 1 ? WM * WK * MT * NT * 4 * 32 : 1;
+    constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
     extern __shared__ __align__(16) uint4 moe_dyn[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = N / 16;
-    const int n_mg = (ntiles / MT + WM - 1) / WM;
+    const int n_mg = (ntiles / 2 + WM - 1) / WM;
     const int spw = (KS + WK - 1) / WK;
     const int sb = kw * spw;
     const int nsteps = max(0, min(KS, sb + spw) - sb);
@@ -467,14 +457,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
     }
     const int n_units = n_chunks * n_mg;
     int pf_done = 0;     // k64 steps of this unit's tiles already prefetched by the previous unit
-    // LEAN 3 (down only): the register ring lives across units. After a unit's last k step the warp loads the first U steps
-    // of its next unit into the (now free) ring BEFORE the K reduction, epilogue and barriers, so those loads are
-    // in flight while the block finishes the unit (LEAN 2 issues them only after; a unit then starts with an empty
-    // ring and waits one L2 round trip). `pre`: the ring holds this unit's first min(U, nsteps) steps.
-    uint4 lra[U][MT];
-    uint2 lrs[U][MT];
-    uint4 rb[U][NT][2];
-    bool pre = false;
 
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         // Consecutive units are consecutive chunks of the same m-group: chunks of one expert run side by side
@@ -483,22 +465,18 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
         if (u + (int)gridDim.x >= n_units) DDT_PDL_LAUNCH_DEPENDENTS();   // last unit: SMs are freeing up
         const int4 ch = chs[cidx];
         const int e = ch.x, slot0 = ch.y, ntok = ch.z;
-        const int tile0 = (mg * WM + wm) * MT;
+        const int tile0 = (mg * WM + wm) * 2;
         const bool wactive = tile0 < ntiles;
         // this warp's tiles in the block's next unit (for the prefetch across the unit boundary)
         // (two ints, not pointers: the gate/up kernel sits at the 128-register cap)
         const int un = u + gridDim.x;
         int nx_e = -1, nx_t = 0;
-        if ((LEAN == 3 || (pf_next && pf_steps > 0)) && un < n_units) {
+        if (pf_next && pf_steps > 0 && un < n_units) {
             const int mgn = un / n_chunks;
-            nx_t = (mgn * WM + wm) * MT;
+            nx_t = (mgn * WM + wm) * 2;
             if (nx_t < ntiles) nx_e = chs[un - mgn * n_chunks].x;
         }
-        // the prefetch crosses into the next unit (LEAN 3 also computes nx_e for its ring preload). Two spellings
-        // on purpose: this one keeps the LEAN 0-2 machine code byte-identical to the measured kernels (nvcc 13)
-        bool nx;
-        if constexpr (LEAN == 3) nx = nx_e >= 0 && pf_next && pf_steps > 0;
-        else nx = nx_e >= 0;
+        const bool nx = nx_e >= 0;
         int next_done = 0;
         // MODE 1: lane j < ntok holds token column j's pair and routing weight for the epilogue (taken by
         // shuffle). The pair load is issued now; the dependent weight load only after the first weight loads
@@ -507,9 +485,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
         float my_w = 0.f;
         if (MODE == 1 && lane < ntok) my_pair = spair[slot0 + lane];
 
-        float acc[MT][NT][4];
+        float acc[2][NT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -557,7 +535,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
             }
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
+                for (int mt = 0; mt < 2; ++mt) {
                     uint32_t A[4][4];
                     dequant_word(a[mt].x, A[0]);
                     dequant_word(a[mt].y, A[1]);
@@ -594,6 +572,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                     }
                 }
             };
+            uint4 rb[U][NT][2];
             if (!(S == 0 && LEAN)) {
 #pragma unroll
                 for (int i = 0; i < U; ++i)
@@ -602,9 +581,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
             if constexpr (S == 0 && LEAN) {
                 // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
                 // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
-                auto compute_lean = [&](const uint4 (&a)[MT], const uint2 (&sc)[MT], const uint4 (&b)[NT][2]) {
+                auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
+                    for (int mt = 0; mt < 2; ++mt) {
                         uint32_t A[4][4];
                         dequant_word(a[mt].x, A[0]);
                         dequant_word(a[mt].y, A[1]);
@@ -632,10 +611,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
                 // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
                 // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step); MT = 1: lanes 0..3 and 8 (one tile). pf_next, LEAN 1: the block's next
-                // unit's first pf_steps steps are requested at the unit start (a whole unit ahead); LEAN 2, 3: the
-                // rolling prefetch crosses the unit boundary like the LEAN = 0 one.
-                const bool pf_lane = MT == 2 ? lane < 10 : (lane < 4 || lane == 8);
+                // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
+                // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
+                // unit boundary like the LEAN = 0 one.
                 const unsigned pstride = lane < 8 ? 512u : 64u;
                 const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
                                            : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
@@ -646,7 +624,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 };
                 if constexpr (LEAN == 1) {
                     // LEAN 1: the next unit's first steps are requested here, once per unit
-                    const int plim = (pf_lane && pf_steps > 0) ? nsteps : 0;
+                    const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
                     for (int s = pf_done; s < pf_steps; ++s)
                         if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
                     next_done = 0;
@@ -654,26 +632,26 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                         const char* pn = next_unit_ptr();
                         next_done = min(nsteps, pf_steps);
                         for (int s = 0; s < next_done; ++s)
-                            if (pf_lane) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                            if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
                     }
                 }
                 // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
                 // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
-                const int plim = (pf_lane && pf_steps > 0) ? (LEAN >= 2 && nx ? 2 * nsteps : nsteps) : 0;
+                const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
                 auto prefetch_step = [&](int s) {
-                    if constexpr (LEAN >= 2) {
+                    if constexpr (LEAN == 2) {
                         if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
                             ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
                     }
                     if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
                 };
-                if constexpr (LEAN >= 2) {
+                if constexpr (LEAN == 2) {
                     for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
                     next_done = nx ? min(nsteps, pf_steps) : 0;
                 }
 
-                auto& ra = lra;
-                auto& rs = lrs;
+                uint4 ra[U][2];
+                uint2 rs[U][2];
                 // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
                 // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
                 // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
@@ -690,9 +668,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
                 auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
                     ra[r][0] = ld_stream_v4(qa0 + i * 32);
-                    if constexpr (MT == 2) ra[r][1] = ld_stream_v4(qa1 + i * 32);
+                    ra[r][1] = ld_stream_v4(qa1 + i * 32);
                     rs[r][0] = ld_stream_v2(qs0 + i * 8);
-                    if constexpr (MT == 2) rs[r][1] = ld_stream_v2(qs1 + i * 8);
+                    rs[r][1] = ld_stream_v2(qs1 + i * 8);
                 };
                 auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
 #pragma unroll
@@ -711,12 +689,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                 };
                 // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
                 if (LEAN == 1) load_x(0, 0);
-                if (!pre) {
 #pragma unroll
-                    for (int i = 0; i < U; ++i)
-                        if (i < nsteps) { load_w(i, i); if (LEAN >= 2) load_x(i, i); }
-                }
-                pre = false;
+                for (int i = 0; i < U; ++i)
+                    if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
                 if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
                 // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
                 // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
@@ -727,45 +702,11 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                         if (base + i < nsteps) {
                             if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
                             compute_lean(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN >= 2) load_x(i, i + U); }
+                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
                             prefetch_step(base + i + pf_steps);
                         }
                     }
                     advance();
-                }
-                if constexpr (LEAN == 3) {
-                    // the next unit's first U steps into the free ring (same slots and values the unit start of
-                    // LEAN 2 would load: bit-identical); weights first (nx_e is known), then the activation rows,
-                    // whose chunk entry is one more (shared-memory or L2) load
-                    if (nx_e >= 0) {
-                        const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
-                        qa0 = wp + nb * 32 + lane;
-                        qa1 = qa0 + (size_t)KS * 32;
-                        qs0 = sp + nb * 8 + g;
-                        qs1 = qs0 + (size_t)KS * 8;
-#pragma unroll
-                        for (int i = 0; i < U; ++i)
-                            if (i < nsteps) load_w(i, i);
-                        const int4 cn = chs[un - (un / n_chunks) * n_chunks];
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            const int j = nt * 8 + g;
-                            // as pb[] at a unit start: absent columns read row 0 (never stored)
-                            const int row = j < cn.z ? (MODE == 0 ? spair[cn.y + j] / k : cn.y + j) : 0;
-                            const bf16_bits* q = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
-                            if (nt == 0 || nt * 8 < cn.z) {
-#pragma unroll
-                                for (int i = 0; i < U; ++i) {
-                                    if (i < nsteps) {
-                                        const uint4* p = reinterpret_cast<const uint4*>(q + i * 64);
-                                        rb[i][nt][0] = __ldg(p);
-                                        rb[i][nt][1] = __ldg(p + 4);
-                                    }
-                                }
-                            }
-                        }
-                        pre = true;
-                    }
                 }
             } else if constexpr (S == 0) {
                 uint4 ra[U][2];
@@ -834,9 +775,9 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
         pf_done = next_done;
 
         if (WK > 1) {
-            float* mine = red + (size_t)(warp * MT * NT * 4) * 32 + lane;
+            float* mine = red + (size_t)(warp * 2 * NT * 4) * 32 + lane;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -844,14 +785,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
             __syncthreads();
             if (kw == 0) {
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int q = 0; q < 4; ++q) {
                             float sum = 0.f;
                             for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
-                                sum += red[((size_t)((k2 * WM + wm) * MT * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
+                                sum += red[((size_t)((k2 * WM + wm) * 2 * NT * 4) + (mt * NT + nt) * 4 + q) * 32 + lane];
                             acc[mt][nt][q] = sum;
                         }
             }
@@ -867,14 +808,14 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? (MT 
                     const float wgt = MODE == 1 ? __shfl_sync(0xFFFFFFFFu, my_w, j & 31) : 0.f;
                     if (j >= ntok) continue;
                     const int slot = slot0 + j;
-                    if constexpr (MODE == 0) {
+                    if (MODE == 0) {
                         const int row = (tile0 >> 1) * 16 + g + 8 * (q >> 1);
-                        const float gv = acc[0][nt][q], uv = acc[MT - 1][nt][q];   // MT == 2 (static_assert)
+                        const float gv = acc[0][nt][q], uv = acc[1][nt][q];
                         const float hv = gv / (1.f + expf(-gv)) * uv;
                         h_out[(size_t)slot * h_stride + row] = f32_to_bf16(hv);
                     } else {
 #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
+                        for (int mt = 0; mt < 2; ++mt) {
                             const int row = (tile0 + mt) * 16 + g + 8 * (q >> 1);
                             y[(size_t)pair * N + row] = wgt * acc[mt][nt][q];
                         }

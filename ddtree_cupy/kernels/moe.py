@@ -49,7 +49,6 @@ class Tile:
     u: int
     stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
     lean: int = 0       # register ring only: the k loop, 0 previous, 1/2 reduced-instruction (bit-identical results)
-    mt: int = 2         # m16 weight tiles per warp: 2, or 1 (down GEMM, lean loops: 3 blocks per SM; bit-identical)
 
     @property
     def threads(self) -> int:
@@ -60,12 +59,7 @@ class Tile:
         return self.wm * self.wk * self.stages * RING_SLOT_BYTES
 
     def smem_static(self, nt: int) -> int:
-        return self.wm * self.wk * self.mt * nt * 4 * 32 * 4 if self.wk > 1 else 4
-
-    @property
-    def blocks_per_sm(self) -> int:
-        # __launch_bounds__ of moe_gemm: 2 blocks of <= 8 warps (128 registers), 3 with one tile per warp (80)
-        return max(1, (768 if self.mt == 1 else 512) // self.threads)
+        return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
 
 
 @dataclass(frozen=True)
@@ -102,99 +96,6 @@ LEAN_T1 = 1         # the table's loop at T = 1
 LEAN_T_GE_2 = 2     # ... and from T = 2 up
 
 
-# One m16 tile per down warp (moe_gemm's MT = 1; session 4, third engineer): the narrow down GEMM (I <= 512,
-# 8 x 1 warps, K = 4 steps) with half the ring registers at 3 blocks (24 warps) per SM instead of 2 (16), same
-# arithmetic per tile -> bit-identical y. Applies where the down runs a lean loop on the register ring at nt = 1.
-# DOWN_MT_NARROW = the table's choice (2 = previous until measured; docs/MOE.md "Session 4 (third engineer)");
-# environment DDT_MOE_DOWN_MT=1/2 forces it.
-DOWN_MT_ENV: Optional[int] = (int(os.environ["DDT_MOE_DOWN_MT"]) if os.environ.get("DDT_MOE_DOWN_MT", "") != ""
-                              else None)
-DOWN_MT_NARROW = 2
-U_MT1 = 2           # ring depth of the one-tile down warp (fits 80 registers without spills: docs/MOE.md)
-
-
-def down_mt_for(T: int, inter: int) -> int:
-    """Weight tiles per down warp the table uses (DOWN_MT_ENV, when set, overrides the rule)."""
-    if DOWN_MT_ENV is not None:
-        if DOWN_MT_ENV not in (1, 2):
-            raise ValueError(f"DDT_MOE_DOWN_MT: must be 1 or 2, got {DOWN_MT_ENV}")
-        return DOWN_MT_ENV
-    return DOWN_MT_NARROW if inter <= 512 else 2
-
-
-# The down GEMM's k loop LEAN = 3 (session 4, third engineer): LEAN 2 with the register ring kept across units --
-# the next unit's first U steps (weights and h rows) are loaded right after a unit's last k step, before its
-# epilogue, instead of at the next unit's start. Same loads, same arithmetic: bit-identical y. Down GEMM only
-# (the gate/up kernels spilled with it on sm_120). DOWN_PRELOAD = the table's choice (False = previous until
-# measured); environment DDT_MOE_DOWN_PRELOAD=0/1 forces it. Applies where the down runs LEAN 2.
-DOWN_PRELOAD_ENV: Optional[int] = (int(os.environ["DDT_MOE_DOWN_PRELOAD"])
-                                   if os.environ.get("DDT_MOE_DOWN_PRELOAD", "") != "" else None)
-DOWN_PRELOAD = False
-
-
-def down_preload_for(T: int) -> bool:
-    """Whether the table's down GEMM keeps its ring across units (LEAN 3 where it would run LEAN 2)."""
-    if DOWN_PRELOAD_ENV is not None:
-        if DOWN_PRELOAD_ENV not in (0, 1):
-            raise ValueError(f"DDT_MOE_DOWN_PRELOAD: must be 0 or 1, got {DOWN_PRELOAD_ENV}")
-        return bool(DOWN_PRELOAD_ENV)
-    return DOWN_PRELOAD
-
-
-def with_down_preload(t: MoETiles, on: bool) -> MoETiles:
-    """The same tiles with the down GEMM's loop LEAN 3 (on) or LEAN 2 (off); needs a register-ring down block
-    running LEAN 2 or 3."""
-    dn = t.down
-    if not (dn.stages == 0 and dn.lean in (2, 3)):
-        raise ValueError(f"on: the ring kept across units needs the register-ring down GEMM with LEAN 2, got {dn}")
-    return MoETiles(t.nt, t.gateup, replace(dn, lean=3 if on else 2))
-
-
-def with_down_mt(t: MoETiles, mt: int) -> MoETiles:
-    """The same tiles with ``mt`` m16 tiles per down warp. mt = 1 exists for the narrow down block (8 x 1) with a
-    lean loop on the register ring at nt = 1 (the compiled instantiations); elsewhere it raises."""
-    dn = t.down
-    if mt == 2:
-        return MoETiles(t.nt, t.gateup, replace(dn, mt=2, u=_u_for(t.nt)))
-    if mt != 1:
-        raise ValueError(f"mt: must be 1 or 2, got {mt}")
-    if not (t.nt == 1 and dn.stages == 0 and dn.lean in (1, 2, 3) and (dn.wm, dn.wk) == (8, 1)):
-        raise ValueError(f"mt: one tile per warp needs the 8 x 1 register-ring down block with a lean loop at nt = 1, "
-                         f"got {dn} at nt = {t.nt}")
-    return MoETiles(t.nt, t.gateup, replace(dn, mt=1, u=U_MT1))
-
-
-# The gate/up block at I <= 512 (session 4, third engineer): 1 x 8 (16 units per chunk, K in 8 slices of 14
-# steps) or 2 x 4 (8 units per chunk, 4 slices of 28 steps: half the unit boundaries -- empty ring, K reduction,
-# epilogue, barriers -- per byte; at T = 8, 480 units over 264 blocks = 2 rounds at 91% vs 4 rounds at 91%).
-# The K split changes the fp32 summation order: NOT bit-identical (tests vs the float64 reference). Both blocks
-# are compiled anyway (2 x 4 is the I = 2048 entry). GU_2X4_MIN_T = None: 1 x 8 everywhere (previous); N: 2 x 4
-# from T = N up (T = 1 should stay 1 x 8: 64 units would leave 200 of 264 blocks idle). Environment
-# DDT_MOE_GU_2X4_MIN_T=N (0 = off) overrides.
-GU_2X4_MIN_T: Optional[int] = None
-GU_2X4_ENV: Optional[int] = (int(os.environ["DDT_MOE_GU_2X4_MIN_T"])
-                             if os.environ.get("DDT_MOE_GU_2X4_MIN_T", "") != "" else None)
-
-
-def gu_wide_block_for(T: int) -> bool:
-    """Whether the table's gate/up uses the 2 x 4 block at I <= 512 for T tokens."""
-    lim = GU_2X4_MIN_T
-    if GU_2X4_ENV is not None:
-        if GU_2X4_ENV < 0:
-            raise ValueError(f"DDT_MOE_GU_2X4_MIN_T: must be >= 0 (0 = off), got {GU_2X4_ENV}")
-        lim = GU_2X4_ENV or None
-    return lim is not None and T >= lim
-
-
-def with_gateup_block(t: MoETiles, wm: int, wk: int) -> MoETiles:
-    """The same tiles with the gate/up block wm x wk (1 x 8 or 2 x 4: the compiled ones), same loop and depth."""
-    if (wm, wk) not in ((1, 8), (2, 4)):
-        raise ValueError(f"wm, wk: the gate/up block must be 1 x 8 or 2 x 4, got {wm} x {wk}")
-    if (wm, wk) == (1, 8) and t.nt == 4:
-        raise ValueError("wm, wk: the 1 x 8 gate/up block spills at nt = 4 on sm_120 (not compiled)")
-    return MoETiles(t.nt, replace(t.gateup, wm=wm, wk=wk), t.down)
-
-
 def lean_for(T: int) -> int:
     """The k loop the table uses for T tokens (LEAN_LOOP, when set, overrides the rule)."""
     if LEAN_LOOP is not None:
@@ -225,31 +126,18 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
         ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
     }
     gu, dn = table[(family, narrow)]
-    if narrow and nt == 1 and gu_wide_block_for(T):
-        gu = Tile(2, 4, u)     # GU_2X4_MIN_T: the 2 x 4 gate/up block at I <= 512 (half the units, 28-step slices)
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
     # the k loop (lean_for): the same on both architectures (all spill-free; measured on the H200 only)
     lean = lean_for(T)
-    tiles = MoETiles(nt, replace(gu, lean=lean), replace(dn, lean=lean))
-    if lean == 2 and down_preload_for(T):
-        tiles = with_down_preload(tiles, True)
-    mt = down_mt_for(T, inter)
-    if mt == 1 and nt == 1 and lean in (1, 2, 3) and (dn.wm, dn.wk, dn.stages) == (8, 1, 0):
-        tiles = with_down_mt(tiles, 1)
-    return tiles
+    return MoETiles(nt, replace(gu, lean=lean), replace(dn, lean=lean))
 
 
 def with_lean(t: MoETiles, lean: int) -> MoETiles:
     """The same tiles with the register-ring k loop ``lean`` (0 previous, 1 and 2 reduced-instruction) in both
-    GEMMs (a one-tile down warp keeps mt = 1 only with a lean loop; the down's LEAN 3 becomes ``lean``)."""
-    if lean not in (0, 1, 2):
-        raise ValueError(f"lean: must be 0, 1 or 2 (LEAN 3 is the down GEMM's: with_down_preload), got {lean}")
-    dn = replace(t.down, lean=lean)
-    if dn.mt == 1 and lean == 0:
-        dn = replace(dn, mt=2, u=_u_for(t.nt))
-    return MoETiles(t.nt, replace(t.gateup, lean=lean), dn)
+    GEMMs."""
+    return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
 def with_stages(t: MoETiles, stages: int) -> MoETiles:
@@ -257,10 +145,8 @@ def with_stages(t: MoETiles, stages: int) -> MoETiles:
     register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
     measured 3-15% slower (bench/results/moe_h200_variants.json); it stays compiled and tested as the
     candidate to re-measure on sm_120."""
-    def one(tl):   # the lean loop (and one tile per warp) exist for the register ring only
-        if stages == 0:
-            return Tile(tl.wm, tl.wk, tl.u, 0, tl.lean, tl.mt)
-        return Tile(tl.wm, tl.wk, _u_for(t.nt), stages, 0)
+    def one(tl):   # the lean loop exists for the register ring only
+        return Tile(tl.wm, tl.wk, tl.u, stages, tl.lean if stages == 0 else 0)
     return MoETiles(t.nt, one(t.gateup), one(t.down))
 
 
@@ -271,10 +157,7 @@ def all_table_tiles() -> Tuple[MoETiles, ...]:
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
                 # every k loop of the register ring (the table's and the alternatives), and the cp.async ring
-                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2), with_down_preload(with_lean(t, 2), True))
-                if t.nt == 1 and (t.down.wm, t.down.wk) == (8, 1):     # one tile per down warp (the lean loops)
-                    vs += (with_down_mt(with_lean(t, 1), 1), with_down_mt(with_lean(t, 2), 1),
-                           with_down_mt(with_down_preload(with_lean(t, 2), True), 1))
+                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2))
                 for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
                     if v not in seen:
                         seen.append(v)
@@ -282,9 +165,7 @@ def all_table_tiles() -> Tuple[MoETiles, ...]:
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
-    # MT = 2 is the template's default: those names (and kernels) are the same as before MT existed
-    mt = "" if tile.mt == 2 else f", {tile.mt}"
-    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}, {tile.lean}{mt}>"
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}, {tile.lean}>"
 
 
 def _all_gemm_names() -> Tuple[str, ...]:
@@ -559,7 +440,8 @@ def _l2_budget() -> int:
 
 
 def _grid(units_max: int, tile: Tile) -> int:
-    return max(1, min(units_max, _sm_count() * tile.blocks_per_sm))
+    per_sm = max(1, 512 // tile.threads)   # ~128-195 registers: 512 threads per SM at most
+    return max(1, min(units_max, _sm_count() * per_sm))
 
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
@@ -652,15 +534,13 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
     k_gu = get_kernel(SPEC, _gemm_name(0, tg, tiles.nt), max_dynamic_smem=dyn_gu)
-    if tg.mt != 2:
-        raise ValueError(f"tiles: the gate/up GEMM needs 2 tiles per warp (gate and up), got {tg}")
     grid_gu = _grid(chunks_max * -(-(2 * I // 32) // tg.wm), tg)
     gu_args = (weights.w13, weights.s13, i32(2 * I), i32(H // KSTEP), x, i32(H)) + common + (ws.h, i32(Ip)) + tail
     plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=dyn_gu)))
     # down: N = H, K = Ip
     td = tiles.down
     k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
-    grid_dn = _grid(chunks_max * -(-(H // (16 * td.mt)) // td.wm), td)
+    grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
