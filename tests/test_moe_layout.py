@@ -221,3 +221,37 @@ def test_fused_sort_model_contract():
             pe = slot_pair[flat[slot_pair] == e]
             assert (np.diff(pe) > 0).all()
     assert moe.fuse_route_default(32, 8) and not moe.fuse_route_default(33, 8)
+
+
+def test_gateup_block_switch(monkeypatch):
+    # GU_2X4_MIN_T (env DDT_MOE_GU_2X4_MIN_T, 0 = never): the 2 x 4 gate/up block at I <= 512 from T = N up
+    # (nt = 1 only); its kernels are registered (the I = 2048 entry's), the down and the k loop are untouched,
+    # wide and nt > 1 shapes are unaffected
+    monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    monkeypatch.setattr(moe, "GU_2X4_ENV", None)
+    names = moe._all_gemm_names()
+    assert moe.GU_2X4_MIN_T == 64
+    for arch in ("sm_90", "sm_120"):
+        for T in (1, 8, 63):
+            t = moe.select_tiles(arch, T, 256)
+            assert (t.gateup.wm, t.gateup.wk) == (1, 8), (arch, T)
+        for T in (64, 160, 256):
+            t = moe.select_tiles(arch, T, 256)
+            assert (t.nt, t.gateup.wm, t.gateup.wk, t.gateup.lean, t.gateup.u) == (1, 2, 4, 2, 3), (arch, T)
+            assert (t.down.wm, t.down.wk) == (8, 1)
+            assert moe._gemm_name(0, t.gateup, t.nt) in names
+            back = moe.with_gateup_block(t, 1, 8)
+            assert (back.gateup.wm, back.gateup.wk, back.down) == (1, 8, t.down)
+        assert moe.select_tiles(arch, 300, 256).nt == 2
+        assert moe.select_tiles(arch, 8, 2048).gateup.wk == 4
+    monkeypatch.setattr(moe, "GU_2X4_ENV", 0)
+    assert moe.select_tiles("sm_90", 64, 256).gateup.wk == 8
+    monkeypatch.setattr(moe, "GU_2X4_ENV", 8)
+    assert moe.select_tiles("sm_90", 4, 256).gateup.wk == 8 and moe.select_tiles("sm_90", 8, 256).gateup.wk == 4
+    with pytest.raises(ValueError, match="wm, wk"):
+        moe.with_gateup_block(moe.select_tiles("sm_90", 8, 256), 1, 16)
+    with pytest.raises(ValueError, match="wm, wk"):
+        moe.with_gateup_block(moe.select_tiles("sm_90", 650, 256), 1, 8)
+    monkeypatch.setattr(moe, "GU_2X4_ENV", -1)
+    with pytest.raises(ValueError, match="DDT_MOE_GU_2X4_MIN_T"):
+        moe.select_tiles("sm_90", 8, 256)

@@ -105,6 +105,36 @@ def lean_for(T: int) -> int:
     return LEAN_T1 if T <= 1 else LEAN_T_GE_2
 
 
+# The gate/up block at I <= 512: 1 x 8 (16 units per chunk, K in 8 slices) or, from T = GU_2X4_MIN_T up, the
+# 2 x 4 block of the I = 2048 entry (8 units per chunk, 4 slices: half the unit boundaries -- empty ring, K
+# reduction, epilogue -- per byte). Another K split, so not bit-identical to 1 x 8 (bf16 tolerance of the
+# float64 reference). Measured on the H200 (docs/MOE.md, session 3, third engineer's table): layer -3.7% at
+# T = 64 with uniform and -3.8% with skewed routing; at T = 8 -3.5% uniform but +3.0% skewed; T <= 2 +12-26%.
+# Environment DDT_MOE_GU_2X4_MIN_T=N overrides (0 = never).
+GU_2X4_MIN_T: Optional[int] = 64
+GU_2X4_ENV: Optional[int] = (int(os.environ["DDT_MOE_GU_2X4_MIN_T"])
+                             if os.environ.get("DDT_MOE_GU_2X4_MIN_T", "") != "" else None)
+
+
+def gu_wide_block_for(T: int) -> bool:
+    """Whether the table's gate/up uses the 2 x 4 block at I <= 512 for T tokens."""
+    lim = GU_2X4_MIN_T
+    if GU_2X4_ENV is not None:
+        if GU_2X4_ENV < 0:
+            raise ValueError(f"DDT_MOE_GU_2X4_MIN_T: must be >= 0 (0 = never), got {GU_2X4_ENV}")
+        lim = GU_2X4_ENV or None
+    return lim is not None and T >= lim
+
+
+def with_gateup_block(t: MoETiles, wm: int, wk: int) -> MoETiles:
+    """The same tiles with the gate/up block wm x wk (1 x 8 or 2 x 4, the compiled ones), same loop and depth."""
+    if (wm, wk) not in ((1, 8), (2, 4)):
+        raise ValueError(f"wm, wk: the gate/up block must be 1 x 8 or 2 x 4, got {wm} x {wk}")
+    if (wm, wk) == (1, 8) and t.nt == 4:
+        raise ValueError("wm, wk: the 1 x 8 gate/up block spills at nt = 4 on sm_120 (not compiled)")
+    return MoETiles(t.nt, replace(t.gateup, wm=wm, wk=wk), t.down)
+
+
 def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     """The tile table, keyed by (architecture, T bucket, expert width I).
 
@@ -126,6 +156,8 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
         ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
     }
     gu, dn = table[(family, narrow)]
+    if narrow and nt == 1 and gu_wide_block_for(T):
+        gu = Tile(2, 4, u)     # GU_2X4_MIN_T: the 2 x 4 gate/up block at I <= 512
     if nt == 4 and gu.wm == 1:
         # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
         gu = Tile(2, 4, u)
@@ -153,7 +185,7 @@ def with_stages(t: MoETiles, stages: int) -> MoETiles:
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
-        for T in (1, 300, 650):
+        for T in (1, 64, 300, 650):         # 64: the 2 x 4 gate/up block at I <= 512 (GU_2X4_MIN_T)
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
                 # every k loop of the register ring (the table's and the alternatives), and the cp.async ring

@@ -273,6 +273,23 @@ def test_lean_k_loop_prefetch_settings_are_bit_identical(layer_name, lean, reque
         np.testing.assert_array_equal(o1, o0, err_msg=str(kw))
 
 
+@pytest.mark.parametrize("layer_name,T,kw", [("narrow", 8, {}), ("tiny256", 24, {}),
+                                             ("tiny256", 70, dict(fuse_route=False, l2_prefetch=True))])
+def test_gateup_2x4_block_at_narrow_width(layer_name, T, kw, request):
+    # the 2 x 4 gate/up block at I <= 512 (GU_2X4_MIN_T; another K split, so not bit-identical): float64
+    # reference with poisoned out / y, fused-sort and routing-kernel paths, and within bf16 tolerance of the
+    # 1 x 8 block's result
+    layer = request.getfixturevalue(layer_name)
+    tab = moe.with_lean(moe.select_tiles("sm_90", T, layer.I), 2)
+    t24 = moe.with_gateup_block(tab, 2, 4)
+    assert (t24.gateup.wm, t24.gateup.wk) == (2, 4)
+    assert _run(layer, T, 8, seed=2200 + T, tiles=t24, **kw) < TOL
+    o0, *_ = _out_and_y(layer, T, 8, 2300 + T, tiles=moe.with_gateup_block(tab, 1, 8), **kw)
+    o1, *_ = _out_and_y(layer, T, 8, 2300 + T, tiles=t24, **kw)
+    a, b = (bf16_bits_to_f32(o).astype(np.float64) for o in (o0, o1))
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < TOL
+
+
 def test_small_t_in_large_workspace(narrow):
     assert _run(narrow, 3, 8, seed=500, t_max=650) < TOL
 
