@@ -146,7 +146,6 @@ class UniformRouting:
 
 def count_experts(step, S, R, cfg, uniform=None):
     """Unique routed experts per MoE layer over the real rows of one eager step (router outputs recorded)."""
-    import cupy
     from ddtree_cupy.kernels import router as router_mod
     seen = []
     orig = router_mod.route_logits
@@ -265,15 +264,16 @@ def main(argv=None) -> int:
             r0, g0 = comm.n_reduce, comm.n_gather
             uniq, n_real = count_experts(step, S, R, tcfg, uniform)
             n_reduce, n_gather = comm.n_reduce - r0, comm.n_gather - g0
-            # graph replays back to back
-            ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
-            step.graph.launch(st)
-            ev0.record(st)
-            for _ in range(a.reps):
+            def replay_s():             # seconds per step graph, a.reps replays back to back after a warm one
+                ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
                 step.graph.launch(st)
-            ev1.record(st)
-            ev1.synchronize()
-            step_s = cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+                ev0.record(st)
+                for _ in range(a.reps):
+                    step.graph.launch(st)
+                ev1.record(st)
+                ev1.synchronize()
+                return cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+            step_s = replay_s()
             # the host's whole step, and its issue time alone
             walls, issues = [], []
             for _ in range(a.reps):
@@ -319,13 +319,7 @@ def main(argv=None) -> int:
                 try:
                     step.capture()
                     step.upload(ctrl)
-                    step.graph.launch(st)
-                    ev0.record(st)
-                    for _ in range(a.reps):
-                        step.graph.launch(st)
-                    ev1.record(st)
-                    ev1.synchronize()
-                    step_pdl_s = cupy.cuda.get_elapsed_time(ev0, ev1) / 1e3 / a.reps
+                    step_pdl_s = replay_s()
                     pdl_out = outputs()
                     same = lambda x, y: all(np.array_equal(u.view(np.uint8), v.view(np.uint8)) for u, v in zip(x, y))  # noqa: E731,E501
                     pdl_check = dict(plain_repeats=same(base1, base2), pdl_equals_plain=same(base1, pdl_out))
