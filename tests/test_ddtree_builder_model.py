@@ -72,17 +72,24 @@ class Shared:
         self.v[i] = x
 
 
+def kernel_inputs(lp_in, ids, budget, cap_k, include_chain):
+    """What both builder loops read first, as the kernel computes it: the log-probs with subnormals flushed
+    to signed zero and the ids, flattened; the budget clamped to the row limit; the per-depth fan-out kf
+    (cap_k, 0 = no cap); the number of chain rows nc."""
+    D, K = lp_in.shape
+    lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
+                  lp_in).astype(np.float32)
+    budget = min(max(int(budget), 0), MAX_ROWS - 1)
+    kf = min(K, cap_k) if cap_k > 0 else K
+    nc = min(D, budget) if include_chain else 0
+    return lp.reshape(-1), ids.reshape(-1), budget, kf, nc
+
+
 def build_v3(lp_in, ids, budget, cap_k, include_chain, stats):
     """The v3 kernel's builder for one stream: returns (tokens, parents, depths) of rows 1..n. Every lane
     knows the popped position; entries are (info, parent score, next sibling's lp, first child's lp)."""
     D, K = lp_in.shape
-    lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
-                  lp_in).astype(np.float32)
-    s_lp = lp.reshape(-1)
-    s_id = ids.reshape(-1)
-    budget = min(max(int(budget), 0), MAX_ROWS - 1)
-    kf = min(K, cap_k) if cap_k > 0 else K
-    nc = min(D, budget) if include_chain else 0
+    s_lp, s_id, budget, kf, nc = kernel_inputs(lp_in, ids, budget, cap_k, include_chain)
     t_tok, t_par, t_dep = Shared(MAX_ROWS), Shared(MAX_ROWS), Shared(MAX_ROWS)
     for lane in range(1, nc + 1):
         t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane

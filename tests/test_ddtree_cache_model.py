@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ddtree_cupy.reference import ddtree as dd
-from test_ddtree_builder_model import KINDS, _top, digit, from_ordered, ordered_sum, pack
+from test_ddtree_builder_model import KINDS, _top, digit, from_ordered, kernel_inputs, ordered_sum, pack
 
 SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
 CACHE = SRC[SRC.index("#define DDT_CACHE_BUDGET"):SRC.index("ddt_build_tree(", SRC.index("#define DDT_CACHE_BUDGET"))]
@@ -43,13 +43,7 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
     ``lean``: variant 8 (DDT_CACHE_LEAN), the loop stores the popped info word at its row (scratch slots
     past the rows for the other lanes and chain pops) and every lane decodes its rows after the loop."""
     D, K = lp_in.shape
-    lp = np.where(np.abs(lp_in) < np.float32(1.17549435e-38), np.copysign(np.float32(0), lp_in),
-                  lp_in).astype(np.float32)
-    s_lp = lp.reshape(-1)
-    s_id = ids.reshape(-1)
-    budget = min(max(int(budget), 0), MAX_ROWS - 1)
-    kf = min(K, cap_k) if cap_k > 0 else K
-    nc = min(D, budget) if include_chain else 0
+    s_lp, s_id, budget, kf, nc = kernel_inputs(lp_in, ids, budget, cap_k, include_chain)
     t_tok, t_par, t_dep, t_info = {}, {}, {}, {}
     for lane in range(1, nc + 1):    # the chain rows (the kernel's prologue, shared by both loops)
         t_tok[lane], t_par[lane], t_dep[lane] = int(s_id[(lane - 1) * K]), lane - 1, lane
