@@ -98,3 +98,18 @@ def test_build_every_registered_spec_sm120_sm90():
                 assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (r["src"], r["arch"], k)
             assert k["smem_static"] <= build.SMEM_LIMIT_BYTES
     assert p.returncode == 0, p.stderr
+
+
+def test_source_text_changes_with_shared_headers(tmp_path, monkeypatch):
+    # CuPy's disk cache keys on the source text only: an edited .cuh must change that text, or a stale
+    # cubin would be loaded for every family that includes it.
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\nextern "C" __global__ void k() {}\n')
+    (tmp_path / "h.cuh").write_text("#define A 1\n")
+    monkeypatch.setattr(kc, "CUDA_SRC_DIR", tmp_path)
+    spec = kc.KernelSpec(src="k.cu", names=(), doc="test")
+    first = spec.source()
+    assert first == spec.source()
+    (tmp_path / "h.cuh").write_text("#define A 2\n")
+    second = spec.source()
+    assert second != first
+    assert second.endswith((tmp_path / "k.cu").read_text())

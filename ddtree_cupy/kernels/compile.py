@@ -14,6 +14,7 @@ must not include ``<stdint.h>`` & co. (``common.cuh`` defines the fixed-width ty
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import threading
@@ -59,7 +60,17 @@ class KernelSpec:
         if not path.exists():
             raise FileNotFoundError(f"CUDA source {path} not found")
         # The #line directive makes NVRTC's diagnostics name cuda_src/<file> instead of CuPy's temp file.
-        return f'#line 1 "{path}"\n' + path.read_text()
+        # CuPy's disk cache keys on this text only, not on what it #includes: the digest of the shared
+        # headers makes an edited .cuh recompile every family instead of loading a stale cubin.
+        return f'// cuda_src headers {_headers_digest()}\n#line 1 "{path}"\n' + path.read_text()
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha1()
+    for p in sorted(CUDA_SRC_DIR.glob("*.cuh")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=None)
