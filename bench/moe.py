@@ -244,6 +244,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
             if T <= 4:
                 variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
+            if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
+                variants["bulk"] = dict(bulk=True)
+                variants["ring"] = dict(bulk=False)
             if only_variants is not None:
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
@@ -252,7 +255,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2", "bulk") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -266,11 +269,16 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
-                             stages_lean2_us_cumulative=stage_sets.get("lean2"), tiles=str(tab)))
+                             stages_lean2_us_cumulative=stage_sets.get("lean2"),
+                             stages_bulk_us_cumulative=stage_sets.get("bulk"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
                   + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
+            for key, st in stage_sets.items():
+                v = list(st.values())
+                print(f"    stages {key:6s} " + " ".join(
+                    f"{n}={b - a:.1f}" for n, a, b in zip(st, [0.0] + v[:-1], v)), flush=True)
     del w, ws
     cp.get_default_memory_pool().free_all_blocks()
 

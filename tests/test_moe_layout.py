@@ -255,3 +255,22 @@ def test_gateup_block_switch(monkeypatch):
     monkeypatch.setattr(moe, "GU_2X4_ENV", -1)
     with pytest.raises(ValueError, match="DDT_MOE_GU_2X4_MIN_T"):
         moe.select_tiles("sm_90", 8, 256)
+
+
+def test_bulk_tiles_fit_sm120_and_the_producer_warp():
+    # moe_bulk.cu: one producer lane per copy (2*wm weight tiles + their scales + 8 token rows <= 32 lanes),
+    # stages a multiple of 128 B (the bulk copies' 16-byte alignment), <= 99 KB per block on sm_120
+    for bt in (moe.BULK_GATEUP, moe.BULK_DOWN):
+        assert 4 * bt.wm + 8 <= 32
+        assert bt.stage_bytes() % 128 == 0
+        assert bt.smem_dynamic + bt.smem_static <= moe.SMEM_LIMIT, bt
+
+
+def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
+    monkeypatch.setattr(moe, "BULK_ENV", "1")
+    assert moe.bulk_for(32, 8) and not moe.bulk_for(33, 8)
+    monkeypatch.setattr(moe, "BULK_ENV", "0")
+    assert not moe.bulk_for(1, 8)
+    monkeypatch.setattr(moe, "BULK_ENV", "yes")
+    with pytest.raises(ValueError, match="DDT_MOE_BULK"):
+        moe.bulk_for(1, 8)

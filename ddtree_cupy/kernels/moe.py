@@ -220,6 +220,77 @@ SPEC = register(KernelSpec(
 
 
 # ------------------------------------------------------------------------------------------------------
+# Bulk-copy GEMMs (cuda_src/moe_bulk.cu; docs/MOE.md "Bulk-copy GEMMs"): block = wm x wk consumer warps + one
+# producer warp that streams each stage (spw * wk k64 steps of the unit's 2*wm m16 tiles, their scales, the
+# chunk's <= 8 token rows) with cp.async.bulk into an nst-deep shared-memory ring. Decode sizes only: both
+# kernels sort the routing in shared memory (T*k <= FUSED_MAX_PAIRS).
+# ------------------------------------------------------------------------------------------------------
+BULK_META = SORT_SMEM + 4 * FUSED_MAX_PAIRS     # the sort's arrays + one routing weight per slot
+
+
+@dataclass(frozen=True)
+class BulkTile:
+    wm: int
+    wk: int
+    spw: int      # k64 steps per consumer warp and stage
+    nst: int      # ring stages
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.wm * self.wk + 1)
+
+    @property
+    def steps(self) -> int:
+        return self.wk * self.spw
+
+    def stage_bytes(self) -> int:
+        ss = self.steps
+        return 2 * self.wm * ss * (512 + 64) + 8 * (ss * 128 + 64)
+
+    @property
+    def smem_dynamic(self) -> int:
+        return 128 + self.nst * self.stage_bytes() + BULK_META
+
+    @property
+    def smem_static(self) -> int:
+        return self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
+
+
+# gate/up: K = H is long, so eight warps split each 8-step stage (one step each) and reduce at the unit's end;
+# down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over the whole stage (no reduction).
+BULK_GATEUP = BulkTile(wm=1, wk=8, spw=1, nst=4)
+BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=3)
+
+
+def _bulk_name(mode: int, bt: BulkTile) -> str:
+    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}>"
+
+
+SPEC_BULK = register(KernelSpec(
+    src="moe_bulk.cu",
+    names=(_bulk_name(0, BULK_GATEUP), _bulk_name(1, BULK_DOWN)),
+    hot=True,
+    pdl=True,      # gate/up waits first; down waits before its first read of h (see the .cu header)
+    doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
+
+# The rule: the bulk-copy GEMMs wherever they apply (T*k <= FUSED_MAX_PAIRS) once measured faster; until then the
+# register-ring GEMMs. Environment DDT_MOE_BULK=1 / 0 forces them on / off where they apply.
+BULK_DEFAULT = False
+BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
+
+
+def bulk_for(T: int, top_k: int) -> bool:
+    """Whether the table uses the bulk-copy GEMMs for T tokens (only where both kernels can sort in shared
+    memory)."""
+    on = BULK_DEFAULT
+    if BULK_ENV is not None:
+        if BULK_ENV not in ("0", "1"):
+            raise ValueError(f"DDT_MOE_BULK: must be 0 or 1, got {BULK_ENV!r}")
+        on = BULK_ENV == "1"
+    return on and T * top_k <= FUSED_MAX_PAIRS
+
+
+# ------------------------------------------------------------------------------------------------------
 # Layout model (numpy). Mirrors nat_k / frag_row / frag_col in the .cu file.
 # ------------------------------------------------------------------------------------------------------
 def nat_k(w, kappa):
@@ -478,7 +549,7 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
-                fuse_route: Optional[bool] = None, pf_next: bool = True):
+                fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -489,7 +560,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next):
+                                     pf_steps, fuse_route, pf_next, bulk):
         launch()
     return out
 
@@ -503,9 +574,13 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
-                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True):
+                    pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
+                    bulk: Optional[bool] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
+    ``bulk``: the bulk-copy GEMMs (moe_bulk.cu; both sort the routing themselves, T*k <= FUSED_MAX_PAIRS; None:
+    ``bulk_for`` when no register-ring option is given). They take none of ``tiles``, ``l2_prefetch``,
+    ``pf_steps``, ``fuse_route``, ``pf_next``.
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
     kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
@@ -530,9 +605,16 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     if residual is not None:
         check_array("residual", residual, np.uint16, (T, weights.hidden))
     check_array("out", out, np.uint16, (T, weights.hidden))
+    H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
+    ring_options = tiles is not None or l2_prefetch or fuse_route is False
+    if bulk is None:
+        bulk = not ring_options and bulk_for(T, k)
+    if bulk:
+        if ring_options:
+            raise ValueError("bulk: the bulk-copy GEMMs take no tiles / l2_prefetch / fuse_route=False")
+        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T)
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
-    H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     Ip = weights.inter_padded
     fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
     # dynamic shared memory: the cp.async ring, then (gate/up) the fused sort's arrays
@@ -576,10 +658,51 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
+    plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
+    return plan
+
+
+def _combine_launch(topk_ids, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int):
+    i32 = np.int32
+    H = weights.hidden
     # no None pointers in kernel arguments (PDL launches marshal device pointers only): ``out`` stands in
     # for an absent residual, with has_res = 0
     res_arg, has_res = (residual, i32(1)) if residual is not None else (out, i32(0))
     k_cb = get_kernel(SPEC, "moe_combine")
-    cb_args = (ws.y, topk_ids, i32(k), i32(E), i32(H), res_arg, has_res, out)
-    plan.append(("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args)))
+    cb_args = (ws.y, topk_ids, i32(ws.top_k), i32(weights.n_experts), i32(H), res_arg, has_res, out)
+    return ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args))
+
+
+def _blocks_per_sm(bt: BulkTile) -> int:
+    import cupy
+    attrs = cupy.cuda.Device().attributes
+    per_sm_smem = int(attrs["MaxSharedMemoryPerMultiprocessor"])
+    by_smem = per_sm_smem // (bt.smem_dynamic + bt.smem_static + 1024)     # + the per-block reservation
+    return max(1, min(by_smem, 2048 // bt.threads))
+
+
+def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int):
+    """gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan)."""
+    H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
+    if T * k > FUSED_MAX_PAIRS:
+        raise ValueError(f"bulk: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
+    for bt in (BULK_GATEUP, BULK_DOWN):
+        if bt.smem_dynamic + bt.smem_static > SMEM_LIMIT:
+            raise ValueError(f"bulk: {bt} needs {bt.smem_dynamic + bt.smem_static} B of shared memory > {SMEM_LIMIT}")
+    Ip = weights.inter_padded
+    i32 = np.int32
+    pairs = T * k
+    chunks_max = min(pairs, min(pairs, E) + pairs // 8)
+    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y)
+    plan = []
+    for name, mode, bt, w, s, N, KS, act, act_stride in (
+            ("gate_up", 0, BULK_GATEUP, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
+            ("down", 1, BULK_DOWN, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
+        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt), max_dynamic_smem=bt.smem_dynamic)
+        units = chunks_max * -(-(N // 32) // bt.wm)
+        grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt)))
+        args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common
+        plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args:
+                     fn((grid,), (bt.threads,), args, shared_mem=bt.smem_dynamic)))
+    plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan

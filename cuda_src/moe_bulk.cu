@@ -1,0 +1,288 @@
+// INT4 (W4A16) routed-expert GEMMs streamed by the bulk copy engine, for decode sizes (T*k <= FUSED_MAX_PAIRS):
+// gate/up with SiLU(gate)*up in the epilogue (MODE 0) and down with the routing weight (MODE 1). Same weight
+// layout, routing contract and outputs as moe_gemm in moe_int4.cu (h[slot][row] bf16, y[pair][row] fp32, then
+// moe_combine), same arithmetic per k64 step; docs/MOE.md "Bulk-copy GEMMs".
+//
+// Why a second family: the register-ring GEMM keeps ~1.7 KB per warp in flight and leans on an L2 prefetch that
+// touches every weight line twice (Nsight: the L2, not DRAM, was the busiest unit), and its short units (4 k64
+// steps per warp in the I = 256 down GEMM) start on an empty pipeline. Here one producer warp per block issues
+// `cp.async.bulk` copies global -> shared (each copy a contiguous run: a 16-row tile's k-range of weights, its
+// scales, one token's activation slice), completing on a per-stage mbarrier; the ring of NST stages runs on
+// across unit boundaries, so tens of KB per SM stay in flight with no register cost and one L2 pass per line.
+// Consumer warps only wait on the stage's barrier, dequantise from shared memory and issue mma.sync.
+//
+// Block = WM x WK consumer warps + 1 producer warp. A unit is (chunk, m-group) as in moe_gemm: the chunk's
+// <= 8 tokens times WM pairs of m16 tiles (gate/up: tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..). A stage
+// holds SS = WK * SPW k64 steps of the unit's 2*WM tiles; consumer warp (wm, kw) computes tile pair wm over
+// steps kw*SPW .. kw*SPW + SPW - 1 of every stage, and the WK partial sums meet in shared memory at the unit's
+// end in a fixed order (deterministic).
+//
+// Routing: both kernels sort the routing themselves with the deterministic shared-memory sort
+// (sort_pairs_block), so every block of both kernels derives the same slots; block 0 of the gate/up kernel
+// publishes chunks / slot_pair / meta like moe_gemm does (for ws.bad_ids() and debugging).
+//
+// PDL: the gate/up kernel waits first (ids, weights and x come from the router and the norm). The down kernel
+// sorts and issues its first NST stages of WEIGHT copies before its wait: ids / weights were written by the
+// router, which had finished before the gate/up kernel passed its own wait and let this kernel launch (the
+// gate/up triggers its dependents only after that wait), and expert weights are constants; only h (the gate/up
+// output) needs the wait, and its copies are issued after it.
+#include "moe_common.cuh"
+
+namespace mbulk {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// One arrival (the producer's) plus the bytes the stage's copies will deliver.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done = 0;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+// Contiguous global -> shared copy by the bulk copy engine (16-byte aligned, size a multiple of 16).
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// Barrier 1 among the consumer warps only (the producer warp never joins it).
+__device__ __forceinline__ void consumers_sync(int nthreads) {
+    asm volatile("bar.sync 1, %0;" :: "r"(nthreads) : "memory");
+}
+
+// One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [8 tokens][X_PITCH]
+// activations (SS*128 B of k per token; the pitch is 64 B past a multiple of 128 so that the two token rows an
+// 8-lane phase of a 16-byte load touches fall in different bank halves).
+template <int WM, int SS>
+struct Stage {
+    static constexpr int W_BYTES = 2 * WM * SS * 512;
+    static constexpr int S_BYTES = 2 * WM * SS * 64;
+    static constexpr int X_PITCH = SS * 128 + 64;
+    static constexpr int BYTES = W_BYTES + S_BYTES + 8 * X_PITCH;    // a multiple of 128
+};
+
+struct BulkMeta {
+    SortSmem sort;
+    float wslot[FUSED_MAX_PAIRS];     // routing weight of each sorted slot (down kernel)
+};
+
+}  // namespace mbulk
+
+using namespace mbulk;
+
+// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta].
+template <int MODE, int WM, int WK, int SPW, int NST>
+__global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
+        const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
+        const bf16_bits* __restrict__ act, int act_stride,
+        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
+        int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
+        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y) {
+    constexpr int NCW = WM * WK;          // consumer warps
+    constexpr int SS = WK * SPW;          // k64 steps per stage
+    using St = Stage<WM, SS>;
+    static_assert(4 * WM + 8 <= 32, "one producer lane per copy: 2*WM weight tiles, their scales, 8 token rows");
+    constexpr int RED = WK > 1 ? NCW * 2 * 4 * 32 : 1;
+    __shared__ float red[RED];
+    extern __shared__ __align__(128) unsigned char bulk_dyn[];
+    uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
+    uint64_t* empty = full + NST;
+    unsigned char* ring = bulk_dyn + 128;
+    BulkMeta& bm = *reinterpret_cast<BulkMeta*>(ring + (size_t)NST * St::BYTES);
+    SortSmem& so = bm.sort;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ntiles = N / 16;                       // even (checked by the host)
+    const int n_mg = (ntiles / 2 + WM - 1) / WM;
+    const int npairs = T * k;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < NST; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, NCW); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (MODE == 0) DDT_PDL_WAIT();                   // ids and x come from the router / the norm
+    sort_pairs_block(ids, npairs, E, 8, so);         // ends with __syncthreads (the barrier inits are visible)
+    const int n_chunks = so.total.y;
+    if constexpr (MODE == 0) {
+        if (blockIdx.x == 0) {
+            for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
+            for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
+            if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
+        }
+    } else {
+        for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) bm.wslot[s] = wts[so.slot_pair[s]];
+        __syncthreads();
+    }
+    const int n_units = n_chunks * n_mg;
+    const int nst_unit = (KS + SS - 1) / SS;
+
+    if (warp == NCW) {
+        // ---------------- producer warp ----------------
+        // Lanes [0, 2WM): weight tile, [2WM, 4WM): its scales, [4WM, 4WM + 8): token row (gate/up: x of the
+        // pair's token; down: h of the slot). One copy per lane and stage.
+        auto issue = [&](int u, int k0, int slot, bool weights, bool acts) {
+            const int mg = u / n_chunks;
+            const int4 ch = so.chunks[u - mg * n_chunks];
+            const int tile0 = mg * WM * 2;
+            const int ns = min(SS, KS - k0);
+            unsigned char* st = ring + (size_t)slot * St::BYTES;
+            if (weights && lane < 4 * WM) {
+                const int r = lane < 2 * WM ? lane : lane - 2 * WM;
+                if (tile0 + r < ntiles) {
+                    const size_t blk = ((size_t)ch.x * ntiles + tile0 + r) * KS + k0;
+                    if (lane < 2 * WM) bulk_g2s(st + r * SS * 512, wp + blk * 32, ns * 512, full + slot);
+                    else bulk_g2s(st + St::W_BYTES + r * SS * 64, sp + blk * 8, ns * 64, full + slot);
+                }
+            }
+            const int j = lane - 4 * WM;
+            if (acts && j >= 0 && j < ch.z) {
+                const size_t row = MODE == 0 ? (size_t)(so.slot_pair[ch.y + j] / k) : (size_t)(ch.y + j);
+                bulk_g2s(st + St::W_BYTES + St::S_BYTES + j * St::X_PITCH, act + row * act_stride + (size_t)k0 * 64,
+                         ns * 128, full + slot);
+            }
+        };
+        auto stage_bytes = [&](int u, int k0) {
+            const int mg = u / n_chunks;
+            const int ntok = so.chunks[u - mg * n_chunks].z;
+            const int ntl = min(2 * WM, ntiles - mg * WM * 2);
+            const int ns = min(SS, KS - k0);
+            return (uint32_t)(ntl * ns * 576 + ntok * ns * 128);
+        };
+        int pre = 0;                                 // stages whose weights went out before the PDL wait
+        if constexpr (MODE == 1) {
+            int u = blockIdx.x, k0 = 0;
+            for (; pre < NST && u < n_units; ++pre) {
+                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, k0));
+                __syncwarp();
+                issue(u, k0, pre, true, false);
+                k0 += SS;
+                if (k0 >= KS) { k0 = 0; u += gridDim.x; }
+            }
+            DDT_PDL_WAIT();                          // h is the gate/up kernel's output
+        }
+        int it = 0;
+        for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+            for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
+                const int slot = it % NST;
+                if (it < pre) { issue(u, k0, slot, false, true); continue; }
+                if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
+                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, k0));
+                __syncwarp();
+                issue(u, k0, slot, true, true);
+            }
+        }
+        DDT_PDL_LAUNCH_DEPENDENTS();                 // everything is requested; the next kernel may launch
+        return;
+    }
+
+    // ---------------- consumer warps ----------------
+    const int wm = warp % WM, kw = warp / WM;
+    const int g = lane >> 2, t = lane & 3;
+    int it = 0;
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+        const int mg = u / n_chunks;
+        const int4 ch = so.chunks[u - mg * n_chunks];
+        const int slot0 = ch.y, ntok = ch.z;
+        const int tp = mg * WM + wm;                 // this warp's tile pair (tiles 2tp, 2tp + 1)
+        const bool wactive = 2 * tp < ntiles;
+        float acc[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
+        for (int s = 0; s < nst_unit; ++s, ++it) {
+            const int slot = it % NST;
+            mbar_wait(full + slot, (it / NST) & 1);
+            const unsigned char* st = ring + (size_t)slot * St::BYTES;
+            const int ns = min(SS, KS - s * SS);
+            if (wactive) {
+#pragma unroll
+                for (int i = 0; i < SPW; ++i) {
+                    const int ks = kw * SPW + i;
+                    if (ks < ns) {
+                        // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
+                        // whatever it holds never reaches a stored column.
+                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * St::X_PITCH + ks * 128 + 16 * t;
+                        const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
+                        const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
+#pragma unroll
+                        for (int mt = 0; mt < 2; ++mt) {
+                            const int r = 2 * wm + mt;
+                            const uint4 a = reinterpret_cast<const uint4*>(st + (r * SS + ks) * 512)[lane];
+                            const uint2 sc = reinterpret_cast<const uint2*>(st + St::W_BYTES + (r * SS + ks) * 64)[g];
+                            uint32_t A[4][4];
+                            dequant_word(a.x, A[0]);
+                            dequant_word(a.y, A[1]);
+                            dequant_word(a.z, A[2]);
+                            dequant_word(a.w, A[3]);
+                            const float s00 = bf_lo(sc.x), s08 = bf_hi(sc.x);
+                            const float s10 = bf_lo(sc.y), s18 = bf_hi(sc.y);
+                            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+                            mma_bf16(d0, A[0], b0.x, b0.y);
+                            mma_bf16(d0, A[1], b0.z, b0.w);
+                            mma_bf16(d1, A[2], b1.x, b1.y);
+                            mma_bf16(d1, A[3], b1.z, b1.w);
+                            acc[mt][0] += s00 * d0[0] + s10 * d1[0];
+                            acc[mt][1] += s00 * d0[1] + s10 * d1[1];
+                            acc[mt][2] += s08 * d0[2] + s18 * d1[2];
+                            acc[mt][3] += s08 * d0[3] + s18 * d1[3];
+                        }
+                    }
+                }
+            }
+            __syncwarp();                            // every lane has read the stage
+            if (lane == 0) mbar_arrive(empty + slot);
+        }
+
+        if (WK > 1) {
+            float* mine = red + (size_t)warp * 2 * 4 * 32 + lane;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) mine[(mt * 4 + q) * 32] = acc[mt][q];
+            consumers_sync(NCW * 32);
+            if (kw == 0) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        float sum = 0.f;
+                        for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
+                            sum += red[((size_t)(k2 * WM + wm) * 2 * 4 + mt * 4 + q) * 32 + lane];
+                        acc[mt][q] = sum;
+                    }
+            }
+        }
+        if (kw == 0 && wactive) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int j = 2 * t + (q & 1);
+                if (j >= ntok) continue;
+                const int slot = slot0 + j;
+                if constexpr (MODE == 0) {
+                    const int row = tp * 16 + g + 8 * (q >> 1);
+                    const float gv = acc[0][q], uv = acc[1][q];
+                    h_out[(size_t)slot * h_stride + row] = f32_to_bf16(gv / (1.f + expf(-gv)) * uv);
+                } else {
+                    const int pair = so.slot_pair[slot];
+                    const float wgt = bm.wslot[slot];
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt)
+                        y[(size_t)pair * N + (2 * tp + mt) * 16 + g + 8 * (q >> 1)] = wgt * acc[mt][q];
+                }
+            }
+        }
+        if (WK > 1) consumers_sync(NCW * 32);        // red[] is reused by the next unit
+    }
+}
