@@ -101,3 +101,105 @@ def test_switches():
         gemm.set_decode_config(gemm.DecodeConfig(1, 5, 1, 1))
     assert gemm.set_decode_config(gemm.DEC_CONFIGS[0]) is None
     assert gemm.set_decode_config(None) == gemm.DEC_CONFIGS[0]
+
+
+# ---- bulk-copy family (cuda_src/gemm_bulk.cu): config per token band, split-K model, switches ----------
+ALL_K = sorted({K for _, _, K, _ in ENGINE} | {64, 192, 320})
+
+
+def test_bulk_configs_fit_and_cover_every_T():
+    cs = gemm.BULK_CONFIGS
+    assert len(set(cs)) == len(cs)
+    assert [c.tokens() for c in cs] == sorted(c.tokens() for c in cs) and cs[-1].tokens() == gemm.MAX_T
+    for c in cs:
+        assert c.smem() <= 96 * 1024, c               # sm_120: <= 99 KB per block, with headroom
+        assert c.stages >= 3 and 2 * c.stages * 8 <= gemm.BULK_BAR_BYTES
+        assert c.ntw == 1 or c.ntw % 2 == 0           # the kernel loads token fragments in pairs
+        assert c.bk in (32, 64, 128) and (2 * c.bk + 16) % 16 == 0
+        assert c.threads() == 32 * (c.wm * c.wn + 1) <= 1024
+        # the pad keeps the 8 rows of an ldmatrix phase in 8 distinct 4-bank groups
+        assert len({(r * (2 * c.bk + 16) // 4) % 32 // 4 for r in range(8)}) == 8
+    names = set(gemm.BULK_SPEC.names)
+    assert all(c.name(f) in names for c in cs for f in (False, True))
+    assert all(c.name(True).endswith(", true>") for c in cs)   # the output type last (tests/_target_shim.py)
+    for T in range(1, gemm.MAX_T + 1):
+        c = gemm.choose_bulk(T)
+        assert c.tokens() >= T
+        smaller = [d for d in cs if d.tokens() < c.tokens()]
+        assert all(d.tokens() < T for d in smaller)    # the smallest token tile that holds T
+    with pytest.raises(ValueError, match="T"):
+        gemm.choose_bulk(161)
+
+
+def _split_ranges(cfg, K, split):
+    """The k-stage ranges the kernel's blocks cover for a launched split (as in gemm_bulk.cu)."""
+    ks = K // cfg.bk
+    per = -(-ks // split)
+    split = -(-ks // per)
+    return [(s * per, min(per, ks - s * per)) for s in range(split)]
+
+
+@pytest.mark.parametrize("dev", [H200, SM120], ids=["h200", "sm120"])
+@pytest.mark.parametrize("T", [1, 8, 16, 17, 32, 64, 97, 160])
+def test_bulk_split_covers_k_once(dev, T):
+    """Every split the rule returns is launched as is (no empty split) and its blocks cover K exactly once;
+    each split keeps a ring's worth of stages unless K is shorter; the pick is no worse than s = 1 in the
+    model."""
+    cfg = gemm.choose_bulk(T)
+    for _, N, K, B in ENGINE + [("odd", 48, 320, 3), ("one stage", 2112, 128, 1)]:
+        if K % cfg.bk:
+            continue
+        s = gemm.choose_bulk_split(cfg, T, N, K, B, dev["sm_count"])
+        ranges = _split_ranges(cfg, K, s)
+        assert len(ranges) == s and all(n >= 1 for _, n in ranges)
+        assert sum(n for _, n in ranges) == K // cfg.bk and ranges[-1][0] + ranges[-1][1] == K // cfg.bk
+        assert s == 1 or min(n for _, n in ranges) >= gemm.BULK_MIN_STAGES_PER_SPLIT
+        cost = lambda q: gemm.bulk_split_cost(cfg, T, N, K, B, dev["sm_count"], q)  # noqa: E731
+        assert cost(s) <= cost(1) + 1e-6
+
+
+def test_bulk_split_model_examples():
+    """The model splits a narrow weight over the SMs at small T and keeps partials small at T = 160."""
+    c1, c160 = gemm.choose_bulk(1), gemm.choose_bulk(160)
+    assert gemm.choose_bulk_split(c1, 1, 2112, 7168, 1, 132) == 4            # 33 row blocks x 4 = 132 blocks
+    assert gemm.choose_bulk_split(c1, 1, 7168, 2304, 1, 132) == 1            # 112 row blocks: no partials
+    s = gemm.choose_bulk_split(c160, 160, 2112, 7168, 1, 132)
+    assert 1 < s and s * 160 * 2112 * 4 <= 0.5 * 2112 * 7168 * 2              # partials < half the weight
+    assert gemm.choose_bulk_split(c160, 160, 7168, 1024, 1, 132) <= 2
+
+
+def test_bulk_switches_and_plan(monkeypatch):
+    old = gemm.set_bulk("off")
+    try:
+        assert not gemm.use_bulk(1) and not gemm.use_bulk(160) and gemm.bulk_plan(160, 2112, 7168) is None
+        gemm.set_bulk("large")
+        assert not gemm.use_bulk(16) and gemm.use_bulk(17) and gemm.bulk_plan(16, 2112, 7168) is None
+        cfg, s = gemm.bulk_plan(17, 2112, 7168, 1, 132)
+        assert cfg == gemm.choose_bulk(17) and s == gemm.choose_bulk_split(cfg, 17, 2112, 7168, 1, 132)
+        gemm.set_bulk("all")
+        assert gemm.use_bulk(1) and gemm.bulk_plan(1, 2112, 7168, 1, 132)[0] == gemm.BULK_CONFIGS[0]
+        assert gemm.bulk_plan(1, 2112, 64, 1, 132) is None          # K % BK (128): the session-3 kernels
+        assert gemm.bulk_plan(40, 2112, 64, 1, 132)[0].bk == 64
+        # a forced config wins (split clamped to K / BK) and refuses calls it cannot serve
+        c = gemm.BULK_CONFIGS[2]
+        assert gemm.set_bulk_config(c, 99) is None
+        assert gemm.bulk_plan(5, 2112, 1024, 1, 132) == (c, 1024 // c.bk)
+        with pytest.raises(ValueError, match="cannot serve"):
+            gemm.bulk_plan(33, 2112, 1024, 1, 132)
+        with pytest.raises(ValueError, match="cannot serve"):
+            gemm.bulk_plan(8, 2112, 96, 1, 132)
+        assert gemm.set_bulk_config(None) == (c, 99)
+        with pytest.raises(ValueError, match="cfg"):
+            gemm.set_bulk_config(gemm.BulkConfig(1, 1, 4, 1, 128, 7))
+        with pytest.raises(ValueError, match="mode"):
+            gemm.set_bulk("fast")
+    finally:
+        gemm.set_bulk(old)
+        gemm.set_bulk_config(None)
+    assert gemm.BULK_DEFAULT == "off"            # session-3 kernels stay the default until measured
+    for env, mode in (("", gemm.BULK_DEFAULT), ("0", "off"), ("1", "all"), ("large", "large")):
+        monkeypatch.setenv("DDT_GEMM_BULK", env)
+        assert gemm._bulk_from_env() == mode
+    monkeypatch.setenv("DDT_GEMM_BULK", "yes")
+    with pytest.raises(ValueError, match="DDT_GEMM_BULK"):
+        gemm._bulk_from_env()
