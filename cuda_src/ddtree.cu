@@ -15,7 +15,7 @@
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
 // DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
-// butterfly argmax; kept as the plain, obviously-correct twin), 3 (and 4, 5) = builder v3: only the frontier's
+// butterfly argmax; kept as the plain, obviously-correct twin), 3 = builder v3: only the frontier's
 // ordered scores in registers (position p = slot p / 32 of lane p % 32), the rest of each entry in shared
 // memory, the popped position warp-uniform (every lane reads the entry: no divergent winner, no
 // shuffles), entries carrying their successors' log-probs. Variant 3 also sizes the merge's final sort to
@@ -26,25 +26,30 @@
 #ifndef DDT_FAST
 #define DDT_FAST 0
 #endif
-// DDT_FAST=4 ("scan", the default) is variant 3's builder and walk with a streaming top-K: stage 1 only
-// reads (per thread: max, exp-sum, its largest key), the merge finds the bound from those maxima and
-// re-reads the few 32-logit groups that can hold the row's top-k (see "Stage 2, scan variant" below).
-// DDT_FAST=5 ("scan-rank") is variant 4 with the merge's final one-warp sort replaced by a parallel rank
-// placement (rank_out; H200: -3 us at k = 64 bf16, -9 us f32, docs/DDTREE.md).
-// DDT_FAST=6 ("scan-cache") / 7 ("scan-rank-cache") are variants 4 / 5 whose builder pops from a sorted
-// 32-entry cache (one entry per lane, warp-uniform head) for budgets <= 64 (see "Builder, sorted cache").
-// DDT_FAST=8 ("scan-rank-cache-regs") is variant 7 whose merge keeps each thread's group keys in registers
-// and places selected groups and candidates by block scans instead of per-warp atomics (merge_scan_regs),
-// whose cache loop stores one info word per pop, and whose walk reads the tree from registers.
-#if DDT_FAST != 0 && (DDT_FAST < 3 || DDT_FAST > 8)
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 4 (scan), 5 (scan-rank), 6 (scan-cache), 7 (scan-rank-cache), 8 (scan-rank-cache-regs)"
+// DDT_FAST=7 ("scan-rank-cache") is variant 3's walk with a streaming top-K (stage 1 only reads: per thread
+// max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads the few 32-logit
+// groups that can hold the row's top-k, see "Stage 2, scan variant" below), the merge's output placed by
+// rank (rank_out) and a builder that pops from a sorted 32-entry cache for budgets <= 64 ("Builder,
+// sorted cache"). The variants 4 (scan), 5 (scan-rank) and 6 (scan-cache) that led to it were slower
+// than 7 and 8 on every measured case and are no longer built (docs/DDTREE.md "Variants").
+// DDT_FAST=8 ("scan-rank-cache-regs", the default) is variant 7 whose merge keeps each thread's group keys
+// in registers and places selected groups and candidates by block scans instead of per-warp atomics
+// (merge_scan_regs), whose cache loop stores one info word per pop, and whose walk reads the tree from
+// registers.
+// DDT_FAST=11 ("scan-rank-cache-regs-ovl") is variant 8 whose merge overlaps stage 1 (DDT_OVERLAP): stage 1
+// lets the merge launch early (PDL trigger after its own wait) and counts its finished chunks per row; a
+// merge block waits for its row's count instead of the whole stage-1 grid, so the rows finished in stage
+// 1's earlier waves are merged while the later ones still stream ("Stage 1 -> merge overlap" below).
+#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 7 && DDT_FAST != 8 && DDT_FAST != 11
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 11 (scan-rank-cache-regs-ovl)"
 #endif
-#define DDT_SCAN (DDT_FAST >= 4)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST == 5 || DDT_FAST == 7 || DDT_FAST == 8)   // the merge's output placed by rank
-#define DDT_CACHE (DDT_FAST >= 6)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
-#define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
-#define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
-#define DDT_WALK_REGS (DDT_FAST == 8)   // the walk reads the tree and post tokens from registers (one load batch)
+#define DDT_SCAN (DDT_FAST >= 7)        // stage 1 writes group keys, the merge re-reads groups
+#define DDT_RANK_OUT (DDT_FAST >= 7)    // the merge's output placed by rank
+#define DDT_CACHE (DDT_FAST >= 7)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
+#define DDT_MERGE_REGS (DDT_FAST >= 8)  // the scan merge with group keys in registers (merge_scan_regs)
+#define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
+#define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
+#define DDT_OVERLAP (DDT_FAST == 11)    // per-row arrival counters: the merge overlaps stage 1 (row_cnt argument)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
@@ -55,6 +60,56 @@
 typedef unsigned long long u64;
 #define DDT_NEG_INF (__int_as_float(0xff800000))   // NVRTC has no <math.h> INFINITY
 #define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------------------------------------------
+// Stage 1 -> merge overlap (DDT_OVERLAP, variant 11). With PDL the merge grid launches as soon as every
+// stage-1 block has started (stage 1 triggers right after its own DDT_PDL_WAIT, so by then every kernel
+// before stage 1 has finished), i.e. during stage 1's last wave, and all stage-1 blocks are already
+// resident: a merge block that waits can never keep a stage-1 block from running. Each stage-1 block,
+// once its outputs are stored, counts itself in row_cnt[row] (barrier, then thread 0: fence + atomic add:
+// the release pattern of a grid barrier); a merge block waits until its row's count reaches P (thread 0:
+// acquire loads), resets it to 0 for the next launch (nothing else touches it before the next stage 1,
+// which starts only after this grid and every kernel between have finished) and then reads the row.
+// Reads of data written while the merge runs must not come from the incoherent L1 / read-only caches:
+// they go through L2 (ld_s1, ChunkRegs::load_l2). Without PDL the merge starts after stage 1 as before
+// and finds the counts complete. Bound: a wait longer than ~8 s traps (a broken protocol fails a test
+// instead of hanging the GPU).
+// ---------------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ T ld_s1(const T* p) {
+#if DDT_OVERLAP
+    return __ldcg(p);
+#else
+    return *p;
+#endif
+}
+#if DDT_OVERLAP
+// stage-1 block's end: its global stores are done by every thread before the call (the barrier orders
+// them before thread 0's fence, which makes them visible GPU-wide before the count)
+__device__ __forceinline__ void row_arrive(unsigned* row_cnt, int r, int tid) {
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        atomicAdd(row_cnt + r, 1u);
+    }
+}
+// merge block's start: returns once the row's P stage-1 blocks have arrived (visible to the whole block)
+__device__ __forceinline__ void row_wait(unsigned* row_cnt, int r, int P, int tid) {
+    if (tid == 0) {
+        const long long t0 = clock64();
+        unsigned c;
+        for (;;) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(row_cnt + r) : "memory");
+            if (c >= (unsigned)P) break;
+            if (clock64() - t0 > (1ll << 34)) __trap();
+            __nanosleep(64);
+        }
+        row_cnt[r] = 0u;   // ready for the next launch
+        __threadfence();
+    }
+    __syncthreads();
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------
 // Sort keys. A candidate (value, id) becomes one 64-bit key whose unsigned order is the reference order:
@@ -158,6 +213,10 @@ template <> struct ChunkRegs<float> {
         a[u][0] = *reinterpret_cast<const float4*>(p);
         a[u][1] = *reinterpret_cast<const float4*>(p + 4);
     }
+    __device__ __forceinline__ void load_l2(const float* p, int u) {   // through L2 only (see ld_s1)
+        a[u][0] = __ldcg(reinterpret_cast<const float4*>(p));
+        a[u][1] = __ldcg(reinterpret_cast<const float4*>(p + 4));
+    }
     __device__ __forceinline__ void clear(int u) {
         a[u][0] = a[u][1] = make_float4(DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF);
     }
@@ -170,6 +229,7 @@ template <> struct ChunkRegs<float> {
 template <> struct ChunkRegs<bf16_bits> {
     uint4 a[DDT_TOPK_VECS];
     __device__ __forceinline__ void load(const bf16_bits* p, int u) { a[u] = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void load_l2(const bf16_bits* p, int u) { a[u] = __ldcg(reinterpret_cast<const uint4*>(p)); }
     __device__ __forceinline__ void clear(int u) { a[u] = make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u); }
     __device__ __forceinline__ float at(int u, int i) const {
         const int j = i >> 1;
@@ -216,7 +276,7 @@ __device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remain
 template <typename T>
 __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int rows, int V_local, int id_offset,
                                              int k, int chunk, u64* __restrict__ part_keys,
-                                             float2* __restrict__ part_ms) {
+                                             float2* __restrict__ part_ms, unsigned* row_cnt) {
     __shared__ u64 s_top[DDT_TOPK_THREADS / 32][32];
     __shared__ u64 s_cand[DDT_SORT_CAP];
     __shared__ unsigned s_hist[256];
@@ -232,6 +292,9 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     const uint32_t id0 = (uint32_t)(id_offset + beg);
     const T* x = logits + (size_t)r * V_local + beg;
     DDT_PDL_WAIT();   // the logits come from the previous kernel
+#if DDT_OVERLAP
+    if (row_cnt) DDT_PDL_LAUNCH_DEPENDENTS();   // the merge may launch now (see "Stage 1 -> merge overlap")
+#endif
 
     // every load is issued before any use: 16-32 KB per block in flight
     ChunkRegs<T> v;
@@ -318,6 +381,9 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
             part_keys[slot] = b;
             part_ms[slot] = make_float2(m, s);
         }
+#if DDT_OVERLAP
+        if (row_cnt) row_arrive(row_cnt, r, tid);   // uniform
+#endif
         return;
     }
 #if DDT_SCAN
@@ -335,6 +401,9 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
             for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
             part_ms[slot] = make_float2(m, s);
         }
+#if DDT_OVERLAP
+        if (row_cnt) row_arrive(row_cnt, r, tid);   // uniform
+#endif
         return;
     }
 #else
@@ -424,15 +493,24 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
 #endif
 }
 
+// Variant 11 takes one more argument: row_cnt [rows] (uint32, zero between launches; null: no counting and
+// no early trigger, the merge then waits for the whole grid as in the other variants).
+#if DDT_OVERLAP
+#define DDT_ROW_CNT_PARAM , unsigned* row_cnt
+#define DDT_ROW_CNT row_cnt
+#else
+#define DDT_ROW_CNT_PARAM
+#define DDT_ROW_CNT nullptr
+#endif
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                     u64* part_keys, float2* part_ms) {
-    topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
+                     u64* part_keys, float2* part_ms DDT_ROW_CNT_PARAM) {
+    topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms, DDT_ROW_CNT);
 }
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                      u64* part_keys, float2* part_ms) {
-    topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
+                      u64* part_keys, float2* part_ms DDT_ROW_CNT_PARAM) {
+    topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms, DDT_ROW_CNT);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -467,7 +545,7 @@ __device__ __forceinline__ void row_lse(const float2* in_ms, int rows, int r, in
                                         MergeShared& sh) {
     float m = DDT_NEG_INF, s = 0.f;
     for (int p = lane; p < P; p += 32) {
-        const float2 ms = in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)];
+        const float2 ms = ld_s1(&in_ms[parts_major ? ((size_t)p * rows + r) : ((size_t)r * P + p)]);
         lse_combine(m, s, ms.x, ms.y);
     }
 #pragma unroll
@@ -633,7 +711,11 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
             const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
             if (i < V_local) { ok[t] = true; base[t] = i; }
         }
+#if DDT_OVERLAP
+        if (ok[t]) v.load_l2(xrow + base[t], t);   // the merge did not wait for the grid (ld_s1)
+#else
         if (ok[t]) v.load(xrow + base[t], t);
+#endif
         else v.clear(t);
     }
 #pragma unroll
@@ -658,8 +740,8 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
     int* s_gl = reinterpret_cast<int*>(s_keys + region);
     const u64* row = in_keys + (size_t)r * P * W;
     // header (chunk 0's; every chunk writes the same)
-    const u64 h0 = row[0], h1 = row[1];
-    const int chunk = (int)row[2];
+    const u64 h0 = ld_s1(row), h1 = ld_s1(row + 1);
+    const int chunk = (int)ld_s1(row + 2);
     const int V_local = (int)(uint32_t)h1;
     const uint32_t id_offset = (uint32_t)(h1 >> 32);
     if (tid == 0) { sh.nz = 0; sh.n = 0; sh.ng = 0; sh.top = 0u; }
@@ -672,7 +754,7 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const int t = t0 + u * DDT_TOPK_THREADS + tid;
-            kk[u] = t < G ? row[(size_t)(t >> 8) * W + DDT_SCAN_HDR + (t & 255)] : 0ull;
+            kk[u] = t < G ? ld_s1(&row[(size_t)(t >> 8) * W + DDT_SCAN_HDR + (t & 255)]) : 0ull;
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
@@ -833,7 +915,11 @@ __device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint
             const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
             if (i < V_local) { ok[t] = true; base[t] = i; }
         }
+#if DDT_OVERLAP
+        if (ok[t]) v.load_l2(xrow + base[t], t);   // the merge did not wait for the grid (ld_s1)
+#else
         if (ok[t]) v.load(xrow + base[t], t);
+#endif
         else v.clear(t);
     }
     int cnt = 0;
@@ -939,12 +1025,12 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
     // combined below exactly as row_lse does (one lse_combine from (-inf, 0) per lane, then the butterfly)
     const bool lse_warp = warp == DDT_TOPK_THREADS / 32 - 1;
     float2 msv = make_float2(DDT_NEG_INF, 0.f);
-    if (lse_warp && lane < P) msv = in_ms[(size_t)r * P + lane];
+    if (lse_warp && lane < P) msv = ld_s1(&in_ms[(size_t)r * P + lane]);
     u64 gk[DDT_MREG];   // group j * 256 + tid (0 past P: an empty group)
 #pragma unroll
-    for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? row[(size_t)j * W + DDT_SCAN_HDR + tid] : 0ull;
-    const u64 h0 = row[0], h1 = row[1];   // header (chunk 0's; every chunk writes the same)
-    const int chunk = (int)row[2];
+    for (int j = 0; j < DDT_MREG; ++j) gk[j] = j < P ? ld_s1(&row[(size_t)j * W + DDT_SCAN_HDR + tid]) : 0ull;
+    const u64 h0 = ld_s1(row), h1 = ld_s1(row + 1);   // header (chunk 0's; every chunk writes the same)
+    const int chunk = (int)ld_s1(row + 2);
     const int V_local = (int)(uint32_t)h1;
     const uint32_t id_offset = (uint32_t)(h1 >> 32);
     int nz = 0;
@@ -1045,12 +1131,18 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
-               float* __restrict__ out_lp, int* __restrict__ out_id) {
+               float* __restrict__ out_lp, int* __restrict__ out_id DDT_ROW_CNT_PARAM) {
     extern __shared__ u64 s_keys[];   // [P * lcap] gathered keys, then int [P] list lengths
     __shared__ MergeShared sh;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = blockIdx.x;
     const bool cand = !parts_major && k > 1;
+#if DDT_OVERLAP
+    if (row_cnt) {   // uniform: wait for this row's P stage-1 blocks, not the whole stage-1 grid
+        DDT_PDL_LAUNCH_DEPENDENTS();   // the builder's blocks may launch (they wait for this whole grid)
+        row_wait(row_cnt, r, P, tid);
+    } else
+#endif
     DDT_PDL_WAIT();
 #if DDT_SCAN
     if (cand) {
@@ -1077,8 +1169,8 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
         const u64* l = list(c);
         u64 bound;
         int len;
-        if (cand) { bound = l[0]; len = (int)l[1]; }
-        else { bound = l[k - 1]; len = k; }
+        if (cand) { bound = ld_s1(l); len = (int)ld_s1(l + 1); }
+        else { bound = ld_s1(l + k - 1); len = k; }
         s_len[c] = len;
         lb = bound > lb ? bound : lb;
     }
@@ -1104,7 +1196,7 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
             kk[u] = 0ull;
             if (t < total) {
                 const int c = t / lcap, j = t - c * lcap;
-                if (j < s_len[c]) kk[u] = list(c)[koff + j];
+                if (j < s_len[c]) kk[u] = ld_s1(list(c) + koff + j);
             }
         }
 #pragma unroll
@@ -1412,6 +1504,9 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     const int lane = threadIdx.x, st = blockIdx.x;
     const int R = DDT_MAX_TREE_ROWS;
     DDT_PDL_WAIT();
+#if DDT_OVERLAP
+    DDT_PDL_LAUNCH_DEPENDENTS();   // the next kernel's blocks may launch and wait (for this whole grid)
+#endif
     const int budget = min(max(budgets[st], 0), R - 1);
     const int kf = cap_k > 0 ? min(K, cap_k) : K;
     const int nkd = D * K;

@@ -37,7 +37,9 @@ def test_candidate_layout_matches_the_kernel(k):
     assert _cu_ternary("cand_cap")(k) == ddt.cand_cap(k)
     assert _cu_ternary("part_width")(k) == ddt.part_width(k)
     assert _cu_ternary("scan_width")(k) == ddt.scan_width(k)
-    assert ddt.stage1_width(k, 4) == ddt.scan_width(k) and ddt.stage1_width(k, 3) == ddt.part_width(k)
+    for v in ddt.SCAN_VARIANTS:
+        assert ddt.stage1_width(k, v) == ddt.scan_width(k)
+    assert ddt.stage1_width(k, 3) == ddt.part_width(k)
     assert ddt.stage1_width(k, 0) == ddt.part_width(k)
     assert ddt.cand_cap(k) >= max(k, 2) and ddt.cand_cap(k) <= 256   # s_cand holds DDT_SORT_CAP keys
 
@@ -64,8 +66,9 @@ def test_chunk_constants_match_the_kernel():
 
 def test_topk_variant_rule():
     """The scan variant's workspace launches the list top-K only where it measured faster (1 stream, k 8)."""
-    assert ddt.topk_variant(7, 8, 4) == 3 and ddt.topk_variant(7, 1, 4) == 3
-    assert ddt.topk_variant(7, 16, 4) == 4 and ddt.topk_variant(8, 8, 4) == 4 and ddt.topk_variant(70, 64, 4) == 4
+    for v in ddt.SCAN_VARIANTS:
+        assert ddt.topk_variant(7, 8, v) == 3 and ddt.topk_variant(7, 1, v) == 3
+        assert ddt.topk_variant(7, 16, v) == v and ddt.topk_variant(8, 8, v) == v and ddt.topk_variant(70, 64, v) == v
     assert ddt.topk_variant(7, 8, 0) == 0 and ddt.topk_variant(70, 64, 3) == 3
     assert ddt.topk_variant(70, 64, True) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS
 

@@ -37,70 +37,69 @@ MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (
 
 _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
           "ddt_walk_commit")
-# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False =
-# the frontier in shared memory and the candidate-list top-K (verified first: the plain twin); 3 = builder
-# v3 (only the frontier's ordered scores in registers, entries in shared memory, the popped position known
-# to every lane, entries carrying their successors' log-probs; H200: 1.4-1.7x faster builds than the
-# deleted variants 1 and 2) with the candidate-list top-K and the merge's final sort sized to k; 4 / True
-# (DEFAULT_VARIANT) = builder v3 with the scan top-K; 5 = 4 with the merge's output placed by rank. Same
-# results by construction; the GPU tests run every variant against the reference. The walk is the same
-# code in all. fast_math stays off: tree scores reproduce the reference bit for bit. pdl: every kernel
-# waits (DDT_PDL_WAIT) before its first global access.
+# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False = the
+# frontier in shared memory and the candidate-list top-K (verified first: the plain twin); 3 = builder v3
+# (only the frontier's ordered scores in registers, the popped position known to every lane) with the
+# candidate-list top-K and the merge's final sort sized to k (kept for the top-K of small shapes,
+# ``topk_variant``); 7 = the streaming ("scan") top-K with the merge's output placed by rank and the
+# sorted-cache builder; 8 (DEFAULT_VARIANT) = 7 with the register merge, the lean cache loop and the register
+# walk; 11 = 8 with the merge overlapping stage 1 (per-row arrival counters, below). Same results by
+# construction; the GPU tests run every variant against the reference. fast_math stays off: tree scores
+# reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access
+# (variant 11's merge waits for its row's stage-1 blocks instead, see OVERLAP_VARIANTS).
+# Variants 4 (scan: builder v3 + scan top-K), 5 (4 + rank-placed merge) and 6 (4 + sorted cache) were slower
+# than 7 and 8 on every H200 bench case (docs/DDTREE.md "Figures") and are deleted; so are 1, 2 (builders) and
+# 9, 10 (docs/DDTREE.md "Variants 9 and 10").
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
 DDTREE_V3_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, builder v3 (scores in registers, warp-uniform pop), merge sort sized to k"))
-# Variant 4 ("scan"): v3's builder and walk with the streaming top-K (stage 1 writes each thread's largest
-# key, the merge narrows those and re-reads the few 32-logit groups that can hold the top-k); same outputs
-# bit for bit (keys exact, log-sum-exp combined in the same order).
-DDTREE_SCAN_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "4"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, streaming top-K (group maxima + re-read of the groups that can hold the top-k), builder v3"))
-# Variant 5 ("scan-rank"): variant 4 with the merge's final one-warp bitonic sort replaced by a parallel rank
-# placement (every thread counts the selected keys greater than its own). Compiled and tested like the
-# others, NOT yet measured (docs/DDTREE.md "Next steps"): the next device run decides between 4 and 5.
-DDTREE_SCAN_RANK_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "5"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 4 with the merge's output placed by rank (no one-warp sort)"))
-# Variants 6 ("scan-cache") and 7 ("scan-rank-cache"): 4 and 5 whose builder pops from a sorted 32-entry
-# cache held one entry per lane (the head known to every lane, successors placed by rank with two ballots
-# and one shuffle round; no reduction, no shared memory per pop) for budgets <= 64 (CACHE_MAX_BUDGET;
-# larger budgets run v3's loop in the same kernel). Same outputs bit for bit (tests/test_ddtree_cache_model.py
-# models it lane by lane; the GPU tests run it against the reference).
-DDTREE_SCAN_CACHE_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "6"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 4 with the sorted-cache builder (budgets <= 64)"))
+# Variant 7 ("scan-rank-cache"): the streaming top-K (stage 1 writes each thread's largest key, the merge
+# narrows those and re-reads the few 32-logit groups that can hold the top-k) with the merge's output placed
+# by rank, and a builder that pops from a sorted 32-entry cache held one entry per lane for budgets <= 64
+# (CACHE_MAX_BUDGET; larger budgets run v3's loop in the same kernel). H200: 1.2 us faster than 8 on f32
+# logits only.
 DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "7"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 5 (merge output by rank) with the sorted-cache builder (budgets <= 64)"))
+    doc="DDTree kernels, scan top-K with the merge output placed by rank, sorted-cache builder (budgets <= 64)"))
 # Variant 8 ("scan-rank-cache-regs"): 7 whose scan merge keeps each thread's group keys in registers (one
-# batch of loads) and places the selected groups and candidates by block scans of per-thread counts (no
-# per-key ballot + shared atomic + shuffle), rows of <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger
-# rows take variant 7's merge); its cache loop stores one info word per pop and its walk reads the tree from
-# registers (one batch of loads). NOT yet run on a GPU.
+# batch of loads) and places the selected groups and candidates by block scans of per-thread counts, rows of
+# <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger rows take variant 7's merge); its cache loop
+# stores one info word per pop and its walk reads the tree from registers (one batch of loads).
 DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 4: DDTREE_SCAN_SPEC, 5: DDTREE_SCAN_RANK_SPEC,
-          6: DDTREE_SCAN_CACHE_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC}
-VARIANTS = {0: "verified", 3: "v3", 4: "scan", 5: "scan-rank", 6: "scan-cache",
-            7: "scan-rank-cache", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (4, 5, 6, 7, 8)  # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (6, 7, 8)       # variants with the sorted-cache builder
-MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: variant 8's register merge for <= 20 chunks per row
+# Variant 11 ("scan-rank-cache-regs-ovl"): 8 whose merge overlaps stage 1. Stage 1 triggers its dependents
+# right after its own PDL wait and counts its finished chunks per row (``row_cnt`` [rows] uint32, owned by the
+# workspace, zero between launches); with PDL the merge grid then launches during stage 1's last wave and
+# each merge block waits for its own row's count (and resets it) instead of the whole stage-1 grid, so the
+# rows of the earlier waves are merged while later rows still stream. The merge and the builder also trigger
+# their dependents early (those still wait for the whole grid). Without PDL it runs like 8 (the counts are
+# complete when the merge starts). Kernel signatures: the top-K kernels take ``row_cnt`` as one more
+# argument (null: no counting, the merge waits for the whole grid). Same outputs as 8 bit for bit.
+DDTREE_OVERLAP_SPEC = register(KernelSpec(
+    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "11"),), hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels, variant 8 with the merge overlapping stage 1 (per-row arrival counters, early PDL triggers)"))
+_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
+          11: DDTREE_OVERLAP_SPEC}
+VARIANTS = {0: "verified", 3: "v3", 7: "scan-rank-cache", 8: "scan-rank-cache-regs",
+            11: "scan-rank-cache-regs-ovl"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (7, 8, 11)       # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (7, 8, 11)      # variants with the sorted-cache builder
+OVERLAP_VARIANTS = (11,)         # variants whose top-K kernels take row_cnt (DDT_OVERLAP in ddtree.cu)
+MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge (8, 11) for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
-# variant, or the fallback: DDT_TREE_VARIANT=7 is the H200-proven sorted-cache variant, 4 the default at
-# this session's start).
-# 7: H200 run of this session (bench/results/tree_h200_cache.json, all builder/walk/graph GPU tests of
-# variants 0-7 passed, outputs equal to variant 4's): 10 x 64 bf16 total 52.3 (4) -> 40.4 us (build 23.8 ->
-# 15.9, top-K 24.1 -> 20.8 by the rank-placed merge); 1 x 8 20.2 -> 19.6; f32 10 x 64 62.2 -> 46.4.
-# 8: 7 with the register merge, the lean cache loop and the register walk (docs/DDTREE.md predicts 10 x 64
-# 40.4 -> 33-36 us);
-# compiled without spills, CPU-modelled, NOT yet run on a GPU when made the default: if the integration
-# run shows a variant-8 test failing or 8 slower than 7 in bench/tree.py, the default goes back to 7.
+# variant, or the fallback: DDT_TREE_VARIANT=7 is the previous H200-proven default).
+# 8: lead's integration run of session 3 (bench/results/tree_h200.json; every DDTree GPU test passed): 10 x 64
+# bf16 total 40.5 (7) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
+# 11 (session 4): NOT yet run on a GPU. Decision rule (docs/DDTREE.md "Stage 1 -> merge overlap"): the default
+# becomes 11 (DEFAULT_VARIANT = 11 here) if every GPU test with "ovl" in its id passes, every bench row says
+# "same: yes" and its 10 x 64 bf16 "total, PDL" is below 8's in the same run; DDT_TREE_VARIANT=11 / =8 selects
+# either without editing this file. Flipping it also needs the engine's CPU emulation of the kernels
+# (tests/test_engine_cpu.py KERNELS) to accept the top-K kernels' extra row_cnt argument.
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
@@ -177,13 +176,29 @@ def merge_smem(P: int, k: int, parts_major: bool, fast=False) -> int:
 # ----------------------------------------------------------------------------------------------------
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
+def _row_cnt_arg(row_cnt, rows: int, fast, dims: dict, dev):
+    """The top-K kernels' extra argument in OVERLAP_VARIANTS (a null pointer when ``row_cnt`` is None); other
+    variants take none and refuse a counter buffer."""
+    if variant(fast) not in OVERLAP_VARIANTS:
+        if row_cnt is not None:
+            raise ValueError(f"row_cnt: only the overlap variants {OVERLAP_VARIANTS} count stage-1 arrivals, "
+                             f"got variant {variant(fast)}")
+        return ()
+    if row_cnt is None:
+        return (np.uint64(0),)
+    return (check_array("row_cnt", row_cnt, np.uint32, (rows,), dims, device=dev),)
+
+
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
-                 fast=True):
+                 fast=True, row_cnt=None):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
     [rows, P, stage1_width(k, fast)] (the scan variant: its group keys and a header with the logits'
     address, so ``logits`` must stay unchanged until the merge) and its log-sum-exp partial
-    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
+    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk).
+    ``row_cnt`` (OVERLAP_VARIANTS only; uint32 [rows], zero): every finished chunk adds 1 to its row's count,
+    and the merge launched next with the same buffer waits on it and resets it to zero, so a launch with
+    ``row_cnt`` must be followed by exactly one such ``topk_merge`` (``DDTreeWorkspace.topk`` does both)."""
     dims: dict = {}
     dev = current_device()
     if logits.dtype == np.float32:
@@ -207,16 +222,19 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     check_array("part_ms", part_ms, np.float32, ("rows", P, 2), dims, device=dev)
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
+    cnt = _row_cnt_arg(row_cnt, rows, fast, dims, dev)
     _fn(name, fast)((P, rows), (TOPK_THREADS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
-                                          np.int32(k), np.int32(chunk), part_keys, part_ms))
+                                          np.int32(k), np.int32(chunk), part_keys, part_ms) + cnt)
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
-               fast=True):
+               fast=True, row_cnt=None):
     """Merge P partial lists per row. ``keys`` uint64 [rows, P, stage1_width(k, fast)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
-    float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]."""
+    float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]. ``row_cnt``: the
+    buffer the stage-1 launch just before counted into (``topk_partial``); each row waits for its own P
+    stage-1 blocks instead of the whole stage-1 grid, then resets its count."""
     dims: dict = {}
     dev = current_device()
     if parts_major:
@@ -231,13 +249,16 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
+    if parts_major and row_cnt is not None:
+        raise ValueError("row_cnt: a merge of shards' lists (parts_major) has no stage-1 launch to wait for")
+    cnt = _row_cnt_arg(row_cnt, rows, fast, dims, dev)
     smem = merge_smem(P, k, parts_major, fast)
     if smem > MAX_MERGE_SMEM:
         raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
                          f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
     _fn("ddt_topk_merge", fast, smem)((rows,), (TOPK_THREADS,), (
         keys, ms, np.int32(rows), np.int32(P), np.int32(k), np.int32(1 if parts_major else 0), out_keys, out_ms,
-        out_lp, out_id), shared_mem=smem)
+        out_lp, out_id) + cnt, shared_mem=smem)
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
@@ -322,6 +343,8 @@ class DDTreeWorkspace:
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)
+        # per-row stage-1 arrival counts of the overlap variants (zero between topk() calls; not an output)
+        self.row_cnt = cupy.zeros(rows, cupy.uint32) if self.topk_fast in OVERLAP_VARIANTS else None
         self.top_lp = cupy.empty((streams, depth, k), cupy.float32)
         self.top_id = i32(streams, depth, k)
         self.tokens, self.parents, self.depths, self.positions = (i32(streams, R) for _ in range(4))
@@ -336,10 +359,13 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast)
+        # (every argument is checked by topk_partial before its launch, and the merge's are this workspace's
+        # own buffers: a stage-1 launch that counts into row_cnt is always followed by the merge that resets it)
+        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast,
+                     row_cnt=self.row_cnt)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
                    self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
-                   fast=self.topk_fast)
+                   fast=self.topk_fast, row_cnt=self.row_cnt)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,

@@ -1,6 +1,8 @@
 """GPU DDTree kernels (cuda_src/ddtree.cu) against the numpy reference (ddtree_cupy/reference/ddtree.py):
 top-K ids exact and log-probs against float64, trees / masks / walks / commit indices exact, vocabulary
-shards merged, CUDA-graph replay equal to eager. Every output buffer is poisoned before each launch."""
+shards merged, CUDA-graph replay equal to eager, launches with programmatic dependent launch (PDL) equal to
+launches without (variant 11's merge overlaps stage 1 only then). Every output buffer is poisoned before each
+launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,10 +16,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 4, 5, 6, 7, 8], ids=["verified", "v3", "scan", "scan-rank", "scan-cache",
-                                                   "scan-rank-cache", "scan-rank-cache-regs"])
+@pytest.fixture(params=[0, 3, 7, 8, 11], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
+                                               "scan-rank-cache-regs-ovl"])
 def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3-8, kernels/ddtree.py VARIANTS) must equal the reference."""
+    """Every kernel variant (DDT_FAST = 0, 3, 7, 8, 11, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -412,3 +414,131 @@ def test_bad_arguments_name_the_tensor():
                    ws.positions, ws.n_rows, cp.zeros((2, 129, 4), cp.uint32))
     with pytest.raises(ValueError, match="post"):
         ws.walk_commit(i32(2, 128), i32(2), i32(2))
+
+
+@pytest.fixture()
+def pdl_on():
+    """Programmatic dependent launch on for one test (kernels/launch.py), restored afterwards."""
+    from ddtree_cupy.kernels import launch
+    was = launch.pdl_enabled()
+    launch.set_pdl(True)
+    yield launch
+    launch.set_pdl(was)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("variant", [8, 11], ids=["scan-rank-cache-regs", "scan-rank-cache-regs-ovl"])
+def test_topk_with_pdl_equals_without(variant, dtype, pdl_on):
+    """Variant 11's merge waits for its row's stage-1 blocks (per-row counters) instead of the stage-1 grid:
+    with PDL its blocks launch during stage 1's last wave (10 x 7 rows x 20 chunks = 1400 blocks, several
+    waves). Every round has new logits and poisoned outputs, stage-1 buffers included, so a merge that read
+    a row before all of its chunks were written would give other keys. Each round is compared bit for bit
+    with the same workspace launched without PDL, and the first round's ids / log-probs with the reference
+    on a few rows; the counters must be zero after every round, and the stand-alone launches (no counters:
+    the bench's 'stage 1' / 'merge alone') must give the same keys."""
+    cp = _cp()
+    from ddtree_cupy.kernels.ddtree import OVERLAP_VARIANTS, DDTreeWorkspace, topk_merge, topk_partial
+    launch = pdl_on
+    rng = np.random.default_rng(321 + variant + (dtype == "f32"))
+    S, D, V, K = 10, 7, 163840, 64
+    ws = DDTreeWorkspace(S, D, V, K, fast=variant)
+    assert (ws.row_cnt is not None) == (variant in OVERLAP_VARIANTS)
+    names = ("keys", "ms", "top_lp", "top_id")
+    for rnd in range(3):
+        x = _random_logits(rng, S, D, V, "normal" if rnd != 2 else "ties")
+        if dtype == "bf16":
+            bits = _to_bf16_bits(x)
+            x = _bf16_to_f32(bits)
+            dev = cp.asarray(bits)
+        else:
+            dev = cp.asarray(x)
+        launch.set_pdl(False)
+        _poison(ws)
+        ws.topk(dev)
+        cp.cuda.get_current_stream().synchronize()
+        plain = {n: getattr(ws, n).get() for n in names}
+        launch.set_pdl(True)
+        for rep in range(2):
+            _poison(ws)
+            ws.topk(dev)
+            cp.cuda.get_current_stream().synchronize()
+            for n in names:
+                np.testing.assert_array_equal(getattr(ws, n).get(), plain[n], err_msg=f"{n} (round {rnd}, rep {rep})")
+            if ws.row_cnt is not None:
+                np.testing.assert_array_equal(ws.row_cnt.get(), 0, err_msg=f"row_cnt (round {rnd}, rep {rep})")
+        if rnd == 0:
+            for s, d in ((0, 0), (4, 3), (S - 1, D - 1)):
+                ref_lp, ref_id = dd.topk_logprobs(x[s, d:d + 1], K)
+                np.testing.assert_array_equal(plain["top_id"][s, d], ref_id[0], err_msg=f"row {s},{d}")
+                err = np.linalg.norm(plain["top_lp"][s, d] - ref_lp[0]) / np.linalg.norm(ref_lp[0])
+                assert err < 2e-6, err
+    # stand-alone launches (no counters; the merge waits for the whole stage-1 grid)
+    _poison(ws)
+    flat = dev.reshape(S * D, V)
+    topk_partial(flat, K, ws.part_keys, ws.part_ms, fast=ws.topk_fast)
+    topk_merge(ws.part_keys, ws.part_ms, K, ws.keys, ws.ms, ws.top_lp.reshape(S * D, K), ws.top_id.reshape(S * D, K),
+               fast=ws.topk_fast)
+    cp.cuda.get_current_stream().synchronize()
+    for n in names:
+        np.testing.assert_array_equal(getattr(ws, n).get(), plain[n], err_msg=f"{n} (stand-alone launches)")
+    if ws.row_cnt is not None:
+        np.testing.assert_array_equal(ws.row_cnt.get(), 0, err_msg="row_cnt (stand-alone launches)")
+
+
+@pytest.mark.parametrize("variant", [8, 11], ids=["scan-rank-cache-regs", "scan-rank-cache-regs-ovl"])
+def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
+    """The whole step (top-K, builder, walk) captured with PDL and replayed several times with new logits
+    written in place: equal to eager launches without PDL, bit for bit (stage-1 buffers included: the scan
+    layout has fixed places), and the counters back at zero after every replay. Variant 11's merge, builder
+    and stage 1 trigger their dependents early, so every kernel boundary of the step overlaps."""
+    cp = _cp()
+    from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
+    launch = pdl_on
+    rng = np.random.default_rng(77 + variant)
+    S, D, V, K = 10, 7, 163840, 64
+    ws = DDTreeWorkspace(S, D, V, K, fast=variant)
+    logits = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
+    budgets = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
+    prefix = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
+    bonus = cp.asarray(rng.integers(0, V, size=S).astype(np.int32))
+    post = cp.asarray(rng.integers(0, V, size=(S, R)).astype(np.int32))
+    row_off = cp.asarray((np.arange(S) * R).astype(np.int32))
+
+    def step():
+        ws.topk(logits)
+        ws.build(budgets, prefix, bonus)
+        ws.walk_commit(post, prefix, row_off)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(3):   # back to back in one graph: each stage 1 follows the previous round's walk
+            step()
+        graph = stream.end_capture()
+    for trial in range(3):
+        if trial:
+            logits[...] = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
+            budgets[...] = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
+        launch.set_pdl(False)
+        with stream:
+            ws.topk(logits)
+            ws.build(budgets, prefix, bonus)
+        stream.synchronize()
+        tk, pa, nr = ws.tokens.get(), ws.parents.get(), ws.n_rows.get()
+        post[...] = cp.asarray(np.stack([_post_for(rng, tk[s], pa[s], int(nr[s])) for s in range(S)]))
+        _poison(ws)
+        with stream:
+            step()
+        stream.synchronize()
+        eager = {k: v.get() for k, v in ws.outputs().items()}
+        launch.set_pdl(True)
+        _poison(ws)
+        graph.launch(stream)
+        stream.synchronize()
+        for k, v in ws.outputs().items():
+            np.testing.assert_array_equal(v.get(), eager[k], err_msg=f"{k} (trial {trial})")
+        if ws.row_cnt is not None:
+            np.testing.assert_array_equal(ws.row_cnt.get(), 0, err_msg=f"row_cnt (trial {trial})")
+        _check_tree(ws, ws.top_lp.get(), ws.top_id.get(), budgets.get(), prefix.get(), bonus.get(), 0, False)
