@@ -6,11 +6,11 @@ Shape: depth 7, V = 163840 drafter logits (bf16, and fp32 for the largest case),
 Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the first launch alone; the
 last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
-same graph launched with programmatic dependent launch, when the launch path is available). The kernel
-variants of kernels/ddtree.py given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 4 scan /
-5 scan-rank / 6 scan-cache / 7 scan-rank-cache / 8 scan-rank-cache-regs; default: 4, 7, 8: the default at
-the session's start (scan top-K + builder v3), the H200-measured sorted-cache builder with the rank-placed
-merge, and the default candidate (7 + the register merge and the lean cache loop)) run on the same inputs;
+same graph launched with programmatic dependent launch, when the launch path is available; "top-K PDL":
+the top-K's two launches alone with PDL, in the comparison lines). The kernel variants of kernels/ddtree.py
+given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 7 scan-rank-cache / 8 scan-rank-cache-regs
+/ 11 scan-rank-cache-regs-ovl; default: 8 11: the default and its candidate, whose merge overlaps stage 1
+under PDL) run on the same inputs;
 "same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
@@ -92,12 +92,13 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
         ws.build(budgets, prefix, bonus)
         ws.walk_commit(post, prefix, row_off)
     t_all = time_graph(step)
-    t_pdl = float("nan")
+    t_pdl = t_topk_pdl = float("nan")
     if pdl:
         from ddtree_cupy.kernels import launch
         launch.set_pdl(True)
         try:
             t_pdl = time_graph(step)
+            t_topk_pdl = time_graph(lambda: ws.topk(logits))   # variant 11's merge overlaps stage 1 only with PDL
         finally:
             launch.set_pdl(False)
     ws.walk_commit(post, prefix, row_off)
@@ -105,7 +106,7 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
     snap = {k: v.get() for k, v in ws.outputs().items() if k not in ("part_keys", "part_ms")}
     nbytes = logits.nbytes
     row = dict(streams=S, budget=B, dtype=dtype, variant=VARIANTS[fast],
-               topk_us=t_topk, topk_stage1_us=t_part, topk_merge_us=t_merge, build_us=t_build, total_pdl_us=t_pdl,
+               topk_us=t_topk, topk_pdl_us=t_topk_pdl, topk_stage1_us=t_part, topk_merge_us=t_merge, build_us=t_build, total_pdl_us=t_pdl,
                walk_commit_us=t_walk, total_us=t_all, mean_accepted=float(n_acc.mean()),
                topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
     return snap, row, (ws.top_lp.get(), ws.top_id.get())
@@ -153,11 +154,11 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[4, 7, 8],
-                    help="kernel variants to time (0 = verified, 3 = v3, 4 = scan, 5 = scan-rank, 6 = "
-                         "scan-cache, 7 = scan-rank-cache, 8 = scan-rank-cache-regs); the reference of the "
+    ap.add_argument("--variants", type=int, nargs="+", default=[8, 11],
+                    help="kernel variants to time (0 = verified, 3 = v3, 7 = scan-rank-cache, 8 = "
+                         "scan-rank-cache-regs, 11 = scan-rank-cache-regs-ovl); the reference of the "
                          "'same' column is 0 when given, else the lowest")
-    ap.add_argument("--was-variant", default="scan",
+    ap.add_argument("--was-variant", default="scan-rank-cache-regs",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
     if args.profile:
@@ -229,11 +230,13 @@ def main(argv=None):
         d = by.get((S, B, dt, ref_name))
         if v != ref_name and d is not None:
             print(f"{ref_name} -> {v} (same run): {S:2d} x {B:3d} {dt}: top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f} "
+                  f"(PDL {d.get('topk_pdl_us', float('nan')):5.1f} -> {r.get('topk_pdl_us', float('nan')):5.1f}) "
                   f"(stage 1 {d['topk_stage1_us']:5.1f} -> {r['topk_stage1_us']:5.1f}, merge alone "
                   f"{d['topk_merge_us']:5.1f} -> {r['topk_merge_us']:5.1f}), walk {d['walk_commit_us']:4.1f} -> "
                   f"{r['walk_commit_us']:4.1f}, build {d['build_us']:5.1f} -> "
                   f"{r['build_us']:5.1f}, total {d['total_us']:5.1f} -> {r['total_us']:5.1f} us "
-                  f"({d['total_us'] / r['total_us']:.2f}x); same outputs: {'yes' if r['matches_verified'] else 'NO'}")
+                  f"({d['total_us'] / r['total_us']:.2f}x), total PDL {d['total_pdl_us']:5.1f} -> "
+                  f"{r['total_pdl_us']:5.1f} us; same outputs: {'yes' if r['matches_verified'] else 'NO'}")
 
 
 if __name__ == "__main__":

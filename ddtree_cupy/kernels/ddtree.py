@@ -25,6 +25,7 @@ import numpy as np
 
 from .checks import check_array, check_range, current_device
 from .compile import KernelSpec, get_kernel, register
+from .launch import pdl_enabled
 
 MAX_TREE_ROWS = 129
 MASK_WORDS = 5
@@ -77,8 +78,10 @@ DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
 # each merge block waits for its own row's count (and resets it) instead of the whole stage-1 grid, so the
 # rows of the earlier waves are merged while later rows still stream. The merge and the builder also trigger
 # their dependents early (those still wait for the whole grid). Without PDL it runs like 8 (the counts are
-# complete when the merge starts). Kernel signatures: the top-K kernels take ``row_cnt`` as one more
-# argument (null: no counting, the merge waits for the whole grid). Same outputs as 8 bit for bit.
+# complete when the merge starts). ``DDTreeWorkspace.topk`` passes the counters only while PDL is enabled
+# (launch.pdl_enabled()); without PDL both launches get a null row_cnt and run as variant 8 (no counting, no
+# early trigger, the merge waits for the whole grid). Kernel signatures: the top-K kernels take ``row_cnt``
+# as one more argument. Same outputs as 8 bit for bit.
 DDTREE_OVERLAP_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "11"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 8 with the merge overlapping stage 1 (per-row arrival counters, early PDL triggers)"))
@@ -359,13 +362,16 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        # (every argument is checked by topk_partial before its launch, and the merge's are this workspace's
-        # own buffers: a stage-1 launch that counts into row_cnt is always followed by the merge that resets it)
+        # The counters only pay when the merge can start before stage 1 ends, i.e. with PDL (decided per launch
+        # by kernels/launch.py, so also at graph capture): without it both launches get a null row_cnt and run
+        # as variant 8. Every argument is checked by topk_partial before its launch and the merge's are this
+        # workspace's own buffers: a stage-1 launch that counts is always followed by the merge that resets.
+        cnt = self.row_cnt if (self.row_cnt is not None and pdl_enabled()) else None
         topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast,
-                     row_cnt=self.row_cnt)
+                     row_cnt=cnt)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
                    self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
-                   fast=self.topk_fast, row_cnt=self.row_cnt)
+                   fast=self.topk_fast, row_cnt=cnt)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,
