@@ -427,8 +427,10 @@ def pdl_on():
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("V,K", [(163840, 64), (172032, 32), (163840, 1)])   # register merge / 21 chunks
+# (merge_scan) / k = 1 (the list merge)
 @pytest.mark.parametrize("variant", [8, 11], ids=["scan-rank-cache-regs", "scan-rank-cache-regs-ovl"])
-def test_topk_with_pdl_equals_without(variant, dtype, pdl_on):
+def test_topk_with_pdl_equals_without(variant, V, K, dtype, pdl_on):
     """Variant 11's merge waits for its row's stage-1 blocks (per-row counters) instead of the stage-1 grid:
     with PDL its blocks launch during stage 1's last wave (10 x 7 rows x 20 chunks = 1400 blocks, several
     waves). Every round has new logits and poisoned outputs, stage-1 buffers included, so a merge that read
@@ -439,8 +441,8 @@ def test_topk_with_pdl_equals_without(variant, dtype, pdl_on):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import OVERLAP_VARIANTS, DDTreeWorkspace, topk_merge, topk_partial
     launch = pdl_on
-    rng = np.random.default_rng(321 + variant + (dtype == "f32"))
-    S, D, V, K = 10, 7, 163840, 64
+    rng = np.random.default_rng(321 + variant + (dtype == "f32") + V + K)
+    S, D = 10, 7
     ws = DDTreeWorkspace(S, D, V, K, fast=variant)
     assert (ws.row_cnt is not None) == (variant in OVERLAP_VARIANTS)
     names = ("keys", "ms", "top_lp", "top_id")
