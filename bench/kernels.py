@@ -79,7 +79,7 @@ def _bulk_splits(T, N, K, B, sms):
     if K % cfg.bk:
         return []
     ks = K // cfg.bk
-    pick = gemm.choose_bulk_split(cfg, T, N, K, B, sms)
+    pick = gemm.choose_bulk_split(cfg, T, N, K, B, sms, gemm._smem_per_sm())
     eff = lambda s: math.ceil(ks / math.ceil(ks / max(1, min(s, ks))))  # noqa: E731
     return sorted({eff(s) for s in (1, pick // 2, pick, 2 * pick)}), pick
 

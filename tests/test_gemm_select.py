@@ -149,23 +149,27 @@ def test_bulk_split_covers_k_once(dev, T):
     for _, N, K, B in ENGINE + [("odd", 48, 320, 3), ("one stage", 2112, 128, 1)]:
         if K % cfg.bk:
             continue
-        s = gemm.choose_bulk_split(cfg, T, N, K, B, dev["sm_count"])
+        s = gemm.choose_bulk_split(cfg, T, N, K, B, **dev)
         ranges = _split_ranges(cfg, K, s)
         assert len(ranges) == s and all(n >= 1 for _, n in ranges)
         assert sum(n for _, n in ranges) == K // cfg.bk and ranges[-1][0] + ranges[-1][1] == K // cfg.bk
         assert s == 1 or min(n for _, n in ranges) >= gemm.BULK_MIN_STAGES_PER_SPLIT
-        cost = lambda q: gemm.bulk_split_cost(cfg, T, N, K, B, dev["sm_count"], q)  # noqa: E731
+        cost = lambda q: gemm.bulk_split_cost(cfg, T, N, K, B, dev["sm_count"], q, dev["smem_per_sm"])  # noqa: E731
         assert cost(s) <= cost(1) + 1e-6
 
 
 def test_bulk_split_model_examples():
-    """The model splits a narrow weight over the SMs at small T and keeps partials small at T = 160."""
+    """Bytes-bound calls fill every resident slot (H200: 2 per SM, sm_120: 1); mma-bound ones the SMs, with
+    fp32 partials well below the weight bytes."""
     c1, c160 = gemm.choose_bulk(1), gemm.choose_bulk(160)
-    assert gemm.choose_bulk_split(c1, 1, 2112, 7168, 1, 132) == 4            # 33 row blocks x 4 = 132 blocks
-    assert gemm.choose_bulk_split(c1, 1, 7168, 2304, 1, 132) == 1            # 112 row blocks: no partials
-    s = gemm.choose_bulk_split(c160, 160, 2112, 7168, 1, 132)
+    assert 2 * 98 * 1024 < 228 * 1024 and c1.smem() < 98 * 1024                  # 2 resident per H200 SM
+    assert gemm.choose_bulk_split(c1, 1, 2112, 7168, 1, **H200) == 8           # 33 row blocks x 8 = 264
+    assert gemm.choose_bulk_split(c1, 1, 2112, 7168, 1, **SM120) == 5          # 165 blocks on 188 SMs
+    assert gemm.choose_bulk_split(c1, 1, 7168, 2304, 1, **H200) == 2           # 224 blocks in 264 slots
+    s = gemm.choose_bulk_split(c160, 160, 2112, 7168, 1, **H200)
     assert 1 < s and s * 160 * 2112 * 4 <= 0.5 * 2112 * 7168 * 2              # partials < half the weight
-    assert gemm.choose_bulk_split(c160, 160, 7168, 1024, 1, 132) <= 2
+    assert 17 * s <= 132                                                       # one block per SM (mma-bound)
+    assert gemm.choose_bulk_split(c160, 160, 7168, 1024, 1, **H200) <= 2
 
 
 def test_bulk_switches_and_plan(monkeypatch):
@@ -174,8 +178,8 @@ def test_bulk_switches_and_plan(monkeypatch):
         assert not gemm.use_bulk(1) and not gemm.use_bulk(160) and gemm.bulk_plan(160, 2112, 7168) is None
         gemm.set_bulk("large")
         assert not gemm.use_bulk(16) and gemm.use_bulk(17) and gemm.bulk_plan(16, 2112, 7168) is None
-        cfg, s = gemm.bulk_plan(17, 2112, 7168, 1, 132)
-        assert cfg == gemm.choose_bulk(17) and s == gemm.choose_bulk_split(cfg, 17, 2112, 7168, 1, 132)
+        cfg, s = gemm.bulk_plan(17, 2112, 7168, 1, **H200)
+        assert cfg == gemm.choose_bulk(17) and s == gemm.choose_bulk_split(cfg, 17, 2112, 7168, 1, **H200)
         gemm.set_bulk("all")
         assert gemm.use_bulk(1) and gemm.bulk_plan(1, 2112, 7168, 1, 132)[0] == gemm.BULK_CONFIGS[0]
         assert gemm.bulk_plan(1, 2112, 64, 1, 132) is None          # K % BK (128): the session-3 kernels

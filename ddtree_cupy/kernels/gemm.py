@@ -286,21 +286,27 @@ def choose_bulk(T: int) -> BulkConfig:
     return next(c for c in BULK_CONFIGS if c.tokens() >= T)
 
 
-def bulk_split_cost(cfg: BulkConfig, T: int, N: int, K: int, batch: int, sm_count: int, s: int) -> float:
+def bulk_split_cost(cfg: BulkConfig, T: int, N: int, K: int, batch: int, sm_count: int, s: int,
+                    smem_per_sm: int = 228 * 1024) -> float:
     """Modelled time of a bulk launch with split s, in bytes of DRAM time: the streaming/mma work
-    (max(weight bytes, FLOPs / BULK_FLOP_PER_BYTE)) stretched by the busiest SM's share of the blocks
-    (ceil(blocks / SMs) x SMs / blocks), plus for s > 1 the fp32 partials written and read back and the
-    reduce launch."""
+    (max(weight bytes, FLOPs / BULK_FLOP_PER_BYTE)) stretched by the busiest unit's share of the blocks
+    (ceil(blocks / units) x units / blocks), plus for s > 1 the fp32 partials written and read back and the
+    reduce launch. Units: SMs when the mma work binds (blocks on one SM share its tensor cores); resident
+    block slots when the bytes bind (two resident blocks keep twice the bytes in flight)."""
     rows = math.ceil(N / cfg.rows()) * batch
-    work = max(N * K * 2 * batch, 2.0 * T * N * K * batch / BULK_FLOP_PER_BYTE)
+    flops_b = 2.0 * T * N * K * batch / BULK_FLOP_PER_BYTE
+    bytes_b = N * K * 2 * batch
+    units = sm_count if flops_b >= bytes_b else sm_count * max(1, smem_per_sm // (cfg.smem() + 1024))
+    work = max(bytes_b, flops_b)
     blocks = rows * s
-    cost = work * math.ceil(blocks / sm_count) * sm_count / blocks
+    cost = work * math.ceil(blocks / units) * units / blocks
     if s > 1:
         cost += 2 * s * T * N * 4 * batch + BULK_REDUCE_FIXED
     return cost
 
 
-def choose_bulk_split(cfg: BulkConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> int:
+def choose_bulk_split(cfg: BulkConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+                      smem_per_sm: int = 228 * 1024) -> int:
     """Split-K factor of a bulk launch: the s of least ``bulk_split_cost`` among those that keep
     >= BULK_MIN_STAGES_PER_SPLIT k stages in every split, the last included (ties -> the smallest s);
     returned without empty splits (as choose_split)."""
@@ -312,7 +318,7 @@ def choose_bulk_split(cfg: BulkConfig, T: int, N: int, K: int, batch: int = 1, s
         eff = math.ceil(k_stages / per)          # the split actually launched (no empty splits)
         if eff > 1 and k_stages - (eff - 1) * per < BULK_MIN_STAGES_PER_SPLIT:
             continue                             # a short last split: its ring never fills
-        cost = bulk_split_cost(cfg, T, N, K, batch, sm_count, eff)
+        cost = bulk_split_cost(cfg, T, N, K, batch, sm_count, eff, smem_per_sm)
         if best_cost is None or cost < best_cost * (1 - 1e-9):
             best, best_cost = eff, cost
     return best
@@ -366,7 +372,8 @@ def use_bulk(T: int) -> bool:
     return _BULK[0] == "all" or (_BULK[0] == "large" and T > DEC_MAX_T)
 
 
-def bulk_plan(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> Optional[Tuple[BulkConfig, int]]:
+def bulk_plan(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+              smem_per_sm: int = 228 * 1024) -> Optional[Tuple[BulkConfig, int]]:
     """(config, split) of a bulk launch for a call without an explicit split_k, or None for the session-3
     kernels: the mode (``set_bulk``) excludes T, or K is not a multiple of the config's BK (the engine's K
     are all multiples of 128; the contract only asks K % 64). A forced config (``set_bulk_config``) wins
@@ -377,11 +384,13 @@ def bulk_plan(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132) -> Op
         cfg, split = _FORCED_BULK[0]
         if cfg.tokens() < T or K % cfg.bk:
             raise ValueError(f"bulk config {cfg} cannot serve T={T}, K={K} (forced by set_bulk_config)")
-        return cfg, min(split, K // cfg.bk) if split is not None else choose_bulk_split(cfg, T, N, K, batch, sm_count)
+        if split is not None:
+            return cfg, min(split, K // cfg.bk)
+        return cfg, choose_bulk_split(cfg, T, N, K, batch, sm_count, smem_per_sm)
     cfg = choose_bulk(T)
     if K % cfg.bk:
         return None
-    return cfg, choose_bulk_split(cfg, T, N, K, batch, sm_count)
+    return cfg, choose_bulk_split(cfg, T, N, K, batch, sm_count, smem_per_sm)
 
 
 BULK_SPEC = register(KernelSpec(
@@ -444,7 +453,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         os_ = (0,) + os_
     out_f32 = out_dtype == np.float32
     w_bs = N * K if batched else 0
-    plan = bulk_plan(T, N, K, B, _sm_count()) if split_k is None else None
+    plan = bulk_plan(T, N, K, B, _sm_count(), _smem_per_sm()) if split_k is None else None
     if plan is not None:
         _launch_bulk(x, xs, w, w_bs, out, os_, T, N, K, B, out_f32, plan[0], plan[1], workspace)
         return out
