@@ -247,8 +247,13 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
-            if only_variants is not None:
-                variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants}
+                for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
+                    variants[f"bulk_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
+                for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
+                    variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
+            if only_variants is not None:       # a trailing '*' selects by prefix ("bulk*")
+                variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants
+                            or any(o.endswith("*") and k.startswith(o[:-1]) for o in only_variants)}
             plans = {name: moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw) for name, kw in variants.items()}
             if prev_src:
                 plans["prev"] = _prev_plan(prev_src, x, d_ids, d_wts, w, ws, out)

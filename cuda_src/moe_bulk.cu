@@ -42,13 +42,22 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
 }
+// SPIN = 0: try_wait (the hardware may suspend the thread until the phase completes or a time limit passes);
+// SPIN = 1: test_wait, a plain poll (measured against each other: docs/MOE.md).
+template <int SPIN>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done = 0;
     do {
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        if (SPIN)
+            asm volatile("{\n\t.reg .pred p;\n\t"
+                         "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                         "selp.u32 %0, 1, 0, p;\n\t}"
+                         : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        else
+            asm volatile("{\n\t.reg .pred p;\n\t"
+                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                         "selp.u32 %0, 1, 0, p;\n\t}"
+                         : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     } while (!done);
 }
 // Contiguous global -> shared copy by the bulk copy engine (16-byte aligned, size a multiple of 16).
@@ -82,7 +91,7 @@ struct BulkMeta {
 using namespace mbulk;
 
 // Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta].
-template <int MODE, int WM, int WK, int SPW, int NST>
+template <int MODE, int WM, int WK, int SPW, int NST, int SPIN>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -176,7 +185,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
                 if (it < pre) { issue(u, k0, slot, false, true); continue; }
-                if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
+                if (it >= NST) mbar_wait<SPIN>(empty + slot, ((it / NST) - 1) & 1);
                 if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, k0));
                 __syncwarp();
                 issue(u, k0, slot, true, true);
@@ -203,7 +212,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
         for (int s = 0; s < nst_unit; ++s, ++it) {
             const int slot = it % NST;
-            mbar_wait(full + slot, (it / NST) & 1);
+            mbar_wait<SPIN>(full + slot, (it / NST) & 1);
             const unsigned char* st = ring + (size_t)slot * St::BYTES;
             const int ns = min(SS, KS - s * SS);
             if (wactive) {

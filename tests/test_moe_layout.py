@@ -260,7 +260,7 @@ def test_gateup_block_switch(monkeypatch):
 def test_bulk_tiles_fit_sm120_and_the_producer_warp():
     # moe_bulk.cu: one producer lane per copy (2*wm weight tiles + their scales + 8 token rows <= 32 lanes),
     # stages a multiple of 128 B (the bulk copies' 16-byte alignment), <= 99 KB per block on sm_120
-    for bt in (moe.BULK_GATEUP, moe.BULK_DOWN):
+    for bt in (moe.BULK_GATEUP, moe.BULK_DOWN) + moe.BULK_GATEUP_CANDIDATES + moe.BULK_DOWN_CANDIDATES:
         assert 4 * bt.wm + 8 <= 32
         assert bt.stage_bytes() % 128 == 0
         assert bt.smem_dynamic + bt.smem_static <= moe.SMEM_LIMIT, bt

@@ -234,6 +234,7 @@ class BulkTile:
     wk: int
     spw: int      # k64 steps per consumer warp and stage
     nst: int      # ring stages
+    spin: int = 0     # 1: consumers and producer poll the barriers with test_wait instead of try_wait
 
     @property
     def threads(self) -> int:
@@ -260,15 +261,20 @@ class BulkTile:
 # down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over the whole stage (no reduction).
 BULK_GATEUP = BulkTile(wm=1, wk=8, spw=1, nst=4)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=3)
+# Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
+BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 1, 4, spin=1), BulkTile(1, 8, 1, 2), BulkTile(2, 4, 1, 5),
+                          BulkTile(1, 4, 2, 4), BulkTile(1, 8, 2, 2))
+BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3, spin=1), BulkTile(4, 1, 4, 2), BulkTile(2, 2, 2, 4))
 
 
 def _bulk_name(mode: int, bt: BulkTile) -> str:
-    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}>"
+    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {bt.spin}>"
 
 
 SPEC_BULK = register(KernelSpec(
     src="moe_bulk.cu",
-    names=(_bulk_name(0, BULK_GATEUP), _bulk_name(1, BULK_DOWN)),
+    names=tuple(_bulk_name(0, t) for t in (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES)
+    + tuple(_bulk_name(1, t) for t in (BULK_DOWN,) + BULK_DOWN_CANDIDATES),
     hot=True,
     pdl=True,      # gate/up waits first; down waits before its first read of h (see the .cu header)
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
@@ -549,7 +555,8 @@ def _grid(units_max: int, tile: Tile) -> int:
 
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
-                fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None):
+                fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None,
+                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -560,7 +567,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, bulk):
+                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles):
         launch()
     return out
 
@@ -575,7 +582,7 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
                     pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
-                    bulk: Optional[bool] = None):
+                    bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: the bulk-copy GEMMs (moe_bulk.cu; both sort the routing themselves, T*k <= FUSED_MAX_PAIRS; None:
@@ -612,7 +619,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     if bulk:
         if ring_options:
             raise ValueError("bulk: the bulk-copy GEMMs take no tiles / l2_prefetch / fuse_route=False")
-        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T)
+        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
@@ -681,12 +688,16 @@ def _blocks_per_sm(bt: BulkTile) -> int:
     return max(1, min(by_smem, 2048 // bt.threads))
 
 
-def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int):
+def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
+               bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan)."""
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
+    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else (BULK_GATEUP, BULK_DOWN)
+    if gu_tile not in (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES or dn_tile not in (BULK_DOWN,) + BULK_DOWN_CANDIDATES:
+        raise ValueError(f"bulk_tiles: {bulk_tiles} are not compiled (BULK_*_CANDIDATES)")
     if T * k > FUSED_MAX_PAIRS:
         raise ValueError(f"bulk: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
-    for bt in (BULK_GATEUP, BULK_DOWN):
+    for bt in (gu_tile, dn_tile):
         if bt.smem_dynamic + bt.smem_static > SMEM_LIMIT:
             raise ValueError(f"bulk: {bt} needs {bt.smem_dynamic + bt.smem_static} B of shared memory > {SMEM_LIMIT}")
     Ip = weights.inter_padded
@@ -696,8 +707,8 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y)
     plan = []
     for name, mode, bt, w, s, N, KS, act, act_stride in (
-            ("gate_up", 0, BULK_GATEUP, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
-            ("down", 1, BULK_DOWN, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
+            ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
+            ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
         fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt), max_dynamic_smem=bt.smem_dynamic)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt)))

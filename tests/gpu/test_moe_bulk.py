@@ -212,3 +212,13 @@ def test_bulk_argument_errors(tiny256):
         moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
     with pytest.raises(ValueError, match="bulk"):
         moe.moe_forward(x[:4], ids[:4], wts[:4], layer.w, ws, bulk=True, fuse_route=False)
+
+
+@pytest.mark.parametrize("layer_name,T", [("tiny", 13), ("narrow", 8), ("wide", 9)])
+def test_every_compiled_bulk_block(layer_name, T, request):
+    # the benchmark's alternatives (other stage depths / splits / the polling wait) are right too
+    layer = request.getfixturevalue(layer_name)
+    for gu in (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES:
+        assert _run(layer, T, 8, seed=3700 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN)) < TOL, gu
+    for dn in moe.BULK_DOWN_CANDIDATES:
+        assert _run(layer, T, 8, seed=3800 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP, dn)) < TOL, dn
