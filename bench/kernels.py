@@ -57,9 +57,16 @@ GEMMS = [
 L2_BYTES = 64 << 20
 
 
+_SEED = [0]
+
+
 def _rand_bf16(cp, shape, scale=1.0):
-    from ddtree_cupy.bf16 import to_bf16_bits
-    return cp.asarray(to_bf16_bits(np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * scale))
+    """Normal(0, scale) as bf16 bits, drawn on the device (host RNG for the 294 MB lm_head shard alone took
+    seconds); round to nearest even as ddtree_cupy.bf16 does (no NaN can occur)."""
+    _SEED[0] += 1           # a new stream per array: x must not repeat the weight's first rows
+    f = cp.random.RandomState(_SEED[0]).standard_normal(shape, dtype=cp.float32) * np.float32(scale)
+    u = f.view(cp.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(cp.uint16)
 
 
 def _variants(T, variants):
