@@ -39,7 +39,8 @@
 // DDT_FAST=11 ("scan-rank-cache-regs-ovl") is variant 8 whose merge overlaps stage 1 (DDT_OVERLAP): stage 1
 // lets the merge launch early (PDL trigger after its own wait) and counts its finished chunks per row; a
 // merge block waits for its row's count instead of the whole stage-1 grid, so the rows finished in stage
-// 1's earlier waves are merged while the later ones still stream ("Stage 1 -> merge overlap" below).
+// 1's earlier waves are merged while the later ones still stream ("Stage 1 -> merge overlap" below); its
+// stage 1 runs at 5 blocks per SM (48 registers).
 #if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 7 && DDT_FAST != 8 && DDT_FAST != 11
 #error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 11 (scan-rank-cache-regs-ovl)"
 #endif
@@ -51,7 +52,9 @@
 #define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
 #define DDT_OVERLAP (DDT_FAST == 11)    // per-row arrival counters: the merge overlaps stage 1 (row_cnt argument)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_SCAN
+#if DDT_OVERLAP
+#define DDT_PARTIAL_MIN_BLOCKS 5   // 48 registers, no spill (session 3's variant 10: stage 1 at 10 x 64 9.6 -> 9.2 us)
+#elif DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
 #define DDT_PARTIAL_MIN_BLOCKS 2
