@@ -247,6 +247,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
+                variants["bulk_down"] = dict(bulk="down")
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
                     variants[f"bulk_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):

@@ -268,7 +268,9 @@ def test_bulk_tiles_fit_sm120_and_the_producer_warp():
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
     monkeypatch.setattr(moe, "BULK_ENV", "1")
-    assert moe.bulk_for(32, 8) and not moe.bulk_for(33, 8)
+    assert moe.bulk_for(32, 8) is True and moe.bulk_for(33, 8) is False
+    monkeypatch.setattr(moe, "BULK_ENV", "down")
+    assert moe.bulk_for(8, 8) == "down" and moe.bulk_for(40, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "0")
     assert not moe.bulk_for(1, 8)
     monkeypatch.setattr(moe, "BULK_ENV", "yes")

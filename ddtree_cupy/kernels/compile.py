@@ -180,8 +180,9 @@ def get_kernel(spec: KernelSpec, name: str, max_dynamic_smem: int = 0):
 
     Specs with ``pdl=True`` get a ``launch.PdlKernel`` (called the same way), which launches through
     cuLaunchKernelEx with programmatic dependent launch while ``launch.set_pdl(True)``.
-    ``max_dynamic_smem``: the most dynamic shared memory any launch will ask for; above the 48 KB default
-    the per-function limit is raised (sm_120 allows up to 99 KB per block, H200 227 KB).
+    ``max_dynamic_smem``: the most dynamic shared memory any launch will ask for; the per-function limit is
+    raised to it (sm_120 allows up to 99 KB per block, H200 227 KB). The default limit is 48 KB minus the
+    kernel's static shared memory, so a kernel with static arrays needs the raise below 48 KB of dynamic too.
     """
     import cupy
     key = (spec, name, cupy.cuda.Device().id)
@@ -192,7 +193,7 @@ def get_kernel(spec: KernelSpec, name: str, max_dynamic_smem: int = 0):
             from .launch import PdlKernel
             fn = PdlKernel(fn, int(cupy.cuda.Device().compute_capability))
         _FN_CACHE[key] = fn
-    if max_dynamic_smem > 48 * 1024 and getattr(fn, "_ddt_smem", 0) < max_dynamic_smem:
+    if max_dynamic_smem > 0 and getattr(fn, "_ddt_smem", 0) < max_dynamic_smem:
         fn.max_dynamic_shared_size_bytes = max_dynamic_smem
         try:
             fn._ddt_smem = max_dynamic_smem

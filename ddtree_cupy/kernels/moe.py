@@ -234,7 +234,7 @@ class BulkTile:
     wk: int
     spw: int      # k64 steps per consumer warp and stage
     nst: int      # ring stages
-    spin: int = 0     # 1: consumers and producer poll the barriers with test_wait instead of try_wait
+    spin: int = 0     # barrier wait: 0 try_wait by every lane, 1 test_wait polls, 2 lane 0 only (moe_bulk.cu)
 
     @property
     def threads(self) -> int:
@@ -263,8 +263,9 @@ BULK_GATEUP = BulkTile(wm=1, wk=8, spw=1, nst=4)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=3)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
 BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 1, 4, spin=1), BulkTile(1, 8, 1, 2), BulkTile(2, 4, 1, 5),
-                          BulkTile(1, 4, 2, 4), BulkTile(1, 8, 2, 2))
-BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3, spin=1), BulkTile(4, 1, 4, 2), BulkTile(2, 2, 2, 4))
+                          BulkTile(1, 4, 2, 4), BulkTile(1, 8, 2, 2), BulkTile(1, 8, 1, 4, spin=2))
+BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3, spin=1), BulkTile(4, 1, 4, 2), BulkTile(2, 2, 2, 4),
+                        BulkTile(4, 1, 4, 3, spin=2))
 
 
 def _bulk_name(mode: int, bt: BulkTile) -> str:
@@ -280,20 +281,20 @@ SPEC_BULK = register(KernelSpec(
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
 
 # The rule: the bulk-copy GEMMs wherever they apply (T*k <= FUSED_MAX_PAIRS) once measured faster; until then the
-# register-ring GEMMs. Environment DDT_MOE_BULK=1 / 0 forces them on / off where they apply.
+# register-ring GEMMs. Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none where they apply.
 BULK_DEFAULT = False
 BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
 
 
-def bulk_for(T: int, top_k: int) -> bool:
-    """Whether the table uses the bulk-copy GEMMs for T tokens (only where both kernels can sort in shared
-    memory)."""
+def bulk_for(T: int, top_k: int):
+    """Which GEMMs the table runs bulk-copy for T tokens: True (both), "down" or False; only where both kernels
+    can sort in shared memory (T*k <= FUSED_MAX_PAIRS)."""
     on = BULK_DEFAULT
     if BULK_ENV is not None:
-        if BULK_ENV not in ("0", "1"):
-            raise ValueError(f"DDT_MOE_BULK: must be 0 or 1, got {BULK_ENV!r}")
-        on = BULK_ENV == "1"
-    return on and T * top_k <= FUSED_MAX_PAIRS
+        if BULK_ENV not in ("0", "1", "down"):
+            raise ValueError(f"DDT_MOE_BULK: must be 0, 1 or down, got {BULK_ENV!r}")
+        on = {"0": False, "1": True, "down": "down"}[BULK_ENV]
+    return on if T * top_k <= FUSED_MAX_PAIRS else False
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -585,9 +586,11 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
                     bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
-    ``bulk``: the bulk-copy GEMMs (moe_bulk.cu; both sort the routing themselves, T*k <= FUSED_MAX_PAIRS; None:
-    ``bulk_for`` when no register-ring option is given). They take none of ``tiles``, ``l2_prefetch``,
-    ``pf_steps``, ``fuse_route``, ``pf_next``.
+    ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves, T*k <= FUSED_MAX_PAIRS);
+    "down": the register-ring gate/up (fused sort, the table's tiles) and the bulk-copy down (it re-derives the
+    same slots); False: both register-ring; None: ``bulk_for`` when no register-ring option is given. The bulk
+    kernels take none of ``tiles``, ``l2_prefetch``, ``pf_steps``, ``fuse_route``, ``pf_next``; ``bulk_tiles``:
+    their (gate/up, down) blocks (None: the table's).
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
     kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
@@ -615,11 +618,17 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     ring_options = tiles is not None or l2_prefetch or fuse_route is False
     if bulk is None:
-        bulk = not ring_options and bulk_for(T, k)
-    if bulk:
+        bulk = False if ring_options else bulk_for(T, k)
+    if bulk not in (True, False, "down"):
+        raise ValueError(f"bulk: must be True, False or 'down', got {bulk!r}")
+    if bulk is True:
         if ring_options:
             raise ValueError("bulk: the bulk-copy GEMMs take no tiles / l2_prefetch / fuse_route=False")
         return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)
+    if bulk == "down":
+        if fuse_route is False or l2_prefetch:
+            raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
+        fuse_route = True
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
@@ -664,7 +673,10 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
-    plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
+    if bulk == "down":
+        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
+    else:
+        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
 

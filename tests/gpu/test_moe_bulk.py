@@ -222,3 +222,12 @@ def test_every_compiled_bulk_block(layer_name, T, request):
         assert _run(layer, T, 8, seed=3700 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN)) < TOL, gu
     for dn in moe.BULK_DOWN_CANDIDATES:
         assert _run(layer, T, 8, seed=3800 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP, dn)) < TOL, dn
+
+
+@pytest.mark.parametrize("layer_name,T,mode", [("narrow", 1, "uniform"), ("narrow", 20, "one_expert"),
+                                               ("wide", 9, "uniform"), ("tiny", 32, "duplicates")])
+def test_ring_gateup_with_bulk_down(layer_name, T, mode, request):
+    # bulk="down": the register-ring gate/up publishes nothing the bulk down reads but h; the down re-derives
+    # the same slots from its own sort
+    layer = request.getfixturevalue(layer_name)
+    assert _run(layer, T, 8, seed=3900 + T, mode=mode, bulk="down", residual=True) < TOL
