@@ -75,7 +75,7 @@ typedef unsigned long long u64;
 // which starts only after this grid and every kernel between have finished) and then reads the row.
 // Reads of data written while the merge runs must not come from the incoherent L1 / read-only caches:
 // they go through L2 (ld_s1, ChunkRegs::load_l2). Without PDL the merge starts after stage 1 as before
-// and finds the counts complete. Bound: a wait longer than ~8 s traps (a broken protocol fails a test
+// and finds the counts complete. Bound: a wait longer than ~35 s traps (a broken protocol fails a test
 // instead of hanging the GPU).
 // ---------------------------------------------------------------------------------------------------
 template <typename T>
@@ -104,7 +104,7 @@ __device__ __forceinline__ void row_wait(unsigned* row_cnt, int r, int P, int ti
         for (;;) {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(row_cnt + r) : "memory");
             if (c >= (unsigned)P) break;
-            if (clock64() - t0 > (1ll << 34)) __trap();
+            if (clock64() - t0 > (1ll << 36)) __trap();   // ~35 s at 2 GHz (other contexts may time-slice)
             __nanosleep(64);
         }
         row_cnt[r] = 0u;   // ready for the next launch
