@@ -1,7 +1,7 @@
 """Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as fractions of the read ceiling and of the floor
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
-    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs,bulksplit]
+    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs,bulksplit,bulkconfigs]
                                          [--pdl 0|1|both] [--variant oldnew|auto|old,splitk,decode|s3,bulk]
                                          [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
@@ -22,7 +22,8 @@ GEMM and chain with the previous session's selection ('[old]': bench.kernels.old
 current rule, same run, then a side-by-side table; or a comma list of families forced through
 gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule). 's3,bulk' times the session-3 kernels
 (gemm.set_bulk("off")) against the bulk-copy kernel (gemm.set_bulk("all"), cuda_src/gemm_bulk.cu) side by
-side; part 'bulksplit' times the bulk kernel with split factors around its rule's pick, fastest listed.
+side; part 'bulksplit' times the bulk kernel with split factors around its rule's pick, part 'bulkconfigs'
+every bulk config of T's token band (gemm.BULK_ALT_CONFIGS included) against 's3'; fastest listed.
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ def _tag(v):
         return _TAGS[v]
     if v[0] == "bulk":          # ("bulk", split): the rule's bulk config with a forced split-K factor
         return f" [bulk s{v[1]}]"
+    if v[0] == "bulkcfg":       # ("bulkcfg", BulkConfig): that config forced, its rule's split
+        c = v[1]
+        return f" [bulk mt{c.mt} ntw{c.ntw} {c.wm}x{c.wn} bk{c.bk} st{c.stages}]"
     return f" [{_cfg_str(v)}]"
 
 
@@ -159,12 +163,14 @@ def _with_variant(v, fn, shape=None):
                 gemm.set_bulk(ob)
         return run_old
 
-    if v in _BULK_MODE or isinstance(v, tuple) and v and v[0] == "bulk":
+    if v in _BULK_MODE or isinstance(v, tuple) and v and v[0] in ("bulk", "bulkcfg"):
         def run_bulk():
             ob = gemm.set_bulk(_BULK_MODE.get(v, "all") if isinstance(v, str) else "all")
             forced = isinstance(v, tuple)
-            if forced:
+            if forced and v[0] == "bulk":
                 gemm.set_bulk_config(gemm.choose_bulk(shape[0]), v[1])
+            elif forced:
+                gemm.set_bulk_config(v[1], None)
             try:
                 fn()
             finally:
@@ -191,10 +197,11 @@ def _flops(T, N, K, B):
     return 2.0 * T * N * K * B
 
 
-def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, bulksplit=False):
+def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, bulksplit=False, bulkconfigs=False):
     """(name, shape, bytes, flops, fn) per GEMM x T x variant; ``configs``: instead of the variants, every
     compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel; ``bulksplit``:
-    the bulk kernel with the split factors of ``_bulk_splits`` forced."""
+    the bulk kernel with the split factors of ``_bulk_splits`` forced; ``bulkconfigs``: the session-3 kernels
+    ("s3") and every bulk config of T's token band (the rule's and gemm.BULK_ALT_CONFIGS) forced."""
     from ddtree_cupy.kernels import gemm
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = []
@@ -216,7 +223,11 @@ def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, bulkspl
                 gemm.gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
                 it[0] += 1
             nbytes = wbytes + x.nbytes + y.nbytes
-            if bulksplit:
+            if bulkconfigs:
+                main = gemm.choose_bulk(T)
+                vs = ["s3"] + [("bulkcfg", c) for c in (main,) + gemm.BULK_ALT_CONFIGS
+                               if c.tokens() == main.tokens() and K % c.bk == 0]
+            elif bulksplit:
                 sp = _bulk_splits(T, N, K, B, sms)
                 vs = [("bulk", q) for q in sp[0]] if sp else []
             elif configs:
@@ -409,7 +420,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--parts", default="gemm,layers,chain",
-                    help="comma list of gemm, layers, chain, sweep, configs, bulksplit")
+                    help="comma list of gemm, layers, chain, sweep, configs, bulksplit, bulkconfigs")
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
@@ -455,11 +466,12 @@ def main(argv=None):
                 _row(results, bw, tf, kname + tag, shape, nbytes, flops, us, pdl)
         del built
         cp.get_default_memory_pool().free_all_blocks()
-    for part in ("configs", "bulksplit"):     # configs / splits forced, PDL as the engine runs (on where available)
+    for part in ("configs", "bulksplit", "bulkconfigs"):    # forced configs / splits, PDL as the engine runs
         if part not in parts:
             continue
         launch.set_pdl(modes[-1])
-        built = gemm_cases(cp, g_rows, shapes=shapes, configs=part == "configs", bulksplit=part == "bulksplit")
+        built = gemm_cases(cp, g_rows, shapes=shapes, configs=part == "configs", bulksplit=part == "bulksplit",
+                           bulkconfigs=part == "bulkconfigs")
         for kname, shape, nbytes, flops, fn in built:
             try:
                 us = time_graph(fn, iters=64)
@@ -491,6 +503,8 @@ def main(argv=None):
         _best_configs(results)
     if "bulksplit" in parts:
         _best_configs(results, ("[bulk s",))
+    if "bulkconfigs" in parts:
+        _best_configs(results, ("[bulk mt", "[s3]"))
     if len(variants) >= 2:
         _side_by_side(results, [_tag(v) for v in variants])
     if args.json:

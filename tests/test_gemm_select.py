@@ -111,17 +111,19 @@ def test_bulk_configs_fit_and_cover_every_T():
     cs = gemm.BULK_CONFIGS
     assert len(set(cs)) == len(cs)
     assert [c.tokens() for c in cs] == sorted(c.tokens() for c in cs) and cs[-1].tokens() == gemm.MAX_T
-    for c in cs:
+    alts = gemm.BULK_ALT_CONFIGS
+    assert not set(alts) & set(cs) and all(any(a.tokens() == c.tokens() for c in cs) for a in alts)
+    for c in cs + alts:
         assert c.smem() <= 96 * 1024, c               # sm_120: <= 99 KB per block, with headroom
-        assert c.stages >= 3 and 2 * c.stages * 8 <= gemm.BULK_BAR_BYTES
+        assert c.stages >= (3 if c in cs else 2) and 2 * c.stages * 8 <= gemm.BULK_BAR_BYTES   # alts: 2 allowed
         assert c.ntw == 1 or c.ntw % 2 == 0           # the kernel loads token fragments in pairs
         assert c.bk in (32, 64, 128) and (2 * c.bk + 16) % 16 == 0
         assert c.threads() == 32 * (c.wm * c.wn + 1) <= 1024
         # the pad keeps the 8 rows of an ldmatrix phase in 8 distinct 4-bank groups
         assert len({(r * (2 * c.bk + 16) // 4) % 32 // 4 for r in range(8)}) == 8
     names = set(gemm.BULK_SPEC.names)
-    assert all(c.name(f) in names for c in cs for f in (False, True))
-    assert all(c.name(True).endswith(", true>") for c in cs)   # the output type last (tests/_target_shim.py)
+    assert all(c.name(f) in names for c in cs + alts for f in (False, True))
+    assert all(c.name(True).endswith(", true>") for c in cs + alts)   # the output type last (_target_shim.py)
     for T in range(1, gemm.MAX_T + 1):
         c = gemm.choose_bulk(T)
         assert c.tokens() >= T
@@ -193,6 +195,11 @@ def test_bulk_switches_and_plan(monkeypatch):
         with pytest.raises(ValueError, match="cannot serve"):
             gemm.bulk_plan(8, 2112, 96, 1, 132)
         assert gemm.set_bulk_config(None) == (c, 99)
+        a = gemm.BULK_ALT_CONFIGS[0]                 # alternatives can be forced (never picked by the rule)
+        gemm.set_bulk_config(a)
+        assert gemm.bulk_plan(8, 2112, 7168, 1, **H200) == (a, gemm.choose_bulk_split(a, 8, 2112, 7168, 1, **H200))
+        gemm.set_bulk_config(None)
+        assert all(gemm.choose_bulk(T) not in gemm.BULK_ALT_CONFIGS for T in range(1, 161))
         with pytest.raises(ValueError, match="cfg"):
             gemm.set_bulk_config(gemm.BulkConfig(1, 1, 4, 1, 128, 7))
         with pytest.raises(ValueError, match="mode"):

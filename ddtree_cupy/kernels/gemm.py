@@ -275,6 +275,13 @@ BULK_CONFIGS = (
     BulkConfig(2, 8, 4, 2, 32, 4),     # T <= 128: 4 x 20 KB
     BulkConfig(2, 10, 4, 2, 32, 4),    # T <= 160: 4 x 22.5 KB
 )
+# Candidates the rule never picks, compiled so one run can answer the design's open questions (docs/KERNELS.md
+# "Session 4: bulk-copy"); forced by set_bulk_config / bench part 'bulkconfigs'; losers are deleted after it.
+BULK_ALT_CONFIGS = (
+    BulkConfig(1, 1, 4, 1, 64, 8),     # T <= 8: 128-byte copies, 8 slots (7 in flight) instead of 256 B x 5
+    BulkConfig(2, 4, 4, 2, 32, 6),     # T <= 64: 64-byte copies, 6 slots instead of 128 B x 3
+    BulkConfig(2, 10, 4, 2, 64, 2),    # T <= 160: 128-byte copies (half the copy requests), double-buffered
+)
 BULK_MIN_STAGES_PER_SPLIT = 4      # a split keeps >= 4 k stages (a ring's worth) unless K is shorter
 BULK_FLOP_PER_BYTE = 140.0         # mma.sync rate / DRAM read rate (H200: ~640 TFLOP/s / ~4.5 TB/s)
 BULK_REDUCE_FIXED = 4.5e6          # the reduce launch's fixed cost (~1 us), in bytes of DRAM time
@@ -359,8 +366,8 @@ def set_bulk_config(cfg: Optional[BulkConfig], split: Optional[int] = None):
     """Force one bulk config (and optionally its split-K factor, clamped to K / BK) for every bulk call
     (tests, bench), or None for ``choose_bulk`` / ``choose_bulk_split``; returns the old (cfg, split) or None.
     A config whose token tile is smaller than a call's T raises ValueError there."""
-    if cfg is not None and cfg not in BULK_CONFIGS:
-        raise ValueError(f"cfg: not a compiled bulk config: {cfg!r} (see BULK_CONFIGS)")
+    if cfg is not None and cfg not in BULK_CONFIGS + BULK_ALT_CONFIGS:
+        raise ValueError(f"cfg: not a compiled bulk config: {cfg!r} (see BULK_CONFIGS, BULK_ALT_CONFIGS)")
     if split is not None:
         check_range("split", split, 1, 1 << 16)
     old, _FORCED_BULK[0] = _FORCED_BULK[0], (None if cfg is None else (cfg, split))
@@ -395,7 +402,7 @@ def bulk_plan(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
 
 BULK_SPEC = register(KernelSpec(
     src="gemm_bulk.cu",
-    names=tuple(c.name(f) for f in (False, True) for c in BULK_CONFIGS),
+    names=tuple(c.name(f) for f in (False, True) for c in BULK_CONFIGS + BULK_ALT_CONFIGS),
     hot=True, pdl=True,      # weights before DDT_PDL_WAIT only; tokens, ws and out after it
     doc="skinny bf16 GEMM, bulk-copy (cp.async.bulk + mbarrier) producer warp, 2-D consumer warp tiles"))
 

@@ -490,16 +490,17 @@ def _bulk_cases():
     block; the smallest T of the band, fewer weight rows than one block, batched strided views, fp32 out and
     a forced split of 2; an odd T inside the band with 5 row blocks, K = 7168 in 3 uneven splits, strided;
     K = one stage (two for BK = 32: the wrapper's K % 64) with a forced split of 4 (clamped to K / BK)."""
-    from ddtree_cupy.kernels.gemm import BULK_CONFIGS
+    from ddtree_cupy.kernels.gemm import BULK_ALT_CONFIGS, BULK_CONFIGS
     out, lo = [], 1
-    for c in BULK_CONFIGS:
-        hi, bm = c.tokens(), c.rows()
-        mid = min(hi, (lo + hi) // 2 | 1)
-        out += [(c, hi, 2 * bm + 48, 1536, 1, None, False, False),
-                (c, lo, 48, 8 * c.bk, 2, 2, True, True),
-                (c, mid, 5 * bm, 7168, 1, 3, False, True),
-                (c, mid, bm, max(c.bk, 64), 1, 4, True, False)]
-        lo = hi + 1
+    for main in BULK_CONFIGS:       # the alternatives (bench candidates) share a band with a main config
+        for c in (main,) + tuple(a for a in BULK_ALT_CONFIGS if a.tokens() == main.tokens()):
+            hi, bm = c.tokens(), c.rows()
+            mid = min(hi, (lo + hi) // 2 | 1)
+            out += [(c, hi, 2 * bm + 48, 1536, 1, None, False, False),
+                    (c, lo, 48, 8 * c.bk, 2, 2, True, True),
+                    (c, mid, 5 * bm, 7168, 1, 3, False, True),
+                    (c, mid, bm, max(c.bk, 64), 1, 4, True, False)]
+        lo = main.tokens() + 1
     return out
 
 
