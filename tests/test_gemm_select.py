@@ -214,3 +214,18 @@ def test_bulk_switches_and_plan(monkeypatch):
     monkeypatch.setenv("DDT_GEMM_BULK", "yes")
     with pytest.raises(ValueError, match="DDT_GEMM_BULK"):
         gemm._bulk_from_env()
+
+
+def test_partial_elems_follows_the_switch():
+    old = gemm.set_bulk("off")
+    try:
+        for T, N, K, B in ((1, 2112, 7168, 1), (160, 20480, 7168, 1), (16, 512, 128, 8)):
+            s = gemm.choose_split(T, N, K, B, 132)
+            assert gemm.partial_elems(T, N, K, B, **H200) == (B * s * T * N if s > 1 else 0)
+        gemm.set_bulk("all")
+        for T, N, K, B in ((1, 20480, 7168, 1), (160, 2112, 7168, 1), (16, 512, 128, 8)):
+            cfg, s = gemm.bulk_plan(T, N, K, B, **H200)
+            assert gemm.partial_elems(T, N, K, B, **H200) == (B * s * T * N if s > 1 else 0)
+        assert gemm.partial_elems(1, 20480, 7168, 1, **H200) > gemm.choose_split(1, 20480, 7168) * 20480
+    finally:
+        gemm.set_bulk(old)

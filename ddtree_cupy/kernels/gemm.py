@@ -409,6 +409,10 @@ BULK_SPEC = register(KernelSpec(
 
 def _launch_bulk(x, xs, w, w_bs, out, os_, T, N, K, B, out_f32, cfg: BulkConfig, split: int, workspace):
     k_stages = K // cfg.bk
+    if split > 1 and workspace is not None and workspace.nbytes < B * split * T * N * 4:
+        # a caller's workspace sized for the split-K kernel (models/ size theirs with choose_split): use the
+        # largest split it holds rather than fail; partial_elems() gives the size this call would want
+        split = max(1, int(workspace.nbytes) // (B * T * N * 4))
     per = math.ceil(k_stages / split)
     split = math.ceil(k_stages / per)
     ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
@@ -418,6 +422,20 @@ def _launch_bulk(x, xs, w, w_bs, out, os_, T, N, K, B, out_f32, cfg: BulkConfig,
           ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=cfg.smem())
     if split > 1:
         _reduce(ws, split, T, N, B, out, os_, out_f32)
+
+
+def partial_elems(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+                  smem_per_sm: int = 228 * 1024) -> int:
+    """float32 elements of split-K partials a ``gemm_bf16`` call without ``split_k`` writes to its workspace
+    under the current switches (0: none), for callers that preallocate ``workspace=``: the bulk kernel's
+    split when ``bulk_plan`` takes the call, else ``choose_split``'s (an upper bound: the decode family
+    needs none). A workspace smaller than the bulk split wants makes the bulk call use a smaller split."""
+    plan = bulk_plan(T, N, K, batch, sm_count, smem_per_sm)
+    if plan is not None:
+        split = plan[1]
+    else:
+        split = choose_split(T, N, K, batch, sm_count)
+    return batch * split * T * N if split > 1 else 0
 
 
 def _reduce(ws, split, T, N, B, out, os_, out_f32):

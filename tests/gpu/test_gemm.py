@@ -576,3 +576,33 @@ def test_bulk_forced_config_refuses_what_it_cannot_serve():
     finally:
         gemm.set_bulk(old)
         gemm.set_bulk_config(None)
+
+
+def test_bulk_small_caller_workspace_uses_a_smaller_split(monkeypatch):
+    """A caller's workspace sized for fewer partials than the bulk rule's split (models/ size theirs with
+    choose_split): the call uses the largest split the workspace holds (grid.y = 2) and is still right."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm
+    grids = []
+    real = gemm.get_kernel
+
+    def recording(spec, name, **kw):
+        k = real(spec, name, **kw)
+        if not name.startswith("gemm_bf16_kernel_bulk"):
+            return k
+        return lambda grid, block, args, **kw2: (grids.append(tuple(grid)), k(grid, block, args, **kw2))[1]
+    monkeypatch.setattr(gemm, "get_kernel", recording)
+    T, N, K = 1, 2112, 7168
+    rng = np.random.default_rng(5)
+    xb, x = rand_bf16(rng, (T, K))
+    wb, w = rand_bf16(rng, (N, K), 0.05)
+    old = gemm.set_bulk("all")
+    try:
+        assert gemm.bulk_plan(T, N, K, 1, gemm._sm_count(), gemm._smem_per_sm())[1] > 2
+        ws = cp.empty(2 * T * N, np.float32)
+        out = poisoned(cp, (T, N))
+        gemm.gemm_bf16(cp.asarray(xb), cp.asarray(wb), out, workspace=ws)
+    finally:
+        gemm.set_bulk(old)
+    assert [g[1] for g in grids] == [2], grids
+    assert rel_err(f64(out), x @ w.T) < BF16_TOL
