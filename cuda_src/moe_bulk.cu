@@ -42,28 +42,15 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
 }
-// SPIN = 0: every lane try_waits (the hardware may suspend the thread until the phase completes or a time limit
-// passes); 1: every lane polls with test_wait; 2: lane 0 alone try_waits, then __syncwarp orders the other lanes
-// after its acquire (32x fewer barrier probes competing with the copies for shared memory). Measured: MOE.md.
-template <int SPIN>
+// Every lane waits (try_wait: the hardware may suspend the thread until the phase completes). Measured against
+// test_wait polling and a lane-0-only wait + __syncwarp: both slower (docs/MOE.md, session 4).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    if (SPIN == 2) {
-        if ((threadIdx.x & 31) == 0) mbar_wait<0>(bar, parity);
-        __syncwarp();
-        return;
-    }
     uint32_t done = 0;
     do {
-        if (SPIN)
-            asm volatile("{\n\t.reg .pred p;\n\t"
-                         "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                         "selp.u32 %0, 1, 0, p;\n\t}"
-                         : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-        else
-            asm volatile("{\n\t.reg .pred p;\n\t"
-                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                         "selp.u32 %0, 1, 0, p;\n\t}"
-                         : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     } while (!done);
 }
 // Contiguous global -> shared copy by the bulk copy engine (16-byte aligned, size a multiple of 16).
@@ -97,7 +84,7 @@ struct BulkMeta {
 using namespace mbulk;
 
 // Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta].
-template <int MODE, int WM, int WK, int SPW, int NST, int SPIN>
+template <int MODE, int WM, int WK, int SPW, int NST>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -191,7 +178,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
                 if (it < pre) { issue(u, k0, slot, false, true); continue; }
-                if (it >= NST) mbar_wait<SPIN>(empty + slot, ((it / NST) - 1) & 1);
+                if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
                 if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, k0));
                 __syncwarp();
                 issue(u, k0, slot, true, true);
@@ -218,7 +205,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
         for (int s = 0; s < nst_unit; ++s, ++it) {
             const int slot = it % NST;
-            mbar_wait<SPIN>(full + slot, (it / NST) & 1);
+            mbar_wait(full + slot, (it / NST) & 1);
             const unsigned char* st = ring + (size_t)slot * St::BYTES;
             const int ns = min(SS, KS - s * SS);
             if (wactive) {

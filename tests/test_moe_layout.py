@@ -267,6 +267,9 @@ def test_bulk_tiles_fit_sm120_and_the_producer_warp():
 
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
+    monkeypatch.setattr(moe, "BULK_ENV", None)
+    assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
+    assert moe.bulk_for(33, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "1")
     assert moe.bulk_for(32, 8) is True and moe.bulk_for(33, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "down")

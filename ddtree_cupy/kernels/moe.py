@@ -234,7 +234,6 @@ class BulkTile:
     wk: int
     spw: int      # k64 steps per consumer warp and stage
     nst: int      # ring stages
-    spin: int = 0     # barrier wait: 0 try_wait by every lane, 1 test_wait polls, 2 lane 0 only (moe_bulk.cu)
 
     @property
     def threads(self) -> int:
@@ -257,19 +256,20 @@ class BulkTile:
         return self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
 
 
-# gate/up: K = H is long, so eight warps split each 8-step stage (one step each) and reduce at the unit's end;
+# gate/up: K = H is long, so eight warps split each 16-step stage (two steps each) and reduce at the unit's end;
 # down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over the whole stage (no reduction).
-BULK_GATEUP = BulkTile(wm=1, wk=8, spw=1, nst=4)
-BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=3)
+# Measured on the H200 (docs/MOE.md, session 4): the consumers' per-stage chain (barrier -> shared loads ->
+# dequantise -> mma -> release), not the bytes in flight, bounds these kernels: 2 x 16-step gate/up stages beat
+# 4 x 8 (T = 8 layer 95.2 -> 77.1 us) while 2 x 8 tied 4 x 8; the down's 2 stages beat 3 (more blocks per SM).
+BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
+BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
-BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 1, 4, spin=1), BulkTile(1, 8, 1, 2), BulkTile(2, 4, 1, 5),
-                          BulkTile(1, 4, 2, 4), BulkTile(1, 8, 2, 2), BulkTile(1, 8, 1, 4, spin=2))
-BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3, spin=1), BulkTile(4, 1, 4, 2), BulkTile(2, 2, 2, 4),
-                        BulkTile(4, 1, 4, 3, spin=2))
+BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 1, 4), BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2))
+BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3), BulkTile(4, 2, 2, 2), BulkTile(2, 1, 4, 3))
 
 
 def _bulk_name(mode: int, bt: BulkTile) -> str:
-    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {bt.spin}>"
+    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}>"
 
 
 SPEC_BULK = register(KernelSpec(
@@ -280,16 +280,19 @@ SPEC_BULK = register(KernelSpec(
     pdl=True,      # gate/up waits first; down waits before its first read of h (see the .cu header)
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
 
-# The rule: the bulk-copy GEMMs wherever they apply (T*k <= FUSED_MAX_PAIRS) once measured faster; until then the
-# register-ring GEMMs. Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none where they apply.
-BULK_DEFAULT = False
+# The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
+# register-ring GEMMs below (T = 1: 19.2 vs 21.7 us at I = 256; T = 4 tied; T = 8: 84.4 -> 77.1 us, T = 32:
+# 222.5 -> 205.5; MOE.md session 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
+# wherever they apply (any T).
+BULK_DEFAULT = True
+BULK_MIN_T = 4
 BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
 
 
 def bulk_for(T: int, top_k: int):
     """Which GEMMs the table runs bulk-copy for T tokens: True (both), "down" or False; only where both kernels
     can sort in shared memory (T*k <= FUSED_MAX_PAIRS)."""
-    on = BULK_DEFAULT
+    on = BULK_DEFAULT and T >= BULK_MIN_T
     if BULK_ENV is not None:
         if BULK_ENV not in ("0", "1", "down"):
             raise ValueError(f"DDT_MOE_BULK: must be 0, 1 or down, got {BULK_ENV!r}")
