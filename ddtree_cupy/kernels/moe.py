@@ -256,16 +256,17 @@ class BulkTile:
         return self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
 
 
-# gate/up: K = H is long, so eight warps split each 16-step stage (two steps each) and reduce at the unit's end;
-# down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over the whole stage (no reduction).
-# Measured on the H200 (docs/MOE.md, session 4): the consumers' per-stage chain (barrier -> shared loads ->
-# dequantise -> mma -> release), not the bytes in flight, bounds these kernels: 2 x 16-step gate/up stages beat
-# 4 x 8 (T = 8 layer 95.2 -> 77.1 us) while 2 x 8 tied 4 x 8; the down's 2 stages beat 3 (more blocks per SM).
-BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
+# gate/up: 2 x 4 warps: two tile pairs per unit, K split four ways with two k64 steps per warp in each 8-step
+# stage, reduced at the unit's end; down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over
+# the whole stage (no reduction). Measured on the H200 (docs/MOE.md, session 4): the consumers' per-stage chain
+# (barrier -> shared loads -> dequantise -> mma -> release), not the bytes in flight, bounds these kernels: more
+# k64 steps per warp and stage won (1 x 8 warps, 1 step, 4 stages: I = 256 T = 8 layer 95.2 us; 2 steps, 2 stages:
+# 73.2; this block: 73.6, and 112.7 vs 119.8 at T = 16, 444 vs 471 at I = 2048 T = 8); the down's 2 stages beat 3.
+BULK_GATEUP = BulkTile(wm=2, wk=4, spw=2, nst=2)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
-BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 1, 4), BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2))
-BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3), BulkTile(4, 2, 2, 2), BulkTile(2, 1, 4, 3))
+BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 2, 2), BulkTile(1, 4, 4, 2))
+BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
 def _bulk_name(mode: int, bt: BulkTile) -> str:
@@ -281,8 +282,8 @@ SPEC_BULK = register(KernelSpec(
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
 
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
-# register-ring GEMMs below (T = 1: 19.2 vs 21.7 us at I = 256; T = 4 tied; T = 8: 84.4 -> 77.1 us, T = 32:
-# 222.5 -> 205.5; MOE.md session 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
+# register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied; T = 8 80.0 -> 73.2,
+# T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md session 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
 # wherever they apply (any T).
 BULK_DEFAULT = True
 BULK_MIN_T = 4
