@@ -99,11 +99,12 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # variant, or the fallback: DDT_TREE_VARIANT=7 is the previous H200-proven default).
 # 8: lead's integration run of session 3 (bench/results/tree_h200.json; every DDTree GPU test passed): 10 x 64
 # bf16 total 40.5 (7) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
-# 11 (session 4): NOT yet run on a GPU. Decision rule (docs/DDTREE.md "Stage 1 -> merge overlap"): the default
-# becomes 11 (DEFAULT_VARIANT = 11 here) if every GPU test with "ovl" in its id passes, every bench row says
-# "same: yes" and its 10 x 64 bf16 "total, PDL" is below 8's in the same run; DDT_TREE_VARIANT=11 / =8 selects
-# either without editing this file. Flipping it also needs the engine's CPU emulation of the kernels
-# (tests/test_engine_cpu.py KERNELS) to accept the top-K kernels' extra row_cnt argument.
+# 11 (session 4, lead's integration run, bench/results/tree_h200_ovl.json; all its GPU tests passed): 10 x 64 bf16
+# total with PDL 35.0 (8) -> 34.6 us, 0.3-0.6 us elsewhere at bf16: the rule set before the run was met, but the
+# engine launches with PDL only at <= 64 rows, where 11 saves ~0.3 us of a ~9 ms step, and its protocol adds a
+# cross-kernel spin-wait; 8 stays the default (docs/DDTREE.md "Variant 11 measured"). DDT_TREE_VARIANT=11
+# selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
+# extra row_cnt argument).
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
