@@ -1,9 +1,8 @@
 """Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as fractions of the read ceiling and of the floor
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
-    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs,bulksplit,bulkconfigs]
-                                         [--pdl 0|1|both] [--variant oldnew|auto|old,splitk,decode|s3,bulk]
-                                         [--rows 1,8,16]
+    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
+                                         [--variant oldnew|auto|old,splitk,decode] [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
@@ -20,10 +19,7 @@ config (and split-K) forced at each shape and T, then the fastest per shape. --p
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule). 's3,bulk' times the session-3 kernels
-(gemm.set_bulk("off")) against the bulk-copy kernel (gemm.set_bulk("all"), cuda_src/gemm_bulk.cu) side by
-side; part 'bulksplit' times the bulk kernel with split factors around its rule's pick, part 'bulkconfigs'
-every bulk config of T's token band (gemm.BULK_ALT_CONFIGS included) against 's3'; fastest listed.
+gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule).
 """
 from __future__ import annotations
 
@@ -74,36 +70,11 @@ def _variants(T, variants):
     return [v for v in variants if v != "decode" or T <= 16]
 
 
-# Bulk-copy family (gemm_bulk.cu): "s3" = the session-3 kernels (gemm.set_bulk("off"): decode rule for
-# T <= 16, split-K above); "bulk" = gemm.set_bulk("all") with its rule's config and split; ("bulk", s) =
-# the same config with split s forced (part 'bulksplit'). Every other variant keeps the module's bulk mode.
-_BULK_MODE = {"s3": "off", "bulk": "all"}
-
-
-def _bulk_splits(T, N, K, B, sms):
-    """Split factors timed by part 'bulksplit': the rule's pick, 1, half and double (distinct, launchable)."""
-    from ddtree_cupy.kernels import gemm
-    cfg = gemm.choose_bulk(T)
-    if K % cfg.bk:
-        return []
-    ks = K // cfg.bk
-    pick = gemm.choose_bulk_split(cfg, T, N, K, B, sms, gemm._smem_per_sm())
-    eff = lambda s: math.ceil(ks / math.ceil(ks / max(1, min(s, ks))))  # noqa: E731
-    return sorted({eff(s) for s in (1, pick // 2, pick, 2 * pick)}), pick
-
-
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "s3": " [s3]", "bulk": " [bulk]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]"}
 
 
 def _tag(v):
-    if isinstance(v, str):
-        return _TAGS[v]
-    if v[0] == "bulk":          # ("bulk", split): the rule's bulk config with a forced split-K factor
-        return f" [bulk s{v[1]}]"
-    if v[0] == "bulkcfg":       # ("bulkcfg", BulkConfig): that config forced, its rule's split
-        c = v[1]
-        return f" [bulk mt{c.mt} ntw{c.ntw} {c.wm}x{c.wn} bk{c.bk} st{c.stages}]"
-    return f" [{_cfg_str(v)}]"
+    return _TAGS[v] if isinstance(v, str) else f" [{_cfg_str(v)}]"
 
 
 def _cfg_str(c):
@@ -155,41 +126,20 @@ def _with_variant(v, fn, shape=None):
         def run_old():
             real = gemm.gemm_bf16
             gemm.gemm_bf16 = _old_gemm(real)
-            ob = gemm.set_bulk("off")
             try:
                 fn()
             finally:
                 gemm.gemm_bf16 = real
-                gemm.set_bulk(ob)
         return run_old
-
-    if v in _BULK_MODE or isinstance(v, tuple) and v and v[0] in ("bulk", "bulkcfg"):
-        def run_bulk():
-            ob = gemm.set_bulk(_BULK_MODE.get(v, "all") if isinstance(v, str) else "all")
-            forced = isinstance(v, tuple)
-            if forced and v[0] == "bulk":
-                gemm.set_bulk_config(gemm.choose_bulk(shape[0]), v[1])
-            elif forced:
-                gemm.set_bulk_config(v[1], None)
-            try:
-                fn()
-            finally:
-                gemm.set_bulk(ob)
-                if forced:
-                    gemm.set_bulk_config(None)
-        return run_bulk
 
     def run():
         fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else (v, None)
         old, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
-        ob = gemm.set_bulk("off") if v in ("old", "splitk", "decode") or cfg is not None else None
         try:
             fn()
         finally:
             gemm.set_variant(old)
             gemm.set_decode_config(od)
-            if ob is not None:
-                gemm.set_bulk(ob)
     return run
 
 
@@ -197,13 +147,10 @@ def _flops(T, N, K, B):
     return 2.0 * T * N * K * B
 
 
-def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, bulksplit=False, bulkconfigs=False):
+def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
     """(name, shape, bytes, flops, fn) per GEMM x T x variant; ``configs``: instead of the variants, every
-    compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel; ``bulksplit``:
-    the bulk kernel with the split factors of ``_bulk_splits`` forced; ``bulkconfigs``: the session-3 kernels
-    ("s3") and every bulk config of T's token band (the rule's and gemm.BULK_ALT_CONFIGS) forced."""
+    compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel."""
     from ddtree_cupy.kernels import gemm
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = []
     for name, N, K, B in GEMMS:
         if shapes and not any(k in name for k in shapes):
@@ -223,14 +170,7 @@ def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, bulkspl
                 gemm.gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
                 it[0] += 1
             nbytes = wbytes + x.nbytes + y.nbytes
-            if bulkconfigs:
-                main = gemm.choose_bulk(T)
-                vs = ["s3"] + [("bulkcfg", c) for c in (main,) + gemm.BULK_ALT_CONFIGS
-                               if c.tokens() == main.tokens() and K % c.bk == 0]
-            elif bulksplit:
-                sp = _bulk_splits(T, N, K, B, sms)
-                vs = [("bulk", q) for q in sp[0]] if sp else []
-            elif configs:
+            if configs:
                 vs = [c for c in gemm.DEC_CONFIGS if T <= 16 and c.nt == (1 if T <= 8 else 2) and N % c.rows() == 0]
                 vs += ["splitk"]
             else:
@@ -398,11 +338,11 @@ def _side_by_side(results, tags):
         print(f"{base[:40]:40} {shape[:20]:20} " + " ".join(f"{c:>14}" for c in cells))
 
 
-def _best_configs(results, marks=("[dec ", "[splitk]")):
-    """Per (GEMM, shape) of the configs (or bulksplit) part: the fastest forced config."""
+def _best_configs(results):
+    """Per (GEMM, shape) of the configs part: the fastest forced config and the rule's pick."""
     best = {}
     for r in results:
-        if not any(m in r["kernel"] for m in marks):
+        if "[dec " not in r["kernel"] and "[splitk]" not in r["kernel"]:
             continue
         base = r["kernel"].replace(" [pdl]", "")
         base, cfg = base[: base.index(" [")], base[base.index(" [") + 2:-1]
@@ -420,12 +360,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--parts", default="gemm,layers,chain",
-                    help="comma list of gemm, layers, chain, sweep, configs, bulksplit, bulkconfigs")
+                    help="comma list of gemm, layers, chain, sweep, configs")
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode, s3 (bulk off), bulk (bulk on)")
+                         "'auto', or a comma list of auto, old, splitk, decode")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)
@@ -466,12 +406,9 @@ def main(argv=None):
                 _row(results, bw, tf, kname + tag, shape, nbytes, flops, us, pdl)
         del built
         cp.get_default_memory_pool().free_all_blocks()
-    for part in ("configs", "bulksplit", "bulkconfigs"):    # forced configs / splits, PDL as the engine runs
-        if part not in parts:
-            continue
+    if "configs" in parts:     # every config forced, PDL as the engine runs (on where available)
         launch.set_pdl(modes[-1])
-        built = gemm_cases(cp, g_rows, shapes=shapes, configs=part == "configs", bulksplit=part == "bulksplit",
-                           bulkconfigs=part == "bulkconfigs")
+        built = gemm_cases(cp, g_rows, shapes=shapes, configs=True)
         for kname, shape, nbytes, flops, fn in built:
             try:
                 us = time_graph(fn, iters=64)
@@ -501,10 +438,6 @@ def main(argv=None):
     launch.set_pdl(False)
     if "configs" in parts:
         _best_configs(results)
-    if "bulksplit" in parts:
-        _best_configs(results, ("[bulk s",))
-    if "bulkconfigs" in parts:
-        _best_configs(results, ("[bulk mt", "[s3]"))
     if len(variants) >= 2:
         _side_by_side(results, [_tag(v) for v in variants])
     if args.json:

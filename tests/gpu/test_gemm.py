@@ -2,9 +2,7 @@
 fp32 output, and replay inside a CUDA graph; both families ("splitk", "decode") at every engine shape for
 T <= 16, graph replay == eager, and a PDL-launched chain == the plain one; every decode config the selection
 can choose, forced, at edge shapes (odd T, strided and batched views, K not a multiple of the slices,
-clusters and warps with empty K ranges), bit-identical across repeats and under graph replay; the bulk-copy
-family (gemm_bulk.cu, "bulk" variant) at every engine shape for T = 1..160, graph replay == eager and PDL
-chain == plain at T <= 16 and above, every bulk config forced with forced split-K factors at edge shapes.
+clusters and warps with empty K ranges), bit-identical across repeats and under graph replay.
 Every output buffer is filled on the stream that launches the GEMM (a fill on the legacy default stream
 is not ordered before work on a non-blocking stream)."""
 import functools
@@ -140,7 +138,6 @@ def test_gemm_graph_replay():
 def test_gemm_bad_args():
     import cupy as cp
     from ddtree_cupy.kernels.gemm import gemm_bf16
-    x = cp.zeros((4, 100), np.uint16)
     with pytest.raises(ValueError, match="K"):
         gemm_bf16(cp.zeros((4, 96), np.uint16), cp.zeros((64, 96), np.uint16))
     with pytest.raises(ValueError, match="w"):
@@ -169,10 +166,9 @@ def _weight(N, K, B):
     return cp.asarray(wb), w
 
 
-@pytest.fixture(params=["splitk", "decode", "bulk"])
+@pytest.fixture(params=["splitk", "decode"])
 def variant(request, monkeypatch):
-    """Forces one kernel family ("bulk": gemm.set_bulk("all"), the bulk-copy kernel of gemm_bulk.cu with
-    its rule's config and split); yields (variant, names of the kernels launched since)."""
+    """Forces one kernel; yields (variant, names of the kernels launched since)."""
     from ddtree_cupy.kernels import gemm
     launched = []
     real = gemm.get_kernel
@@ -181,22 +177,15 @@ def variant(request, monkeypatch):
         launched.append(name)
         return real(spec, name, **kw)
     monkeypatch.setattr(gemm, "get_kernel", recording)
-    old = gemm.set_variant("auto" if request.param == "bulk" else request.param)
-    old_bulk = gemm.set_bulk("all" if request.param == "bulk" else "off")
+    old = gemm.set_variant(request.param)
     yield request.param, launched
     gemm.set_variant(old)
-    gemm.set_bulk(old_bulk)
-
-
-def _family(name):
-    if name.startswith("gemm_bf16_kernel_bulk"):
-        return "bulk"
-    return "decode" if name.startswith("gemm_bf16_kernel_decode") else "splitk"
 
 
 def _assert_kernel(variant, launched):
     v, names = variant, launched
-    used = {_family(n) for n in names if n.startswith("gemm_bf16_kernel")}
+    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "splitk" for n in names
+            if n.startswith("gemm_bf16_kernel")}
     assert used == {v}, (v, names)
 
 
@@ -205,18 +194,6 @@ def _assert_kernel(variant, launched):
 def test_engine_shapes_both_kernels(variant, name, N, K, B, f32, T):
     """Every engine shape through the forced kernel; odd T use strided x / out views (batched shapes always:
     per-head slices of [T, heads, width] rows), and the padding around a view must stay poisoned."""
-    _check_engine_shape(variant, name, N, K, B, f32, T)
-
-
-@pytest.mark.parametrize("variant", ["bulk"], indirect=True)
-@pytest.mark.parametrize("T", [17, 33, 64, 81, 113, 160])     # every token band above 16
-@pytest.mark.parametrize("name,N,K,B,f32", ENGINE, ids=[e[0] for e in ENGINE])
-def test_engine_shapes_bulk_large_T(variant, name, N, K, B, f32, T):
-    """The bulk kernel at every engine shape for T > 16 (every token band, its rule's split-K)."""
-    _check_engine_shape(variant, name, N, K, B, f32, T)
-
-
-def _check_engine_shape(variant, name, N, K, B, f32, T):
     import cupy as cp
     from ddtree_cupy.kernels.gemm import gemm_bf16
     v, launched = variant
@@ -287,18 +264,6 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
         assert cp.array_equal(out, eager)
         got = out.get().astype(np.float64) if f32 else f64(out)
         assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
-
-
-@pytest.mark.parametrize("variant", ["bulk"], indirect=True)
-@pytest.mark.parametrize("T,N,K,f32", [(17, 2112, 7168, False), (64, 7168, 1024, False), (160, 384, 7168, True)])
-def test_engine_graph_replay_equals_eager_bulk_large_T(variant, T, N, K, f32):
-    test_engine_graph_replay_equals_eager(variant, T, N, K, f32)
-
-
-@pytest.mark.parametrize("variant", ["bulk"], indirect=True)
-@pytest.mark.parametrize("T", [40, 160])
-def test_engine_pdl_chain_equals_plain_bulk_large_T(variant, T):
-    test_engine_pdl_chain_equals_plain(variant, T)
 
 
 @pytest.mark.parametrize("T", [1, 16])
@@ -482,127 +447,3 @@ def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
             assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
     finally:
         launch.set_pdl(False)
-
-
-# ---- the bulk-copy family (gemm_bulk.cu): every config forced, with forced split-K factors ----------------
-def _bulk_cases():
-    """Per config (token band lo..hi): the full token tile with the rule's split and a partial last row
-    block; the smallest T of the band, fewer weight rows than one block, batched strided views, fp32 out and
-    a forced split of 2; an odd T inside the band with 5 row blocks, K = 7168 in 3 uneven splits, strided;
-    K = one stage (two for BK = 32: the wrapper's K % 64) with a forced split of 4 (clamped to K / BK)."""
-    from ddtree_cupy.kernels.gemm import BULK_ALT_CONFIGS, BULK_CONFIGS
-    out, lo = [], 1
-    for main in BULK_CONFIGS:       # the alternatives (bench candidates) share a band with a main config
-        for c in (main,) + tuple(a for a in BULK_ALT_CONFIGS if a.tokens() == main.tokens()):
-            hi, bm = c.tokens(), c.rows()
-            mid = min(hi, (lo + hi) // 2 | 1)
-            out += [(c, hi, 2 * bm + 48, 1536, 1, None, False, False),
-                    (c, lo, 48, 8 * c.bk, 2, 2, True, True),
-                    (c, mid, 5 * bm, 7168, 1, 3, False, True),
-                    (c, mid, bm, max(c.bk, 64), 1, 4, True, False)]
-        lo = main.tokens() + 1
-    return out
-
-
-@pytest.mark.parametrize("cfg,T,N,K,B,split,f32,strided", _bulk_cases(),
-                         ids=lambda v: str(tuple(v)) if isinstance(v, tuple) else str(v))
-def test_every_bulk_config(monkeypatch, cfg, T, N, K, B, split, f32, strided):
-    """A forced bulk config (and split): two calls into re-poisoned outputs give the same bits, right against
-    float64 per token and per 16-feature block, nothing written outside a strided output view; the launched
-    kernels are the config's (plus the split-K reduce when split > 1)."""
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm
-    rng = np.random.default_rng(hash((tuple(cfg), T, N, K, B)) % 2**32)
-    launched = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        launched.append(name)
-        return real(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
-    dt = np.float32 if f32 else np.uint16
-    xb, x = rand_bf16(rng, (B, T, K))
-    wb, w = rand_bf16(rng, (B, N, K), 0.05)
-    w_dev = cp.asarray(wb)
-    if strided:     # x rows inside wider [T, B, K + 64] rows, out inside [T, B, N + 32] rows
-        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
-        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
-        obuf = poisoned(cp, (T, B, N + 32), dt)
-        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:, :, 16:16 + N].transpose(1, 0, 2)
-    else:
-        obuf = None
-        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
-    if B == 1:
-        x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
-    old_bulk = gemm.set_bulk("all")
-    gemm.set_bulk_config(cfg, split)
-    try:
-        plan = gemm.bulk_plan(T, N, K, B, gemm._sm_count())
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-        first = out.copy()
-        out.fill(np.nan if f32 else 0xFFFF)
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-    finally:
-        gemm.set_bulk(old_bulk)
-        gemm.set_bulk_config(None)
-    assert plan[0] == cfg and (split is None or plan[1] == min(split, K // cfg.bk))
-    assert [n for n in launched if n.startswith("gemm_bf16_kernel")] == [cfg.name(f32)] * 2, launched
-    assert any(n.startswith("gemm_splitk_reduce") for n in launched) == (plan[1] > 1), launched
-    assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
-    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
-    ref = np.matmul(x, w.transpose(0, 2, 1))
-    tol = 1e-5 if f32 else BF16_TOL
-    assert rel_err(got, ref) < tol
-    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
-    assert err_bt.max() < 4 * tol, err_bt.max()
-    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731   (a wrong 16-feature offset cannot hide)
-    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
-    assert err_blk.max() < 16 * tol, err_blk.max()
-    if obuf is not None:
-        pad = obuf.get()
-        bad = np.isnan(pad) if f32 else pad == 0xFFFF
-        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output view"
-
-
-def test_bulk_forced_config_refuses_what_it_cannot_serve():
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm
-    x, w = cp.zeros((33, 1024), np.uint16), cp.zeros((64, 1024), np.uint16)
-    old = gemm.set_bulk("all")
-    gemm.set_bulk_config(gemm.BULK_CONFIGS[2])       # a 32-token tile
-    try:
-        with pytest.raises(ValueError, match="cannot serve"):
-            gemm.gemm_bf16(x, w, cp.empty((33, 64), np.uint16))
-    finally:
-        gemm.set_bulk(old)
-        gemm.set_bulk_config(None)
-
-
-def test_bulk_small_caller_workspace_uses_a_smaller_split(monkeypatch):
-    """A caller's workspace sized for fewer partials than the bulk rule's split (models/ size theirs with
-    choose_split): the call uses the largest split the workspace holds (grid.y = 2) and is still right."""
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm
-    grids = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        k = real(spec, name, **kw)
-        if not name.startswith("gemm_bf16_kernel_bulk"):
-            return k
-        return lambda grid, block, args, **kw2: (grids.append(tuple(grid)), k(grid, block, args, **kw2))[1]
-    monkeypatch.setattr(gemm, "get_kernel", recording)
-    T, N, K = 1, 2112, 7168
-    rng = np.random.default_rng(5)
-    xb, x = rand_bf16(rng, (T, K))
-    wb, w = rand_bf16(rng, (N, K), 0.05)
-    old = gemm.set_bulk("all")
-    try:
-        assert gemm.bulk_plan(T, N, K, 1, gemm._sm_count(), gemm._smem_per_sm())[1] > 2
-        ws = cp.empty(2 * T * N, np.float32)
-        out = poisoned(cp, (T, N))
-        gemm.gemm_bf16(cp.asarray(xb), cp.asarray(wb), out, workspace=ws)
-    finally:
-        gemm.set_bulk(old)
-    assert [g[1] for g in grids] == [2], grids
-    assert rel_err(f64(out), x @ w.T) < BF16_TOL
