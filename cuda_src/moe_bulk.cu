@@ -128,6 +128,11 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     }
     const int n_units = n_chunks * n_mg;
     const int nst_unit = (KS + SS - 1) / SS;
+    // Down GEMM whose stage holds the whole K (I <= 64 * SS): tiles and h rows are contiguous runs (one copy each)
+    // and the h rows land unpadded (x_pitch = the h row: a 2-way bank conflict on the B loads, against ~5x fewer
+    // copies per stage).
+    const bool whole = MODE == 1 && KS == SS && act_stride == KS * 64;
+    const int x_pitch = whole ? KS * 128 : St::X_PITCH;
 
     if (warp == NCW) {
         // ---------------- producer warp ----------------
@@ -139,6 +144,18 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             const int tile0 = mg * WM * 2;
             const int ns = min(SS, KS - k0);
             unsigned char* st = ring + (size_t)slot * St::BYTES;
+            if (whole) {
+                // The stage is the unit's whole K: its tiles' weights, their scales and the chunk's h rows are
+                // three contiguous runs, so three copies instead of one per tile and token row (the copy unit's
+                // cost is per request: docs/MOE.md).
+                const int ntl = min(2 * WM, ntiles - tile0);
+                const size_t blk = ((size_t)ch.x * ntiles + tile0) * KS;
+                if (weights && lane == 0) bulk_g2s(st, wp + blk * 32, ntl * KS * 512, full + slot);
+                if (weights && lane == 1) bulk_g2s(st + St::W_BYTES, sp + blk * 8, ntl * KS * 64, full + slot);
+                if (acts && lane == 2)
+                    bulk_g2s(st + St::W_BYTES + St::S_BYTES, act + (size_t)ch.y * act_stride, ch.z * KS * 128, full + slot);
+                return;
+            }
             if (weights && lane < 4 * WM) {
                 const int r = lane < 2 * WM ? lane : lane - 2 * WM;
                 if (tile0 + r < ntiles) {
@@ -215,7 +232,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                     if (ks < ns) {
                         // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
                         // whatever it holds never reaches a stored column.
-                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * St::X_PITCH + ks * 128 + 16 * t;
+                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * x_pitch + ks * 128 + 16 * t;
                         const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
                         const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
 #pragma unroll
