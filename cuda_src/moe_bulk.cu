@@ -90,7 +90,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
-        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y) {
+        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok) {
     constexpr int NCW = WM * WK;          // consumer warps
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS>;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     // Down GEMM whose stage holds the whole K (I <= 64 * SS): tiles and h rows are contiguous runs (one copy each)
     // and the h rows land unpadded (x_pitch = the h row: a 2-way bank conflict on the B loads, against ~5x fewer
     // copies per stage).
-    const bool whole = MODE == 1 && KS == SS && act_stride == KS * 64;
+    const bool whole = whole_ok && MODE == 1 && KS == SS && act_stride == KS * 64;
     const int x_pitch = whole ? KS * 128 : St::X_PITCH;
 
     if (warp == NCW) {

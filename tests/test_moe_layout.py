@@ -279,3 +279,14 @@ def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeyp
     monkeypatch.setattr(moe, "BULK_ENV", "yes")
     with pytest.raises(ValueError, match="DDT_MOE_BULK"):
         moe.bulk_for(1, 8)
+
+
+def test_bulk_tiles_env_override(monkeypatch):
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2;dn=4,1,4,3")
+    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=3,3,3,3")
+    with pytest.raises(ValueError, match="compiled"):
+        moe._env_bulk_tiles()
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,x")
+    with pytest.raises(ValueError, match="DDT_MOE_BULK_TILES"):
+        moe._env_bulk_tiles()

@@ -269,6 +269,31 @@ BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 2, 2), BulkTile(1, 4, 4, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
+# Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
+# picks compiled blocks (the table's or a candidate); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K
+# stage (three copies per stage instead of one per tile and token row).
+BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
+
+
+def _env_bulk_tiles() -> Tuple[BulkTile, BulkTile]:
+    gu, dn = BULK_GATEUP, BULK_DOWN
+    v = os.environ.get("DDT_MOE_BULK_TILES", "")
+    for part in filter(None, v.split(";")):
+        key, _, nums = part.partition("=")
+        try:
+            t = BulkTile(*(int(n) for n in nums.split(",")))
+        except (TypeError, ValueError):
+            raise ValueError(f"DDT_MOE_BULK_TILES: {part!r} is not gu=wm,wk,spw,nst or dn=wm,wk,spw,nst") from None
+        allowed = {"gu": (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES, "dn": (BULK_DOWN,) + BULK_DOWN_CANDIDATES}
+        if key not in allowed or t not in allowed[key]:
+            raise ValueError(f"DDT_MOE_BULK_TILES: {part!r} is not a compiled block ({allowed.get(key)})")
+        if key == "gu":
+            gu = t
+        else:
+            dn = t
+    return gu, dn
+
+
 def _bulk_name(mode: int, bt: BulkTile) -> str:
     return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}>"
 
@@ -708,7 +733,7 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan)."""
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
-    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else (BULK_GATEUP, BULK_DOWN)
+    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles()
     if gu_tile not in (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES or dn_tile not in (BULK_DOWN,) + BULK_DOWN_CANDIDATES:
         raise ValueError(f"bulk_tiles: {bulk_tiles} are not compiled (BULK_*_CANDIDATES)")
     if T * k > FUSED_MAX_PAIRS:
@@ -720,7 +745,8 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     i32 = np.int32
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // 8)
-    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y)
+    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y,
+              i32(BULK_WHOLE))
     plan = []
     for name, mode, bt, w, s, N, KS, act, act_stride in (
             ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),

@@ -231,3 +231,15 @@ def test_ring_gateup_with_bulk_down(layer_name, T, mode, request):
     # the same slots from its own sort
     layer = request.getfixturevalue(layer_name)
     assert _run(layer, T, 8, seed=3900 + T, mode=mode, bulk="down", residual=True) < TOL
+
+
+@pytest.mark.parametrize("layer_name,T", [("narrow", 8), ("tiny256", 29)])
+def test_down_whole_k_stage_is_bit_identical_to_per_tile_copies(layer_name, T, request, monkeypatch):
+    # I = 256: the down stage holds the whole K, copied as three runs (tiles, scales, h rows, unpadded) or,
+    # with BULK_WHOLE off, one copy per tile and token row: same data, same arithmetic, same bits
+    layer = request.getfixturevalue(layer_name)
+    o1, y1, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
+    monkeypatch.setattr(moe, "BULK_WHOLE", False)
+    o0, y0, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(o1, o0)
