@@ -256,16 +256,17 @@ class BulkTile:
         return self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
 
 
-# gate/up: 2 x 4 warps: two tile pairs per unit, K split four ways with two k64 steps per warp in each 8-step
+# gate/up: 1 x 8 warps: one tile pair per unit, K split eight ways with two k64 steps per warp in each 16-step
 # stage, reduced at the unit's end; down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over
-# the whole stage (no reduction). Measured on the H200 (docs/MOE.md, session 4): the consumers' per-stage chain
-# (barrier -> shared loads -> dequantise -> mma -> release), not the bytes in flight, bounds these kernels: more
+# the whole stage (no reduction; at I <= 256 the stage is the whole K: three copies). Measured on the H200
+# (docs/MOE.md, session 4): the consumers' per-stage chain, not the bytes in flight, bounds these kernels: more
 # k64 steps per warp and stage won (1 x 8 warps, 1 step, 4 stages: I = 256 T = 8 layer 95.2 us; 2 steps, 2 stages:
-# 73.2; this block: 73.6, and 112.7 vs 119.8 at T = 16, 444 vs 471 at I = 2048 T = 8); the down's 2 stages beat 3.
-BULK_GATEUP = BulkTile(wm=2, wk=4, spw=2, nst=2)
+# 73.2); the 2 x 4 gate/up block ties it alone (73.6; 112.7 vs 119.8 at T = 16) but costs the PDL step 1 x 8
+# 9.10 -> 9.74 ms (3 blocks per SM leave the down kernel no room to start early); the down's 2 stages beat 3.
+BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
-BULK_GATEUP_CANDIDATES = (BulkTile(1, 8, 2, 2), BulkTile(1, 4, 4, 2))
+BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
