@@ -95,7 +95,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS>;
     static_assert(4 * WM + 8 <= 32, "one producer lane per copy: 2*WM weight tiles, their scales, 8 token rows");
-    constexpr int RED = WK > 1 ? NCW * 2 * 4 * 32 : 1;
+    // K-split partials, double-buffered by unit parity: one barrier per unit (a warp can only reach the next
+    // unit's barrier, and so the buffer after it, once every warp has finished this unit's epilogue reads).
+    constexpr int RED_UNIT = NCW * 2 * 4 * 32;
+    constexpr int RED = WK > 1 ? 2 * RED_UNIT : 1;
     __shared__ float red[RED];
     extern __shared__ __align__(128) unsigned char bulk_dyn[];
     uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
@@ -209,6 +212,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     const int wm = warp % WM, kw = warp / WM;
     const int g = lane >> 2, t = lane & 3;
     int it = 0;
+    int unit_parity = 0;
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         const int mg = u / n_chunks;
         const int4 ch = so.chunks[u - mg * n_chunks];
@@ -264,44 +268,47 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             if (lane == 0) mbar_arrive(empty + slot);
         }
 
+        // Epilogue of column q (token j = 2t + q%2, row g + 8*(q/2) of each tile) from its two tile values.
+        auto store = [&](int q, float v0, float v1) {
+            const int j = 2 * t + (q & 1);
+            const int slot = slot0 + j;
+            if constexpr (MODE == 0) {
+                h_out[(size_t)slot * h_stride + tp * 16 + g + 8 * (q >> 1)] = f32_to_bf16(v0 / (1.f + expf(-v0)) * v1);
+            } else {
+                const int pair = so.slot_pair[slot];
+                const float wgt = bm.wslot[slot];
+                const size_t row = (size_t)pair * N + 2 * tp * 16 + g + 8 * (q >> 1);
+                y[row] = wgt * v0;
+                y[row + 16] = wgt * v1;
+            }
+        };
         if (WK > 1) {
-            float* mine = red + (size_t)warp * 2 * 4 * 32 + lane;
+            float* buf = red + (size_t)(unit_parity * RED_UNIT);
+            float* mine = buf + (size_t)warp * 2 * 4 * 32 + lane;
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int q = 0; q < 4; ++q) mine[(mt * 4 + q) * 32] = acc[mt][q];
             consumers_sync(NCW * 32);
-            if (kw == 0) {
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        float sum = 0.f;
-                        for (int k2 = 0; k2 < WK; ++k2)   // fixed order: deterministic
-                            sum += red[((size_t)(k2 * WM + wm) * 2 * 4 + mt * 4 + q) * 32 + lane];
-                        acc[mt][q] = sum;
+            // The WK warps of a tile pair share its four columns: warp kw sums column q = kw, kw + WK, ... over
+            // the K slices in a fixed order (deterministic) and stores it.
+            if (wactive) {
+                for (int q = kw; q < 4; q += WK) {
+                    if (2 * t + (q & 1) >= ntok) continue;
+                    float v0 = 0.f, v1 = 0.f;
+                    for (int k2 = 0; k2 < WK; ++k2) {
+                        const float* p = buf + ((size_t)(k2 * WM + wm) * 2 * 4 + q) * 32 + lane;
+                        v0 += p[0];
+                        v1 += p[4 * 32];
                     }
-            }
-        }
-        if (kw == 0 && wactive) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int j = 2 * t + (q & 1);
-                if (j >= ntok) continue;
-                const int slot = slot0 + j;
-                if constexpr (MODE == 0) {
-                    const int row = tp * 16 + g + 8 * (q >> 1);
-                    const float gv = acc[0][q], uv = acc[1][q];
-                    h_out[(size_t)slot * h_stride + row] = f32_to_bf16(gv / (1.f + expf(-gv)) * uv);
-                } else {
-                    const int pair = so.slot_pair[slot];
-                    const float wgt = bm.wslot[slot];
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-                        y[(size_t)pair * N + (2 * tp + mt) * 16 + g + 8 * (q >> 1)] = wgt * acc[mt][q];
+                    store(q, v0, v1);
                 }
             }
+            unit_parity ^= 1;
+        } else if (wactive) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (2 * t + (q & 1) < ntok) store(q, acc[0][q], acc[1][q]);
         }
-        if (WK > 1) consumers_sync(NCW * 32);        // red[] is reused by the next unit
     }
 }

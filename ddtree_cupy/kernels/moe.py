@@ -252,8 +252,8 @@ class BulkTile:
         return 128 + self.nst * self.stage_bytes() + BULK_META
 
     @property
-    def smem_static(self) -> int:
-        return self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
+    def smem_static(self) -> int:      # the K-split partials, double-buffered (moe_bulk.cu)
+        return 2 * self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
 
 
 # gate/up: 1 x 8 warps: one tile pair per unit, K split eight ways with two k64 steps per warp in each 16-step
