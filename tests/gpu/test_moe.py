@@ -294,13 +294,13 @@ def test_small_t_in_large_workspace(narrow):
     assert _run(narrow, 3, 8, seed=500, t_max=650) < TOL
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_graph_replay_equals_eager(tiny256, fused):
+@pytest.mark.parametrize("fused,bulk", [(True, False), (False, False), (True, True)])
+def test_graph_replay_equals_eager(tiny256, fused, bulk):
     import cupy as cp
     layer = tiny256
     rng = np.random.default_rng(600)
     T, k = 24, 8
-    fz = dict(fuse_route=fused, l2_prefetch=False)
+    fz = dict(fuse_route=fused, l2_prefetch=False, bulk=bulk)
     x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
     ws = moe.MoEWorkspace(T, k, layer.w)
@@ -330,8 +330,8 @@ def test_graph_replay_equals_eager(tiny256, fused):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
 
 
-@pytest.mark.parametrize("fuse_route", [True, False])
-def test_bad_ids_are_counted_and_skipped(tiny256, fuse_route):
+@pytest.mark.parametrize("fuse_route,bulk", [(True, False), (False, False), (True, True)])
+def test_bad_ids_are_counted_and_skipped(tiny256, fuse_route, bulk):
     import cupy as cp
     layer = tiny256
     rng = np.random.default_rng(700)
@@ -344,7 +344,7 @@ def test_bad_ids_are_counted_and_skipped(tiny256, fuse_route):
     ws = moe.MoEWorkspace(T, k, layer.w)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
-                    residual=cp.asarray(res), fuse_route=fuse_route, l2_prefetch=False)
+                    residual=cp.asarray(res), fuse_route=fuse_route, l2_prefetch=False, bulk=bulk)
     assert ws.bad_ids() == 1 + k
     w_ref = wts.copy()
     w_ref[1, 2] = 0.0

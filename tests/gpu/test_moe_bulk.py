@@ -12,29 +12,10 @@ import pytest
 from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.kernels import moe
 
-from test_moe import TOL, Layer, _out_and_y, _routing, _run
+from test_moe import TOL, _out_and_y, _routing, _run
+from test_moe import narrow, tiny, tiny256, wide  # noqa: F401  (the same layer fixtures)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Layer(11, E=32, H=512, I=32)
-
-
-@pytest.fixture(scope="module")
-def tiny256():
-    return Layer(12, E=32, H=512, I=256)
-
-
-@pytest.fixture(scope="module")
-def narrow():
-    return Layer(13, E=64, H=7168, I=256)
-
-
-@pytest.fixture(scope="module")
-def wide():
-    return Layer(14, E=16, H=7168, I=2048)
 
 
 @pytest.mark.parametrize("layer_name,T,mode", [
@@ -78,66 +59,6 @@ def test_bulk_publishes_the_sort(narrow):
     assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
     np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
-
-
-def test_bulk_bad_ids_are_counted_and_skipped(tiny256):
-    import cupy as cp
-    layer = tiny256
-    rng = np.random.default_rng(3400)
-    T, k = 4, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k)
-    ids[1, 2] = layer.E
-    ids[3, :] = -1
-    ws = moe.MoEWorkspace(T, k, layer.w)
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
-                    residual=cp.asarray(res), bulk=True)
-    assert ws.bad_ids() == 1 + k
-    w_ref = wts.copy()
-    w_ref[1, 2] = 0.0
-    w_ref[3, :] = 0.0
-    ids_ref = ids.copy()
-    ids_ref[1, 2] = 0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-    np.testing.assert_array_equal(out.get()[3], res[3])
-
-
-def test_bulk_graph_replay_equals_eager(narrow):
-    import cupy as cp
-    layer = narrow
-    rng = np.random.default_rng(3500)
-    T, k = 24, 8
-    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
-    ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
-    ws = moe.MoEWorkspace(T, k, layer.w)
-    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True)
-        stream.synchronize()
-        stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True)
-        graph = stream.end_capture()
-        out.fill(0xFFFF)
-        stream.synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(out.get(), eager.get())
-    ids2, wts2 = _routing(rng, T, layer.E, k)
-    ids[...] = cp.asarray(ids2)
-    wts[...] = cp.asarray(wts2)
-    with stream:
-        graph.launch(stream)
-        stream.synchronize()
-    ref = layer.reference(x.get(), ids2, wts2)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
 
 
 def test_bulk_under_pdl_matches_plain(narrow):
