@@ -10,6 +10,8 @@
 // scales, one token's activation slice), completing on a per-stage mbarrier; the ring of NST stages runs on
 // across unit boundaries, so tens of KB per SM stay in flight with no register cost and one L2 pass per line.
 // Consumer warps only wait on the stage's barrier, dequantise from shared memory and issue mma.sync.
+// Measured (docs/MOE.md, session 4): what bounds it is the consumers' chain per stage, not the bytes in flight,
+// hence stages of 16 k64 steps (gate/up) or a whole K (down at I <= 256).
 //
 // Block = WM x WK consumer warps + 1 producer warp. A unit is (chunk, m-group) as in moe_gemm: the chunk's
 // <= 8 tokens times WM pairs of m16 tiles (gate/up: tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..). A stage

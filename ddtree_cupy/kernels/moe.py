@@ -724,9 +724,11 @@ def _combine_launch(topk_ids, weights: MoEWeights, ws: MoEWorkspace, out, residu
 
 def _blocks_per_sm(bt: BulkTile) -> int:
     import cupy
-    attrs = cupy.cuda.Device().attributes
-    per_sm_smem = int(attrs["MaxSharedMemoryPerMultiprocessor"])
-    by_smem = per_sm_smem // (bt.smem_dynamic + bt.smem_static + 1024)     # + the per-block reservation
+    dev = cupy.cuda.Device().id
+    key = ("smem_sm", dev)
+    if key not in _SM:      # (Device().attributes queries every attribute: once per device)
+        _SM[key] = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"])
+    by_smem = _SM[key] // (bt.smem_dynamic + bt.smem_static + 1024)     # + the per-block reservation
     return max(1, min(by_smem, 2048 // bt.threads))
 
 
