@@ -110,7 +110,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     SortSmem& so = bm.sort;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int ntiles = N / 16;                       // even (checked by the host)
+    const int ntiles = N / 16;                       // even: pack_moe_weights checks H % 64 and I % 32
     const int n_mg = (ntiles / 2 + WM - 1) / WM;
     const int npairs = T * k;
 
