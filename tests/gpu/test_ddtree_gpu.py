@@ -385,6 +385,7 @@ def test_graph_replay_equals_eager(fast):
         stream.synchronize()
         eager = snapshot()
         _poison(ws)
+        cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
         graph.launch(stream)
         stream.synchronize()
         replay = snapshot()
@@ -537,6 +538,7 @@ def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
         eager = {k: v.get() for k, v in ws.outputs().items()}
         launch.set_pdl(True)
         _poison(ws)
+        cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
         graph.launch(stream)
         stream.synchronize()
         for k, v in ws.outputs().items():

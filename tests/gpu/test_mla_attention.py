@@ -305,6 +305,7 @@ def test_graph_replay_equals_eager_with_new_lengths_written_in_place(config):
         d["mask"][...] = x.asarray(mask_new)
         d["row_start"][...] = x.asarray(np.arange(S, dtype=np.int32) * 32)
         out[...] = POISON
+        x.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
         graph.launch(stream)
         stream.synchronize()
         replay = out.get()

@@ -322,6 +322,7 @@ def test_graph_replay_equals_eager(tiny256, fused, bulk):
     ids2, wts2 = _routing(rng, T, layer.E, k)
     ids[...] = cp.asarray(ids2)
     wts[...] = cp.asarray(wts2)
+    cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
     with stream:
         graph.launch(stream)
         stream.synchronize()

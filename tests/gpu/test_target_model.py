@@ -297,6 +297,7 @@ def _captured_equals_eager(cfg, tgt_eager, tgt_graph, feat, label):
     for name, inp in (("A", A), ("B", B), ("A", A)):
         bt.set(**inp)
         poison_batch(bt)
+        cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
         graph.launch(st)
         st.synchronize()
         lg, ft = bt.logits.get(), bt.features.get()
