@@ -361,6 +361,7 @@ def test_graph_replay_equals_eager(fast):
         return {k: v.get() for k, v in ws.outputs().items()}
 
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     with stream:
         step()                               # compile outside the capture
         stream.synchronize()
@@ -373,6 +374,7 @@ def test_graph_replay_equals_eager(fast):
             budgets[...] = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
             prefix[...] = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
         # post follows a path through the tree that eager builds for these inputs
+        cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
         with stream:
             ws.topk(logits)
             ws.build(budgets, prefix, bonus, cap_k=16, include_chain=True)
@@ -380,6 +382,7 @@ def test_graph_replay_equals_eager(fast):
         tk, pa, nr = ws.tokens.get(), ws.parents.get(), ws.n_rows.get()
         post[...] = cp.asarray(np.stack([_post_for(rng, tk[s], pa[s], int(nr[s])) for s in range(S)]))
         _poison(ws)
+        cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
         with stream:
             step()
         stream.synchronize()
@@ -513,6 +516,7 @@ def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
         ws.walk_commit(post, prefix, row_off)
 
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     with stream:
         step()
         stream.synchronize()
@@ -525,6 +529,7 @@ def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
             logits[...] = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
             budgets[...] = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
         launch.set_pdl(False)
+        cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
         with stream:
             ws.topk(logits)
             ws.build(budgets, prefix, bonus)
@@ -532,6 +537,7 @@ def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
         tk, pa, nr = ws.tokens.get(), ws.parents.get(), ws.n_rows.get()
         post[...] = cp.asarray(np.stack([_post_for(rng, tk[s], pa[s], int(nr[s])) for s in range(S)]))
         _poison(ws)
+        cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
         with stream:
             step()
         stream.synchronize()

@@ -83,6 +83,7 @@ def test_drafter_graph_replay_equals_eager():
     ws = DrafterWorkspace(splits, S, 8, Hq)
     out = cp.full((S, 8, Hq, 128), POISON, dtype=cp.uint16)
     st = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     with st:
         drafter_attention(*arrs, ctx, softmax_scale=SCALE, max_ctx_len=C, out=out, workspace=ws)
         st.synchronize()
@@ -94,6 +95,7 @@ def test_drafter_graph_replay_equals_eager():
         ctx[...] = cp.asarray(new)
         arrs[0][...] = cp.asarray(to_bf16_bits(rng.standard_normal((S, 8, Hq, 128))))
         out[...] = POISON
+        cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
         g.launch(st)
         st.synchronize()
         replay = out.get()

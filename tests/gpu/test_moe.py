@@ -307,6 +307,7 @@ def test_graph_replay_equals_eager(tiny256, fused, bulk):
     eager = moe.moe_forward(x, ids, wts, layer.w, ws, **fz)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     with stream:
         moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
         stream.synchronize()

@@ -89,8 +89,10 @@ def test_bulk_under_pdl_matches_plain(narrow):
             router.route(xm, gate, bias, k, out_ids=ids, out_weights=wts, logits=logits)
             moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True)
 
-    def fresh():
-        return cp.full((R, T, layer.H), 0xFFFF, cp.uint16)
+    def fresh():     # poisoned outputs, finished before the non-blocking stream uses them
+        out = cp.full((R, T, layer.H), 0xFFFF, cp.uint16)
+        cp.cuda.Stream.null.synchronize()
+        return out
 
     s = cp.cuda.Stream(non_blocking=True)
     try:

@@ -419,6 +419,7 @@ def test_nccl_single_rank_all_reduce_in_graph(tiny, gpu_tp1):
         st.begin_capture()
         comm.comm.allReduce(x.data.ptr, y.data.ptr, x.size, nccl.NCCL_BFLOAT16, nccl.NCCL_SUM, st.ptr)
         g = st.end_capture()
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     g.launch(st)
     st.synchronize()
     assert cp.array_equal(x, y), "one-rank NCCL all-reduce (sum over one rank) must copy its input"
