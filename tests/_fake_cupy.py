@@ -154,6 +154,9 @@ class _Stream:
         return _Graph(_tls("captures").pop())
 
 
+_Stream.null = _Stream()     # cupy.cuda.Stream.null: the legacy default stream (tests synchronize it)
+
+
 class _Event:
     def record(self, stream=None):
         pass
