@@ -193,6 +193,41 @@ def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):
     return parts, per_expert
 
 
+def leave_one_out(eng, step, st, moe_layer: int, use_pdl: bool = True, reps: int = 3) -> dict:
+    """The verify phase (all layers) captured as one graph, PDL launches as the engine's graph when ``use_pdl``,
+    timed whole and once per layer stage with that stage dropped from EVERY layer. The drop of stage s gives
+    its marginal cost: the time it adds to the real critical path, overlap with its neighbours and its
+    weights' real DRAM traffic included -- which per-stage graphs (each replayed alone, small weights in L2)
+    cannot show. Buffers keep their previous values when a producer is dropped, so the kernels still read
+    valid memory; the numbers are timings only."""
+    from bench.ceilings import time_graph
+    from ddtree_cupy.kernels import launch
+    cls = type(eng.target)
+    orig = cls.layer_stages
+    verify = dict(step.phases())["verify"]
+    names = [n for n, _ in orig(eng.target, moe_layer, step.batch, eng.kv)]
+    n_layers = eng.target.cfg.num_hidden_layers
+    before = launch.pdl_enabled()
+    launch.set_pdl(use_pdl)
+    try:
+        with st:
+            full = time_graph(verify, iters=1, reps=reps)
+            marginal = {}
+            for drop in names:
+                def stages(self, i, batch, kv, _drop=drop):
+                    return [(n, fn) for n, fn in orig(self, i, batch, kv) if n != _drop]
+                cls.layer_stages = stages
+                try:
+                    t = time_graph(verify, iters=1, reps=reps)
+                finally:
+                    cls.layer_stages = orig
+                marginal[drop] = (full - t) / n_layers
+    finally:
+        launch.set_pdl(before)
+    return dict(verify_us=full, pdl=use_pdl, marginal_us_per_layer=marginal,
+                sum_marginal_us=sum(marginal.values()), verify_us_per_layer=full / n_layers)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
@@ -204,6 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
     ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
+    ap.add_argument("--loo", type=int, default=0,
+                    help="1: the verify phase (every layer, PDL launches as the engine's graph) timed with each layer "
+                         "stage left out of every layer: the stage's marginal cost on the real critical path")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "
                          "routing's spread); model: the random model's own router output (collapses to ~8 experts)")
@@ -305,6 +343,7 @@ def main(argv=None) -> int:
                     layer_us = time_graph(lambda: [fn() for _, fn in stages], iters=10, reps=3)
                     for sname, fn in stages:
                         stage_us[sname] = time_graph(fn, iters=10, reps=3)
+            loo = leave_one_out(eng, step, st, moe_layer, use_pdl=bool(a.pdl)) if a.loo else None
             step_pdl_s, pdl_check = None, None
             if a.pdl:
                 # replays with the same ctrl are a pure function of the unchanged state (the cache prefix and
@@ -345,7 +384,8 @@ def main(argv=None) -> int:
                        layer_launches=sum(lc_layer.counts.values()), layer_launch_counts=dict(lc_layer.counts),
                        verify_us_per_layer=phases.get("verify", 0) * 1e6 / tcfg.num_hidden_layers,
                        layer_graph_us=layer_us, stage_us=stage_us,
-                       step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3, pdl_check=pdl_check)
+                       step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3, pdl_check=pdl_check,
+                       leave_one_out=loo)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
@@ -354,6 +394,9 @@ def main(argv=None) -> int:
             print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
                   + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms "
                                                                   f"{pdl_check}" if step_pdl_s else ""), flush=True)
+            if loo:
+                print(f"    verify {loo['verify_us']:.0f} us; marginal us per layer (verify without the stage in every "
+                      "layer): " + " ".join(f"{k} {v:.1f}" for k, v in loo["marginal_us_per_layer"].items()), flush=True)
             if stage_us:
                 print(f"    MoE layer graph {layer_us:.1f} us (verify/layer {rec['verify_us_per_layer']:.1f} us); "
                       "stages us: " + " ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
