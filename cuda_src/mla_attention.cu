@@ -654,6 +654,191 @@ __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
                                                              out + gm * MLA_V_DIM, sm);
 }
 
+// ---- Split-KV combine fused with W_UV (docs/ATTENTION.md "Session 5: W_UV folded into the combine") -----
+// o[t, h, :] = bf16(o_lat[t, h, :]) @ W_UV[h]^T, with o_lat the combine above and W_UV [H, 128, 512]: one
+// launch instead of mla_attn_combine + mla_head_gemm<8>, bit-identical to that pair (same operations in the
+// same order):
+//   * o_lat: per column, the 8 "warp chains" of attn_combine_row<512, 8, U> (chain c = splits c, c+8, ...
+//     in increasing order, fma(w, v, acc) from 0), summed 0 + chain 0 + ... + chain 7, times 1 / (0 + wsum 0
+//     + ... + wsum 7), rounded to bf16. Here the 8 chains of a column sit in 8 adjacent lanes.
+//   * the product: mla_head_gemm<8> splits K = 512 into 4 quarters (one per warp, 8 mma k-steps each) and
+//     sums the quarters' fp32 results 0 + q0 + q1 + q2 + q3 (sum_parked). Here one block per quarter kq
+//     (blockIdx.y) computes that quarter's mma chain for all 128 outputs, parks it in fp32 (uv_part) and the
+//     last of the 4 blocks to finish (a counter per row group) adds the 4 quarters in that order.
+// Work split: the partials (the bytes that matter: splits x rows x 2 KB, 8-20 MB at the engine's decode
+// shapes) are read once, each block reading its quarter's 128 columns of rt rows; the block's 32 KB slice of
+// W_UV (128 outputs x 128 k) lives in registers, loaded before DDT_PDL_WAIT() (a constant weight), so it
+// overlaps the attention kernel's tail. grid (H, 4, S * groups): head, K quarter, (stream, group of rt rows).
+#define MLA_UV_THREADS 256
+#define MLA_UV_N 128                          // v_head_dim (the kernel's output width)
+#define MLA_UV_KQ 4                           // K quarters: mla_head_gemm<8>'s 4 warps
+#define MLA_UV_KW (MLA_V_DIM / MLA_UV_KQ)     // 128 latent columns per block
+#define MLA_UV_ASTR (MLA_UV_KW + 8)           // bf16 A-tile row stride: rows g start in distinct banks
+#define MLA_UV_MAX_RT 16                      // rows per block: one m16 tile
+#define MLA_UV_U 4                            // splits per lane whose loads are in flight together
+
+struct MlaUvSmem {
+    float w[MLA_UV_MAX_RT][ATTN_MAX_SPLITS];  // per row, per split weight 2^(lse - max), 0 for an empty split
+    bf16_bits a[16][MLA_UV_ASTR];             // bf16 o_lat quarter of the block's rows (rows >= rt are zero)
+    int last;                                 // this block is the last of the 4 quarters of its row group
+};
+
+__global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
+    const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
+    const int* __restrict__ row_start, int H, int total_packed, int num_splits, int rt, int groups,
+    const bf16_bits* __restrict__ w_uv,        // [H, 128, 512]
+    float* __restrict__ uv_part,               // [4, total_packed, 128] fp32 quarter results
+    int* __restrict__ uv_count,                // [total_packed], zero between launches (the last block resets)
+    bf16_bits* __restrict__ out, long long out_row, long long out_head) {   // o [T, H, 128] (strided view)
+    __shared__ __align__(16) MlaUvSmem sm;
+    const int h = blockIdx.x, kq = blockIdx.y;
+    const int b = blockIdx.z / groups, r0 = (blockIdx.z % groups) * rt;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+
+    // W_UV B fragments (W[n][k], k contiguous = the .col operand) of warp's outputs 16 warp .. +16 (n-tiles
+    // j = 0, 1), k = kq * 128 + s * 16 + 2 tig (+8): the same k grouping as mla_head_gemm<8>'s warp kq.
+    uint32_t bw[8][2][2];
+    {
+        const bf16_bits* wh = w_uv + (size_t)h * MLA_UV_N * MLA_V_DIM + kq * MLA_UV_KW + 2 * tig;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const bf16_bits* wr = wh + (size_t)(16 * warp + 8 * j + g) * MLA_V_DIM;
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                bw[s][j][0] = *reinterpret_cast<const uint32_t*>(wr + s * 16);
+                bw[s][j][1] = *reinterpret_cast<const uint32_t*>(wr + s * 16 + 8);
+            }
+        }
+    }
+    DDT_PDL_LAUNCH_DEPENDENTS();  // every block has started: the next kernel (o_proj) may prefetch its weights
+    DDT_PDL_WAIT();               // partials, lse and the per-stream scalars come from earlier kernels
+
+    const int n = n_rows[b];
+    const int rs = row_start[b];
+    if (r0 >= n) return;          // the same for the 4 quarter blocks of the group: the counter stays balanced
+    const int nr = min(rt, n - r0);                   // valid rows of this block
+    const size_t gm0 = (size_t)(rs + r0) * H + h;     // packed row of local row 0; local row r: gm0 + r * H
+
+    // ---- pass 1: weights (warp w: rows w, w + 8), as attn_combine_row --------------------------------
+    for (int r = warp; r < nr; r += MLA_UV_THREADS / 32) {
+        const size_t gm = gm0 + (size_t)r * H;
+        float lse[ATTN_MAX_SPLITS / 32];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
+            const int sp = lane + 32 * k;
+            lse[k] = sp < num_splits ? __ldcg(part_lse + (size_t)sp * total_packed + gm) : -INFINITY;
+            mx = fmaxf(mx, lse[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+        for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
+            const int sp = lane + 32 * k;
+            if (sp < num_splits) sm.w[r][sp] = lse[k] == -INFINITY ? 0.f : exp2f(lse[k] - mx);
+        }
+    }
+    // rows past nr are the mma's zero padding
+    for (int i = tid; i < (16 - nr) * (MLA_UV_KW / 2); i += MLA_UV_THREADS) {
+        const int r = nr + i / (MLA_UV_KW / 2), c = 2 * (i % (MLA_UV_KW / 2));
+        *reinterpret_cast<uint32_t*>(&sm.a[r][c]) = 0u;
+    }
+    __syncthreads();
+
+    // ---- pass 2: weighted sums. Lane = (float4 fl of 4, chain c of 8); warp w owns columns 16 w .. +16 ----
+    {
+        const int c = lane & 7, fl = lane >> 3;
+        const int col = 16 * warp + 4 * fl;           // column within the quarter
+        for (int r = 0; r < nr; ++r) {
+            const size_t gm = gm0 + (size_t)r * H;
+            const float* src0 = part_o + gm * MLA_V_DIM + kq * MLA_UV_KW + col;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            float wsum = 0.f;
+            for (int sp0 = c; sp0 < num_splits; sp0 += 8 * MLA_UV_U) {
+                float4 v[MLA_UV_U];
+                float wu[MLA_UV_U];
+#pragma unroll
+                for (int u = 0; u < MLA_UV_U; ++u) {
+                    const int sp = sp0 + 8 * u;
+                    wu[u] = sp < num_splits ? sm.w[r][sp] : 0.f;
+                    // a zero weight skips the load: an empty split's partial is never read (it may be anything)
+                    v[u] = wu[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(src0 + (size_t)sp * total_packed * MLA_V_DIM))
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < MLA_UV_U; ++u) {
+                    wsum += wu[u];
+                    acc.x = fmaf(wu[u], v[u].x, acc.x); acc.y = fmaf(wu[u], v[u].y, acc.y);
+                    acc.z = fmaf(wu[u], v[u].z, acc.z); acc.w = fmaf(wu[u], v[u].w, acc.w);
+                }
+            }
+            // chains 0..7 of this float4 are lanes 8 fl .. 8 fl + 7: add them in chain order
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+            float wt = 0.f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int srcl = 8 * fl + k;
+                x.x += __shfl_sync(0xffffffffu, acc.x, srcl); x.y += __shfl_sync(0xffffffffu, acc.y, srcl);
+                x.z += __shfl_sync(0xffffffffu, acc.z, srcl); x.w += __shfl_sync(0xffffffffu, acc.w, srcl);
+                wt += __shfl_sync(0xffffffffu, wsum, srcl);
+            }
+            if (c == 0) {
+                const float inv = wt > 0.f ? 1.f / wt : 0.f;
+                uint2 o;
+                o.x = (unsigned)f32_to_bf16(x.x * inv) | ((unsigned)f32_to_bf16(x.y * inv) << 16);
+                o.y = (unsigned)f32_to_bf16(x.z * inv) | ((unsigned)f32_to_bf16(x.w * inv) << 16);
+                *reinterpret_cast<uint2*>(&sm.a[r][col]) = o;
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- this quarter's product: rows 0..15 x outputs 16 warp .. +16, 8 k-steps (mla_head_gemm<8>'s chain) -
+    float acc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        const int k = s * 16 + 2 * tig;
+        const uint32_t a0 = *reinterpret_cast<const uint32_t*>(&sm.a[g][k]);
+        const uint32_t a1 = *reinterpret_cast<const uint32_t*>(&sm.a[g + 8][k]);
+        const uint32_t a2 = *reinterpret_cast<const uint32_t*>(&sm.a[g][k + 8]);
+        const uint32_t a3 = *reinterpret_cast<const uint32_t*>(&sm.a[g + 8][k + 8]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma_bf16(acc[j], a0, a1, a2, a3, bw[s][j][0], bw[s][j][1]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int r = g + 8 * hi;
+            if (r < nr)
+                *reinterpret_cast<float2*>(uv_part + ((size_t)kq * total_packed + gm0 + (size_t)r * H) * MLA_UV_N +
+                                           16 * warp + 8 * j + 2 * tig) = make_float2(acc[j][2 * hi], acc[j][2 * hi + 1]);
+        }
+
+    // ---- the last of the 4 quarter blocks adds the quarters in order (threadfence-reduction pattern) -------
+    __threadfence();              // this block's quarter is visible device-wide before the count says so
+    __syncthreads();
+    if (tid == 0) sm.last = atomicAdd(uv_count + gm0, 1) == MLA_UV_KQ - 1;
+    __syncthreads();
+    if (!sm.last) return;
+    __threadfence();
+    for (int i = tid; i < nr * (MLA_UV_N / 2); i += MLA_UV_THREADS) {
+        const int r = i / (MLA_UV_N / 2), cc = 2 * (i % (MLA_UV_N / 2));
+        const size_t gm = gm0 + (size_t)r * H;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int q = 0; q < MLA_UV_KQ; ++q) {
+            const float2 p = __ldcg(reinterpret_cast<const float2*>(uv_part + ((size_t)q * total_packed + gm) * MLA_UV_N + cc));
+            s0 += p.x; s1 += p.y;
+        }
+        *reinterpret_cast<uint32_t*>(out + (long long)(rs + r0 + r) * out_row + (long long)h * out_head + cc) =
+            (uint32_t)f32_to_bf16(s0) | ((uint32_t)f32_to_bf16(s1) << 16);
+    }
+    if (tid == 0) uv_count[gm0] = 0;   // ready for the next launch (graph replays reuse the counters)
+}
+
 // Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):
 // tiles of 64 / 32 / 16 packed rows, for > 160 KB (H200) and <= 99 KB (sm_120) of shared memory.
 // MLA_PROBE_SKIP_{S,PV,LOAD} drop one phase; bench/attention.py --probe times them to show where the
