@@ -5,6 +5,9 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
+    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
+        # session 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
+        # T values outside the default list (uniform routing; skewed where the list has them)
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -225,10 +228,16 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
     import cupy as cp
     w = _make_layer(I)
     per_expert = w.expert_bytes()
-    ws = moe.MoEWorkspace(max(t for _, ts in FOCUS[I] for t in ts), K_TOP, w)
+    # ``only_ts`` may name T values outside FOCUS (the large-T bulk sizes 48, 80, 160, 320, ...): uniform
+    # routing runs every one of them, skewed those in FOCUS's skewed list
+    focus = FOCUS[I]
+    if only_ts is not None:
+        focus = tuple((mode, tuple(sorted(set(ts) | set(only_ts))) if mode == "uniform" else ts)
+                      for mode, ts in focus)
+    ws = moe.MoEWorkspace(max(t for _, ts in focus for t in ts), K_TOP, w)
     rng = np.random.default_rng(I)
     arch = f"sm_{cp.cuda.Device().compute_capability}"
-    for mode, ts in FOCUS[I]:
+    for mode, ts in focus:
         for T in ts:
             if only_ts is not None and T not in only_ts:
                 continue
@@ -252,6 +261,18 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                     variants[f"bulk_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
+                variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
+            else:
+                # session 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
+                # ("now" is the ring unless DDT_MOE_BULK_LARGE=1); the route's L2 prefetch flipped from its rule
+                # (on from T = 64), and the large-T candidate blocks
+                variants["ring"] = dict(bulk=False)
+                variants["bulkL"] = dict(bulk=True)
+                variants["bulkL_pf" if T < 64 else "bulkL_nopf"] = dict(bulk=True, l2_prefetch=T < 64)
+                for i, t in enumerate(moe.BULK_GATEUP_LARGE_CANDIDATES):
+                    variants[f"bulkL_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN_LARGE))
+                for i, t in enumerate(moe.BULK_DOWN_LARGE_CANDIDATES):
+                    variants[f"bulkL_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP_LARGE, t))
             if only_variants is not None:       # a trailing '*' selects by prefix ("bulk*")
                 variants = {k: v for k, v in variants.items() if k == "now" or k in only_variants
                             or any(o.endswith("*") and k.startswith(o[:-1]) for o in only_variants)}
@@ -261,7 +282,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "bulk") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -276,7 +297,8 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_prev_us_cumulative=stage_sets.get("prev"),
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
-                             stages_bulk_us_cumulative=stage_sets.get("bulk"), tiles=str(tab)))
+                             stages_bulk_us_cumulative=stage_sets.get("bulk"),
+                             stages_bulkL_us_cumulative=stage_sets.get("bulkL"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "

@@ -1,4 +1,5 @@
-// INT4 (W4A16) routed-expert GEMMs streamed by the bulk copy engine, for decode sizes (T*k <= FUSED_MAX_PAIRS):
+// INT4 (W4A16) routed-expert GEMMs streamed by the bulk copy engine (any T: the routing from the block's own sort
+// at T*k <= FUSED_MAX_PAIRS, or from moe_route's global arrays):
 // gate/up with SiLU(gate)*up in the epilogue (MODE 0) and down with the routing weight (MODE 1). Same weight
 // layout, routing contract and outputs as moe_gemm in moe_int4.cu (h[slot][row] bf16, y[pair][row] fp32, then
 // moe_combine), same arithmetic per k64 step; docs/MOE.md "Bulk-copy GEMMs".
@@ -19,15 +20,21 @@
 // steps kw*SPW .. kw*SPW + SPW - 1 of every stage, and the WK partial sums meet in shared memory at the unit's
 // end in a fixed order (deterministic).
 //
-// Routing: both kernels sort the routing themselves with the deterministic shared-memory sort
-// (sort_pairs_block), so every block of both kernels derives the same slots; block 0 of the gate/up kernel
-// publishes chunks / slot_pair / meta like moe_gemm does (for ws.bad_ids() and debugging).
+// Routing (template parameter G). G = 0 (T*k <= FUSED_MAX_PAIRS): both kernels sort the routing themselves
+// with the deterministic shared-memory sort (sort_pairs_block), so every block of both kernels derives the same
+// slots; block 0 of the gate/up kernel publishes chunks / slot_pair / meta like moe_gemm does (for
+// ws.bad_ids() and debugging). G = 1 (any T; session 5, docs/MOE.md "Session 5: bulk GEMMs at large T"):
+// moe_route ran first (chunks of <= 8 tokens); both kernels read its global chunk list, slot_pair and meta[0],
+// so they agree on the slots by construction (whatever order its atomic ranks gave).
 //
-// PDL: the gate/up kernel waits first (ids, weights and x come from the router and the norm). The down kernel
-// sorts and issues its first NST stages of WEIGHT copies before its wait: ids / weights were written by the
-// router, which had finished before the gate/up kernel passed its own wait and let this kernel launch (the
-// gate/up triggers its dependents only after that wait), and expert weights are constants; only h (the gate/up
-// output) needs the wait, and its copies are issued after it.
+// PDL: the gate/up kernel waits first (ids, weights and x come from the router and the norm; G = 1: the
+// routing arrays from moe_route). The down kernel sorts (G = 0) or reads the routing arrays (G = 1) and issues
+// its first NST stages of WEIGHT copies before its wait: ids / weights were written by the router and the
+// routing arrays by moe_route, both of which had finished before the gate/up kernel passed its own wait and let
+// this kernel launch (the gate/up triggers its dependents only after that wait, and its G = 1 variant writes no
+// routing array), and expert weights are constants; only h (the gate/up output) needs the wait, and its copies
+// are issued after it. The down's consumers never wait: what they read of earlier kernels is the routing (the
+// same argument) and h through the producer's copies.
 #include "moe_common.cuh"
 
 namespace mbulk {
@@ -85,8 +92,11 @@ struct BulkMeta {
 
 using namespace mbulk;
 
-// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta].
-template <int MODE, int WM, int WK, int SPW, int NST>
+// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta (G = 0 only)].
+// G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
+// 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
+// units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
+template <int MODE, int WM, int WK, int SPW, int NST, int G>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -97,6 +107,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS>;
     static_assert(4 * WM + 8 <= 32, "one producer lane per copy: 2*WM weight tiles, their scales, 8 token rows");
+    static_assert(G == 0 || G == 1, "G: 0 = shared-memory sort, 1 = moe_route's global arrays");
     // K-split partials, double-buffered by unit parity: one barrier per unit (a warp can only reach the next
     // unit's barrier, and so the buffer after it, once every warp has finished this unit's epilogue reads).
     constexpr int RED_UNIT = NCW * 2 * 4 * 32;
@@ -106,6 +117,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
     uint64_t* empty = full + NST;
     unsigned char* ring = bulk_dyn + 128;
+    // (G = 1 allocates no BulkMeta: the reference is formed, never used)
     BulkMeta& bm = *reinterpret_cast<BulkMeta*>(ring + (size_t)NST * St::BYTES);
     SortSmem& so = bm.sort;
 
@@ -118,21 +130,37 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         for (int s = 0; s < NST; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, NCW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if (MODE == 0) DDT_PDL_WAIT();                   // ids and x come from the router / the norm
-    sort_pairs_block(ids, npairs, E, 8, so);         // ends with __syncthreads (the barrier inits are visible)
-    const int n_chunks = so.total.y;
-    if constexpr (MODE == 0) {
-        if (blockIdx.x == 0) {
-            for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
-            for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
-            if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
+    if (MODE == 0) DDT_PDL_WAIT();                   // ids and x come from the router / the norm (G = 1: and
+                                                     // the routing arrays from moe_route)
+    int n_chunks;
+    if constexpr (G == 0) {
+        sort_pairs_block(ids, npairs, E, 8, so);     // ends with __syncthreads (the barrier inits are visible)
+        n_chunks = so.total.y;
+        if constexpr (MODE == 0) {
+            if (blockIdx.x == 0) {
+                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
+                for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
+                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
+            }
+        } else {
+            for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) bm.wslot[s] = wts[so.slot_pair[s]];
+            __syncthreads();
         }
     } else {
-        for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) bm.wslot[s] = wts[so.slot_pair[s]];
-        __syncthreads();
+        // MODE 1 reads moe_route's arrays before its PDL wait: moe_route finished before the gate/up kernel
+        // passed its wait, and the gate/up lets this kernel launch only after that wait (header, "PDL").
+        n_chunks = __ldcg(meta);
+        __syncthreads();                             // the barrier inits are visible to every warp
     }
+    (void)npairs;
     const int n_units = n_chunks * n_mg;
     const int nst_unit = (KS + SS - 1) / SS;
+    // The chunk of unit u (units run m-group major: u = mg * n_chunks + chunk).
+    auto chunk_of = [&](int u) -> int4 {
+        const int c = u - (u / n_chunks) * n_chunks;
+        if constexpr (G == 0) return so.chunks[c];
+        else return __ldcg(chunks + c);
+    };
     // Down GEMM whose stage holds the whole K (I <= 64 * SS): tiles and h rows are contiguous runs (one copy each)
     // and the h rows land unpadded (x_pitch = the h row: a 2-way bank conflict on the B loads, against ~5x fewer
     // copies per stage).
@@ -143,9 +171,16 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         // ---------------- producer warp ----------------
         // Lanes [0, 2WM): weight tile, [2WM, 4WM): its scales, [4WM, 4WM + 8): token row (gate/up: x of the
         // pair's token; down: h of the slot). One copy per lane and stage.
-        auto issue = [&](int u, int k0, int slot, bool weights, bool acts) {
+        const int j = lane - 4 * WM;                 // this lane's token of the chunk (when 0 <= j < 8)
+        // This lane's routing datum for a unit: gate/up the pair of slot ch.y + j (its token = pair / k, divided
+        // only where the copy is issued, so that a lookahead load is not waited for early); down: unused.
+        auto pair_of = [&](int4 ch) -> int {
+            if (MODE == 1 || j < 0 || j >= ch.z) return 0;
+            if constexpr (G == 0) return so.slot_pair[ch.y + j];
+            else return __ldcg(slot_pair + ch.y + j);
+        };
+        auto issue = [&](int u, int4 ch, int pr, int k0, int slot, bool weights, bool acts) {
             const int mg = u / n_chunks;
-            const int4 ch = so.chunks[u - mg * n_chunks];
             const int tile0 = mg * WM * 2;
             const int ns = min(SS, KS - k0);
             unsigned char* st = ring + (size_t)slot * St::BYTES;
@@ -169,42 +204,58 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                     else bulk_g2s(st + St::W_BYTES + r * SS * 64, sp + blk * 8, ns * 64, full + slot);
                 }
             }
-            const int j = lane - 4 * WM;
             if (acts && j >= 0 && j < ch.z) {
-                const size_t row = MODE == 0 ? (size_t)(so.slot_pair[ch.y + j] / k) : (size_t)(ch.y + j);
+                const size_t row = MODE == 0 ? (size_t)(pr / k) : (size_t)(ch.y + j);
                 bulk_g2s(st + St::W_BYTES + St::S_BYTES + j * St::X_PITCH, act + row * act_stride + (size_t)k0 * 64,
                          ns * 128, full + slot);
             }
         };
-        auto stage_bytes = [&](int u, int k0) {
+        auto stage_bytes = [&](int u, int4 ch, int k0) {
             const int mg = u / n_chunks;
-            const int ntok = so.chunks[u - mg * n_chunks].z;
             const int ntl = min(2 * WM, ntiles - mg * WM * 2);
             const int ns = min(SS, KS - k0);
-            return (uint32_t)(ntl * ns * 576 + ntok * ns * 128);
+            return (uint32_t)(ntl * ns * 576 + ch.z * ns * 128);
         };
         int pre = 0;                                 // stages whose weights went out before the PDL wait
         if constexpr (MODE == 1) {
             int u = blockIdx.x, k0 = 0;
+            int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
             for (; pre < NST && u < n_units; ++pre) {
-                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, k0));
+                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0));
                 __syncwarp();
-                issue(u, k0, pre, true, false);
+                issue(u, ch, 0, k0, pre, true, false);
                 k0 += SS;
-                if (k0 >= KS) { k0 = 0; u += gridDim.x; }
+                if (k0 >= KS) {
+                    k0 = 0;
+                    u += gridDim.x;
+                    if (u < n_units) ch = chunk_of(u);
+                }
             }
             DDT_PDL_WAIT();                          // h is the gate/up kernel's output
         }
+        // Lookahead: at the start of unit u the chunk of u + grid is already here (loaded one unit ago) and
+        // this lane's pair of it is requested now; the chunk of u + 2 grid is requested now. A unit's copies
+        // then wait on no routing load (G = 1: L2 round trips; G = 0: shared memory, the same order).
+        const int gs = gridDim.x;
+        int u = blockIdx.x;
+        int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
+        int pr = pair_of(ch);
+        int4 ch1 = u + gs < n_units ? chunk_of(u + gs) : ch;
         int it = 0;
-        for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+        for (; u < n_units; u += gs) {
+            const int pr1 = u + gs < n_units ? pair_of(ch1) : 0;
+            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : ch1;
             for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
-                if (it < pre) { issue(u, k0, slot, false, true); continue; }
+                if (it < pre) { issue(u, ch, pr, k0, slot, false, true); continue; }
                 if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
-                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, k0));
+                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0));
                 __syncwarp();
-                issue(u, k0, slot, true, true);
+                issue(u, ch, pr, k0, slot, true, true);
             }
+            ch = ch1;
+            ch1 = ch2;
+            pr = pr1;
         }
         DDT_PDL_LAUNCH_DEPENDENTS();                 // everything is requested; the next kernel may launch
         return;
@@ -215,9 +266,42 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     const int g = lane >> 2, t = lane & 3;
     int it = 0;
     int unit_parity = 0;
+    // G = 1 lookahead (as the producer's): the chunk one unit ahead is here, the one two ahead in flight; the
+    // down epilogue's pairs (columns 2t, 2t + 1) of the next unit are requested at this unit's start and their
+    // routing weights at the next unit's start, so the epilogue never waits on L2.
+    const int gs = gridDim.x;
+    int4 gch = make_int4(0, 0, 0, 0), gch1 = gch;
+    int gp0 = -1, gp1 = -1;
+    if constexpr (G == 1) {
+        const int u0 = blockIdx.x;
+        if (u0 < n_units) gch = chunk_of(u0);
+        gch1 = u0 + gs < n_units ? chunk_of(u0 + gs) : gch;
+        if (MODE == 1) {
+            gp0 = 2 * t < gch.z ? __ldcg(slot_pair + gch.y + 2 * t) : -1;
+            gp1 = 2 * t + 1 < gch.z ? __ldcg(slot_pair + gch.y + 2 * t + 1) : -1;
+        }
+    }
     for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         const int mg = u / n_chunks;
-        const int4 ch = so.chunks[u - mg * n_chunks];
+        int4 ch;
+        float gw0 = 0.f, gw1 = 0.f;
+        int gp0n = -1, gp1n = -1;
+        if constexpr (G == 0) {
+            ch = so.chunks[u - mg * n_chunks];
+        } else {
+            ch = gch;
+            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : gch1;
+            if (MODE == 1) {
+                gw0 = gp0 >= 0 ? __ldg(wts + gp0) : 0.f;
+                gw1 = gp1 >= 0 ? __ldg(wts + gp1) : 0.f;
+                if (u + gs < n_units) {
+                    gp0n = 2 * t < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t) : -1;
+                    gp1n = 2 * t + 1 < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t + 1) : -1;
+                }
+            }
+            gch = gch1;
+            gch1 = ch2;
+        }
         const int slot0 = ch.y, ntok = ch.z;
         const int tp = mg * WM + wm;                 // this warp's tile pair (tiles 2tp, 2tp + 1)
         const bool wactive = 2 * tp < ntiles;
@@ -277,8 +361,15 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             if constexpr (MODE == 0) {
                 h_out[(size_t)slot * h_stride + tp * 16 + g + 8 * (q >> 1)] = f32_to_bf16(v0 / (1.f + expf(-v0)) * v1);
             } else {
-                const int pair = so.slot_pair[slot];
-                const float wgt = bm.wslot[slot];
+                int pair;
+                float wgt;
+                if constexpr (G == 0) {
+                    pair = so.slot_pair[slot];
+                    wgt = bm.wslot[slot];
+                } else {
+                    pair = (q & 1) ? gp1 : gp0;
+                    wgt = (q & 1) ? gw1 : gw0;
+                }
                 const size_t row = (size_t)pair * N + 2 * tp * 16 + g + 8 * (q >> 1);
                 y[row] = wgt * v0;
                 y[row + 16] = wgt * v1;
@@ -311,6 +402,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (2 * t + (q & 1) < ntok) store(q, acc[0][q], acc[1][q]);
+        }
+        if constexpr (G == 1) {
+            gp0 = gp0n;
+            gp1 = gp1n;
         }
     }
 }

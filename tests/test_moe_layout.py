@@ -266,8 +266,60 @@ def test_bulk_tiles_fit_sm120_and_the_producer_warp():
         assert bt.smem_dynamic + bt.smem_static <= moe.SMEM_LIMIT, bt
 
 
+def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
+    # G = 1 (moe_route's global arrays) drops BULK_META from the dynamic shared memory; every large-T block
+    # fits sm_120's 99 KB per block that way, and is compiled under a G = 1 name distinct from the G = 0 one
+    blocks = (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE) + moe.BULK_GATEUP_LARGE_CANDIDATES \
+        + moe.BULK_DOWN_LARGE_CANDIDATES
+    for bt in blocks:
+        assert 4 * bt.wm + 8 <= 32 and bt.stage_bytes() % 128 == 0
+        assert bt.smem_dyn(1) == bt.smem_dyn(0) - moe.BULK_META
+        assert bt.smem_dyn(1) + bt.smem_static <= moe.SMEM_LIMIT, bt
+    names = moe.SPEC_BULK.names
+    assert len(set(names)) == len(names)
+    for mode, bt in [(0, b) for b in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES] + \
+            [(1, b) for b in (moe.BULK_DOWN_LARGE,) + moe.BULK_DOWN_LARGE_CANDIDATES]:
+        assert moe._bulk_name(mode, bt, 1) in names
+    for mode, bt in [(0, b) for b in (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES] + \
+            [(1, b) for b in (moe.BULK_DOWN,) + moe.BULK_DOWN_CANDIDATES]:
+        assert moe._bulk_name(mode, bt, 0) in names
+    assert moe._bulk_name(0, moe.BULK_GATEUP, 1) == moe._bulk_name(0, moe.BULK_GATEUP).replace(", 0>", ", 1>")
+
+
+def test_large_t_bulk_rule_is_its_own_switch(monkeypatch):
+    # above FUSED_MAX_PAIRS only BULK_LARGE_DEFAULT / DDT_MOE_BULK_LARGE decide; DDT_MOE_BULK keeps its range
+    monkeypatch.setattr(moe, "BULK_ENV", None)
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
+    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
+    assert moe.bulk_for(33, 8) is False and moe.bulk_for(320, 8) is False and moe.bulk_for(32, 8) is True
+    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", True)
+    assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
+    assert moe.bulk_for(33, 8) is False and moe.bulk_for(32, 8) is True
+    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "1")
+    assert moe.bulk_for(33, 8) is True and moe.bulk_for(1, 8) is False
+    monkeypatch.setattr(moe, "BULK_ENV", "0")
+    assert moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "down")
+    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE"):
+        moe.bulk_for(64, 8)
+
+
+def test_large_t_bulk_tiles_env_override(monkeypatch):
+    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=2,4,2,3;dn=4,1,4,3")
+    assert moe._env_bulk_tiles(True) == (moe.BulkTile(2, 4, 2, 3), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,4,4,2")     # a decode-only block
+    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
+        moe._env_bulk_tiles(True)
+    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
+    assert moe._env_bulk_tiles(True) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+
+
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
     monkeypatch.setattr(moe, "BULK_ENV", None)
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
+    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
     assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
     assert moe.bulk_for(33, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "1")

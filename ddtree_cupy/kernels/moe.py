@@ -248,8 +248,13 @@ class BulkTile:
         return 2 * self.wm * ss * (512 + 64) + 8 * (ss * 128 + 64)
 
     @property
-    def smem_dynamic(self) -> int:
-        return 128 + self.nst * self.stage_bytes() + BULK_META
+    def smem_dynamic(self) -> int:      # with the shared-memory sort (G = 0)
+        return self.smem_dyn(0)
+
+    def smem_dyn(self, g: int) -> int:
+        """Dynamic shared memory with routing source ``g`` (0: the block's own sort, BULK_META bytes of it;
+        1: moe_route's global arrays, nothing)."""
+        return 128 + self.nst * self.stage_bytes() + (BULK_META if g == 0 else 0)
 
     @property
     def smem_static(self) -> int:      # the K-split partials, double-buffered (moe_bulk.cu)
@@ -270,24 +275,43 @@ BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
+# Large T (T*k > FUSED_MAX_PAIRS, session 5; docs/MOE.md "Session 5: bulk GEMMs at large T"): the same kernels fed
+# by moe_route's global chunk list (template G = 1: no sort arrays in shared memory). Units are plentiful there
+# (~300-384 experts x chunks of <= 8 tokens x 16-56 m-groups), so the table starts from the decode blocks and the
+# benchmark times the candidates against them ("bulkL_gu*" / "bulkL_dn*").
+BULK_GATEUP_LARGE = BulkTile(1, 8, 2, 2)
+BULK_DOWN_LARGE = BulkTile(4, 1, 4, 2)
+BULK_GATEUP_LARGE_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(2, 4, 2, 3))
+BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
+
+
 # Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
-# picks compiled blocks (the table's or a candidate); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K
-# stage (three copies per stage instead of one per tile and token row).
+# picks compiled blocks (the table's or a candidate) for T*k <= FUSED_MAX_PAIRS, DDT_MOE_BULK_LARGE_TILES (same
+# syntax) above; DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
+# one per tile and token row).
 BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
 
 
-def _env_bulk_tiles() -> Tuple[BulkTile, BulkTile]:
-    gu, dn = BULK_GATEUP, BULK_DOWN
-    v = os.environ.get("DDT_MOE_BULK_TILES", "")
+def _bulk_allowed(large: bool):
+    if large:
+        return {"gu": (BULK_GATEUP_LARGE,) + BULK_GATEUP_LARGE_CANDIDATES,
+                "dn": (BULK_DOWN_LARGE,) + BULK_DOWN_LARGE_CANDIDATES}
+    return {"gu": (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES, "dn": (BULK_DOWN,) + BULK_DOWN_CANDIDATES}
+
+
+def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
+    var = "DDT_MOE_BULK_LARGE_TILES" if large else "DDT_MOE_BULK_TILES"
+    allowed = _bulk_allowed(large)
+    gu, dn = allowed["gu"][0], allowed["dn"][0]
+    v = os.environ.get(var, "")
     for part in filter(None, v.split(";")):
         key, _, nums = part.partition("=")
         try:
             t = BulkTile(*(int(n) for n in nums.split(",")))
         except (TypeError, ValueError):
-            raise ValueError(f"DDT_MOE_BULK_TILES: {part!r} is not gu=wm,wk,spw,nst or dn=wm,wk,spw,nst") from None
-        allowed = {"gu": (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES, "dn": (BULK_DOWN,) + BULK_DOWN_CANDIDATES}
+            raise ValueError(f"{var}: {part!r} is not gu=wm,wk,spw,nst or dn=wm,wk,spw,nst") from None
         if key not in allowed or t not in allowed[key]:
-            raise ValueError(f"DDT_MOE_BULK_TILES: {part!r} is not a compiled block ({allowed.get(key)})")
+            raise ValueError(f"{var}: {part!r} is not a compiled block ({allowed.get(key)})")
         if key == "gu":
             gu = t
         else:
@@ -295,17 +319,28 @@ def _env_bulk_tiles() -> Tuple[BulkTile, BulkTile]:
     return gu, dn
 
 
-def _bulk_name(mode: int, bt: BulkTile) -> str:
-    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}>"
+def _bulk_name(mode: int, bt: BulkTile, g: int = 0) -> str:
+    return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}>"
+
+
+def _all_bulk_names() -> Tuple[str, ...]:
+    names = []
+    for g in (0, 1):
+        allowed = _bulk_allowed(g == 1)
+        for mode, key in ((0, "gu"), (1, "dn")):
+            for t in allowed[key]:
+                if _bulk_name(mode, t, g) not in names:
+                    names.append(_bulk_name(mode, t, g))
+    return tuple(names)
 
 
 SPEC_BULK = register(KernelSpec(
     src="moe_bulk.cu",
-    names=tuple(_bulk_name(0, t) for t in (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES)
-    + tuple(_bulk_name(1, t) for t in (BULK_DOWN,) + BULK_DOWN_CANDIDATES),
+    names=_all_bulk_names(),
     hot=True,
     pdl=True,      # gate/up waits first; down waits before its first read of h (see the .cu header)
-    doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (decode sizes)"))
+    doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (routing sorted in the block or "
+        "from moe_route)"))
 
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
 # register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied; T = 8 80.0 -> 73.2,
@@ -314,17 +349,30 @@ SPEC_BULK = register(KernelSpec(
 BULK_DEFAULT = True
 BULK_MIN_T = 4
 BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
+# Above FUSED_MAX_PAIRS (session 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
+# register ring. OFF until the lead's H200 run (docs/MOE.md "Session 5": the rule that flips it). Environment
+# DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
+BULK_LARGE_DEFAULT = False
+BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
 
 
 def bulk_for(T: int, top_k: int):
-    """Which GEMMs the table runs bulk-copy for T tokens: True (both), "down" or False; only where both kernels
-    can sort in shared memory (T*k <= FUSED_MAX_PAIRS)."""
+    """Which GEMMs the table runs bulk-copy for T tokens: True (both), "down" or False. Up to FUSED_MAX_PAIRS
+    pairs the kernels sort in shared memory (BULK_DEFAULT / BULK_MIN_T, DDT_MOE_BULK); above, they read
+    moe_route's chunk list (BULK_LARGE_DEFAULT, DDT_MOE_BULK_LARGE; no "down"-only there)."""
+    if T * top_k > FUSED_MAX_PAIRS:
+        on = BULK_LARGE_DEFAULT
+        if BULK_LARGE_ENV is not None:
+            if BULK_LARGE_ENV not in ("0", "1"):
+                raise ValueError(f"DDT_MOE_BULK_LARGE: must be 0 or 1, got {BULK_LARGE_ENV!r}")
+            on = BULK_LARGE_ENV == "1"
+        return on
     on = BULK_DEFAULT and T >= BULK_MIN_T
     if BULK_ENV is not None:
         if BULK_ENV not in ("0", "1", "down"):
             raise ValueError(f"DDT_MOE_BULK: must be 0, 1 or down, got {BULK_ENV!r}")
         on = {"0": False, "1": True, "down": "down"}[BULK_ENV]
-    return on if T * top_k <= FUSED_MAX_PAIRS else False
+    return on
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -616,11 +664,13 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
                     bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
-    ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves, T*k <= FUSED_MAX_PAIRS);
+    ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
+    and ``fuse_route`` is not False, else the routing kernel runs first and both read its chunk list, with
+    ``l2_prefetch`` as for the register ring: None = from T = 64);
     "down": the register-ring gate/up (fused sort, the table's tiles) and the bulk-copy down (it re-derives the
     same slots); False: both register-ring; None: ``bulk_for`` when no register-ring option is given. The bulk
-    kernels take none of ``tiles``, ``l2_prefetch``, ``pf_steps``, ``fuse_route``, ``pf_next``; ``bulk_tiles``:
-    their (gate/up, down) blocks (None: the table's).
+    kernels take none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks
+    (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above).
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
     kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
@@ -652,12 +702,21 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     if bulk not in (True, False, "down"):
         raise ValueError(f"bulk: must be True, False or 'down', got {bulk!r}")
     if bulk is True:
-        if ring_options:
-            raise ValueError("bulk: the bulk-copy GEMMs take no tiles / l2_prefetch / fuse_route=False")
-        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)
+        if tiles is not None:
+            raise ValueError("bulk: the bulk-copy GEMMs take no tiles (bulk_tiles picks their blocks)")
+        # routing source: the blocks' own shared-memory sort where it fits, unless fuse_route=False; moe_route's
+        # global arrays above FUSED_MAX_PAIRS (or when asked)
+        glob = T * k > FUSED_MAX_PAIRS or fuse_route is False
+        if glob and fuse_route:
+            raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
+        if l2_prefetch and not glob:
+            raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
+        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch)
     if bulk == "down":
         if fuse_route is False or l2_prefetch:
             raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
+        if T * k > FUSED_MAX_PAIRS:
+            raise ValueError(f"bulk: 'down' needs T*k = {T * k} <= {FUSED_MAX_PAIRS} (both kernels sort in shared memory)")
         fuse_route = True
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
@@ -722,43 +781,63 @@ def _combine_launch(topk_ids, weights: MoEWeights, ws: MoEWorkspace, out, residu
     return ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args))
 
 
-def _blocks_per_sm(bt: BulkTile) -> int:
+def _blocks_per_sm(bt: BulkTile, g: int = 0) -> int:
     import cupy
     dev = cupy.cuda.Device().id
     key = ("smem_sm", dev)
     if key not in _SM:      # (Device().attributes queries every attribute: once per device)
         _SM[key] = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"])
-    by_smem = _SM[key] // (bt.smem_dynamic + bt.smem_static + 1024)     # + the per-block reservation
+    by_smem = _SM[key] // (bt.smem_dyn(g) + bt.smem_static + 1024)     # + the per-block reservation
     return max(1, min(by_smem, 2048 // bt.threads))
 
 
 def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
-               bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
-    """gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan)."""
+               bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, glob: bool = False,
+               l2_prefetch: Optional[bool] = None):
+    """[route,] gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan). ``glob``:
+    the routing kernel runs first (chunks of <= 8 tokens) and both GEMMs read its arrays (G = 1); else both sort
+    in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS)."""
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
-    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles()
-    if gu_tile not in (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES or dn_tile not in (BULK_DOWN,) + BULK_DOWN_CANDIDATES:
-        raise ValueError(f"bulk_tiles: {bulk_tiles} are not compiled (BULK_*_CANDIDATES)")
-    if T * k > FUSED_MAX_PAIRS:
+    g = 1 if glob else 0
+    large = T * k > FUSED_MAX_PAIRS
+    allowed = _bulk_allowed(large)
+    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles(large)
+    if gu_tile not in allowed["gu"] or dn_tile not in allowed["dn"]:
+        raise ValueError(f"bulk_tiles: {bulk_tiles} are not compiled for T*k = {T * k} "
+                         f"(BULK_*{'_LARGE' if large else ''}_CANDIDATES: {allowed})")
+    if not glob and T * k > FUSED_MAX_PAIRS:
         raise ValueError(f"bulk: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
     for bt in (gu_tile, dn_tile):
-        if bt.smem_dynamic + bt.smem_static > SMEM_LIMIT:
-            raise ValueError(f"bulk: {bt} needs {bt.smem_dynamic + bt.smem_static} B of shared memory > {SMEM_LIMIT}")
+        if bt.smem_dyn(g) + bt.smem_static > SMEM_LIMIT:
+            raise ValueError(f"bulk: {bt} needs {bt.smem_dyn(g) + bt.smem_static} B of shared memory > {SMEM_LIMIT}")
     Ip = weights.inter_padded
-    i32 = np.int32
+    i32, i64 = np.int32, np.int64
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // 8)
+    plan = []
+    if glob:
+        # the register ring's routing kernel with chunks of 8 (the bulk kernels' token tile) and its L2 prefetch
+        # blocks by the same rule (from T = 64 unless told)
+        if l2_prefetch is None:
+            l2_prefetch = T >= 64
+        k_route = get_kernel(SPEC, "moe_route")
+        eb = [a.nbytes // E for a in (weights.w13, weights.s13, weights.w2, weights.s2)]
+        route_args = (topk_ids, i32(T), i32(k), i32(E), i32(8), ws.slot_pair, ws.rank, ws.chunks, ws.meta,
+                      weights.w13, weights.s13, weights.w2, weights.s2, *(i64(b) for b in eb),
+                      i64(_l2_budget() if l2_prefetch else 0))
+        route_grid = 1 + (_sm_count() if l2_prefetch else 0)
+        plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y,
               i32(BULK_WHOLE))
-    plan = []
     for name, mode, bt, w, s, N, KS, act, act_stride in (
             ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
             ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
-        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt), max_dynamic_smem=bt.smem_dynamic)
+        dyn = bt.smem_dyn(g)
+        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
         units = chunks_max * -(-(N // 32) // bt.wm)
-        grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt)))
+        grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
         args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common
-        plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args:
-                     fn((grid,), (bt.threads,), args, shared_mem=bt.smem_dynamic)))
+        plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args, dyn=dyn:
+                     fn((grid,), (bt.threads,), args, shared_mem=dyn)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan

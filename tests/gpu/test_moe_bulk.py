@@ -3,7 +3,13 @@ float64 numpy reference, with the layers, routing and poisoning of test_moe.py: 
 one k64 step, 256 gives the down GEMM one 4-step stage per unit, 2048 eight), T = 1 .. 32 (T*k <= 256),
 experts with several chunks, duplicate and bad ids, graph replay, and a PDL chain in which the down kernel's
 pre-wait reads (ids and routing weights written two kernels earlier) would see stale values if the reasoning
-in the kernel's header were wrong."""
+in the kernel's header were wrong.
+
+Session 5: the same kernels fed by moe_route's global chunk list (template G = 1; T*k > 256, or fuse_route=False
+at any T): T = 33 .. 320 with E = 384 and small E, one expert holding every token, bad ids, I = 32 / 256 / 2048,
+bit-identity with the shared-memory sort (G = 0: only the slot order differs, every output column's arithmetic
+is the same), every compiled large-T block, graph replay, a workspace reused from a larger T, and the PDL chain
+(the down kernel reads moe_route's chunk list before its wait)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +18,7 @@ import pytest
 from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.kernels import moe
 
-from test_moe import TOL, _out_and_y, _routing, _run
+from test_moe import TOL, Layer, _out_and_y, _routing, _run
 from test_moe import narrow, tiny, tiny256, wide  # noqa: F401  (the same layer fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -61,17 +67,19 @@ def test_bulk_publishes_the_sort(narrow):
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
-def test_bulk_under_pdl_matches_plain(narrow):
+@pytest.mark.parametrize("T", [16, 40])
+def test_bulk_under_pdl_matches_plain(narrow, T):
     # ROUNDS x (mixing GEMM -> router -> bulk MoE): the router writes new ids / weights every round, and the
-    # down kernel reads them before its PDL wait. With PDL on (eager and graph-replayed) the outputs must be
-    # bit-identical to plain launches.
+    # down kernel reads them before its PDL wait (T = 40: moe_route's chunk list, written three kernels
+    # earlier, G = 1). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
+    # launches (G = 1: moe_route's atomic slot order may differ between runs, each output's arithmetic not).
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch, router
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("PDL needs sm_90+")
     layer = narrow
-    rng = np.random.default_rng(3600)
-    T, k, R = 16, 8, 4
+    rng = np.random.default_rng(3600 + T)
+    k, R = 8, 4
     xs = cp.asarray(to_bf16_bits(rng.standard_normal((R, T, layer.H))))
     w_mix = cp.asarray(to_bf16_bits(rng.standard_normal((layer.H, layer.H)) * 0.02))
     gate = cp.asarray(to_bf16_bits(rng.standard_normal((layer.E, layer.H)) * 0.05))
@@ -131,10 +139,17 @@ def test_bulk_argument_errors(tiny256):
     x = cp.zeros((T, layer.H), cp.uint16)
     ids = cp.zeros((T, 8), cp.int32)
     wts = cp.zeros((T, 8), cp.float32)
-    with pytest.raises(ValueError, match="bulk"):
-        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
-    with pytest.raises(ValueError, match="bulk"):
-        moe.moe_forward(x[:4], ids[:4], wts[:4], layer.w, ws, bulk=True, fuse_route=False)
+    with pytest.raises(ValueError, match="bulk"):              # the down-only mix needs the shared-memory sort
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk="down")
+    with pytest.raises(ValueError, match="fuse_route"):        # 320 pairs cannot be sorted in shared memory
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, fuse_route=True)
+    with pytest.raises(ValueError, match="tiles"):
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, tiles=moe.select_tiles("sm_90", T, layer.I))
+    with pytest.raises(ValueError, match="l2_prefetch"):       # no routing kernel to prefetch with
+        moe.moe_forward(x[:4], ids[:4], wts[:4], layer.w, ws, bulk=True, l2_prefetch=True)
+    with pytest.raises(ValueError, match="bulk_tiles"):        # a decode-only block at large T
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True,
+                        bulk_tiles=(moe.BULK_GATEUP_CANDIDATES[1], moe.BULK_DOWN_LARGE))
 
 
 @pytest.mark.parametrize("layer_name,T", [("tiny", 13), ("narrow", 8)])
@@ -166,3 +181,166 @@ def test_down_whole_k_stage_is_bit_identical_to_per_tile_copies(layer_name, T, r
     o0, y0, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(o1, o0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: large T (moe_route's global chunk list, G = 1)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def e384():      # Kimi's expert count with a short hidden size (the reference dequantises all 384 experts)
+    return Layer(11, E=384, H=512, I=256)
+
+
+@pytest.fixture(scope="module")
+def wide2k():    # I = 2048 (the down GEMM's K is 32 steps: 8 stages per unit) with a short hidden size
+    return Layer(12, E=32, H=512, I=2048)
+
+
+def _kernel_names(monkeypatch):
+    """Record the kernel names moe.py asks for (which GEMM family and routing source actually ran)."""
+    seen = []
+    orig = moe.get_kernel
+
+    def spy(spec, name, **kw):
+        seen.append(name)
+        return orig(spec, name, **kw)
+    monkeypatch.setattr(moe, "get_kernel", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layer_name,T,mode,residual", [
+    ("e384", 33, "uniform", False), ("e384", 64, "uniform", True), ("e384", 80, "one_expert", False),
+    ("e384", 160, "uniform", False), ("e384", 320, "uniform", True),
+    ("tiny256", 64, "one_expert", False),      # E = 32: expert 3 holds 64 tokens = 8 chunks
+    ("tiny", 40, "duplicates", True),          # I = 32 (K padded to one step), repeated ids in a token
+    ("wide2k", 48, "uniform", False), ("wide2k", 100, "one_expert", True),
+    ("narrow", 48, "uniform", False),          # H = 7168: full 16-step gate/up stages
+    ("wide", 40, "uniform", False)])           # H = 7168, I = 2048
+def test_bulk_large_t_matches_reference(layer_name, T, mode, residual, request, monkeypatch):
+    layer = request.getfixturevalue(layer_name)
+    names = _kernel_names(monkeypatch)
+    assert _run(layer, T, 8, seed=5000 + T, mode=mode, residual=residual, bulk=True) < TOL
+    assert "moe_route" in names
+    assert moe._bulk_name(0, moe.BULK_GATEUP_LARGE, 1) in names and moe._bulk_name(1, moe.BULK_DOWN_LARGE, 1) in names
+
+
+@pytest.mark.parametrize("layer_name,T,mode", [("narrow", 16, "uniform"), ("tiny256", 32, "one_expert"),
+                                               ("wide2k", 9, "duplicates")])
+def test_global_routing_is_bit_identical_to_the_shared_memory_sort(layer_name, T, mode, request):
+    # fuse_route=False at T*k <= 256: the same blocks fed by moe_route (other slots, chunks of the same <= 8
+    # tokens per expert but perhaps grouped differently) -- every y row's arithmetic is the same, so y and out
+    # match bit for bit
+    layer = request.getfixturevalue(layer_name)
+    o0, y0, x, ids, wts = _out_and_y(layer, T, 8, 5100 + T, mode, bulk=True)
+    o1, y1, *_ = _out_and_y(layer, T, 8, 5100 + T, mode, bulk=True, fuse_route=False)
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(o1, o0)
+    ref = layer.reference(x, ids, wts)
+    got = bf16_bits_to_f32(o1).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+@pytest.mark.parametrize("layer_name,T", [("e384", 160), ("narrow", 64)])
+def test_bulk_large_t_is_deterministic_and_agrees_with_the_ring(layer_name, T, request):
+    # moe_route's atomic ranks may order the slots differently between calls; y per pair is the same bits.
+    # The register ring (another K split) agrees within bf16 tolerance.
+    layer = request.getfixturevalue(layer_name)
+    o0, y0, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=True)
+    o1, y1, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=True, l2_prefetch=False)
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(o1, o0)
+    o2, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=False)
+    a, b = (bf16_bits_to_f32(o).astype(np.float64) for o in (o0, o2))
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < TOL
+
+
+@pytest.mark.parametrize("layer_name,T", [("e384", 80), ("wide2k", 40)])
+def test_every_compiled_large_t_bulk_block(layer_name, T, request):
+    layer = request.getfixturevalue(layer_name)
+    for gu in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES:
+        assert _run(layer, T, 8, seed=5300 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN_LARGE)) < TOL, gu
+    for dn in moe.BULK_DOWN_LARGE_CANDIDATES:
+        assert _run(layer, T, 8, seed=5400 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP_LARGE, dn)) < TOL, dn
+
+
+def test_bulk_large_t_bad_ids_are_counted_and_skipped(e384):
+    import cupy as cp
+    layer = e384
+    rng = np.random.default_rng(5500)
+    T, k = 50, 8
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, k)
+    ids[1, 2] = layer.E          # out of range
+    ids[7, 5] = -3
+    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    ws.y.fill(np.nan)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
+                    residual=cp.asarray(res), bulk=True)
+    assert ws.bad_ids() == 2 + k
+    w_ref, ids_ref = wts.copy(), ids.copy()
+    for t, j in ((1, 2), (7, 5)):
+        w_ref[t, j], ids_ref[t, j] = 0.0, 0
+    w_ref[3, :] = 0.0
+    ids_ref[3, :] = np.arange(k)
+    ref = layer.reference(x, ids_ref, w_ref, res)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    np.testing.assert_array_equal(out.get()[3], res[3])      # bf16(0 + residual) == residual exactly
+
+
+def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
+    # one workspace sized for T = 320: eager 320 tokens, then a captured 64-token call (the chunk count and the
+    # slots come from this call's moe_route, not the larger call's leftovers), replayed with new routing
+    import cupy as cp
+    layer = e384
+    rng = np.random.default_rng(5600)
+    k = 8
+    ws = moe.MoEWorkspace(320, k, layer.w)
+    xb = to_bf16_bits(rng.standard_normal((320, layer.H)))
+    ib, wb = _routing(rng, 320, layer.E, k)
+    big = moe.moe_forward(cp.asarray(xb), cp.asarray(ib), cp.asarray(wb), layer.w, ws, bulk=True)
+    ref = layer.reference(xb, ib, wb)
+    assert np.linalg.norm(bf16_bits_to_f32(big.get()) - ref) / np.linalg.norm(ref) < TOL
+    T = 64
+    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
+    ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k, "one_expert"))
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
+    with stream:
+        stream.begin_capture()
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True)
+        graph = stream.end_capture()
+        out.fill(0xFFFF)
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(out.get(), eager.get())
+    ids2, wts2 = _routing(rng, T, layer.E, k)
+    ids[...] = cp.asarray(ids2)
+    wts[...] = cp.asarray(wts2)
+    cp.cuda.Stream.null.synchronize()
+    with stream:
+        out.fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = layer.reference(x.get(), ids2, wts2)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_bulk_large_t_rule_switch(e384, monkeypatch):
+    # moe_forward with no options follows bulk_for: DDT_MOE_BULK_LARGE=1 runs the G = 1 bulk kernels at
+    # T*k > 256, 0 the register ring; the same result within bf16 tolerance
+    names = _kernel_names(monkeypatch)
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "1")
+    assert _run(e384, 40, 8, seed=5700) < TOL
+    assert moe._bulk_name(0, moe.BULK_GATEUP_LARGE, 1) in names
+    names.clear()
+    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
+    assert _run(e384, 40, 8, seed=5700) < TOL
+    assert not any(n.startswith("moe_gemm_bulk") for n in names) and any(n.startswith("moe_gemm<") for n in names)
