@@ -417,3 +417,177 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
                                                  out_batch_stride, out_row_stride, T, N, K);
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Wide-token family (T = 17..160, issue #4, docs/KERNELS.md "Session 5: wide-token kernel"): a block owns a
+// tile of BM = 16 WM WARPS_M weight rows x BT = 8 WN WARPS_N tokens and one K range (split-K across blocks).
+//  * Operand reuse: each warp holds a 2-D fragment tile (WM m16 weight tiles x WN n8 token tiles), so per
+//    k16 it issues WM + ceil(WN / 2) ldmatrix for WM x WN mma; the split-K kernel's warps own one m16 tile
+//    against every token (ratio ~0.55 ldmatrix per mma at T = 160, and all 4 warps re-read the whole token
+//    tile); here 0.5 at WM 2 x WN 4 with 8 warps per block.
+//  * L2 -> shared traffic: each block reads its weight tile once per token tile and the token tile once per
+//    BM rows; with BM = 128 the token side is half that of the split-K kernel's 64-row blocks.
+//  * Grid: blockIdx.x = split * token_tiles + token tile (token tiles fastest), so the blocks that share a
+//    weight tile are adjacent in launch order and run together: the weight crosses DRAM once, the
+//    siblings hit L2. blockIdx.y = BM row block, blockIdx.z = batch.
+//  * split > 1 writes fp32 partials [batch][split][T][N] summed by gemm_splitk_reduce in split order
+//    (deterministic, no atomics); split == 1 writes the output directly.
+//  * PDL: the first STAGES-1 weight stages are issued before DDT_PDL_WAIT(), one cp.async group each; the
+//    token tiles of those stages are plain loads after the wait (no weight group queued behind a token
+//    group), as in the decode family.
+// Same argument list as gemm_bf16_kernel, the last int being the split count (the K range of split s is
+// k tiles [s kt / split, (s + 1) kt / split)), output type last (tests/_target_shim.py).
+#define WIDE_THREADS 256
+
+template <int WM, int WN, int WARPS_M, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(WIDE_THREADS, 2)
+gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                      const bf16_bits* __restrict__ w, long long w_batch_stride,
+                      void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                      float* __restrict__ ws, int T, int N, int K, int split) {
+    constexpr int WARPS_N = WIDE_THREADS / 32 / WARPS_M;
+    constexpr int BM = 16 * WM * WARPS_M, BT = 8 * WN * WARPS_N;
+    constexpr int WST = BM * 8, XST = BT * 8;           // uint4 per stage: rows x 8 chunks of 16 bytes
+    static_assert(WARPS_M * WARPS_N * 32 == WIDE_THREADS, "warp grid covers the block");
+    static_assert(WST % WIDE_THREADS == 0, "weight stage: whole chunks per thread");
+    static_assert(STAGES >= 2 && STAGES * (WST + XST) * 16 <= 99 * 1024, "ring fits 99 KB");
+    extern __shared__ uint4 smem[];
+    uint4* w_s = smem;                                   // [STAGES][WST]
+    uint4* x_s = smem + STAGES * WST;                    // [STAGES][XST]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+    const int tiles = (T + BT - 1) / BT;
+    const int tt = blockIdx.x % tiles, sidx = blockIdx.x / tiles;
+    const int t0 = tt * BT, n0 = blockIdx.y * BM, b = blockIdx.z;
+    const int k_tiles = K / GEMM_BK;
+    const int kt0 = sidx * k_tiles / split, nkt = (sidx + 1) * k_tiles / split - kt0;
+    x += b * x_batch_stride + (long long)t0 * x_row_stride;
+    w += b * w_batch_stride;
+    // Warps whose rows lie past N or whose tokens lie past T (a padded token tile) skip the mma: the
+    // copies and barriers stay block-wide, and their fragments (zero) are never stored.
+    const bool active = (n0 + wm * WM * 16 < N) && (t0 + wn * WN * 8 < T);
+
+    auto load_w = [&](int slot, int kt) {
+        uint4* d = w_s + slot * WST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < WST / WIDE_THREADS; ++j) {
+            const int i = tid + j * WIDE_THREADS, r = i >> 3, c = i & 7;
+            const int n = n0 + r;
+            cp_async16(smem_addr(d + swz(r, c)), n < N ? w + (long long)n * K + k + c * 8 : w, n < N ? 16 : 0);
+        }
+    };
+    auto load_x = [&](int slot, int kt, bool async) {
+        uint4* d = x_s + slot * XST;
+        const int k = kt * GEMM_BK;
+#pragma unroll
+        for (int j = 0; j < (XST + WIDE_THREADS - 1) / WIDE_THREADS; ++j) {
+            const int i = tid + j * WIDE_THREADS;
+            if (XST % WIDE_THREADS == 0 || i < XST) {
+                const int r = i >> 3, c = i & 7;
+                const bool ok = t0 + r < T;
+                const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
+                if (async) cp_async16(smem_addr(d + swz(r, c)), ok ? src : x, ok ? 16 : 0);
+                else d[swz(r, c)] = ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+
+    DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // weights only: allowed before the wait
+        if (s < nkt) load_w(s, kt0 + s);
+        cp_async_commit();                  // one group per stage, even when empty: the count stays in step
+    }
+    DDT_PDL_WAIT();                         // x, ws and out belong to earlier kernels in the stream
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nkt) load_x(s, kt0 + s, false);
+
+    float acc[WM][WN][4];
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+
+    for (int it = 0; it < nkt; ++it) {
+        cp_async_wait<STAGES - 2>();       // this thread's copies of stage `it` have landed ...
+        __syncthreads();                   // ... every thread's, and slot (it-1) % STAGES is no longer read
+        const int nxt = it + STAGES - 1;
+        if (nxt < nkt) {
+            load_w(nxt % STAGES, kt0 + nxt);
+            load_x(nxt % STAGES, kt0 + nxt, true);
+        }
+        cp_async_commit();
+        if (!active) continue;
+
+        const uint4* ws_ = w_s + (it % STAGES) * WST;
+        const uint4* xs_ = x_s + (it % STAGES) * XST;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+            uint32_t a[WM][4];
+#pragma unroll
+            for (int i = 0; i < WM; ++i) {   // A: 16 weight rows x 16 k; lanes 0-15 rows at k 0-7, 16-31 at k 8-15
+                const int r = (wm * WM + i) * 16 + (lane & 15), c = kk * 2 + (lane >> 4);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[i][0]), "=r"(a[i][1]), "=r"(a[i][2]), "=r"(a[i][3])
+                             : "r"(smem_addr(ws_ + swz(r, c))));
+            }
+            const int c = kk * 2 + ((lane >> 3) & 1);
+#pragma unroll
+            for (int j = 0; j < WN; j += 2) {
+                uint32_t b0, b1, b2 = 0, b3 = 0;
+                const int tb = wn * WN * 8 + j * 8;
+                if (j + 1 < WN) {   // two n8 token tiles: matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,..)
+                    const int r = tb + (lane & 7) + ((lane >> 4) << 3);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+                } else {
+                    const int r = tb + (lane & 7);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                                 : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+                }
+#pragma unroll
+                for (int i = 0; i < WM; ++i) {
+                    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                                 : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
+                                 : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b0), "r"(b1));
+                    if (j + 1 < WN) {
+                        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                                     : "+f"(acc[i][j + 1][0]), "+f"(acc[i][j + 1][1]), "+f"(acc[i][j + 1][2]),
+                                       "+f"(acc[i][j + 1][3])
+                                     : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b2), "r"(b3));
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();                     // only empty groups can remain; keep the count clean anyway
+    if (!active) return;
+
+    // D fragment: c0,c1 = (row lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = row + 8.
+#pragma unroll
+    for (int i = 0; i < WM; ++i) {
+#pragma unroll
+        for (int j = 0; j < WN; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = n0 + (wm * WM + i) * 16 + (lane >> 2) + (e >> 1) * 8;
+                const int t = t0 + wn * WN * 8 + j * 8 + 2 * (lane & 3) + (e & 1);
+                if (n < N && t < T) {
+                    const float v = acc[i][j][e];
+                    if (split > 1) {
+                        ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
+                    } else if (OUT_F32) {
+                        ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
+                    } else {
+                        ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
+                            f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+}

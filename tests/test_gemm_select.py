@@ -100,3 +100,91 @@ def test_switches():
         gemm.set_decode_config(gemm.DecodeConfig(1, 5, 1, 1))
     assert gemm.set_decode_config(gemm.DEC_CONFIGS[0]) is None
     assert gemm.set_decode_config(None) == gemm.DEC_CONFIGS[0]
+
+
+# ---- wide-token family (T = 17..160) -------------------------------------------------------------------
+WIDE_T = (17, 31, 32, 33, 64, 65, 80, 81, 96, 100, 128, 160)
+
+
+def test_wide_configs_fit_and_compiled():
+    assert len(set(gemm.WIDE_CONFIGS)) == len(gemm.WIDE_CONFIGS)
+    names = set(gemm.SPEC.names)
+    for c in gemm.WIDE_CONFIGS:
+        assert c.smem() <= 96 * 1024 and c.stages >= 3           # sm_120: <= 99 KB per block
+        assert c.bm() == 128 and c.bt() in (32, 64, 80)
+        assert all(c.name(f) in names for f in (False, True)) and c.name(False) != c.name(True)
+        assert c.name(True).rstrip(">").split(",")[-1].strip() == "true"    # output type last (CPU shim)
+
+
+@pytest.mark.parametrize("dev", [H200, SM120], ids=["h200", "sm120"])
+@pytest.mark.parametrize("name,N,K,B", ENGINE + [("router+shared", 896, 7168, 1)],
+                         ids=[e[0] for e in ENGINE] + ["router+shared"])
+def test_wide_pick_serves_and_fits_the_workspace(dev, name, N, K, B):
+    """For every T: a compiled config, the least padded token tiles, a split that leaves >= 4 k tiles per
+    block, never above choose_split's (the engine's workspaces are sized by it), and the cost model's
+    minimum over the allowed splits."""
+    import math
+    for T in WIDE_T:
+        cfg, split = gemm.choose_wide(T, N, K, B, **dev)
+        assert cfg in gemm.WIDE_CONFIGS
+        pad = math.ceil(T / cfg.bt()) * cfg.bt()
+        assert pad == min(math.ceil(T / c.bt()) * c.bt() for c in gemm.WIDE_CONFIGS)
+        assert 1 <= split <= gemm.choose_split(T, N, K, B, dev["sm_count"])
+        assert split == 1 or K // 64 // split >= gemm.WIDE_MIN_K_TILES
+        blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * B
+        slots = dev["sm_count"] * max(1, min(2, dev["smem_per_sm"] // (cfg.smem() + 1024)))
+        cost = lambda s: math.ceil(blocks * s / slots) * (math.ceil(K // 64 / s) + gemm.WIDE_FILL_TILES)  # noqa
+        cap = max(1, min(K // 64 // gemm.WIDE_MIN_K_TILES, gemm.choose_split(T, N, K, B, dev["sm_count"])))
+        assert cost(split) == min(cost(s) for s in range(1, cap + 1))
+
+
+def test_wide_picks_h200():
+    """The H200 picks at the issue's shapes (pinned: a rule change shows here; refit after the run)."""
+    got = {(n, T): (c.bt(), s) for n, N, K in (("q_a", 2112, 7168), ("o_proj", 7168, 1024),
+                                                 ("gate+up", 4608, 7168), ("down", 7168, 2304),
+                                                 ("lm_head", 20480, 7168))
+           for T in (32, 64, 160) for c, s in [gemm.choose_wide(T, N, K, 1, **H200)]}
+    assert got == {
+        ("q_a", 32): (32, 14), ("q_a", 64): (64, 14), ("q_a", 160): (80, 5),
+        ("o_proj", 32): (32, 4), ("o_proj", 64): (64, 2), ("o_proj", 160): (80, 1),
+        ("gate+up", 32): (32, 7), ("gate+up", 64): (64, 7), ("gate+up", 160): (80, 3),
+        ("down", 32): (32, 4), ("down", 64): (64, 4), ("down", 160): (80, 1),
+        ("lm_head", 32): (32, 1), ("lm_head", 64): (64, 1), ("lm_head", 160): (80, 2)}
+
+
+def test_wide_range_and_switches(monkeypatch):
+    assert gemm.choose_wide(16, 2112, 7168) is None and gemm.choose_wide(161, 2112, 7168) is None
+    monkeypatch.delenv("DDT_GEMM_WIDE", raising=False)
+    old_w, old_v = gemm.set_wide(None), gemm.set_variant("auto")
+    try:
+        assert gemm.wide_enabled() is gemm.WIDE_DEFAULT is False      # off until the H200 run confirms it
+        assert not gemm.use_wide(40)
+        monkeypatch.setenv("DDT_GEMM_WIDE", "1")
+        assert gemm.use_wide(17) and gemm.use_wide(160) and not gemm.use_wide(16)
+        assert gemm.use_decode(16, 2112, 7168)           # T <= 16 is untouched
+        gemm.set_wide(False)
+        assert not gemm.use_wide(40)
+        gemm.set_wide(None)
+        monkeypatch.setenv("DDT_GEMM_WIDE", "0")
+        assert not gemm.use_wide(40)
+        gemm.set_variant("wide")                          # forced: wide above 16 whatever the switch says
+        assert gemm.use_wide(40) and not gemm.use_wide(8)
+        assert gemm.use_decode(8, 2112, 7168)             # and the rule below
+        gemm.set_variant("splitk")
+        monkeypatch.setenv("DDT_GEMM_WIDE", "1")
+        assert not gemm.use_wide(40)
+        monkeypatch.setenv("DDT_GEMM_WIDE", "yes")
+        gemm.set_variant("auto")
+        with pytest.raises(ValueError, match="DDT_GEMM_WIDE"):
+            gemm.use_wide(40)
+    finally:
+        gemm.set_wide(old_w)
+        gemm.set_variant(old_v)
+    with pytest.raises(ValueError, match="on"):
+        gemm.set_wide(1)
+    with pytest.raises(ValueError, match="cfg"):
+        gemm.set_wide_config((gemm.WideConfig(2, 3, 4, 4), 2))
+    with pytest.raises(ValueError, match="cfg"):
+        gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 0))
+    assert gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 3)) is None
+    assert gemm.set_wide_config(None) == (gemm.WIDE_CONFIGS[0], 3)

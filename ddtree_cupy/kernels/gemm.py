@@ -9,7 +9,11 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
  * "decode": ``gemm_bf16_kernel_decode`` / ``_decode_cl`` (T <= 16: 16 RT weight rows per block, K split
    across the block's 8 warps and, for CS > 1, across a cluster of CS blocks, reduced in (distributed)
    shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
-   forces one).
+   forces one);
+ * "wide": ``gemm_bf16_kernel_wide`` (T = 17..160: 2-D block tiles of 128 weight rows x 32-160 tokens,
+   split-K across blocks through the same workspace + reduce; ``choose_wide`` picks config and split).
+   OFF by default (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1, ``set_variant("wide")``) until the H200 run
+   confirms it (docs/KERNELS.md "Session 5: wide-token kernel").
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
@@ -136,24 +140,140 @@ def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
     return base
 
 
+# Wide-token family (T = 17..160, docs/KERNELS.md "Session 5"): a block = BM = 16 WM WARPS_M weight rows x
+# BT = 8 WN WARPS_N tokens, 8 warps each holding WM m16 x WN n8 fragment tiles, one ring of STAGES x
+# (BM + BT) rows x BK shared by the block; K split across blocks (workspace + gemm_splitk_reduce).
+WIDE_WARPS, WIDE_THREADS = 8, 256
+WIDE_MIN_T = DEC_MAX_T + 1
+
+
+class WideConfig(NamedTuple):
+    wm: int        # m16 weight tiles per warp
+    wn: int        # n8 token tiles per warp
+    warps_m: int   # warps along the weight rows (WIDE_WARPS / warps_m along the tokens)
+    stages: int    # ring depth
+
+    def bm(self) -> int:
+        return 16 * self.wm * self.warps_m
+
+    def bt(self) -> int:
+        return 8 * self.wn * (WIDE_WARPS // self.warps_m)
+
+    def smem(self) -> int:
+        return self.stages * (self.bm() + self.bt()) * BK * 2
+
+    def name(self, out_f32: bool) -> str:
+        return (f"gemm_bf16_kernel_wide<{self.wm}, {self.wn}, {self.warps_m}, {self.stages}, "
+                f"{'true' if out_f32 else 'false'}>")
+
+
+def _wide(wm: int, wn: int, warps_m: int) -> WideConfig:
+    """As many stages (<= 4) as fit the shared-memory budget."""
+    per = (16 * wm * warps_m + 8 * wn * (WIDE_WARPS // warps_m)) * BK * 2
+    return WideConfig(wm, wn, warps_m, min(4, SMEM_BUDGET // per))
+
+
+# BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB: T = 160 in two tiles). Every compiled
+# config; the tests run each one. (BT 160, WN 10, was built and dropped: 80 accumulators per thread spill on
+# sm_90 under the 128-register cap of 2 blocks per SM.)
+WIDE_CONFIGS = (_wide(2, 2, 4), _wide(2, 4, 4), _wide(2, 5, 4))
+WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
+WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
+
+
+def wide_config_for(T: int) -> WideConfig:
+    """The block shape for T tokens: the least padded token work (ceil(T / BT) BT), then the fewest token
+    tiles (each one re-reads the weight tile from L2): T <= 32 BT 32, 33..64 BT 64, 65..80 BT 80,
+    81..96 BT 32 (3 tiles), 97..128 BT 64, 129..160 BT 80 (2 tiles)."""
+    return min(WIDE_CONFIGS, key=lambda c: (math.ceil(T / c.bt()) * c.bt(), math.ceil(T / c.bt())))
+
+
+def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+               smem_per_sm: int = 228 * 1024) -> int:
+    """Split-K factor for a wide config: with B = token tiles x row blocks x batch base blocks and S
+    resident slots (SMs x blocks per SM by shared memory, <= 2: launch bounds), the split s minimising
+    ceil(B s / S) x (ceil(kt / s) + WIDE_FILL_TILES) -- waves of resident blocks times the k tiles each block
+    streams plus its fill -- over s <= kt / WIDE_MIN_K_TILES and s <= choose_split's factor (so the callers'
+    workspaces, sized by choose_split in models/target.py and models/drafter.py, always suffice; that also
+    keeps the fp32 partials <= 25% of the weight bytes); ties -> the smaller s."""
+    k_tiles = K // BK
+    blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
+    slots = sm_count * max(1, min(2, smem_per_sm // (cfg.smem() + 1024)))
+    cap = max(1, min(k_tiles // WIDE_MIN_K_TILES, choose_split(T, N, K, batch, sm_count)))
+    return min(range(1, cap + 1),
+               key=lambda s: (math.ceil(blocks * s / slots) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES), s))
+
+
+def choose_wide(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+                smem_per_sm: int = 228 * 1024):
+    """(WideConfig, split) for a call, or None where the wide family does not serve it (T <= 16: the
+    decode family's range)."""
+    if T < WIDE_MIN_T or T > MAX_T:
+        return None
+    cfg = wide_config_for(T)
+    return cfg, wide_split(cfg, T, N, K, batch, sm_count, smem_per_sm)
+
+
 _SPLITK_NAMES = tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
 SPEC = register(KernelSpec(
     src="gemm_bf16.cu",
     names=_SPLITK_NAMES + tuple(c.name(f) for f in (False, True) for c in DEC_CONFIGS)
+    + tuple(c.name(f) for f in (False, True) for c in WIDE_CONFIGS)
     + ("gemm_splitk_reduce<false>", "gemm_splitk_reduce<true>"),
     hot=True, pdl=True,      # every kernel waits (DDT_PDL_WAIT) before reading activations or writing
     doc="skinny bf16 GEMM, mma.sync m16n8k16 + ldmatrix + cp.async ring: decode (in-block / cluster K split) "
-        "and split-K kernels"))
+        "split-K and wide-token kernels"))
 
-VARIANTS = ("auto", "splitk", "decode")
+VARIANTS = ("auto", "splitk", "decode", "wide")
 _VARIANT = ["auto"]
 _FORCED_DEC = [None]
+_FORCED_WIDE = [None]
+# Whether "auto" sends T = 17..160 to the wide family. OFF until the lead's H200 run confirms it (decision
+# rule: docs/KERNELS.md "Session 5: wide-token kernel"); env DDT_GEMM_WIDE=0/1 overrides, set_wide(b) too.
+WIDE_DEFAULT = False
+_WIDE = [None]
+
+
+def _env_wide() -> bool:
+    import os
+    v = os.environ.get("DDT_GEMM_WIDE", "").strip()
+    if v == "":
+        return WIDE_DEFAULT
+    if v not in ("0", "1"):
+        raise ValueError(f"DDT_GEMM_WIDE: must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def wide_enabled() -> bool:
+    """Whether the rule ("auto") uses the wide family above 16 tokens: set_wide, else DDT_GEMM_WIDE, else
+    WIDE_DEFAULT."""
+    return _env_wide() if _WIDE[0] is None else _WIDE[0]
+
+
+def set_wide(on: Optional[bool]) -> Optional[bool]:
+    """Turn the wide family on/off for "auto" (None: back to DDT_GEMM_WIDE / WIDE_DEFAULT); returns the
+    old setting."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"on: True, False or None, got {on!r}")
+    old, _WIDE[0] = _WIDE[0], on
+    return old
+
+
+def set_wide_config(cfg) -> Optional[tuple]:
+    """Force (WideConfig, split) for every wide call (tests, bench), or None for ``choose_wide``. The split
+    is clamped to K / 64 k tiles at the call."""
+    if cfg is not None:
+        if not (isinstance(cfg, tuple) and len(cfg) == 2 and cfg[0] in WIDE_CONFIGS
+                and isinstance(cfg[1], int) and cfg[1] >= 1):
+            raise ValueError(f"cfg: (a WideConfig of WIDE_CONFIGS, split >= 1), got {cfg!r}")
+    old, _FORCED_WIDE[0] = _FORCED_WIDE[0], cfg
+    return old
 
 
 def set_variant(variant: str) -> str:
     """Force a kernel family for every call, or back to the rule ("auto"); returns the old setting.
-    "splitk": the split-K kernel at every T; "decode": the decode family for every T <= 16 (split-K above).
-    An explicit ``split_k`` always means the split-K kernel."""
+    "splitk": the split-K kernel at every T; "decode": the decode family for every T <= 16 (split-K above);
+    "wide": the rule at T <= 16, the wide family at T = 17..160 (whatever ``wide_enabled`` says). An explicit ``split_k`` always means the split-K kernel."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: one of {VARIANTS}, got {variant!r}")
     old, _VARIANT[0] = _VARIANT[0], variant
@@ -173,11 +293,19 @@ def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132, smem
     """Which family serves a call without an explicit split_k: the decode family for T <= 16, except a
     thin-tail grid at T > 8 (``choose_decode`` returns None: dense gate+up at T = 16 on the H200, where
     split-K measured faster); split-K for T > 16. ``set_variant`` overrides."""
-    if T > DEC_MAX_T or _VARIANT[0] == "splitk":
+    if T > DEC_MAX_T or _VARIANT[0] in ("splitk",):
         return False
     if _VARIANT[0] == "decode":
         return True
     return choose_decode(T, N, K, batch, sm_count, smem_per_sm) is not None
+
+
+def use_wide(T: int) -> bool:
+    """Whether a call without an explicit split_k runs the wide family: T = 17..160 and either
+    ``set_variant("wide")`` or, under "auto", ``wide_enabled()``."""
+    if T < WIDE_MIN_T or T > MAX_T:
+        return False
+    return _VARIANT[0] == "wide" or (_VARIANT[0] == "auto" and wide_enabled())
 
 
 _SM_COUNT = {}
@@ -275,6 +403,18 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
               out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=cfg.smem())
         return out
+    if split_k is None and use_wide(T):
+        cfg, split = _FORCED_WIDE[0] or choose_wide(T, N, K, B, _sm_count(), _smem_per_sm())
+        split = min(split, K // BK)
+        tiles = math.ceil(T / cfg.bt())
+        ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
+        kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
+        kern((tiles * split, math.ceil(N / cfg.bm()), B), (WIDE_THREADS,),
+             (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
+              ws, np.int32(T), np.int32(N), np.int32(K), np.int32(split)), shared_mem=cfg.smem())
+        if split > 1:
+            _reduce(ws, split, T, N, B, out, os_, out_f32)
+        return out
     split = choose_split(T, N, K, B, _sm_count()) if split_k is None else check_range("split_k", split_k, 1, K // BK)
     per = math.ceil(K // BK / split)
     split = math.ceil(K // BK / per)
@@ -286,8 +426,13 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
          (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
           ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per)), shared_mem=smem)
     if split > 1:
-        red = get_kernel(SPEC, f"gemm_splitk_reduce<{'true' if out_f32 else 'false'}>")
-        blocks = min(math.ceil(T * N / 256), 4 * _sm_count())
-        red((blocks, B), (256,), (ws, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
-                                  np.int32(os_[1])))
+        _reduce(ws, split, T, N, B, out, os_, out_f32)
     return out
+
+
+def _reduce(ws, split, T, N, B, out, os_, out_f32):
+    """gemm_splitk_reduce: the partials [B][split][T][N] summed in split order into out."""
+    red = get_kernel(SPEC, f"gemm_splitk_reduce<{'true' if out_f32 else 'false'}>")
+    blocks = min(math.ceil(T * N / 256), 4 * _sm_count())
+    red((blocks, B), (256,), (ws, np.int32(split), np.int32(T), np.int32(N), out, np.int64(os_[0]),
+                              np.int32(os_[1])))

@@ -1,0 +1,286 @@
+"""The wide-token GEMM family (``gemm_bf16_kernel_wide``, T = 17..160) against float64 numpy: every compiled
+config forced with split 1, > 1 and uneven K ranges at edge shapes (T 17..160 with padded token tiles, N not
+a multiple of the 128-row block, K of 2 to 112 k tiles), bf16 and fp32 out, batched and strided views as
+the engine uses them (x a column slice of wider rows, out a column slice of a buffer with spare rows after
+T that must stay poisoned); bit-identical repeats; the rule's pick at every engine shape; graph replay ==
+eager and a PDL chain == plain launches; the "auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the
+wide or the split-K family. Every output buffer is filled on the stream that launches the GEMM."""
+import functools
+
+import numpy as np
+import pytest
+
+from _kernel_testutil import BF16_TOL, f64, poisoned, rand_bf16, rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _weight(N, K, B):
+    """(device bits, float64 values) of a [B, N, K] weight, made once per shape (the inputs are fresh)."""
+    import cupy as cp
+    wb, w = rand_bf16(np.random.default_rng(N * 131 + K * 7 + B), (B, N, K), 0.05)
+    return cp.asarray(wb), w
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Names of the GEMM kernels fetched since the test began (one fetch per launch)."""
+    from ddtree_cupy.kernels import gemm
+    names = []
+    real = gemm.get_kernel
+
+    def recording(spec, name, **kw):
+        names.append(name)
+        return real(spec, name, **kw)
+    monkeypatch.setattr(gemm, "get_kernel", recording)
+    return names
+
+
+def _views(cp, rng, T, N, K, B, dt, strided):
+    """x [B, T, K] and a poisoned out [B, T, N] (views of wider buffers when ``strided``: x rows are columns
+    64.. of [T, B, K + 64] rows, out is columns 16..16+N of a [T + 8, B, N + 32] buffer, so 8 spare token
+    rows after T and columns on both sides must stay poisoned). Returns (x_dev, out, obuf, x64)."""
+    xb, x = rand_bf16(rng, (B, T, K))
+    if strided:
+        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
+        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
+        obuf = poisoned(cp, (T + 8, B, N + 32), dt)
+        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:T, :, 16:16 + N].transpose(1, 0, 2)
+    else:
+        obuf = None
+        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
+    return x_dev, out, obuf, x
+
+
+def _check(out, obuf, ref, f32, T, N, B):
+    """Relative error vs float64 overall, per token, per 16-feature block; nothing written outside the view."""
+    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
+    tol = 1e-5 if f32 else BF16_TOL
+    assert rel_err(got, ref) < tol
+    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
+    assert err_bt.max() < 4 * tol, err_bt.max()
+    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731   (a wrong 16-feature offset cannot hide)
+    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
+    assert err_blk.max() < 16 * tol, err_blk.max()
+    if obuf is not None:
+        pad = obuf.get()
+        bad = np.isnan(pad) if f32 else pad == 0xFFFF
+        assert bad[T:].all(), "wrote a token row >= T (padded token tile)"
+        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output columns"
+
+
+def _cases():
+    """(config index, T, N, K, B, split, f32, strided): each config at T in its padded and exact tiles, N a
+    multiple of 128 and not (576, 2112: partial row block; 16: one m16 tile, six of 8 warps idle), K from 2
+    k tiles to 112, splits 1, uneven (9 k tiles in 4), more splits than k tiles (clamped) and large."""
+    from ddtree_cupy.kernels.gemm import WIDE_CONFIGS
+    out = []
+    for i, c in enumerate(WIDE_CONFIGS):
+        bt = c.bt()
+        out += [
+            (i, 17, 576, 576, 1, 4, False, True),          # one partial token tile, uneven split, strided
+            (i, bt, 2112, 1536, 1, 1, True, False),        # exact tile, no split, fp32 out
+            (i, bt + 1, 128, 7168, 1, 14, False, True),    # one row block, second token tile of 1 row
+            (i, 2 * bt - 1, 16, 128, 2, 5, True, True),    # batched, N = 16, 2 k tiles split 5 (clamped)
+            (i, min(160, 2 * bt + 3), 7168, 1024, 1, 2, False, False),
+        ]
+    out += [(0, 31, 2112, 7168, 1, 16, False, True), (1, 100, 1040, 2304, 3, 3, False, True),
+            (2, 160, 2112, 7168, 1, 5, False, True), (1, 160, 384, 7168, 1, 6, True, False)]
+    return out
+
+
+@pytest.mark.parametrize("ci,T,N,K,B,split,f32,strided", _cases())
+def test_every_wide_config(launched, ci, T, N, K, B, split, f32, strided):
+    """Forced (config, split): twice into a re-poisoned output (same bits), the launched kernels are the
+    config's (plus the split-K reduce when the clamped split > 1), right against float64."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm
+    cfg = gemm.WIDE_CONFIGS[ci]
+    rng = np.random.default_rng(ci * 100003 + T * 1009 + N + K + split)
+    dt = np.float32 if f32 else np.uint16
+    w_dev, w = _weight(N, K, B)
+    x_dev, out, obuf, x = _views(cp, rng, T, N, K, B, dt, strided)
+    if B == 1:
+        x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
+    old_c, old_v = gemm.set_wide_config((cfg, split)), gemm.set_variant("wide")
+    try:
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        first = out.copy()
+        out.fill(np.nan if f32 else 0xFFFF)
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    finally:
+        gemm.set_wide_config(old_c)
+        gemm.set_variant(old_v)
+    eff = min(split, K // 64)
+    red = f"gemm_splitk_reduce<{'true' if f32 else 'false'}>"
+    assert launched == ([cfg.name(f32)] + ([red] if eff > 1 else [])) * 2, launched
+    assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
+    _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
+
+
+ENGINE = [  # (name, N, K, batch, fp32 out): the engine's GEMMs at T > 16 (bench/kernels.py GEMMS, lm_head aside)
+    ("q_a+kv_a", 2112, 7168, 1, False), ("q_b", 1536, 1536, 1, False), ("W_UK^T", 512, 128, 8, False),
+    ("W_UV", 128, 512, 8, False), ("o_proj", 7168, 1024, 1, False), ("dense gate+up", 4608, 7168, 1, False),
+    ("dense down", 7168, 2304, 1, False), ("router+shared gate/up", 896, 7168, 1, True),
+    ("drafter qkv", 1280, 7168, 1, False),
+]
+
+
+@pytest.mark.parametrize("T", [17, 64, 160])
+@pytest.mark.parametrize("name,N,K,B,f32", ENGINE, ids=[e[0] for e in ENGINE])
+def test_engine_shapes_rule_pick(launched, name, N, K, B, f32, T):
+    """The rule's own (config, split) at every engine shape through set_variant("wide"); odd T and batched
+    shapes through strided views."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm
+    rng = np.random.default_rng(T * 7 + N + K)
+    dt = np.float32 if f32 else np.uint16
+    w_dev, w = _weight(N, K, B)
+    strided = B > 1 or T % 2 == 1
+    x_dev, out, obuf, x = _views(cp, rng, T, N, K, B, dt, strided)
+    if B == 1:
+        x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
+    old = gemm.set_variant("wide")
+    try:
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    finally:
+        gemm.set_variant(old)
+    cfg, split = gemm.choose_wide(T, N, K, B, gemm._sm_count(), gemm._smem_per_sm())
+    assert launched[0] == cfg.name(f32) and len(launched) == (2 if split > 1 else 1), launched
+    _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
+
+
+@pytest.mark.parametrize("T,N,K,f32", [(17, 2112, 7168, False), (64, 896, 7168, True), (160, 7168, 2304, False)])
+def test_graph_replay_equals_eager(launched, T, N, K, f32):
+    """Captured once with PDL on, replayed with new inputs written into the static buffer: bit-identical to
+    an eager call on the same inputs, and right against float64."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm, launch
+    rng = np.random.default_rng(T + N)
+    w_dev, w = _weight(N, K, 1)
+    w_dev, w = w_dev[0], w[0]
+    dt = np.float32 if f32 else np.uint16
+    x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
+    x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
+    old = gemm.set_variant("wide")
+    launch.set_pdl(True)
+    try:
+        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)     # warm-up: compiles, sizes the workspace
+        cp.cuda.Device().synchronize()      # default-stream work is not ordered before the non-blocking stream
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+            g = s.end_capture()
+        for _ in range(2):
+            xb, x = rand_bf16(rng, (T, K))
+            with s:
+                x_dev.set(xb)
+                out.fill(np.nan if f32 else 0xFFFF)
+                g.launch(s)
+                gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
+            s.synchronize()
+            assert cp.array_equal(out, eager)
+            got = out.get().astype(np.float64) if f32 else f64(out)
+            assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
+    finally:
+        launch.set_pdl(False)
+        gemm.set_variant(old)
+    assert all(n.startswith(("gemm_bf16_kernel_wide", "gemm_splitk_reduce")) for n in launched), launched
+
+
+@pytest.mark.parametrize("T", [32, 160])
+def test_pdl_chain_equals_plain(launched, T):
+    """q_a -> q_b (strided input) -> gate+up -> down (strided input) -> router+shared (fp32), each GEMM
+    reading the one before, 3 rounds of new inputs, all on the wide family: with PDL (eager and graph
+    replay, intermediates poisoned between replays) bit-identical to plain launches; the first stage against
+    float64; every GEMM launch went through the PDL path (sm_90+)."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm, launch
+    rng = np.random.default_rng(91 + T)
+    ws = {k: _weight(*s, 1) for k, s in dict(qa=(2112, 7168), qb=(7168, 1536), gu=(4608, 7168),
+                                             dn=(7168, 2304), rt=(896, 7168)).items()}
+    xs = [rand_bf16(rng, (T, 7168)) for _ in range(3)]
+    x_dev = cp.asarray(np.stack([b for b, _ in xs]))
+    mid = dict(qa=cp.empty((T, 2112), np.uint16), qb=cp.empty((T, 7168), np.uint16),
+               gu=cp.empty((T, 4608), np.uint16), dn=cp.empty((T, 7168), np.uint16))
+
+    def chain(lg):
+        for r in range(3):
+            gemm.gemm_bf16(x_dev[r], ws["qa"][0][0], mid["qa"])
+            gemm.gemm_bf16(mid["qa"][:, :1536], ws["qb"][0][0], mid["qb"])
+            gemm.gemm_bf16(mid["qb"], ws["gu"][0][0], mid["gu"])
+            gemm.gemm_bf16(mid["gu"][:, :2304], ws["dn"][0][0], mid["dn"])
+            gemm.gemm_bf16(mid["dn"], ws["rt"][0][0], lg[r], out_dtype=np.float32)
+
+    n_pdl = [0]
+    real = launch.launch_pdl
+
+    def counting(*a, **k):
+        n_pdl[0] += 1
+        return real(*a, **k)
+    launch.launch_pdl = counting
+    old = gemm.set_variant("wide")
+    s = cp.cuda.Stream(non_blocking=True)
+    try:
+        ref = cp.full((3, T, 896), np.nan, np.float32)
+        cp.cuda.Device().synchronize()      # the fills above ran on the default stream
+        launch.set_pdl(False)
+        with s:
+            chain(ref)
+        s.synchronize()
+        assert rel_err(f64(mid["qa"]), xs[2][1] @ ws["qa"][1][0].T) < BF16_TOL    # round 2's q_a output
+        assert np.all(np.isfinite(ref.get()))
+        launch.set_pdl(True)
+        with s:
+            got = cp.full((3, T, 896), np.nan, np.float32)
+            chain(got)
+        s.synchronize()
+        assert cp.array_equal(got, ref)
+        with s:
+            s.begin_capture()
+            chain(got)
+            g = s.end_capture()
+        for _ in range(2):
+            with s:
+                got.fill(np.nan)
+                for m in mid.values():
+                    m.fill(0xFFFF)      # a consumer reading before its producer finished would see NaN
+                g.launch(s)
+            s.synchronize()
+            assert cp.array_equal(got, ref)
+    finally:
+        launch.set_pdl(False)
+        launch.launch_pdl = real
+        gemm.set_variant(old)
+    gemms = [n for n in launched if n.startswith("gemm_bf16_kernel")]
+    assert gemms and all(n.startswith("gemm_bf16_kernel_wide") for n in gemms), launched
+    if int(cp.cuda.Device().compute_capability) >= 90:
+        assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus reduces)
+
+
+@pytest.mark.parametrize("env,forced", [("0", None), ("1", None), ("0", True), ("1", False)])
+def test_auto_switch(monkeypatch, launched, env, forced):
+    """Under "auto": DDT_GEMM_WIDE (and set_wide over it) sends T = 40 to the wide or the split-K kernel,
+    both right, the two results within bf16 rounding of each other; T = 16 never goes wide."""
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm
+    monkeypatch.setenv("DDT_GEMM_WIDE", env)
+    old_w, old_v = gemm.set_wide(forced), gemm.set_variant("auto")
+    try:
+        on = (env == "1") if forced is None else forced
+        assert gemm.wide_enabled() == on
+        rng = np.random.default_rng(int(env) * 2 + (forced is None))
+        w_dev, w = _weight(2112, 7168, 1)
+        for T in (40, 16):
+            xb, x = rand_bf16(rng, (T, 7168))
+            out = poisoned(cp, (T, 2112))
+            del launched[:]
+            gemm.gemm_bf16(cp.asarray(xb), w_dev[0], out)
+            assert rel_err(f64(out), x @ w[0].T) < BF16_TOL
+            wide = launched[0].startswith("gemm_bf16_kernel_wide")
+            assert wide == (on and T > 16), launched
+    finally:
+        gemm.set_wide(old_w)
+        gemm.set_variant(old_v)
