@@ -294,6 +294,9 @@ def test_large_t_bulk_rule_is_its_own_switch(monkeypatch):
     assert moe.bulk_for(33, 8) is False and moe.bulk_for(320, 8) is False and moe.bulk_for(32, 8) is True
     monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", True)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
+    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 64)
+    assert moe.bulk_for(63, 8) is False and moe.bulk_for(64, 8) is True
+    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 0)
     monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
     assert moe.bulk_for(33, 8) is False and moe.bulk_for(32, 8) is True
     monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)

@@ -281,7 +281,10 @@ BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # benchmark times the candidates against them ("bulkL_gu*" / "bulkL_dn*").
 BULK_GATEUP_LARGE = BulkTile(1, 8, 2, 2)
 BULK_DOWN_LARGE = BulkTile(4, 1, 4, 2)
-BULK_GATEUP_LARGE_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(2, 4, 2, 3))
+# gate/up candidates: 2 (4) tile pairs per unit share the chunk's token rows -- at large T a chunk holds ~5-8
+# tokens, so the 1 x 8 block copies about as many x bytes (8 rows x K) as weight bytes per unit; 2 x 4 halves that,
+# 4 x 2 (4-step stages, 3 deep) quarters it.
+BULK_GATEUP_LARGE_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(2, 4, 2, 3), BulkTile(4, 2, 2, 3))
 BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
@@ -353,6 +356,7 @@ BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
 # register ring. OFF until the lead's H200 run (docs/MOE.md "Session 5": the rule that flips it). Environment
 # DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
 BULK_LARGE_DEFAULT = False
+BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the lead's run shows a crossover)
 BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
 
 
@@ -361,7 +365,7 @@ def bulk_for(T: int, top_k: int):
     pairs the kernels sort in shared memory (BULK_DEFAULT / BULK_MIN_T, DDT_MOE_BULK); above, they read
     moe_route's chunk list (BULK_LARGE_DEFAULT, DDT_MOE_BULK_LARGE; no "down"-only there)."""
     if T * top_k > FUSED_MAX_PAIRS:
-        on = BULK_LARGE_DEFAULT
+        on = BULK_LARGE_DEFAULT and T >= BULK_LARGE_MIN_T
         if BULK_LARGE_ENV is not None:
             if BULK_LARGE_ENV not in ("0", "1"):
                 raise ValueError(f"DDT_MOE_BULK_LARGE: must be 0 or 1, got {BULK_LARGE_ENV!r}")
