@@ -165,3 +165,56 @@ def test_drafter_reference_against_brute_force():
     kc2, vc2 = ra.drafter_kv_append_ref(kc, vc, k, v, [1, 0, 1], [7, -1, C + 3])
     assert np.array_equal(kc2[1, 7], k[0]) and np.array_equal(vc2[1, 3], v[2])
     assert (kc2 != kc).any(axis=(-1, -2)).sum() == 2
+
+
+# ---- session 5: the combine fused with W_UV (host-side rules; the kernel is tested in tests/gpu/test_mla_fused_uv.py)
+H200_DEV = (132, 232448, 233472)          # SMs, shared memory per block (opt-in), per SM
+RTX_PRO_6000_DEV = (188, 101376, 102400)
+
+
+def test_uv_rows_per_block_rule():
+    from ddtree_cupy.kernels import attention as A
+    # the engine's decode shapes on the H200 (132 SMs): the most rows per block that still fill the SMs
+    assert A.uv_rows_per_block(1, 8, 8, 132) == 1      # 8 heads x 4 quarters x 8 groups = 256 blocks (2 rows: 128)
+    assert A.uv_rows_per_block(1, 32, 8, 132) == 4     # 256 blocks; 8 rows would give 128 < 132
+    assert A.uv_rows_per_block(4, 8, 8, 132) == 4      # 256
+    assert A.uv_rows_per_block(10, 32, 8, 132) == 16   # 640
+    for S, R in ((1, 8), (4, 16), (10, 32), (3, 129), (1, 1)):
+        for sms in (132, 188):
+            rt = A.uv_rows_per_block(S, R, 8, sms)
+            assert rt in (1, 2, 4, 8, 16)
+            assert rt == 1 or 4 * 8 * S * -(-R // rt) >= sms          # fills the SMs ...
+            assert rt == 16 or 4 * 8 * S * -(-R // (2 * rt)) < sms    # ... with the largest such rt
+
+
+def test_engine_decode_plans_split():
+    """Every decode shape of the engine (1/4/10 streams x 8/16/32 rows at 4K, 8 heads) plans > 1 split on both
+    devices and policies, so the fused combine (not the one-split fallback: main kernel + mla_head_gemm) is
+    what runs there (docs/ATTENTION.md "Session 5" prints the plans)."""
+    from ddtree_cupy.kernels import attention as A
+    for dev in (H200_DEV, RTX_PRO_6000_DEV):
+        for policy in ("measured", "model"):
+            for S in (1, 4, 10):
+                for R in (8, 16, 32):
+                    _, k = A.plan_mla_for(S, R, 8, 4096 + R, policy, *dev)
+                    assert k > 1, (dev, policy, S, R)
+
+
+def test_fused_uv_switch(monkeypatch):
+    from ddtree_cupy.kernels import attention as A
+    assert A._env_flag("DDT_TEST_UNSET_FLAG_X", False) is False
+    monkeypatch.setenv("DDT_TEST_FLAG_X", "1")
+    assert A._env_flag("DDT_TEST_FLAG_X", False) is True
+    monkeypatch.setenv("DDT_TEST_FLAG_X", "0")
+    assert A._env_flag("DDT_TEST_FLAG_X", True) is False
+    monkeypatch.setenv("DDT_TEST_FLAG_X", "yes")
+    with pytest.raises(ValueError, match="DDT_TEST_FLAG_X"):
+        A._env_flag("DDT_TEST_FLAG_X", False)
+    prev = A.set_mla_fused_uv(True)
+    try:
+        assert A.MLA_FUSED_UV is True
+        with pytest.raises(ValueError, match="on"):
+            A.set_mla_fused_uv(1)
+    finally:
+        A.set_mla_fused_uv(prev)
+    assert A.MLA_FUSED_UV is prev
