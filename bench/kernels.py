@@ -1,8 +1,9 @@
 """Per-kernel timings at Kimi K2.6 TP=8 rank shapes, as fractions of the read ceiling and of the floor
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
-    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs] [--pdl 0|1|both]
-                                         [--variant oldnew|auto|old,splitk,decode] [--rows 1,8,16]
+    PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs,wideconfigs]
+                                         [--pdl 0|1|both] [--variant oldnew|auto|old,splitk,decode,wide]
+                                         [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
 Each case is timed by CUDA-graph replay (bench.ceilings.time_graph: median per call). GEMMs rotate over
@@ -15,11 +16,14 @@ Parts: 'gemm' every skinny GEMM at TP=8 rank shapes (T = 1, 8, 16, 32, 64, 160);
 kernels, top-K, sampling; 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router
 sequence (10 kernels, 6 of them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed
 cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode
-config (and split-K) forced at each shape and T, then the fastest per shape. --pdl: programmatic dependent launch off
+config (and split-K) forced at each shape and T, then the fastest per shape; 'wideconfigs' every compiled
+wide-token config (T > 16) with splits around its rule's pick forced at each shape and T, plus split-K and
+the rule's own pick, then the fastest per shape (docs/KERNELS.md "Session 5"). --pdl: programmatic dependent launch off
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]'; 'auto' is the rule).
+gemm.set_variant ('[splitk]', '[dec]', '[wide]': the wide family above 16 rows; 'auto' is the rule). Session 5's
+comparison: --parts gemm --pdl 1 --variant splitk,wide --rows 32,64,160.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ GEMMS = [
     ("drafter o_proj", 7168, 1024, 1),
     ("drafter MLP gate+up", 2 * 2304, 7168, 1),
     ("drafter MLP down", 7168, 2304, 1),
+    ("router+shared gate/up (fp32 out)", 384 + 2 * 256, 7168, 1),   # the engine's fused MoE-layer GEMM
 ]
 L2_BYTES = 64 << 20
 
@@ -67,10 +72,10 @@ def _rand_bf16(cp, shape, scale=1.0):
 
 
 def _variants(T, variants):
-    return [v for v in variants if v != "decode" or T <= 16]
+    return [v for v in variants if (v != "decode" or T <= 16) and (v != "wide" or T > 16)]
 
 
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "wide": " [wide]"}
 
 
 def _tag(v):
@@ -78,6 +83,8 @@ def _tag(v):
 
 
 def _cfg_str(c):
+    if isinstance(c, tuple) and len(c) == 3:        # ("wide", WideConfig, split)
+        return f"wide bt{c[1].bt()} s{c[1].stages} k{c[2]}{' *rule*' if c[0] == 'wide-rule' else ''}"
     return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 
@@ -133,24 +140,43 @@ def _with_variant(v, fn, shape=None):
         return run_old
 
     def run():
-        fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else (v, None)
-        old, od = gemm.set_variant(fam), gemm.set_decode_config(cfg)
+        wide = (v[1], v[2]) if isinstance(v, tuple) and isinstance(v[1], gemm.WideConfig) else None  # forced
+        fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else ("wide", None) if wide else (v, None)
+        old, od, ow = gemm.set_variant(fam), gemm.set_decode_config(cfg), gemm.set_wide_config(wide)
         try:
             fn()
         finally:
             gemm.set_variant(old)
             gemm.set_decode_config(od)
+            gemm.set_wide_config(ow)
     return run
+
+
+def wide_candidates(T, N, K, B, sms, smem_per_sm):
+    """The wideconfigs sweep at one shape: every wide config with splits {1, its rule split / 2, x1, x2,
+    choose_split's} (distinct, <= K / 64), the rule's own (config, split) tagged, and split-K."""
+    from ddtree_cupy.kernels import gemm
+    rule = gemm.choose_wide(T, N, K, B, sms, smem_per_sm)
+    out = []
+    for c in gemm.WIDE_CONFIGS:
+        s0 = gemm.wide_split(c, T, N, K, B, sms, smem_per_sm)
+        for s in sorted({1, max(1, s0 // 2), s0, 2 * s0, gemm.choose_split(T, N, K, B, sms)}):
+            if s <= K // gemm.BK:
+                out.append(("wide-rule" if (c, s) == rule else "wide", c, s))
+    return out + ["splitk"]
 
 
 def _flops(T, N, K, B):
     return 2.0 * T * N * K * B
 
 
-def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
+def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False, wide=False):
     """(name, shape, bytes, flops, fn) per GEMM x T x variant; ``configs``: instead of the variants, every
-    compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel."""
+    compiled decode config that can serve the call (T <= 16) forced, plus the split-K kernel; ``wide``:
+    instead, ``wide_candidates`` at every T > 16."""
     from ddtree_cupy.kernels import gemm
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    smem_sm = cp.cuda.Device().attributes.get("MaxSharedMemoryPerMultiprocessor", 0) or 228 * 1024
     out = []
     for name, N, K, B in GEMMS:
         if shapes and not any(k in name for k in shapes):
@@ -170,7 +196,9 @@ def gemm_cases(cp, rows, variants=("auto",), shapes=None, configs=False):
                 gemm.gemm_bf16(x, ws[it[0] % len(ws)], y, out_dtype=np.float32 if f32 else np.uint16)
                 it[0] += 1
             nbytes = wbytes + x.nbytes + y.nbytes
-            if configs:
+            if wide:
+                vs = wide_candidates(T, N, K, B, sms, smem_sm) if T > 16 else []
+            elif configs:
                 vs = [c for c in gemm.DEC_CONFIGS if T <= 16 and c.nt == (1 if T <= 8 else 2) and N % c.rows() == 0]
                 vs += ["splitk"]
             else:
@@ -342,16 +370,22 @@ def _best_configs(results):
     """Per (GEMM, shape) of the configs part: the fastest forced config and the rule's pick."""
     best = {}
     for r in results:
-        if "[dec " not in r["kernel"] and "[splitk]" not in r["kernel"]:
+        if "[dec " not in r["kernel"] and "[splitk]" not in r["kernel"] and "[wide " not in r["kernel"]:
             continue
         base = r["kernel"].replace(" [pdl]", "")
         base, cfg = base[: base.index(" [")], base[base.index(" [") + 2:-1]
         cur = best.get((base, r["shape"]))
         if cur is None or r["us"] < cur[1]:
             best[(base, r["shape"])] = (cfg, r["us"], r["frac_floor"])
-    print(f"\n{'fastest forced config':40} {'shape':26} {'config':28} {'us':>8} {'f/floor':>7}")
+    rule = {}
+    for r in results:
+        if "*rule*" in r["kernel"]:
+            rule[(r["kernel"].replace(" [pdl]", "").split(" [")[0], r["shape"])] = r["us"]
+    print(f"\n{'fastest forced config':40} {'shape':26} {'config':28} {'us':>8} {'f/floor':>7} {'rule us':>8}")
     for (base, shape), (cfg, us, ff) in best.items():
-        print(f"{base[:40]:40} {shape[:26]:26} {cfg:28} {us:8.2f} {ff:7.2f}")
+        ru = rule.get((base, shape))
+        print(f"{base[:40]:40} {shape[:26]:26} {cfg:28} {us:8.2f} {ff:7.2f} "
+              + (f"{ru:8.2f}" if ru is not None else f"{'-':>8}"))
 
 
 def main(argv=None):
@@ -360,12 +394,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer row counts")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--parts", default="gemm,layers,chain",
-                    help="comma list of gemm, layers, chain, sweep, configs")
+                    help="comma list of gemm, layers, chain, sweep, configs, wideconfigs")
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode")
+                         "'auto', or a comma list of auto, old, splitk, decode, wide")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)
@@ -406,9 +440,11 @@ def main(argv=None):
                 _row(results, bw, tf, kname + tag, shape, nbytes, flops, us, pdl)
         del built
         cp.get_default_memory_pool().free_all_blocks()
-    if "configs" in parts:     # every config forced, PDL as the engine runs (on where available)
+    for cpart in ("configs", "wideconfigs"):     # every config forced, PDL as the engine runs (where available)
+        if cpart not in parts:
+            continue
         launch.set_pdl(modes[-1])
-        built = gemm_cases(cp, g_rows, shapes=shapes, configs=True)
+        built = gemm_cases(cp, g_rows, shapes=shapes, configs=cpart == "configs", wide=cpart == "wideconfigs")
         for kname, shape, nbytes, flops, fn in built:
             try:
                 us = time_graph(fn, iters=64)
@@ -436,7 +472,7 @@ def main(argv=None):
             del fn
             cp.get_default_memory_pool().free_all_blocks()
     launch.set_pdl(False)
-    if "configs" in parts:
+    if parts & {"configs", "wideconfigs"}:
         _best_configs(results)
     if len(variants) >= 2:
         _side_by_side(results, [_tag(v) for v in variants])

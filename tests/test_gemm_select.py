@@ -188,3 +188,24 @@ def test_wide_range_and_switches(monkeypatch):
         gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 0))
     assert gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 3)) is None
     assert gemm.set_wide_config(None) == (gemm.WIDE_CONFIGS[0], 3)
+
+
+def test_bench_wide_sweep_cases():
+    """bench.kernels' wideconfigs sweep holds the rule's pick once (tagged), only valid splits, and split-K;
+    its forcing wrapper sets the variant and (config, split) for the call and restores both after."""
+    import bench.kernels as bk
+    for _, N, K, B in ENGINE:
+        for T in (17, 64, 160):
+            cands = bk.wide_candidates(T, N, K, B, **H200)
+            assert cands[-1] == "splitk"
+            rule = [(c, s) for tag, c, s in cands[:-1] if tag == "wide-rule"]
+            assert rule == [gemm.choose_wide(T, N, K, B, **H200)]
+            assert all(1 <= s <= K // 64 for _, _, s in cands[:-1])
+            assert len(set(cands)) == len(cands)
+    seen = []
+    cfg = gemm.WIDE_CONFIGS[1]
+    bk._with_variant(("wide", cfg, 3), lambda: seen.append((gemm._VARIANT[0], gemm._FORCED_WIDE[0])))()
+    assert seen == [("wide", (cfg, 3))]
+    assert gemm._VARIANT[0] == "auto" and gemm._FORCED_WIDE[0] is None
+    assert bk._tag(("wide-rule", cfg, 3)) == " [wide bt64 s4 k3 *rule*]" and bk._tag("wide") == " [wide]"
+    assert bk._variants(16, ("splitk", "wide")) == ["splitk"] and bk._variants(17, ("wide",)) == ["wide"]
