@@ -196,7 +196,7 @@ def test_bench_wide_sweep_cases():
     import bench.kernels as bk
     for _, N, K, B in ENGINE:
         for T in (17, 64, 160):
-            cands = bk.wide_candidates(T, N, K, B, **H200)
+            cands = bk.wide_candidates(T, N, K, B, H200["sm_count"], H200["smem_per_sm"])
             assert cands[-1] == "splitk"
             rule = [(c, s) for tag, c, s in cands[:-1] if tag == "wide-rule"]
             assert rule == [gemm.choose_wide(T, N, K, B, **H200)]
