@@ -284,6 +284,9 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
             [(1, b) for b in (moe.BULK_DOWN,) + moe.BULK_DOWN_CANDIDATES]:
         assert moe._bulk_name(mode, bt, 0) in names
     assert moe._bulk_name(0, moe.BULK_GATEUP, 1) == moe._bulk_name(0, moe.BULK_GATEUP).replace(", 0>", ", 1>")
+    # the decode table's blocks also run fed by moe_route (fuse_route=False): compiled with G = 1 too
+    assert moe._bulk_name(0, moe.BULK_GATEUP, 1) in names and moe._bulk_name(1, moe.BULK_DOWN, 1) in names
+    assert moe.BULK_GATEUP in moe._bulk_compiled(1)["gu"] and moe.BULK_DOWN in moe._bulk_compiled(1)["dn"]
 
 
 def test_large_t_bulk_rule_is_its_own_switch(monkeypatch):

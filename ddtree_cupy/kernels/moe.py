@@ -326,10 +326,20 @@ def _bulk_name(mode: int, bt: BulkTile, g: int = 0) -> str:
     return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}>"
 
 
+def _bulk_compiled(g: int):
+    """The blocks compiled with routing source ``g``: G = 0 the decode set; G = 1 the large-T set plus the decode
+    table's blocks (``bulk=True, fuse_route=False`` at T*k <= FUSED_MAX_PAIRS runs those, bit-identical to G = 0)."""
+    if g == 0:
+        return _bulk_allowed(False)
+    big = _bulk_allowed(True)
+    return {"gu": big["gu"] + tuple(t for t in (BULK_GATEUP,) if t not in big["gu"]),
+            "dn": big["dn"] + tuple(t for t in (BULK_DOWN,) if t not in big["dn"])}
+
+
 def _all_bulk_names() -> Tuple[str, ...]:
     names = []
     for g in (0, 1):
-        allowed = _bulk_allowed(g == 1)
+        allowed = _bulk_compiled(g)
         for mode, key in ((0, "gu"), (1, "dn")):
             for t in allowed[key]:
                 if _bulk_name(mode, t, g) not in names:
@@ -804,11 +814,12 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     g = 1 if glob else 0
     large = T * k > FUSED_MAX_PAIRS
-    allowed = _bulk_allowed(large)
+    allowed = _bulk_compiled(g)
+    # the table by size (the decode blocks up to FUSED_MAX_PAIRS pairs, also when fed by moe_route there)
     gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles(large)
     if gu_tile not in allowed["gu"] or dn_tile not in allowed["dn"]:
-        raise ValueError(f"bulk_tiles: {bulk_tiles} are not compiled for T*k = {T * k} "
-                         f"(BULK_*{'_LARGE' if large else ''}_CANDIDATES: {allowed})")
+        raise ValueError(f"bulk_tiles: {(gu_tile, dn_tile)} are not compiled with routing source G = {g} "
+                         f"({allowed})")
     if not glob and T * k > FUSED_MAX_PAIRS:
         raise ValueError(f"bulk: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
     for bt in (gu_tile, dn_tile):
