@@ -70,7 +70,7 @@ def test_bulk_publishes_the_sort(narrow):
 @pytest.mark.parametrize("T", [16, 40])
 def test_bulk_under_pdl_matches_plain(narrow, T):
     # ROUNDS x (mixing GEMM -> router -> bulk MoE): the router writes new ids / weights every round, and the
-    # down kernel reads them before its PDL wait (T = 40: moe_route's chunk list, written three kernels
+    # down kernel reads them before its PDL wait (T = 40: also moe_route's chunk list, written two kernels
     # earlier, G = 1). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
     # launches (G = 1: moe_route's atomic slot order may differ between runs, each output's arithmetic not).
     import cupy as cp
