@@ -132,8 +132,7 @@ def test_wide_pick_serves_and_fits_the_workspace(dev, name, N, K, B):
         assert 1 <= split <= gemm.choose_split(T, N, K, B, dev["sm_count"])
         assert split == 1 or K // 64 // split >= gemm.WIDE_MIN_K_TILES
         blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * B
-        slots = dev["sm_count"] * max(1, min(2, dev["smem_per_sm"] // (cfg.smem() + 1024)))
-        cost = lambda s: math.ceil(blocks * s / slots) * (math.ceil(K // 64 / s) + gemm.WIDE_FILL_TILES)  # noqa
+        cost = lambda s: math.ceil(blocks * s / dev["sm_count"]) * (math.ceil(K // 64 / s) + gemm.WIDE_FILL_TILES)  # noqa
         cap = max(1, min(K // 64 // gemm.WIDE_MIN_K_TILES, gemm.choose_split(T, N, K, B, dev["sm_count"])))
         assert cost(split) == min(cost(s) for s in range(1, cap + 1))
 
@@ -145,11 +144,11 @@ def test_wide_picks_h200():
                                                  ("lm_head", 20480, 7168))
            for T in (32, 64, 160) for c, s in [gemm.choose_wide(T, N, K, 1, **H200)]}
     assert got == {
-        ("q_a", 32): (32, 14), ("q_a", 64): (64, 14), ("q_a", 160): (80, 5),
-        ("o_proj", 32): (32, 4), ("o_proj", 64): (64, 2), ("o_proj", 160): (80, 1),
-        ("gate+up", 32): (32, 7), ("gate+up", 64): (64, 7), ("gate+up", 160): (80, 3),
-        ("down", 32): (32, 4), ("down", 64): (64, 4), ("down", 160): (80, 1),
-        ("lm_head", 32): (32, 1), ("lm_head", 64): (64, 1), ("lm_head", 160): (80, 2)}
+        ("q_a", 32): (32, 7), ("q_a", 64): (64, 7), ("q_a", 160): (80, 3),
+        ("o_proj", 32): (32, 2), ("o_proj", 64): (64, 2), ("o_proj", 160): (80, 1),
+        ("gate+up", 32): (32, 7), ("gate+up", 64): (64, 7), ("gate+up", 160): (80, 5),
+        ("down", 32): (32, 2), ("down", 64): (64, 2), ("down", 160): (80, 1),
+        ("lm_head", 32): (32, 2), ("lm_head", 64): (64, 2), ("lm_head", 160): (80, 2)}
 
 
 def test_wide_range_and_switches(monkeypatch):

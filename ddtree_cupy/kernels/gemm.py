@@ -190,15 +190,17 @@ def wide_config_for(T: int) -> WideConfig:
 
 def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
                smem_per_sm: int = 228 * 1024) -> int:
-    """Split-K factor for a wide config: with B = token tiles x row blocks x batch base blocks and S
-    resident slots (SMs x blocks per SM by shared memory, <= 2: launch bounds), the split s minimising
-    ceil(B s / S) x (ceil(kt / s) + WIDE_FILL_TILES) -- waves of resident blocks times the k tiles each block
-    streams plus its fill -- over s <= kt / WIDE_MIN_K_TILES and s <= choose_split's factor (so the callers'
-    workspaces, sized by choose_split in models/target.py and models/drafter.py, always suffice; that also
-    keeps the fp32 partials <= 25% of the weight bytes); ties -> the smaller s."""
+    """Split-K factor for a wide config: with B = token tiles x row blocks x batch base blocks, the split s
+    minimising ceil(B s / SMs) x (ceil(kt / s) + WIDE_FILL_TILES) -- the most blocks one SM runs times the
+    k tiles each streams plus its fill. Per SM, not per resident slot: a 128-row block's k tile keeps the
+    SM's shared-memory pipe busy (ldmatrix + cp.async bytes ~1.3-1.6x its mma time, docs/KERNELS.md
+    "Session 5"), so two co-resident blocks take about twice as long as one. Over s <= kt / WIDE_MIN_K_TILES
+    and s <= choose_split's factor (so the callers' workspaces, sized by choose_split in models/target.py
+    and models/drafter.py, always suffice; that also keeps the fp32 partials <= 25% of the weight bytes);
+    ties -> the smaller s. (smem_per_sm is kept for the signature's symmetry with choose_decode.)"""
     k_tiles = K // BK
     blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
-    slots = sm_count * max(1, min(2, smem_per_sm // (cfg.smem() + 1024)))
+    slots = sm_count
     cap = max(1, min(k_tiles // WIDE_MIN_K_TILES, choose_split(T, N, K, batch, sm_count)))
     return min(range(1, cap + 1),
                key=lambda s: (math.ceil(blocks * s / slots) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES), s))
