@@ -675,7 +675,7 @@ __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
 #define MLA_UV_KW (MLA_V_DIM / MLA_UV_KQ)     // 128 latent columns per block
 #define MLA_UV_ASTR (MLA_UV_KW + 8)           // bf16 A-tile row stride: rows g start in distinct banks
 #define MLA_UV_MAX_RT 16                      // rows per block: one m16 tile
-#define MLA_UV_U 4                            // splits per lane whose loads are in flight together
+#define MLA_UV_B 8                            // (row, split) loads per lane in flight together
 
 struct MlaUvSmem {
     float w[MLA_UV_MAX_RT][ATTN_MAX_SPLITS];  // per row, per split weight 2^(lse - max), 0 for an empty split
@@ -746,37 +746,25 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
     __syncthreads();
 
     // ---- pass 2: weighted sums. Lane = (float4 fl of 4, chain c of 8); warp w owns columns 16 w .. +16 ----
+    // Every lane walks the same (row, j) sequence, row-major, j < J = ceil(splits / 8): its split c + 8 j,
+    // weight 0 past the last split (the combine's U-unrolled loop adds those zeros too: exact no-ops). The
+    // sequence is flattened over the rows so that MLA_UV_B loads are in flight per lane even when a row has
+    // only one or two splits per chain (10 streams: 3-14 splits, 16 rows per block); a row is finished (its
+    // 8 chains added in order across the lanes) when the walk moves past it, at the same step in every lane.
     {
         const int c = lane & 7, fl = lane >> 3;
         const int col = 16 * warp + 4 * fl;           // column within the quarter
-        for (int r = 0; r < nr; ++r) {
-            const size_t gm = gm0 + (size_t)r * H;
-            const float* src0 = part_o + gm * MLA_V_DIM + kq * MLA_UV_KW + col;
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            float wsum = 0.f;
-            for (int sp0 = c; sp0 < num_splits; sp0 += 8 * MLA_UV_U) {
-                float4 v[MLA_UV_U];
-                float wu[MLA_UV_U];
-#pragma unroll
-                for (int u = 0; u < MLA_UV_U; ++u) {
-                    const int sp = sp0 + 8 * u;
-                    wu[u] = sp < num_splits ? sm.w[r][sp] : 0.f;
-                    // a zero weight skips the load: an empty split's partial is never read (it may be anything)
-                    v[u] = wu[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(src0 + (size_t)sp * total_packed * MLA_V_DIM))
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int u = 0; u < MLA_UV_U; ++u) {
-                    wsum += wu[u];
-                    acc.x = fmaf(wu[u], v[u].x, acc.x); acc.y = fmaf(wu[u], v[u].y, acc.y);
-                    acc.z = fmaf(wu[u], v[u].z, acc.z); acc.w = fmaf(wu[u], v[u].w, acc.w);
-                }
-            }
-            // chains 0..7 of this float4 are lanes 8 fl .. 8 fl + 7: add them in chain order
+        const float* src0 = part_o + gm0 * MLA_V_DIM + kq * MLA_UV_KW + col;
+        const int J = (num_splits + 7) / 8;
+        const int total = nr * J;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float wsum = 0.f;
+        int cur = 0;                                  // the row being accumulated
+        auto finish_row = [&]() {
             float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
             float wt = 0.f;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
+            for (int k = 0; k < 8; ++k) {             // chains 0..7 = lanes 8 fl .. 8 fl + 7, in chain order
                 const int srcl = 8 * fl + k;
                 x.x += __shfl_sync(0xffffffffu, acc.x, srcl); x.y += __shfl_sync(0xffffffffu, acc.y, srcl);
                 x.z += __shfl_sync(0xffffffffu, acc.z, srcl); x.w += __shfl_sync(0xffffffffu, acc.w, srcl);
@@ -787,9 +775,40 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
                 uint2 o;
                 o.x = (unsigned)f32_to_bf16(x.x * inv) | ((unsigned)f32_to_bf16(x.y * inv) << 16);
                 o.y = (unsigned)f32_to_bf16(x.z * inv) | ((unsigned)f32_to_bf16(x.w * inv) << 16);
-                *reinterpret_cast<uint2*>(&sm.a[r][col]) = o;
+                *reinterpret_cast<uint2*>(&sm.a[cur][col]) = o;
+            }
+        };
+        for (int i0 = 0; i0 < total; i0 += MLA_UV_B) {
+            float4 v[MLA_UV_B];
+            float wu[MLA_UV_B];
+#pragma unroll
+            for (int u = 0; u < MLA_UV_B; ++u) {
+                const int i = i0 + u;
+                const int r = i / J, sp = c + 8 * (i - r * J);
+                wu[u] = (i < total && sp < num_splits) ? sm.w[r][sp] : 0.f;
+                // a zero weight skips the load: an empty split's partial is never read (it may be anything)
+                v[u] = wu[u] != 0.f
+                    ? __ldcg(reinterpret_cast<const float4*>(src0 + ((size_t)sp * total_packed + (size_t)r * H) * MLA_V_DIM))
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < MLA_UV_B; ++u) {
+                const int i = i0 + u;
+                if (i < total) {                      // uniform across the warp
+                    const int r = i / J;
+                    if (r != cur) {
+                        finish_row();
+                        acc = make_float4(0.f, 0.f, 0.f, 0.f);
+                        wsum = 0.f;
+                        cur = r;
+                    }
+                    wsum += wu[u];
+                    acc.x = fmaf(wu[u], v[u].x, acc.x); acc.y = fmaf(wu[u], v[u].y, acc.y);
+                    acc.z = fmaf(wu[u], v[u].z, acc.z); acc.w = fmaf(wu[u], v[u].w, acc.w);
+                }
             }
         }
+        finish_row();                                 // nr >= 1: the last row
     }
     __syncthreads();
 
