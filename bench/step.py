@@ -234,25 +234,50 @@ PREFETCH_SETS = {"qkv_a": "w_qkv_a", "q_b": "w_q_b", "uk": "w_uk_t", "uv": "w_uv
 
 def prefetch_stages(eng, spec: str):
     """A layer_stages replacement that adds an L2 prefetch launch (kernels/l2_prefetch.py) per layer as ``spec``
-    says ('SETS@POS[:last]', see --prefetch): at POS pre_norm, layer i's own sets at its start; at pre_moe,
-    layer i+1's sets before layer i's MoE (layer 0's at its start)."""
+    says ('SETS@POS[:last][:fork]', see --prefetch): at POS pre_norm, layer i's own sets at its start; at
+    pre_moe, layer i+1's sets before layer i's MoE (layer 0's at its start). ':fork' launches it on a side
+    stream (event fork from the main stream, joined after the last layer), so it is off the critical path."""
+    import cupy
+    from ddtree_cupy.kernels import launch as launch_mod
     from ddtree_cupy.kernels.l2_prefetch import l2_prefetch
-    body, _, opt = spec.partition(":")
+    body, _, opts = spec.partition(":")
+    opts = [o for o in opts.split(":") if o]
     sets, _, pos = body.partition("@")
     sets = [x for x in sets.split("+") if x]
     bad = [x for x in sets if x not in PREFETCH_SETS and x != "kv"]
-    if bad or pos not in ("pre_moe", "pre_norm") or opt not in ("", "last"):
+    if bad or pos not in ("pre_moe", "pre_norm") or any(o not in ("last", "fork") for o in opts):
         raise ValueError(f"--prefetch: bad spec {spec!r}")
+    last, fork = "last" in opts, "fork" in opts
     tgt = eng.target
     cls = type(tgt)
     orig = cls.layer_stages
     n = tgt.cfg.num_hidden_layers
+    side = cupy.cuda.Stream(non_blocking=True)
 
     def launch(j, batch, kv):
         L = tgt.w.layers[j]
         arrs = [getattr(L, PREFETCH_SETS[x]) for x in sets if x != "kv" and getattr(L, PREFETCH_SETS[x], None) is not None]
         kvs = (kv.pools[j], kv.block_table[:batch.S], batch.prefix_len) if "kv" in sets else None
-        return lambda: l2_prefetch(arrs, kv=kvs, evict_last=opt == "last")
+        if not fork:
+            return lambda: l2_prefetch(arrs, kv=kvs, evict_last=last)
+
+        def forked():
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(cupy.cuda.get_current_stream())
+            side.wait_event(ev)
+            before = launch_mod.pdl_enabled()
+            launch_mod.set_pdl(False)        # a plain node after the event: it starts when its predecessor ends
+            try:
+                with side:
+                    l2_prefetch(arrs, kv=kvs, evict_last=last)
+            finally:
+                launch_mod.set_pdl(before)
+        return forked
+
+    def join():
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(side)
+        cupy.cuda.get_current_stream().wait_event(ev)
 
     def stages(self, i, batch, kv):
         st = list(orig(self, i, batch, kv))
@@ -262,6 +287,8 @@ def prefetch_stages(eng, spec: str):
             at = next((k for k, (nm, _) in enumerate(st) if nm == "moe"), None)
             if at is not None:
                 st.insert(at, ("l2_prefetch_next", launch(i + 1, batch, kv)))
+        if fork and i == n - 1:
+            st.append(("l2_prefetch_join", join))
         return st
     return cls, orig, stages
 
@@ -316,7 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", default="",
                     help="measuring the L2 prefetch: 'SETS@POS[:last]', SETS '+'-joined of qkv_a q_b uk uv o router kv, "
                          "POS pre_moe (before the previous layer's MoE) or pre_norm (start of the layer), ':last' = "
-                         "evict_last priority; several specs ';'-separated are timed one after the other (verify phase, "
+                         "evict_last priority, ':fork' = on a side stream; several specs ';'-separated are timed one after the other (verify phase, "
                          "PDL) against no prefetch")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "

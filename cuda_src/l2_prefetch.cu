@@ -14,6 +14,7 @@
 
 #define PF_CHUNK 16384       // bytes per prefetch instruction (a multiple of 16)
 #define PF_RANGES 4
+#define PF_PAGE_PARTS 4     // a 73,728-byte latent page in 4 prefetches of 18,432 bytes
 
 __device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes, int last, uint64_t pol) {
     if (last)
@@ -22,10 +23,12 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned bytes, 
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 
-// Items: PF_CHUNK-byte chunks of ranges 0..3 (16-byte aligned, sizes multiples of 16), then one item per
-// (stream, page) of the latent pool: page block_table[b][j] for j < min(ceil((len[b] + 1) / 64), max_pages).
-// Every thread of the grid takes items gid, gid + nthreads, ...
-extern "C" __global__ void __launch_bounds__(128) l2_prefetch_kernel(
+// Items: PF_CHUNK-byte chunks of ranges 0..3 (16-byte aligned, sizes multiples of 16), then PF_PAGE_PARTS items
+// per (stream, page) of the latent pool (page block_table[b][j] for j < min(ceil((len[b] + 1) / 64), max_pages)),
+// each a quarter page. Every thread of the grid takes items gid, gid + nthreads, ... The copy engine serves one
+// SM's prefetches one after the other (measured: a 4.7 MB pool prefetch from one block held the launch ~15 us),
+// so the wrapper spreads the items over many small blocks.
+extern "C" __global__ void __launch_bounds__(32) l2_prefetch_kernel(
         const unsigned char* __restrict__ p0, long long n0, const unsigned char* __restrict__ p1, long long n1,
         const unsigned char* __restrict__ p2, long long n2, const unsigned char* __restrict__ p3, long long n3,
         const unsigned char* __restrict__ pool, long long page_bytes, int num_pages,
@@ -41,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(128) l2_prefetch_kernel(
     first[0] = 0;
 #pragma unroll
     for (int r = 0; r < PF_RANGES; ++r) first[r + 1] = first[r] + (ns[r] + PF_CHUNK - 1) / PF_CHUNK;
-    const long long n_items = first[PF_RANGES] + (pool ? (long long)S * max_pages : 0);
+    const long long n_items = first[PF_RANGES] + (pool ? (long long)S * max_pages * PF_PAGE_PARTS : 0);
     const long long nth = (long long)gridDim.x * blockDim.x;
     for (long long it = (long long)blockIdx.x * blockDim.x + threadIdx.x; it < n_items; it += nth) {
         if (it < first[PF_RANGES]) {
@@ -54,13 +57,15 @@ extern "C" __global__ void __launch_bounds__(128) l2_prefetch_kernel(
         } else {
             // Block table and lengths are read before the wait: a value being rewritten by an earlier kernel
             // can only misdirect the hint; the clamps keep every address inside the pool.
-            const long long q = it - first[PF_RANGES];
+            const long long q = (it - first[PF_RANGES]) / PF_PAGE_PARTS;
+            const int part = (int)((it - first[PF_RANGES]) % PF_PAGE_PARTS);
             const int b = (int)(q / max_pages), j = (int)(q % max_pages);
             const int n_pages = min((lens[b] + KV_PAGE_SIZE) / KV_PAGE_SIZE, max_pages);
             if (j >= n_pages) continue;
             const int page = block_table[(size_t)b * max_pages + j];
             if (page < 0 || page >= num_pages) continue;
-            prefetch_l2_bulk(pool + (size_t)page * page_bytes, (unsigned)page_bytes, last, pol);
+            const long long pb = page_bytes / PF_PAGE_PARTS;
+            prefetch_l2_bulk(pool + (size_t)page * page_bytes + part * pb, (unsigned)pb, last, pol);
         }
     }
     DDT_PDL_WAIT();

@@ -63,14 +63,16 @@ def l2_prefetch(arrays: Sequence, kv: Optional[Tuple] = None, evict_last: bool =
         check_array("kv block_table", bt, np.int32, ("S", "M"), dims, device=dev)
         check_array("kv lengths", lens, np.int32, ("S",), dims, device=dev)
         S, max_pages, num_pages = dims["S"], dims["M"], dims["P"]
-    n_items = sum(-(-n // 16384) for n in sizes) + S * max_pages
+    n_items = sum(-(-n // 16384) for n in sizes) + 4 * S * max_pages
     if n_items == 0:
         return
     if blocks is None:
-        blocks = max(1, min(_sm_count(dev), -(-n_items // 128)))
+        # one warp per block, about 4 prefetches per thread: the copy engine of an SM serves its prefetches
+        # one after the other, so the bytes must spread over the SMs (l2_prefetch.cu)
+        blocks = max(1, min(4 * _sm_count(dev), -(-n_items // 128)))
     args = []
     for p, n in zip(ptrs, sizes):
         args += [p, np.int64(n)]
     args += [pool, np.int64(PAGE_ROWS * ROW_DIM * 2), np.int32(num_pages), bt, lens, np.int32(S),
              np.int32(max_pages), np.int32(1 if evict_last else 0)]
-    get_kernel(SPEC, "l2_prefetch_kernel")((int(blocks),), (128,), tuple(args))
+    get_kernel(SPEC, "l2_prefetch_kernel")((int(blocks),), (32,), tuple(args))
