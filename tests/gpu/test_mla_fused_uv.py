@@ -216,7 +216,9 @@ def test_fused_uv_equals_two_launch_path(S, R, s_hi, mode):
     x = cp()
     rng = np.random.default_rng(1000 * S + R + len(mode))
     n_list = [R] + [int(rng.integers(1, R + 1)) for _ in range(S - 1)]   # max_rows = R, ragged streams
-    s_list = [int(rng.choice([0, 63, 64, int(rng.integers(0, s_hi))])) for _ in range(S)]
+    # stream 0 long (a many-split plan), the others around page boundaries or random
+    s_list = [int(rng.integers(s_hi // 2, s_hi))] + \
+        [int(rng.choice([0, 63, 64, int(rng.integers(0, s_hi))])) for _ in range(S - 1)]
     c = make_case(rng, S, n_list, s_list, "causal" if mode == "causal" else "tree")
     if mode == "chain":
         for b in range(S):
