@@ -228,104 +228,6 @@ def leave_one_out(eng, step, st, moe_layer: int, use_pdl: bool = True, reps: int
                 sum_marginal_us=sum(marginal.values()), verify_us_per_layer=full / n_layers)
 
 
-PREFETCH_SETS = {"qkv_a": "w_qkv_a", "q_b": "w_q_b", "uk": "w_uk_t", "uv": "w_uv", "o": "w_o",
-                 "router": "w_router_gate_up"}
-
-
-def prefetch_stages(eng, spec: str):
-    """A layer_stages replacement that adds an L2 prefetch launch (kernels/l2_prefetch.py) per layer as ``spec``
-    says ('SETS@POS[:last][:fork]', see --prefetch): at POS pre_norm, layer i's own sets at its start; at
-    pre_moe, layer i+1's sets before layer i's MoE (layer 0's at its start). ':fork' launches it on a side
-    stream (event fork from the main stream, joined after the last layer), so it is off the critical path."""
-    import cupy
-    from ddtree_cupy.kernels import launch as launch_mod
-    from ddtree_cupy.kernels.l2_prefetch import l2_prefetch
-    body, _, opts = spec.partition(":")
-    opts = [o for o in opts.split(":") if o]
-    sets, _, pos = body.partition("@")
-    sets = [x for x in sets.split("+") if x]
-    bad = [x for x in sets if x not in PREFETCH_SETS and x != "kv"]
-    if bad or pos not in ("pre_moe", "pre_norm") or any(o not in ("last", "fork") for o in opts):
-        raise ValueError(f"--prefetch: bad spec {spec!r}")
-    last, fork = "last" in opts, "fork" in opts
-    tgt = eng.target
-    cls = type(tgt)
-    orig = cls.layer_stages
-    n = tgt.cfg.num_hidden_layers
-    side = cupy.cuda.Stream(non_blocking=True)
-
-    def launch(j, batch, kv):
-        L = tgt.w.layers[j]
-        arrs = [getattr(L, PREFETCH_SETS[x]) for x in sets if x != "kv" and getattr(L, PREFETCH_SETS[x], None) is not None]
-        kvs = (kv.pools[j], kv.block_table[:batch.S], batch.prefix_len) if "kv" in sets else None
-        if not fork:
-            return lambda: l2_prefetch(arrs, kv=kvs, evict_last=last)
-
-        def forked():
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(cupy.cuda.get_current_stream())
-            side.wait_event(ev)
-            before = launch_mod.pdl_enabled()
-            launch_mod.set_pdl(False)        # a plain node after the event: it starts when its predecessor ends
-            try:
-                with side:
-                    l2_prefetch(arrs, kv=kvs, evict_last=last)
-            finally:
-                launch_mod.set_pdl(before)
-        return forked
-
-    def join():
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(side)
-        cupy.cuda.get_current_stream().wait_event(ev)
-
-    def stages(self, i, batch, kv):
-        st = list(orig(self, i, batch, kv))
-        if pos == "pre_norm" or i == 0:
-            st.insert(0, ("l2_prefetch", launch(i, batch, kv)))
-        if pos == "pre_moe" and i + 1 < n:
-            at = next((k for k, (nm, _) in enumerate(st) if nm == "moe"), None)
-            if at is not None:
-                st.insert(at, ("l2_prefetch_next", launch(i + 1, batch, kv)))
-        if fork and i == n - 1:
-            st.append(("l2_prefetch_join", join))
-        return st
-    return cls, orig, stages
-
-
-def prefetch_sweep(eng, step, st, specs: str, use_pdl: bool = True, reps: int = 5) -> dict:
-    """The verify phase as one graph (PDL as the engine when ``use_pdl``), us, without and with each prefetch
-    spec; also checks that the logits are bit-identical with the prefetch (it is only a hint)."""
-    import cupy
-    from bench.ceilings import time_graph
-    from ddtree_cupy.kernels import launch as launch_mod
-    verify = dict(step.phases())["verify"]
-    out = {}
-    before = launch_mod.pdl_enabled()
-    launch_mod.set_pdl(use_pdl)
-    try:
-        with st:
-            out["none"] = time_graph(verify, iters=1, reps=reps)
-            verify()
-            st.synchronize()
-            ref = step.batch.logits.get()
-            for spec in [x for x in specs.split(";") if x]:
-                cls, orig, stages = prefetch_stages(eng, spec)
-                cls.layer_stages = stages
-                try:
-                    out[spec] = time_graph(verify, iters=1, reps=reps)
-                    verify()
-                    st.synchronize()
-                    if not np.array_equal(step.batch.logits.get().view(np.uint8), ref.view(np.uint8)):
-                        out[spec + " LOGITS DIFFER"] = 1.0
-                finally:
-                    cls.layer_stages = orig
-            cupy.cuda.Stream.null.synchronize()
-    finally:
-        launch_mod.set_pdl(before)
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
@@ -340,11 +242,6 @@ def main(argv=None) -> int:
     ap.add_argument("--loo", type=int, default=0,
                     help="1: the verify phase (every layer, PDL launches as the engine's graph) timed with each layer "
                          "stage left out of every layer: the stage's marginal cost on the real critical path")
-    ap.add_argument("--prefetch", default="",
-                    help="measuring the L2 prefetch: 'SETS@POS[:last]', SETS '+'-joined of qkv_a q_b uk uv o router kv, "
-                         "POS pre_moe (before the previous layer's MoE) or pre_norm (start of the layer), ':last' = "
-                         "evict_last priority, ':fork' = on a side stream; several specs ';'-separated are timed one after the other (verify phase, "
-                         "PDL) against no prefetch")
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "
                          "routing's spread); model: the random model's own router output (collapses to ~8 experts)")
@@ -447,7 +344,6 @@ def main(argv=None) -> int:
                     for sname, fn in stages:
                         stage_us[sname] = time_graph(fn, iters=10, reps=3)
             loo = leave_one_out(eng, step, st, moe_layer, use_pdl=bool(a.pdl)) if a.loo else None
-            pf = prefetch_sweep(eng, step, st, a.prefetch, use_pdl=bool(a.pdl)) if a.prefetch else None
             step_pdl_s, pdl_check = None, None
             if a.pdl:
                 # replays with the same ctrl are a pure function of the unchanged state (the cache prefix and
@@ -489,7 +385,7 @@ def main(argv=None) -> int:
                        verify_us_per_layer=phases.get("verify", 0) * 1e6 / tcfg.num_hidden_layers,
                        layer_graph_us=layer_us, stage_us=stage_us,
                        step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3, pdl_check=pdl_check,
-                       leave_one_out=loo, prefetch=pf)
+                       leave_one_out=loo)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
@@ -498,8 +394,6 @@ def main(argv=None) -> int:
             print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
                   + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms "
                                                                   f"{pdl_check}" if step_pdl_s else ""), flush=True)
-            if pf:
-                print("    L2 prefetch, verify phase us: " + " | ".join(f"{k} {v:.0f}" for k, v in pf.items()), flush=True)
             if loo:
                 print(f"    verify {loo['verify_us']:.0f} us; marginal us per layer (verify without the stage in every "
                       "layer): " + " ".join(f"{k} {v:.1f}" for k, v in loo["marginal_us_per_layer"].items()), flush=True)
