@@ -494,12 +494,15 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     else:
         part_o = part_lse = None
     o_final = out
-    if w_uv is not None and num_splits == 1:
-        # the main kernel writes bf16 o_lat itself: into the scratch, W_UV as its own launch afterwards
-        if o_lat is None:
+    if w_uv is not None:
+        # one split: the main kernel writes bf16 o_lat itself, into the scratch, and W_UV is its own launch
+        # afterwards. Split plans: the main kernel never writes its ``out`` argument; it gets the scratch too
+        # when there is one (never the [T, H, 128] o, which an o_lat-sized write would overrun)
+        if o_lat is None and num_splits == 1:
             o_lat = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
-        check_array("o_lat", o_lat, np.uint16, (T, H, LATENT_DIM), device=dev)
-        out = o_lat
+        if o_lat is not None:
+            check_array("o_lat", o_lat, np.uint16, (T, H, LATENT_DIM), device=dev)
+            out = o_lat
     fwd = get_kernel(spec or MLA_SPEC, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
     null = np.uintp(0)
