@@ -719,6 +719,24 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
     const int nr = min(rt, n - r0);                   // valid rows of this block
     const size_t gm0 = (size_t)(rs + r0) * H + h;     // packed row of local row 0; local row r: gm0 + r * H
 
+    // Pass 2's lane roles (below), and its first batch of partial loads issued now, before the weights are
+    // known, so they share a round trip with pass 1's lse loads. An empty split's partial is read here (the
+    // workspace holds every split, so the address is valid) but never used: pass 2 skips a zero weight's
+    // term instead of multiplying it (its partial may be NaN), which leaves acc exactly as fma(0, 0, acc).
+    const int c = lane & 7, fl = lane >> 3;
+    const int col = 16 * warp + 4 * fl;               // column within the quarter
+    const float* src0 = part_o + gm0 * MLA_V_DIM + kq * MLA_UV_KW + col;
+    const int J = (num_splits + 7) / 8;               // splits per chain (the last ones may be past the end)
+    const int total = nr * J;
+    float4 v[MLA_UV_B];
+#pragma unroll
+    for (int u = 0; u < MLA_UV_B; ++u) {
+        const int r = u / J, sp = c + 8 * (u - r * J);
+        v[u] = (u < total && sp < num_splits)
+            ? __ldcg(reinterpret_cast<const float4*>(src0 + ((size_t)sp * total_packed + (size_t)r * H) * MLA_V_DIM))
+            : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
     // ---- pass 1: weights (warp w: rows w, w + 8), as attn_combine_row --------------------------------
     for (int r = warp; r < nr; r += MLA_UV_THREADS / 32) {
         const size_t gm = gm0 + (size_t)r * H;
@@ -746,17 +764,12 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
     __syncthreads();
 
     // ---- pass 2: weighted sums. Lane = (float4 fl of 4, chain c of 8); warp w owns columns 16 w .. +16 ----
-    // Every lane walks the same (row, j) sequence, row-major, j < J = ceil(splits / 8): its split c + 8 j,
-    // weight 0 past the last split (the combine's U-unrolled loop adds those zeros too: exact no-ops). The
-    // sequence is flattened over the rows so that MLA_UV_B loads are in flight per lane even when a row has
-    // only one or two splits per chain (10 streams: 3-14 splits, 16 rows per block); a row is finished (its
-    // 8 chains added in order across the lanes) when the walk moves past it, at the same step in every lane.
+    // Every lane walks the same (row, j) sequence, row-major, j < J: its split c + 8 j, weight 0 past the last
+    // split (the combine's U-unrolled loop adds those zeros too: exact no-ops). The sequence is flattened over
+    // the rows so that MLA_UV_B loads are in flight per lane even when a row has only one or two splits per
+    // chain (10 streams: 3-14 splits, 16 rows per block); a row is finished (its 8 chains added in order
+    // across the lanes) when the walk moves past it, at the same step in every lane.
     {
-        const int c = lane & 7, fl = lane >> 3;
-        const int col = 16 * warp + 4 * fl;           // column within the quarter
-        const float* src0 = part_o + gm0 * MLA_V_DIM + kq * MLA_UV_KW + col;
-        const int J = (num_splits + 7) / 8;
-        const int total = nr * J;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         float wsum = 0.f;
         int cur = 0;                                  // the row being accumulated
@@ -779,17 +792,23 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
             }
         };
         for (int i0 = 0; i0 < total; i0 += MLA_UV_B) {
-            float4 v[MLA_UV_B];
             float wu[MLA_UV_B];
 #pragma unroll
             for (int u = 0; u < MLA_UV_B; ++u) {
                 const int i = i0 + u;
                 const int r = i / J, sp = c + 8 * (i - r * J);
                 wu[u] = (i < total && sp < num_splits) ? sm.w[r][sp] : 0.f;
-                // a zero weight skips the load: an empty split's partial is never read (it may be anything)
-                v[u] = wu[u] != 0.f
-                    ? __ldcg(reinterpret_cast<const float4*>(src0 + ((size_t)sp * total_packed + (size_t)r * H) * MLA_V_DIM))
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            if (i0 > 0) {                             // batch 0 was loaded before pass 1
+#pragma unroll
+                for (int u = 0; u < MLA_UV_B; ++u) {
+                    const int i = i0 + u;
+                    const int r = i / J, sp = c + 8 * (i - r * J);
+                    // a zero weight skips the load: an empty split's partial is never used (it may be anything)
+                    v[u] = wu[u] != 0.f
+                        ? __ldcg(reinterpret_cast<const float4*>(src0 + ((size_t)sp * total_packed + (size_t)r * H) * MLA_V_DIM))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
             }
 #pragma unroll
             for (int u = 0; u < MLA_UV_B; ++u) {
@@ -803,8 +822,10 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
                         cur = r;
                     }
                     wsum += wu[u];
-                    acc.x = fmaf(wu[u], v[u].x, acc.x); acc.y = fmaf(wu[u], v[u].y, acc.y);
-                    acc.z = fmaf(wu[u], v[u].z, acc.z); acc.w = fmaf(wu[u], v[u].w, acc.w);
+                    if (wu[u] != 0.f) {               // = fma(0, 0, acc) for a zero weight: acc is never -0
+                        acc.x = fmaf(wu[u], v[u].x, acc.x); acc.y = fmaf(wu[u], v[u].y, acc.y);
+                        acc.z = fmaf(wu[u], v[u].z, acc.z); acc.w = fmaf(wu[u], v[u].w, acc.w);
+                    }
                 }
             }
         }
