@@ -737,23 +737,33 @@ __global__ void __launch_bounds__(MLA_UV_THREADS) mla_attn_combine_uv(
             : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 
-    // ---- pass 1: weights (warp w: rows w, w + 8), as attn_combine_row --------------------------------
-    for (int r = warp; r < nr; r += MLA_UV_THREADS / 32) {
-        const size_t gm = gm0 + (size_t)r * H;
-        float lse[ATTN_MAX_SPLITS / 32];
-        float mx = -INFINITY;
+    // ---- pass 1: weights (warp w: rows w and w + 8, both rows' loads in flight together), as attn_combine_row -
+    {
+        float lse[2][ATTN_MAX_SPLITS / 32];
 #pragma unroll
-        for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
-            const int sp = lane + 32 * k;
-            lse[k] = sp < num_splits ? __ldcg(part_lse + (size_t)sp * total_packed + gm) : -INFINITY;
-            mx = fmaxf(mx, lse[k]);
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = warp + 8 * rr;
+            const size_t gm = gm0 + (size_t)r * H;
+#pragma unroll
+            for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
+                const int sp = lane + 32 * k;
+                lse[rr][k] = r < nr && sp < num_splits ? __ldcg(part_lse + (size_t)sp * total_packed + gm) : -INFINITY;
+            }
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = warp + 8 * rr;
+            if (r >= nr) break;                       // warp-uniform
+            float mx = -INFINITY;
 #pragma unroll
-        for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
-            const int sp = lane + 32 * k;
-            if (sp < num_splits) sm.w[r][sp] = lse[k] == -INFINITY ? 0.f : exp2f(lse[k] - mx);
+            for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) mx = fmaxf(mx, lse[rr][k]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+            for (int k = 0; k < ATTN_MAX_SPLITS / 32; ++k) {
+                const int sp = lane + 32 * k;
+                if (sp < num_splits) sm.w[r][sp] = lse[rr][k] == -INFINITY ? 0.f : exp2f(lse[rr][k] - mx);
+            }
         }
     }
     // rows past nr are the mma's zero padding
