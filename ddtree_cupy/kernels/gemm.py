@@ -10,7 +10,7 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
    across the block's 8 warps and, for CS > 1, across a cluster of CS blocks, reduced in (distributed)
    shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
    forces one);
- * "wide": ``gemm_bf16_kernel_wide`` (T = 17..160: 2-D block tiles of 128 weight rows x 32-160 tokens,
+ * "wide": ``gemm_bf16_kernel_wide`` (T = 17..160: 2-D block tiles of 128 weight rows x 32-80 tokens,
    split-K across blocks through the same workspace + reduce; ``choose_wide`` picks config and split).
    OFF by default (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1, ``set_variant("wide")``) until the H200 run
    confirms it (docs/KERNELS.md "Session 5: wide-token kernel").
@@ -200,10 +200,9 @@ def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count
     ties -> the smaller s. (smem_per_sm is kept for the signature's symmetry with choose_decode.)"""
     k_tiles = K // BK
     blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
-    slots = sm_count
     cap = max(1, min(k_tiles // WIDE_MIN_K_TILES, choose_split(T, N, K, batch, sm_count)))
     return min(range(1, cap + 1),
-               key=lambda s: (math.ceil(blocks * s / slots) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES), s))
+               key=lambda s: (math.ceil(blocks * s / sm_count) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES), s))
 
 
 def choose_wide(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
