@@ -84,7 +84,8 @@ def _tag(v):
 
 def _cfg_str(c):
     if isinstance(c, tuple) and len(c) == 3:        # ("wide", WideConfig, split)
-        return f"wide bt{c[1].bt()} s{c[1].stages} k{c[2]}{' *rule*' if c[0] == 'wide-rule' else ''}"
+        w = c[1]
+        return f"wide bt{w.bt()} w{w.warps_m * w.warps_n} s{w.stages} k{c[2]}{' *rule*' if c[0] == 'wide-rule' else ''}"
     return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 

@@ -420,11 +420,13 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
 
 // ---------------------------------------------------------------------------------------------------------
 // Wide-token family (T = 17..160, issue #4, docs/KERNELS.md "Session 5: wide-token kernel"): a block owns a
-// tile of BM = 16 WM WARPS_M weight rows x BT = 8 WN WARPS_N tokens and one K range (split-K across blocks).
+// tile of BM = 16 WM WARPS_M weight rows x BT = 8 WN WARPS_N tokens and one K range (split-K across blocks);
+// its WARPS_M x WARPS_N warps (8: 4 x 2 with 32 x BT/2 warp tiles, or 4: 2 x 2 with 64 x BT/2 warp tiles,
+// fewer ldmatrix per mma and fewer warps to hide latency).
 //  * Operand reuse: each warp holds a 2-D fragment tile (WM m16 weight tiles x WN n8 token tiles), so per
 //    k16 it issues WM + ceil(WN / 2) ldmatrix for WM x WN mma; the split-K kernel's warps own one m16 tile
 //    against every token (ratio ~0.55 ldmatrix per mma at T = 160, and all 4 warps re-read the whole token
-//    tile); here 0.5 at WM 2 x WN 4 with 8 warps per block.
+//    tile); here 0.5 at WM 2 x WN 4, 0.375 at WM 4 x WN 4.
 //  * L2 -> shared traffic: each block reads its weight tile once per token tile and the token tile once per
 //    BM rows; with BM = 128 the token side is half that of the split-K kernel's 64-row blocks.
 //  * Grid: blockIdx.x = split * token_tiles + token tile (token tiles fastest), so the blocks that share a
@@ -437,18 +439,15 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
 //    group), as in the decode family.
 // Same argument list as gemm_bf16_kernel, the last int being the split count (the K range of split s is
 // k tiles [s kt / split, (s + 1) kt / split)), output type last (tests/_target_shim.py).
-#define WIDE_THREADS 256
-
-template <int WM, int WN, int WARPS_M, int STAGES, bool OUT_F32>
-__global__ void __launch_bounds__(WIDE_THREADS, 2)
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2)
 gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
                       const bf16_bits* __restrict__ w, long long w_batch_stride,
                       void* __restrict__ out, long long out_batch_stride, int out_row_stride,
                       float* __restrict__ ws, int T, int N, int K, int split) {
-    constexpr int WARPS_N = WIDE_THREADS / 32 / WARPS_M;
+    constexpr int WIDE_THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int BM = 16 * WM * WARPS_M, BT = 8 * WN * WARPS_N;
     constexpr int WST = BM * 8, XST = BT * 8;           // uint4 per stage: rows x 8 chunks of 16 bytes
-    static_assert(WARPS_M * WARPS_N * 32 == WIDE_THREADS, "warp grid covers the block");
     static_assert(WST % WIDE_THREADS == 0, "weight stage: whole chunks per thread");
     static_assert(STAGES >= 2 && STAGES * (WST + XST) * 16 <= 99 * 1024, "ring fits 99 KB");
     extern __shared__ uint4 smem[];

@@ -111,7 +111,7 @@ def test_wide_configs_fit_and_compiled():
     names = set(gemm.SPEC.names)
     for c in gemm.WIDE_CONFIGS:
         assert c.smem() <= 96 * 1024 and c.stages >= 3           # sm_120: <= 99 KB per block
-        assert c.bm() == 128 and c.bt() in (32, 64, 80)
+        assert c.bm() == 128 and c.bt() in (32, 64, 80) and c.threads() in (128, 256)
         assert all(c.name(f) in names for f in (False, True)) and c.name(False) != c.name(True)
         assert c.name(True).rstrip(">").split(",")[-1].strip() == "true"    # output type last (CPU shim)
 
@@ -126,7 +126,7 @@ def test_wide_pick_serves_and_fits_the_workspace(dev, name, N, K, B):
     import math
     for T in WIDE_T:
         cfg, split = gemm.choose_wide(T, N, K, B, **dev)
-        assert cfg in gemm.WIDE_CONFIGS
+        assert cfg in gemm.WIDE_RULE_CONFIGS and cfg.threads() == 256
         pad = math.ceil(T / cfg.bt()) * cfg.bt()
         assert pad == min(math.ceil(T / c.bt()) * c.bt() for c in gemm.WIDE_CONFIGS)
         assert 1 <= split <= gemm.choose_split(T, N, K, B, dev["sm_count"])
@@ -182,7 +182,7 @@ def test_wide_range_and_switches(monkeypatch):
     with pytest.raises(ValueError, match="on"):
         gemm.set_wide(1)
     with pytest.raises(ValueError, match="cfg"):
-        gemm.set_wide_config((gemm.WideConfig(2, 3, 4, 4), 2))
+        gemm.set_wide_config((gemm.WideConfig(2, 3, 4, 2, 4), 2))
     with pytest.raises(ValueError, match="cfg"):
         gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 0))
     assert gemm.set_wide_config((gemm.WIDE_CONFIGS[0], 3)) is None
@@ -206,5 +206,5 @@ def test_bench_wide_sweep_cases():
     bk._with_variant(("wide", cfg, 3), lambda: seen.append((gemm._VARIANT[0], gemm._FORCED_WIDE[0])))()
     assert seen == [("wide", (cfg, 3))]
     assert gemm._VARIANT[0] == "auto" and gemm._FORCED_WIDE[0] is None
-    assert bk._tag(("wide-rule", cfg, 3)) == " [wide bt64 s4 k3 *rule*]" and bk._tag("wide") == " [wide]"
+    assert bk._tag(("wide-rule", cfg, 3)) == " [wide bt64 w8 s4 k3 *rule*]" and bk._tag("wide") == " [wide]"
     assert bk._variants(16, ("splitk", "wide")) == ["splitk"] and bk._variants(17, ("wide",)) == ["wide"]

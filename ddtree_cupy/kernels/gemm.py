@@ -141,42 +141,48 @@ def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
 
 
 # Wide-token family (T = 17..160, docs/KERNELS.md "Session 5"): a block = BM = 16 WM WARPS_M weight rows x
-# BT = 8 WN WARPS_N tokens, 8 warps each holding WM m16 x WN n8 fragment tiles, one ring of STAGES x
-# (BM + BT) rows x BK shared by the block; K split across blocks (workspace + gemm_splitk_reduce).
-WIDE_WARPS, WIDE_THREADS = 8, 256
+# BT = 8 WN WARPS_N tokens, WARPS_M x WARPS_N warps each holding WM m16 x WN n8 fragment tiles, one ring of
+# STAGES x (BM + BT) rows x BK shared by the block; K split across blocks (workspace + gemm_splitk_reduce).
 WIDE_MIN_T = DEC_MAX_T + 1
 
 
 class WideConfig(NamedTuple):
     wm: int        # m16 weight tiles per warp
     wn: int        # n8 token tiles per warp
-    warps_m: int   # warps along the weight rows (WIDE_WARPS / warps_m along the tokens)
+    warps_m: int   # warps along the weight rows
+    warps_n: int   # warps along the tokens
     stages: int    # ring depth
 
     def bm(self) -> int:
         return 16 * self.wm * self.warps_m
 
     def bt(self) -> int:
-        return 8 * self.wn * (WIDE_WARPS // self.warps_m)
+        return 8 * self.wn * self.warps_n
+
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
 
     def smem(self) -> int:
         return self.stages * (self.bm() + self.bt()) * BK * 2
 
     def name(self, out_f32: bool) -> str:
-        return (f"gemm_bf16_kernel_wide<{self.wm}, {self.wn}, {self.warps_m}, {self.stages}, "
+        return (f"gemm_bf16_kernel_wide<{self.wm}, {self.wn}, {self.warps_m}, {self.warps_n}, {self.stages}, "
                 f"{'true' if out_f32 else 'false'}>")
 
 
-def _wide(wm: int, wn: int, warps_m: int) -> WideConfig:
+def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
     """As many stages (<= 4) as fit the shared-memory budget."""
-    per = (16 * wm * warps_m + 8 * wn * (WIDE_WARPS // warps_m)) * BK * 2
-    return WideConfig(wm, wn, warps_m, min(4, SMEM_BUDGET // per))
+    per = (16 * wm * warps_m + 8 * wn * warps_n) * BK * 2
+    return WideConfig(wm, wn, warps_m, warps_n, min(4, SMEM_BUDGET // per))
 
 
-# BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB: T = 160 in two tiles). Every compiled
-# config; the tests run each one. (BT 160, WN 10, was built and dropped: 80 accumulators per thread spill on
-# sm_90 under the 128-register cap of 2 blocks per SM.)
-WIDE_CONFIGS = (_wide(2, 2, 4), _wide(2, 4, 4), _wide(2, 5, 4))
+# 8 warps (4 x 2, 32-row warp tiles): BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB: T = 160
+# in two tiles) -- the rule's set (WIDE_RULE_CONFIGS). 4 warps (2 x 2, 64-row warp tiles: 0.375 / 0.35
+# ldmatrix per mma instead of 0.5, half the warps to hide latency): BT 64 and 80, for the wideconfigs sweep
+# until a run shows where they win. Every compiled config; the tests run each one. (BT 160 with 8 warps,
+# WN 10, was built and dropped: 80 accumulators per thread spill on sm_90 under the 128-register cap.)
+WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2))
+WIDE_CONFIGS = WIDE_RULE_CONFIGS + (_wide(4, 4, 2, 2), _wide(4, 5, 2, 2))
 WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
 WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
 
@@ -185,7 +191,7 @@ def wide_config_for(T: int) -> WideConfig:
     """The block shape for T tokens: the least padded token work (ceil(T / BT) BT), then the fewest token
     tiles (each one re-reads the weight tile from L2): T <= 32 BT 32, 33..64 BT 64, 65..80 BT 80,
     81..96 BT 32 (3 tiles), 97..128 BT 64, 129..160 BT 80 (2 tiles)."""
-    return min(WIDE_CONFIGS, key=lambda c: (math.ceil(T / c.bt()) * c.bt(), math.ceil(T / c.bt())))
+    return min(WIDE_RULE_CONFIGS, key=lambda c: (math.ceil(T / c.bt()) * c.bt(), math.ceil(T / c.bt())))
 
 
 def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
@@ -410,7 +416,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         tiles = math.ceil(T / cfg.bt())
         ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
         kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
-        kern((tiles * split, math.ceil(N / cfg.bm()), B), (WIDE_THREADS,),
+        kern((tiles * split, math.ceil(N / cfg.bm()), B), (cfg.threads(),),
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
               ws, np.int32(T), np.int32(N), np.int32(K), np.int32(split)), shared_mem=cfg.smem())
         if split > 1:
