@@ -21,10 +21,6 @@ plan_mla picks an mla_attn_fwd tile, and the combine with one split per warp in 
 (now) plan of every shape in the same run (once where both policies plan the same), plus a few 64-head
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
 speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
---fused-uv (alone, ~15 s): attention + W_UV at the engine's decode shapes (1/4/10 streams x 8/16/32 rows at 4K,
-8 heads), timed as (a) mla_attention + mla_head_gemm (two graph nodes: today's "attention" + "w_uv" stages),
-(b) mla_attention(w_uv=) (the split-KV combine fused with W_UV), with (c) attention alone and (b) at other
-rows-per-block choices, all in one process, PDL as the engine sets it (on for <= 64 verify rows).
 Prints tables; never asserts a speed.
 """
 from __future__ import annotations
@@ -301,87 +297,6 @@ def _save(path: str, summary: dict) -> None:
         json.dump(summary, f, indent=1)
 
 
-def fused_uv_bench(args):
-    """Attention + W_UV at the engine's decode shapes: (a) two launches, (b) the fused combine, (c) attention
-    alone; the decision numbers are a - b (what the fused path saves per layer) in the "saved" column."""
-    import cupy as cp
-    from ddtree_cupy.engine.step import PDL_MAX_ROWS
-    from ddtree_cupy.kernels import attention as A
-    from ddtree_cupy.kernels import launch as L
-    from ddtree_cupy.kernels.fused import mla_head_gemm
-    dev = cp.cuda.Device()
-    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    num_sms = dev.attributes["MultiProcessorCount"]
-    bw = measure_read_bandwidth(1 << 30, reps=5)
-    lf = launch_floor(cp)
-    print(f"# {name}: {num_sms} SMs, read ceiling {bw:.0f} GB/s, launch floor 1 / 2 kernels {lf[0]:.2f} / "
-          f"{lf[1]:.2f} us; policy {A.MLA_POLICY}")
-    print("# a = attention + w_uv (two stages), b = fused (mla_attn_combine_uv), c = attention alone (combine "
-          "writes o_lat); part = fp32 partial bytes the combine reads; part floor = part / read ceiling")
-    print(f"{'S':>3} {'rows':>4} {'pdl':>3} {'splits':>6} {'cfg':>24} {'rt':>3} | {'a us':>6} {'b us':>6} "
-          f"{'c us':>6} | {'saved':>6} {'w_uv':>5} {'b-c':>5} | {'part MB':>7} {'floor':>5} | other rt")
-    ctx = 4096
-    rng = np.random.default_rng(5)
-    max_p = -(-(ctx + 64) // 64)
-    pool = random_bf16(cp, (10 * max_p, 64, 576))
-    perm = cp.asarray(rng.permutation(10 * max_p).astype(np.int32))
-    w_uv = random_bf16(cp, (H, 128, 512), 0.05)
-    rows_out = []
-    prev_pdl = L.pdl_enabled()
-    try:
-        for S in (1, 4, 10):
-            for n in (8, 16, 32):
-                pdl = S * n <= PDL_MAX_ROWS
-                L.set_pdl(pdl)
-                T = S * n
-                table = perm[:S * max_p].reshape(S, max_p)
-                q = random_bf16(cp, (T, H, 576), 0.5)
-                prefix = cp.full((S,), ctx, cp.int32)
-                n_rows = cp.full((S,), n, cp.int32)
-                row_start = cp.arange(S, dtype=cp.int32) * n
-                bits, _ = tree_mask(rng, n)
-                mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
-                cfg, splits = A.plan_mla(S, n, H, ctx + n)
-                ws = A.MlaWorkspace(splits, T, H, fused_uv=True) if splits > 1 else None
-                o_lat = cp.empty((T, H, 512), cp.uint16)
-                o = cp.empty((T, H, 128), cp.uint16)
-                kw = dict(mask=mask, softmax_scale=SCALE, max_rows=n, max_kv_len=ctx + n, workspace=ws)
-
-                def attn_only():
-                    A.mla_attention(q, pool, table, prefix, n_rows, row_start, out=o_lat, **kw)
-
-                def two():
-                    attn_only()
-                    mla_head_gemm(o_lat, w_uv, o)
-
-                def fused(rt=None):
-                    A.mla_attention(q, pool, table, prefix, n_rows, row_start, out=o, w_uv=w_uv, o_lat=o_lat,
-                                    uv_rows_override=rt, **kw)
-                ta, tb, tc = (time_graph(f, iters=50, reps=5) for f in (two, fused, attn_only))
-                rt = A.uv_rows_per_block(S, n, H, num_sms)
-                others = {}
-                if splits > 1:
-                    for alt in sorted({max(1, rt // 2), min(16, 2 * rt)} - {rt}):
-                        others[alt] = time_graph(lambda: fused(alt), iters=50, reps=5)
-                part = splits * T * H * 512 * 4 if splits > 1 else 0
-                r = dict(streams=S, rows=n, ctx=ctx, pdl=pdl, splits=splits, config=cfg.name, rows_per_block=rt,
-                         two_launch_us=ta, fused_us=tb, attention_us=tc, saved_us=ta - tb, other_rt_us=others,
-                         partial_bytes=part)
-                rows_out.append(r)
-                print(f"{S:>3} {n:>4} {int(pdl):>3} {splits:>6} {cfg.name[4:]:>24} {rt:>3} | {ta:>6.1f} {tb:>6.1f} "
-                      f"{tc:>6.1f} | {ta - tb:>6.1f} {ta - tc:>5.1f} {tb - tc:>5.1f} | {part / 1e6:>7.1f} "
-                      f"{part / (bw * 1e3):>5.1f} | " + " ".join(f"rt{k}={v:.1f}" for k, v in others.items()),
-                      flush=True)
-    finally:
-        L.set_pdl(prev_pdl)
-    saved = [r["saved_us"] for r in rows_out]
-    print(f"# saved per layer (a - b): median {float(np.median(saved)):.2f} us, min {min(saved):.2f}, "
-          f"max {max(saved):.2f}; fused faster in {sum(x > 0 for x in saved)} of {len(saved)} shapes")
-    if args.out:
-        _save(args.out, dict(device=name, num_sms=num_sms, read_gbps=bw, launch_floor_us=list(lf),
-                             policy=A.MLA_POLICY, fused_uv=rows_out))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -405,12 +320,7 @@ def main():
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
-    ap.add_argument("--fused-uv", action="store_true",
-                    help="only time attention + W_UV, two launches vs the fused combine, at the engine's decode shapes")
     args = ap.parse_args()
-    if args.fused_uv:
-        fused_uv_bench(args)
-        return
     if args.refit:
         refit(args.refit)
         return

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .checks import check_array, check_range, check_rows, current_device
+from .checks import check_array, check_range, current_device
 from .compile import KernelSpec, get_kernel, register
 
 LATENT_DIM = 512
@@ -89,8 +89,7 @@ _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)
 
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
-    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>",
-                                                          "mla_attn_combine_uv"),
+    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>"),
     hot=True,
     pdl=True,
     doc="absorbed MLA attention over the paged latent KV cache + split-KV combine"))
@@ -342,76 +341,22 @@ def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int
 
 
 class MlaWorkspace:
-    """fp32 split partials for one shape bucket: allocate once (outside graph capture) and reuse.
+    """fp32 split partials for one shape bucket: allocate once (outside graph capture) and reuse."""
 
-    ``fused_uv``: also the buffers of the combine fused with W_UV (``mla_attention(..., w_uv=)``): the fp32
-    results of the 4 K quarters [4, T * H, 128] and one arrival counter per row group (zero between
-    launches: the kernel's last block resets it, so a captured graph can replay)."""
-
-    def __init__(self, num_splits: int, total_rows: int, n_heads: int, fused_uv: bool = False):
+    def __init__(self, num_splits: int, total_rows: int, n_heads: int):
         import cupy
         self.num_splits = num_splits
         self.total_packed = total_rows * n_heads
         n = max(num_splits, 1)
         self.part_o = cupy.empty((n, self.total_packed, LATENT_DIM), dtype=cupy.float32)
         self.part_lse = cupy.empty((n, self.total_packed), dtype=cupy.float32)
-        self.uv_part = self.uv_count = None
-        if fused_uv:
-            self.uv_part = cupy.empty((UV_QUARTERS, self.total_packed, UV_DIM), dtype=cupy.float32)
-            self.uv_count = cupy.zeros((self.total_packed,), dtype=cupy.int32)
-
-
-# ---- the split-KV combine fused with W_UV (docs/ATTENTION.md "Session 5: W_UV folded into the combine") -----
-# mla_attention(..., out=o [T, H, 128], w_uv=W_UV [H, 128, 512]) writes o = bf16(o_lat) @ W_UV^T per head:
-#   * split plans: one launch, mla_attn_combine_uv (bit-identical to mla_attn_combine + mla_head_gemm<8>);
-#   * one-split plans (the main kernel writes bf16 o_lat itself): the main kernel into ``o_lat`` (a scratch
-#     [T, H, 512]), then fused.mla_head_gemm, i.e. today's two launches. No engine decode shape plans one split
-#     (docs/ATTENTION.md lists the plans), so that path exists for completeness, not speed.
-# MLA_FUSED_UV is the module switch GpuTarget reads when it builds its stage list (env DDT_MLA_FUSED_UV=0/1,
-# default 0 = the separate "w_uv" stage, until an H200 run confirms the fused path; set_mla_fused_uv).
-UV_DIM = 128          # v_head_dim: the fused kernel's output width (Kimi K2 / DeepSeek-V3)
-UV_QUARTERS = 4       # mla_head_gemm<8>'s K quarters = the fused kernel's blockIdx.y
-UV_MAX_ROWS_PER_BLOCK = 16
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    if v not in ("0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1, got {v!r}")
-    return v == "1"
-
-
-MLA_FUSED_UV = _env_flag("DDT_MLA_FUSED_UV", False)
-
-
-def set_mla_fused_uv(on: bool) -> bool:
-    """Set the module switch (read by GpuTarget when it builds a layer's stage list); returns the previous one."""
-    global MLA_FUSED_UV
-    if not isinstance(on, bool):
-        raise ValueError(f"on: expected a bool, got {on!r}")
-    prev, MLA_FUSED_UV = MLA_FUSED_UV, on
-    return prev
-
-
-def uv_rows_per_block(n_streams: int, max_rows: int, n_heads: int, num_sms: int) -> int:
-    """Rows per block of mla_attn_combine_uv (grid H x 4 x streams x ceil(max_rows / rt)): the largest of
-    16, 8, 4, 2, 1 whose grid still gives every SM a block (the partials, 8-20 MB at the engine's decode
-    shapes, are the bytes: spread their reads over the machine), 1 if none does."""
-    for rt in (16, 8, 4, 2):
-        if UV_QUARTERS * n_heads * n_streams * -(-max_rows // rt) >= num_sms:
-            return rt
-    return 1
 
 
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
-                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None,
-                  w_uv=None, o_lat=None, uv_rows_override: Optional[int] = None):
-    """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV), or
-    with ``w_uv`` the per-head output projection o = bf16(o_lat) @ W_UV[h]^T (``out`` [total_rows, H, 128]).
+                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None):
+    """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
     pool         uint16 [num_pages, 64, 576]  this layer's latent pool
@@ -428,12 +373,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  (it must name the config's kernel and, when the plan splits, the combine).
     combine_unroll_override: 1 or 4 splits per combine warp in flight instead of combine_unroll's rule (tests,
                  benchmarks).
-    w_uv         uint16 [H, 128, 512] (GpuTarget's ``w_uv``): fold W_UV into the combine (module comment above
-                 uv_rows_per_block). ``out`` [total_rows, H, 128] may be a view with a contiguous last dimension
-                 (4-byte aligned strides); rows no stream owns are not written. The workspace must be built
-                 with fused_uv=True when the plan splits. ``o_lat``: uint16 [total_rows, H, 512] scratch for a
-                 one-split plan (allocated when None). uv_rows_override: rows per fused block (1..16; tests,
-                 benchmarks) instead of uv_rows_per_block's rule.
     """
     import cupy
     dims: dict = {}
@@ -454,20 +393,9 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     if not (isinstance(softmax_scale, (float, int, np.floating)) and math.isfinite(softmax_scale)
             and softmax_scale > 0):
         raise ValueError(f"softmax_scale: must be a positive finite number, got {softmax_scale!r}")
-    o_strides = None
-    if w_uv is None:
-        if o_lat is not None or uv_rows_override is not None:
-            raise ValueError("w_uv: o_lat / uv_rows_override given without w_uv")
-        if out is None:
-            out = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
-        check_array("out", out, np.uint16, ("T", "H", LATENT_DIM), dims, device=dev)
-    else:
-        check_array("w_uv", w_uv, np.uint16, ("H", UV_DIM, LATENT_DIM), dims, device=dev)
-        if out is None:
-            out = cupy.empty((T, H, UV_DIM), dtype=cupy.uint16)
-        o_strides = check_rows("out", out, np.uint16, ("T", "H", UV_DIM), dims, align=4)
-        if uv_rows_override is not None:
-            check_range("uv_rows_override", uv_rows_override, 1, UV_MAX_ROWS_PER_BLOCK)
+    if out is None:
+        out = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
+    check_array("out", out, np.uint16, ("T", "H", LATENT_DIM), dims, device=dev)
     num_sms, smem_limit = _device_attrs()
     plan_cfg, plan_splits = plan_mla(S, max_rows, H, max_kv_len)
     if config is None:
@@ -484,25 +412,13 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     check_range("num_splits", num_splits, 1, MAX_SPLITS)
     if num_splits > 1:
         if workspace is None:
-            workspace = MlaWorkspace(num_splits, T, H, fused_uv=w_uv is not None)
+            workspace = MlaWorkspace(num_splits, T, H)
         if workspace.num_splits < num_splits or workspace.total_packed != T * H:
             raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_packed} "
                              f"packed rows, launch needs {num_splits} x {T * H}")
-        if w_uv is not None and workspace.uv_part is None:
-            raise ValueError("workspace: built without fused_uv=True, the W_UV combine needs its buffers")
         part_o, part_lse = workspace.part_o, workspace.part_lse
     else:
         part_o = part_lse = None
-    o_final = out
-    if w_uv is not None:
-        # one split: the main kernel writes bf16 o_lat itself, into the scratch, and W_UV is its own launch
-        # afterwards. Split plans: the main kernel never writes its ``out`` argument; it gets the scratch too
-        # when there is one (never the [T, H, 128] o, which an o_lat-sized write would overrun)
-        if o_lat is None and num_splits == 1:
-            o_lat = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
-        if o_lat is not None:
-            check_array("o_lat", o_lat, np.uint16, (T, H, LATENT_DIM), device=dev)
-            out = o_lat
     fwd = get_kernel(spec or MLA_SPEC, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
     null = np.uintp(0)
@@ -514,25 +430,14 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
-        if num_splits > 1 and w_uv is not None:
-            rt = uv_rows_override or uv_rows_per_block(S, max_rows, H, num_sms)
-            groups = -(-max_rows // rt)
-            comb = get_kernel(spec or MLA_SPEC, "mla_attn_combine_uv")
-            comb((H, UV_QUARTERS, S * groups), (256,),
-                 (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits),
-                  np.int32(rt), np.int32(groups), w_uv, workspace.uv_part, workspace.uv_count, o_final,
-                  np.int64(o_strides[0]), np.int64(o_strides[1])))
-        elif num_splits > 1:
+        if num_splits > 1:
             u = combine_unroll_override or combine_unroll(max_rows * H * S, num_sms)
             if u not in (1, COMBINE_UNROLL):
                 raise ValueError(f"combine_unroll_override: expected 1 or {COMBINE_UNROLL}, got {u}")
             comb = get_kernel(spec or MLA_SPEC, f"mla_attn_combine<{u}>")
             comb((max_rows * H, S), (256,),
                  (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
-        elif w_uv is not None:
-            from .fused import mla_head_gemm
-            mla_head_gemm(o_lat, w_uv, o_final)
-    return o_final
+    return out
 
 
 def drafter_num_splits(n_streams: int, kv_heads: int, max_ctx_len: int, block_rows: int, num_sms: int) -> int:

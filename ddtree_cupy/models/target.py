@@ -10,8 +10,7 @@ Per layer (shapes for T rows, this rank's nh heads; docs/MODELS.md has the full 
     q      = c_q @ w_q_b^T                            [T, nh, 192]
     q_full = (q_nope @ W_UK) | rope(q_pe)             [T, nh, 576]  (ONE launch: fused.mla_head_gemm + rope)
     o_lat  = mla_attention(q_full, pool, ...)         [T, nh, 512]  (tree mask or causal, paged cache)
-    o      = o_lat @ W_UV^T                           [T, nh * 128] (fused.mla_head_gemm; DDT_MLA_FUSED_UV=1:
-             inside the attention's split-KV combine, no separate launch)
+    o      = o_lat @ W_UV^T                           [T, nh * 128] (fused.mla_head_gemm)
     attn   = all_reduce(o @ w_o^T)                    [T, H]
     normed = rms_norm(attn + h)                       fused: h += attn
     mlp    = all_reduce(dense SwiGLU | MoE(routed) + shared expert)   [T, H]
@@ -122,7 +121,7 @@ class GpuTarget:
         for t in range(1, GEMM_MAX_T + 1):          # project_vocab (drafter) may run up to 160 rows per chunk
             need = max(need, gemm_mod.choose_split(t, d["V"], H, 1, sm) * t * d["V"])
         self.gemm_ws = cupy.empty(max(need, 1), np.float32)
-        self._mla_ws: Dict[Tuple[int, int, int, int, bool], object] = {}
+        self._mla_ws: Dict[Tuple[int, int, int, int], object] = {}
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def _gemm_shapes(self):
@@ -150,8 +149,6 @@ class GpuTarget:
         for ws in self._mla_ws.values():
             if ws is not None:
                 n += int(ws.part_o.nbytes + ws.part_lse.nbytes)
-                if ws.uv_part is not None:
-                    n += int(ws.uv_part.nbytes + ws.uv_count.nbytes)
         return n
 
     # ---- GEMM with row chunking ---------------------------------------------------------------------
@@ -181,16 +178,16 @@ class GpuTarget:
         return self._gemm(x, self.w.lm_head, out, out_dtype=np.float32)
 
     # ---- blocks ---------------------------------------------------------------------------------------
-    def _mla_workspace(self, S: int, R: int, T: int, max_kv_len: int, fused_uv: bool = False):
+    def _mla_workspace(self, S: int, R: int, T: int, max_kv_len: int):
         from ..kernels.attention import MlaWorkspace, plan_mla
-        key = (S, R, T, max_kv_len, fused_uv)
+        key = (S, R, T, max_kv_len)
         if key not in self._mla_ws:
             import cupy
             if getattr(cupy.cuda.get_current_stream(), "is_capturing", lambda: False)():
                 raise ValueError("GpuTarget.forward: first call for this batch shape inside graph capture; run it "
                                  "once eagerly first (it allocates the attention split workspace)")
             _, splits = plan_mla(S, R, self.d["nh"], max_kv_len)
-            self._mla_ws[key] = MlaWorkspace(splits, T, self.d["nh"], fused_uv=fused_uv) if splits > 1 else None
+            self._mla_ws[key] = MlaWorkspace(splits, T, self.d["nh"]) if splits > 1 else None
         return self._mla_ws[key]
 
     def attention_block(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
@@ -227,7 +224,6 @@ class GpuTarget:
                 + self._mlp_stages(i, normed, mlp))
 
     def _attention_stages(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
-        from ..kernels import attention as attn_mod
         from ..kernels.attention import mla_attention
         from ..kernels.fused import mla_head_gemm, mla_qkv_a_post
         cfg, d, L = self.cfg, self.d, self.w.layers[i]
@@ -235,28 +231,12 @@ class GpuTarget:
         qkv, c_q, q, qf = self.qkv_a[:T], self.c_q[:T], self.q[:T], self.q_full[:T]
         q3 = q.reshape(T, nh, dn + ROPE)
         max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
-        # W_UV folded into the attention's combine (module switch, docs/ATTENTION.md "Session 5"): read when
-        # the stage list is built, so a captured graph keeps the variant it was captured with
-        fused_uv = attn_mod.MLA_FUSED_UV and d["dv"] == attn_mod.UV_DIM
-        ws = self._mla_workspace(batch.S, batch.R, T, max_kv, fused_uv)
-        o3 = self.o[:T].reshape(T, nh, d["dv"])
+        ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
 
         def o_proj():
             self._gemm(self.o[:T], L.w_o, out)
             if reduce:
                 self.comm.all_reduce(out)
-        if fused_uv:   # o = bf16(o_lat) @ W_UV^T inside the attention launch pair: no "w_uv" stage
-            attention = [("attention", lambda: mla_attention(
-                qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
-                softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
-                out=o3, workspace=ws, w_uv=L.w_uv, o_lat=self.o_lat[:T]))]
-        else:
-            attention = [
-                ("attention", lambda: mla_attention(
-                    qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
-                    softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
-                    out=self.o_lat[:T], workspace=ws)),
-                ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, o3))]
         return [
             ("qkv_a_gemm", lambda: self._gemm(x, L.w_qkv_a, qkv)),
             # c_q norm, c_kv norm, rope(k_pe) and the latent cache write: one launch
@@ -267,8 +247,13 @@ class GpuTarget:
             # q_full = q_nope @ W_UK per head | rope(q_pe): one launch
             ("w_uk_rope", lambda: mla_head_gemm(
                 q3[:, :, :dn], L.w_uk_t, qf[:, :, :LATENT], pe=q3[:, :, dn:], pe_out=qf[:, :, LATENT:],
-                positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude))
-        ] + attention + [("o_proj", o_proj)]
+                positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude)),
+            ("attention", lambda: mla_attention(
+                qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
+                softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
+                out=self.o_lat[:T], workspace=ws)),
+            ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, self.o[:T].reshape(T, nh, d["dv"]))),
+            ("o_proj", o_proj)]
 
     def _mlp_stages(self, i: int, x, out, reduce: bool = True):
         from ..kernels.layers import silu_mul
