@@ -363,9 +363,9 @@ BULK_DEFAULT = True
 BULK_MIN_T = 4
 BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
 # Above FUSED_MAX_PAIRS (session 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
-# register ring. OFF until the lead's H200 run (docs/MOE.md "Session 5": the rule that flips it). Environment
-# DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
-BULK_LARGE_DEFAULT = False
+# register ring. On since the H200 run (docs/MOE.md "Session 5: measured": -7 to -33% per MoE layer at I = 256,
+# T = 48..320, -1 to -4% at I = 2048). Environment DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
+BULK_LARGE_DEFAULT = True
 BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the lead's run shows a crossover)
 BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
 
