@@ -20,6 +20,7 @@ cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -405,10 +406,15 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
             1 if T <= 8 else 2)                                  # forced "decode" on a split-K shape
         if cfg.nt * 8 < T or N % cfg.rows():
             raise ValueError(f"decode config {cfg} cannot serve T={T}, N={N} (forced by set_decode_config)")
-        kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
+        smem = cfg.smem()
+        if DEC_SPREAD and (N // cfg.rows()) * cfg.cs * B <= _sm_count():
+            # measuring knob (DDT_GEMM_DEC_SPREAD=1): a grid of at most one block per SM asks for more than half
+            # an SM's shared memory, so two of its blocks can never share an SM
+            smem = max(smem, _smem_per_sm() // 2 + 1024)
+        kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=smem)
         kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,),
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
-              out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=cfg.smem())
+              out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=smem)
         return out
     if split_k is None and use_wide(T):
         cfg, split = _FORCED_WIDE[0] or choose_wide(T, N, K, B, _sm_count(), _smem_per_sm())
@@ -435,6 +441,9 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     if split > 1:
         _reduce(ws, split, T, N, B, out, os_, out_f32)
     return out
+
+
+DEC_SPREAD = os.environ.get("DDT_GEMM_DEC_SPREAD", "0") == "1"
 
 
 def _reduce(ws, split, T, N, B, out, os_, out_f32):
