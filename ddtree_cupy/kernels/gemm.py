@@ -12,8 +12,8 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
    forces one);
  * "wide": ``gemm_bf16_kernel_wide`` (T = 17..160: 2-D block tiles of 128 weight rows x 32-80 tokens,
    split-K across blocks through the same workspace + reduce; ``choose_wide`` picks config and split).
-   OFF by default (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1, ``set_variant("wide")``) until the H200 run
-   confirms it (docs/KERNELS.md "Session 5: wide-token kernel").
+   The default above 16 tokens since the session-5 H200 run (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1,
+   ``set_variant("wide")``; docs/KERNELS.md "Session 5: wide-token kernel").
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
 """
@@ -177,39 +177,53 @@ def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
     return WideConfig(wm, wn, warps_m, warps_n, min(4, SMEM_BUDGET // per))
 
 
-# 8 warps (4 x 2, 32-row warp tiles): BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB: T = 160
-# in two tiles) -- the rule's set (WIDE_RULE_CONFIGS). 4 warps (2 x 2, 64-row warp tiles: 0.375 / 0.35
-# ldmatrix per mma instead of 0.5, half the warps to hide latency): BT 64 and 80, for the wideconfigs sweep
-# until a run shows where they win. Every compiled config; the tests run each one. (BT 160 with 8 warps,
+# 8 warps (4 x 2, 32-row warp tiles): BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB); 4 warps
+# (2 x 2, 64-row warp tiles: 0.375 / 0.35 ldmatrix per mma instead of 0.5): BT 64 (the rule's pick above 80
+# tokens, measured best at T = 160) and 80 (sweep only). Every compiled config; the tests run each one. (BT 160 with 8 warps,
 # WN 10, was built and dropped: 80 accumulators per thread spill on sm_90 under the 128-register cap.)
-WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2))
-WIDE_CONFIGS = WIDE_RULE_CONFIGS + (_wide(4, 4, 2, 2), _wide(4, 5, 2, 2))
+WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _wide(4, 4, 2, 2))
+WIDE_CONFIGS = WIDE_RULE_CONFIGS + (_wide(4, 5, 2, 2),)
 WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
+WIDE_TILE_US = 1.1           # cost model (H200 fit): one k tile of one wave of resident blocks, us
+WIDE_REDUCE_LAUNCH_US = 2.0  # cost model: the split-K reduce launch, us
+WIDE_REDUCE_BPS = 3e12       # cost model: bytes/s of the partials' write + read
 WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
 
 
 def wide_config_for(T: int) -> WideConfig:
-    """The block shape for T tokens: the least padded token work (ceil(T / BT) BT), then the fewest token
-    tiles (each one re-reads the weight tile from L2): T <= 32 BT 32, 33..64 BT 64, 65..80 BT 80,
-    81..96 BT 32 (3 tiles), 97..128 BT 64, 129..160 BT 80 (2 tiles)."""
-    return min(WIDE_RULE_CONFIGS, key=lambda c: (math.ceil(T / c.bt()) * c.bt(), math.ceil(T / c.bt())))
+    """The block shape for T tokens, fitted to the session-5 H200 sweep (docs/KERNELS.md "Session 5: measured"):
+    one token tile of 32 / 64 / 80 (8 warps, 32-row warp tiles) up to T = 80, then 64-token tiles of the 4-warp
+    block (64-row warp tiles: fewer ldmatrix per mma), which won 5 of the 7 T = 160 shapes."""
+    if T <= 32:
+        return WIDE_RULE_CONFIGS[0]
+    if T <= 64:
+        return WIDE_RULE_CONFIGS[1]
+    if T <= 80:
+        return WIDE_RULE_CONFIGS[2]
+    return WIDE_RULE_CONFIGS[3]
 
 
 def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
                smem_per_sm: int = 228 * 1024) -> int:
-    """Split-K factor for a wide config: with B = token tiles x row blocks x batch base blocks, the split s
-    minimising ceil(B s / SMs) x (ceil(kt / s) + WIDE_FILL_TILES) -- the most blocks one SM runs times the
-    k tiles each streams plus its fill. Per SM, not per resident slot: a 128-row block's k tile keeps the
-    SM's shared-memory pipe busy (ldmatrix + cp.async bytes ~1.3-1.6x its mma time, docs/KERNELS.md
-    "Session 5"), so two co-resident blocks take about twice as long as one. Over s <= kt / WIDE_MIN_K_TILES
-    and s <= choose_split's factor (so the callers' workspaces, sized by choose_split in models/target.py
-    and models/drafter.py, always suffice; that also keeps the fp32 partials <= 25% of the weight bytes);
-    ties -> the smaller s. (smem_per_sm is kept for the signature's symmetry with choose_decode.)"""
+    """Split-K factor for a wide config: with B = token tiles x row blocks x batch base blocks and
+    slots = SMs x the blocks of this config that fit an SM's shared memory, the split s minimising
+    ceil(B s / slots) x (ceil(kt / s) + WIDE_FILL_TILES) x WIDE_TILE_US -- waves of resident blocks times the
+    k tiles each streams plus its fill -- plus, for s > 1, the reduce: its launch and the fp32 partials written
+    and read (2 s T N 4 bytes at WIDE_REDUCE_BPS); over s <= kt / WIDE_MIN_K_TILES, ties -> the smaller s.
+    Fitted to the session-5 H200 sweep (docs/KERNELS.md "Session 5: measured"): the fastest split of a shape
+    fills the 2 x 132 slots once (224-260 blocks) unless its partials are large (T = 160: s 1-2). The first
+    version counted one block per SM and split half as far (up to 40% slower). Workspaces are sized with
+    ``workspace_split``."""
     k_tiles = K // BK
     blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
-    cap = max(1, min(k_tiles // WIDE_MIN_K_TILES, choose_split(T, N, K, batch, sm_count)))
-    return min(range(1, cap + 1),
-               key=lambda s: (math.ceil(blocks * s / sm_count) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES), s))
+    slots = sm_count * max(1, smem_per_sm // (cfg.smem() + 1024))
+
+    def cost_us(s: int) -> float:
+        c = math.ceil(blocks * s / slots) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES) * WIDE_TILE_US
+        if s > 1:
+            c += WIDE_REDUCE_LAUNCH_US + 2 * s * batch * T * N * 4 / WIDE_REDUCE_BPS * 1e6
+        return c
+    return min(range(1, max(1, k_tiles // WIDE_MIN_K_TILES) + 1), key=lambda s: (cost_us(s), s))
 
 
 def choose_wide(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
@@ -220,6 +234,15 @@ def choose_wide(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
         return None
     cfg = wide_config_for(T)
     return cfg, wide_split(cfg, T, N, K, batch, sm_count, smem_per_sm)
+
+
+def workspace_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
+                    smem_per_sm: int = 228 * 1024) -> int:
+    """The largest split factor ``gemm_bf16`` may use for this shape with either kernel family (the workspace
+    needs batch x this x T x N floats when it is > 1): model code sizes its shared workspace with it."""
+    s = choose_split(T, N, K, batch, sm_count)
+    cw = choose_wide(T, N, K, batch, sm_count, smem_per_sm)
+    return max(s, cw[1]) if cw is not None else s
 
 
 _SPLITK_NAMES = tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
@@ -236,9 +259,9 @@ VARIANTS = ("auto", "splitk", "decode", "wide")
 _VARIANT = ["auto"]
 _FORCED_DEC = [None]
 _FORCED_WIDE = [None]
-# Whether "auto" sends T = 17..160 to the wide family. OFF until the lead's H200 run confirms it (decision
-# rule: docs/KERNELS.md "Session 5: wide-token kernel"); env DDT_GEMM_WIDE=0/1 overrides, set_wide(b) too.
-WIDE_DEFAULT = False
+# Whether "auto" sends T = 17..160 to the wide family: on since the session-5 H200 run (docs/KERNELS.md
+# "Session 5: measured"); env DDT_GEMM_WIDE=0/1 overrides, set_wide(b) too.
+WIDE_DEFAULT = True
 _WIDE = [None]
 
 

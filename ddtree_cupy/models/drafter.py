@@ -301,11 +301,11 @@ class GpuDrafter:
 
     def _gemm_workspace_elems(self) -> int:
         import cupy as cp
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        sms, smem = cp.cuda.Device().attributes["MultiProcessorCount"], gemm_k._smem_per_sm()
         need = 0
         for tmax, n, k, b in self._gemm_shapes():
             for t in range(1, tmax + 1):     # the split depends on the row count: take the worst one
-                split = gemm_k.choose_split(t, n, k, b, sms)
+                split = gemm_k.workspace_split(t, n, k, b, sms, smem)
                 if split > 1:
                     need = max(need, b * split * t * n)
         return need

@@ -112,14 +112,14 @@ class GpuTarget:
         else:
             self.moe_ws = None
         # Split-K partials of every GEMM this model issues (one stream: one buffer serves them all).
-        sm = gemm_mod._sm_count()
+        sm, smem = gemm_mod._sm_count(), gemm_mod._smem_per_sm()
         need = 0
         shapes = self._gemm_shapes()
         for t in range(1, min(Tm, GEMM_MAX_T) + 1):
             for B, N, K in shapes:
-                need = max(need, B * gemm_mod.choose_split(t, N, K, B, sm) * t * N)
+                need = max(need, B * gemm_mod.workspace_split(t, N, K, B, sm, smem) * t * N)
         for t in range(1, GEMM_MAX_T + 1):          # project_vocab (drafter) may run up to 160 rows per chunk
-            need = max(need, gemm_mod.choose_split(t, d["V"], H, 1, sm) * t * d["V"])
+            need = max(need, gemm_mod.workspace_split(t, d["V"], H, 1, sm, smem) * t * d["V"])
         self.gemm_ws = cupy.empty(max(need, 1), np.float32)
         self._mla_ws: Dict[Tuple[int, int, int, int], object] = {}
 
