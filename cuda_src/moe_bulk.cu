@@ -102,7 +102,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
-        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok) {
+        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok,
+        float* __restrict__ split_part, int* __restrict__ split_cnt, int split_max, int split_units_cap,
+        int split_cap) {
     constexpr int NCW = WM * WK;          // consumer warps
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS>;
@@ -113,6 +115,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     constexpr int RED_UNIT = NCW * 2 * 4 * 32;
     constexpr int RED = WK > 1 ? 2 * RED_UNIT : 1;
     __shared__ float red[RED];
+    __shared__ int split_last;                       // tail split: this block summed the unit's parts
     extern __shared__ __align__(128) unsigned char bulk_dyn[];
     uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
     uint64_t* empty = full + NST;
@@ -154,7 +157,41 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     }
     (void)npairs;
     const int n_units = n_chunks * n_mg;
-    const int nst_unit = (KS + SS - 1) / SS;
+    const int gs = gridDim.x;
+    // Tail split (gate/up only, split_max > 1; docs/MOE.md "Session 5: decode-size MoE"). A unit covers its tile
+    // pair's whole K, so the last round of units (n_units % grid of them) runs alone while the other blocks idle.
+    // Those r tail units are cut into P K-ranges ("parts", P <= split_max) that run as separate work items; each
+    // part stores its fp32 partial, the last arriving block of a unit (a counter per tail unit) sums the P
+    // partials in part order (deterministic whoever arrives last) and applies SiLU. P minimises the tail's
+    // length in unit-times, ceil(P r / grid) / P (ties: the fewest parts); P = 1 is the old schedule exactly.
+    // Every block derives the same plan from (n_units, grid, split_max), so the items agree across blocks.
+    int sp_n = 1, sp_r = 0;                          // parts per tail unit, tail units
+    if (MODE == 0 && split_max > 1) {
+        const int r = n_units % gs;
+        if (r > 0 && r <= split_units_cap) {
+            int bn = 1, bd = 1;
+            for (int p = 2; p <= split_max && p <= KS; ++p) {
+                const int c = (p * r + gs - 1) / gs;
+                if (c * bd < bn * p && p * r * 256 * WM <= split_cap) { bn = c; bd = p; }
+            }
+            if (bd > 1) { sp_n = bd; sp_r = r; }
+        }
+    }
+    const int n_whole = n_units - sp_r;              // items [0, n_whole) are whole units, as before
+    const int n_items = n_whole + sp_n * sp_r;       // then part p of tail unit j is item n_whole + p r + j
+    if (MODE == 0 && blockIdx.x == 0 && threadIdx.x == 0) { meta[2] = sp_n; meta[3] = sp_r; }   // tests, debug
+    auto item_unit = [&](int i) -> int {
+        if (i < n_whole) return i;
+        const int j = i - n_whole;
+        return n_whole + j % max(sp_r, 1);
+    };
+    // The k64-step range [kb, ke) of item i.
+    auto item_krange = [&](int i, int& kb, int& ke) {
+        if (i < n_whole) { kb = 0; ke = KS; return; }
+        const int p = (i - n_whole) / sp_r;
+        kb = p * KS / sp_n;
+        ke = (p + 1) * KS / sp_n;
+    };
     // The chunk of unit u (units run m-group major: u = mg * n_chunks + chunk).
     auto chunk_of = [&](int u) -> int4 {
         const int c = u - (u / n_chunks) * n_chunks;
@@ -179,10 +216,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             if constexpr (G == 0) return so.slot_pair[ch.y + j];
             else return __ldcg(slot_pair + ch.y + j);
         };
-        auto issue = [&](int u, int4 ch, int pr, int k0, int slot, bool weights, bool acts) {
+        auto issue = [&](int u, int4 ch, int pr, int k0, int ke, int slot, bool weights, bool acts) {
             const int mg = u / n_chunks;
             const int tile0 = mg * WM * 2;
-            const int ns = min(SS, KS - k0);
+            const int ns = min(SS, ke - k0);
             unsigned char* st = ring + (size_t)slot * St::BYTES;
             if (whole) {
                 // The stage is the unit's whole K: its tiles' weights, their scales and the chunk's h rows are
@@ -210,10 +247,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                          ns * 128, full + slot);
             }
         };
-        auto stage_bytes = [&](int u, int4 ch, int k0) {
+        auto stage_bytes = [&](int u, int4 ch, int k0, int ke) {
             const int mg = u / n_chunks;
             const int ntl = min(2 * WM, ntiles - mg * WM * 2);
-            const int ns = min(SS, KS - k0);
+            const int ns = min(SS, ke - k0);
             return (uint32_t)(ntl * ns * 576 + ch.z * ns * 128);
         };
         int pre = 0;                                 // stages whose weights went out before the PDL wait
@@ -221,9 +258,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             int u = blockIdx.x, k0 = 0;
             int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
             for (; pre < NST && u < n_units; ++pre) {
-                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0));
+                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0, KS));
                 __syncwarp();
-                issue(u, ch, 0, k0, pre, true, false);
+                issue(u, ch, 0, k0, KS, pre, true, false);
                 k0 += SS;
                 if (k0 >= KS) {
                     k0 = 0;
@@ -236,22 +273,25 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         // Lookahead: at the start of unit u the chunk of u + grid is already here (loaded one unit ago) and
         // this lane's pair of it is requested now; the chunk of u + 2 grid is requested now. A unit's copies
         // then wait on no routing load (G = 1: L2 round trips; G = 0: shared memory, the same order).
-        const int gs = gridDim.x;
-        int u = blockIdx.x;
-        int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
+        // (Items, not units: without a tail split item i is unit i.)
+        int i = blockIdx.x;
+        int4 ch = i < n_items ? chunk_of(item_unit(i)) : make_int4(0, 0, 0, 0);
         int pr = pair_of(ch);
-        int4 ch1 = u + gs < n_units ? chunk_of(u + gs) : ch;
+        int4 ch1 = i + gs < n_items ? chunk_of(item_unit(i + gs)) : ch;
         int it = 0;
-        for (; u < n_units; u += gs) {
-            const int pr1 = u + gs < n_units ? pair_of(ch1) : 0;
-            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : ch1;
-            for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
+        for (; i < n_items; i += gs) {
+            const int u = item_unit(i);
+            int kb, ke;
+            item_krange(i, kb, ke);
+            const int pr1 = i + gs < n_items ? pair_of(ch1) : 0;
+            const int4 ch2 = i + 2 * gs < n_items ? chunk_of(item_unit(i + 2 * gs)) : ch1;
+            for (int k0 = kb; k0 < ke; k0 += SS, ++it) {
                 const int slot = it % NST;
-                if (it < pre) { issue(u, ch, pr, k0, slot, false, true); continue; }
+                if (it < pre) { issue(u, ch, pr, k0, ke, slot, false, true); continue; }
                 if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
-                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0));
+                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0, ke));
                 __syncwarp();
-                issue(u, ch, pr, k0, slot, true, true);
+                issue(u, ch, pr, k0, ke, slot, true, true);
             }
             ch = ch1;
             ch1 = ch2;
@@ -269,19 +309,22 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     // G = 1 lookahead (as the producer's): the chunk one unit ahead is here, the one two ahead in flight; the
     // down epilogue's pairs (columns 2t, 2t + 1) of the next unit are requested at this unit's start and their
     // routing weights at the next unit's start, so the epilogue never waits on L2.
-    const int gs = gridDim.x;
     int4 gch = make_int4(0, 0, 0, 0), gch1 = gch;
     int gp0 = -1, gp1 = -1;
     if constexpr (G == 1) {
-        const int u0 = blockIdx.x;
-        if (u0 < n_units) gch = chunk_of(u0);
-        gch1 = u0 + gs < n_units ? chunk_of(u0 + gs) : gch;
+        const int i0 = blockIdx.x;
+        if (i0 < n_items) gch = chunk_of(item_unit(i0));
+        gch1 = i0 + gs < n_items ? chunk_of(item_unit(i0 + gs)) : gch;
         if (MODE == 1) {
             gp0 = 2 * t < gch.z ? __ldcg(slot_pair + gch.y + 2 * t) : -1;
             gp1 = 2 * t + 1 < gch.z ? __ldcg(slot_pair + gch.y + 2 * t + 1) : -1;
         }
     }
-    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+    for (int i = blockIdx.x; i < n_items; i += gs) {
+        const int u = item_unit(i);
+        int kb, ke;
+        item_krange(i, kb, ke);
+        const bool part = i >= n_whole;              // a tail unit's K-range (block-uniform)
         const int mg = u / n_chunks;
         int4 ch;
         float gw0 = 0.f, gw1 = 0.f;
@@ -290,11 +333,11 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             ch = so.chunks[u - mg * n_chunks];
         } else {
             ch = gch;
-            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : gch1;
+            const int4 ch2 = i + 2 * gs < n_items ? chunk_of(item_unit(i + 2 * gs)) : gch1;
             if (MODE == 1) {
                 gw0 = gp0 >= 0 ? __ldg(wts + gp0) : 0.f;
                 gw1 = gp1 >= 0 ? __ldg(wts + gp1) : 0.f;
-                if (u + gs < n_units) {
+                if (i + gs < n_items) {
                     gp0n = 2 * t < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t) : -1;
                     gp1n = 2 * t + 1 < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t + 1) : -1;
                 }
@@ -310,15 +353,16 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
-        for (int s = 0; s < nst_unit; ++s, ++it) {
+        const int nst_item = (ke - kb + SS - 1) / SS;
+        for (int s = 0; s < nst_item; ++s, ++it) {
             const int slot = it % NST;
             mbar_wait(full + slot, (it / NST) & 1);
             const unsigned char* st = ring + (size_t)slot * St::BYTES;
-            const int ns = min(SS, KS - s * SS);
+            const int ns = min(SS, ke - kb - s * SS);
             if (wactive) {
 #pragma unroll
-                for (int i = 0; i < SPW; ++i) {
-                    const int ks = kw * SPW + i;
+                for (int si = 0; si < SPW; ++si) {
+                    const int ks = kw * SPW + si;
                     if (ks < ns) {
                         // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
                         // whatever it holds never reaches a stored column.
@@ -375,6 +419,20 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                 y[row + 16] = wgt * v1;
             }
         };
+        const int sj = part ? i - n_whole : 0;       // tail item: part sp_p of tail unit stu
+        const int sp_p = part ? sj / sp_r : 0, stu = sj - sp_p * sp_r;
+        // Partial of tail unit tu, part p, this warp's tile pair, column q, this lane: float2 (gate, up) index.
+        auto part_idx = [&](int tu, int p, int q) -> size_t {
+            return ((size_t)(tu * sp_n + p) * WM + wm) * 128 + q * 32 + lane;
+        };
+        // A column's final values: stored (whole unit) or stashed as this part's partial (tail split).
+        auto emit = [&](int q, float v0, float v1) {
+            if (MODE == 0 && part) {
+                __stcg(reinterpret_cast<float2*>(split_part) + part_idx(stu, sp_p, q), make_float2(v0, v1));
+            } else {
+                store(q, v0, v1);
+            }
+        };
         if (WK > 1) {
             float* buf = red + (size_t)(unit_parity * RED_UNIT);
             float* mine = buf + (size_t)warp * 2 * 4 * 32 + lane;
@@ -394,14 +452,41 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                         v0 += p[0];
                         v1 += p[4 * 32];
                     }
-                    store(q, v0, v1);
+                    emit(q, v0, v1);
                 }
             }
             unit_parity ^= 1;
         } else if (wactive) {
 #pragma unroll
             for (int q = 0; q < 4; ++q)
-                if (2 * t + (q & 1) < ntok) store(q, acc[0][q], acc[1][q]);
+                if (2 * t + (q & 1) < ntok) emit(q, acc[0][q], acc[1][q]);
+        }
+        if (MODE == 0 && part) {
+            // Tail split: every part's partial is in L2 (fenced) before the block counts itself in; the last of
+            // the unit's sp_n blocks re-reads all partials (its own included) in part order and stores h.
+            __threadfence();
+            consumers_sync(NCW * 32);
+            if (warp == 0 && lane == 0) {
+                const int last = atomicAdd(split_cnt + stu, 1) == sp_n - 1;
+                if (last) split_cnt[stu] = 0;        // all parts arrived: zero for the next launch / replay
+                split_last = last;
+            }
+            consumers_sync(NCW * 32);
+            if (split_last) {
+                __threadfence();
+                if (wactive) {
+                    for (int q = WK > 1 ? kw : 0; q < 4; q += WK) {
+                        if (2 * t + (q & 1) >= ntok) continue;
+                        float2 v = __ldcg(reinterpret_cast<const float2*>(split_part) + part_idx(stu, 0, q));
+                        for (int p = 1; p < sp_n; ++p) {
+                            const float2 w = __ldcg(reinterpret_cast<const float2*>(split_part) + part_idx(stu, p, q));
+                            v.x += w.x;
+                            v.y += w.y;
+                        }
+                        store(q, v.x, v.y);
+                    }
+                }
+            }
         }
         if constexpr (G == 1) {
             gp0 = gp0n;

@@ -348,3 +348,65 @@ def test_bulk_tiles_env_override(monkeypatch):
     monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,x")
     with pytest.raises(ValueError, match="DDT_MOE_BULK_TILES"):
         moe._env_bulk_tiles()
+
+
+def _split_items(n_units, P, r, ks):
+    # moe_bulk.cu's item -> (unit, k-range) map: whole units first, then part p of tail unit j = item n_whole + p r + j
+    n_whole = n_units - r
+    items = [(u, 0, ks) for u in range(n_whole)]
+    for p in range(P if r else 0):
+        for j in range(r):
+            items.append((n_whole + j, p * ks // P, (p + 1) * ks // P))
+    return items
+
+
+def test_bulk_tail_split_plan_covers_every_unit_once_and_shortens_the_tail():
+    # Model of the gate/up schedule: block b runs items b, b + grid, ...; an item of a K-range [kb, ke) costs
+    # (ke - kb) / ks unit-times. The plan must (a) cover every unit's K exactly once, (b) never lengthen the
+    # busiest block, (c) pick the P that minimises it among 1..split_max (ties: fewest parts).
+    rng = np.random.default_rng(7)
+    cases = [(896, 264), (1696, 264), (3040, 264), (100, 264), (528, 264), (264, 264), (1, 188), (896, 188)]
+    cases += [(int(rng.integers(1, 4000)), int(rng.integers(16, 400))) for _ in range(60)]
+    ks = 112
+    for n_units, grid in cases:
+        def busiest(P, r):
+            load = np.zeros(grid)
+            for i, (_, kb, ke) in enumerate(_split_items(n_units, P, r, ks)):
+                load[i % grid] += (ke - kb) / ks
+            return load.max()
+        P, r = moe.split_plan(n_units, grid, 4, ks=ks)
+        assert (P == 1) == (r == 0) and r == (n_units % grid if P > 1 else 0)
+        cover = {}
+        for u, kb, ke in _split_items(n_units, P, r, ks):
+            cover.setdefault(u, []).append((kb, ke))
+        assert sorted(cover) == list(range(n_units))
+        for u, rngs in cover.items():
+            rngs.sort()
+            assert rngs[0][0] == 0 and rngs[-1][1] == ks and all(a[1] == b[0] for a, b in zip(rngs, rngs[1:])), u
+            assert all(kb < ke for kb, ke in rngs)
+        best = min(busiest(p, n_units % grid if p > 1 else 0) for p in range(1, 5))
+        assert busiest(P, r) <= busiest(1, 0) + 1e-9
+        assert abs(busiest(P, r) - best) < 1e-9, (n_units, grid, P, r)
+        assert moe.split_plan(n_units, grid, 1, ks=ks) == (1, 0)
+    # the workspace bounds: too many tail units or partials -> no split
+    assert moe.split_plan(896, 264, 4, units_cap=100) == (1, 0)
+    assert moe.split_plan(896, 264, 4, part_floats=2 * 104 * 256 - 1) == (1, 0)
+    assert moe.split_plan(896, 264, 4, part_floats=2 * 104 * 256) == (2, 104)
+    assert moe.split_plan(896, 264, 4, wm=2, part_floats=2 * 104 * 256) == (1, 0)
+    # K shorter than the parts: P <= ks
+    assert moe.split_plan(10, 264, 4, ks=2) == (2, 10)
+
+
+def test_bulk_split_switch(monkeypatch):
+    monkeypatch.setattr(moe, "BULK_SPLIT_ENV", None)
+    assert moe.bulk_split_for() == moe.BULK_SPLIT == 1      # default: the session-4 schedule until measured
+    assert moe.bulk_split_for(4) == 4 and moe.bulk_split_for(1) == 1
+    for bad in (0, 5, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="bulk_split"):
+            moe.bulk_split_for(bad)
+    monkeypatch.setattr(moe, "BULK_SPLIT_ENV", "3")
+    assert moe.bulk_split_for() == 3 and moe.bulk_split_for(2) == 2
+    for bad in ("x", "0", "9"):
+        monkeypatch.setattr(moe, "BULK_SPLIT_ENV", bad)
+        with pytest.raises(ValueError, match="DDT_MOE_BULK_SPLIT"):
+            moe.bulk_split_for()
