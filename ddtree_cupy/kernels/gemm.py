@@ -331,12 +331,13 @@ def use_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132, smem
     return choose_decode(T, N, K, batch, sm_count, smem_per_sm) is not None
 
 
-def use_wide(T: int) -> bool:
+def use_wide(T: int, batch: int = 1) -> bool:
     """Whether a call without an explicit split_k runs the wide family: T = 17..160 and either
-    ``set_variant("wide")`` or, under "auto", ``wide_enabled()``."""
+    ``set_variant("wide")`` or, under "auto", ``wide_enabled()`` and an unbatched weight (the batched per-head
+    kv_b shapes measured 4-40% slower on the wide kernel at T = 17-64: bench/results/gemm_s5_refit_h200.json)."""
     if T < WIDE_MIN_T or T > MAX_T:
         return False
-    return _VARIANT[0] == "wide" or (_VARIANT[0] == "auto" and wide_enabled())
+    return _VARIANT[0] == "wide" or (_VARIANT[0] == "auto" and wide_enabled() and batch == 1)
 
 
 _SM_COUNT = {}
@@ -431,15 +432,17 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
             raise ValueError(f"decode config {cfg} cannot serve T={T}, N={N} (forced by set_decode_config)")
         smem = cfg.smem()
         if DEC_SPREAD and (N // cfg.rows()) * cfg.cs * B <= _sm_count():
-            # measuring knob (DDT_GEMM_DEC_SPREAD=1): a grid of at most one block per SM asks for more than half
-            # an SM's shared memory, so two of its blocks can never share an SM
+            # a grid of at most one block per SM asks for more than half an SM's shared memory, so two of its
+            # blocks never share an SM: launched early under PDL while earlier kernels still hold some SMs, the
+            # block scheduler otherwise packs two of them onto the free ones (H200 step 1 x 8 / 1 x 16 -1%,
+            # docs/KERNELS.md "Session 5"; a no-op where one block fills an SM, as on sm_120)
             smem = max(smem, _smem_per_sm() // 2 + 1024)
         kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=smem)
         kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,),
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
               out, np.int32(T), np.int32(N), np.int32(K), np.int32(0)), shared_mem=smem)
         return out
-    if split_k is None and use_wide(T):
+    if split_k is None and use_wide(T, B):
         cfg, split = _FORCED_WIDE[0] or choose_wide(T, N, K, B, _sm_count(), _smem_per_sm())
         split = min(split, K // BK)
         tiles = math.ceil(T / cfg.bt())
@@ -466,7 +469,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     return out
 
 
-DEC_SPREAD = os.environ.get("DDT_GEMM_DEC_SPREAD", "0") == "1"
+DEC_SPREAD = os.environ.get("DDT_GEMM_DEC_SPREAD", "1") == "1"     # 0: the measuring baseline
 
 
 def _reduce(ws, split, T, N, B, out, os_, out_f32):
