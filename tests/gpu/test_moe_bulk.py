@@ -67,11 +67,11 @@ def test_bulk_publishes_the_sort(narrow):
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
-@pytest.mark.parametrize("T", [16, 40])
-def test_bulk_under_pdl_matches_plain(narrow, T):
+@pytest.mark.parametrize("T,split", [(16, 1), (40, 1), (16, 4), (40, 4)])
+def test_bulk_under_pdl_matches_plain(narrow, T, split):
     # ROUNDS x (mixing GEMM -> router -> bulk MoE): the router writes new ids / weights every round, and the
     # down kernel reads them before its PDL wait (T = 40: also moe_route's chunk list, written two kernels
-    # earlier, G = 1). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
+    # earlier, G = 1; split 4: the gate/up's tail parts meet through the split counters). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
     # launches (G = 1: moe_route's atomic slot order may differ between runs, each output's arithmetic not).
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch, router
@@ -95,7 +95,7 @@ def test_bulk_under_pdl_matches_plain(narrow, T):
         for r in range(R):
             gemm.gemm_bf16(xs[r], w_mix, xm, workspace=gws)
             router.route(xm, gate, bias, k, out_ids=ids, out_weights=wts, logits=logits)
-            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True)
+            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True, bulk_split=split)
 
     def fresh():     # poisoned outputs, finished before the non-blocking stream uses them
         out = cp.full((R, T, layer.H), 0xFFFF, cp.uint16)
@@ -345,3 +345,219 @@ def test_bulk_large_t_rule_switch(e384, monkeypatch):
     monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
     assert _run(e384, 40, 8, seed=5700) < TOL
     assert not any(n.startswith("moe_gemm_bulk") for n in names) and any(n.startswith("moe_gemm<") for n in names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: the gate/up tail split (bulk_split > 1; docs/MOE.md "Session 5: decode-size MoE")
+# ---------------------------------------------------------------------------------------------------------
+def _expected_split(layer, ws, T, k, split, bt=moe.BULK_GATEUP, g=0):
+    """The plan moe_bulk.cu must have derived: n_units from the published chunk count, the grid as _bulk_plan
+    computes it."""
+    n_mg = -(-(2 * layer.I // 32) // bt.wm)
+    pairs = T * k
+    chunks_max = min(pairs, min(pairs, layer.E) + pairs // 8)
+    grid = max(1, min(chunks_max * n_mg, moe._sm_count() * moe._blocks_per_sm(bt, g)))
+    n_units = int(ws.meta[0].get()) * n_mg
+    return moe.split_plan(n_units, grid, split, bt.wm, ks=layer.H // 64), grid, n_units
+
+
+def _split_call(layer, x, ids, wts, split, residual=None, ws=None, **kw):
+    """One call with poisoned out / y / h and split partials; (out, y bits, h bits, ws)."""
+    import cupy as cp
+    T, k = ids.shape
+    ws = ws or moe.MoEWorkspace(T, k, layer.w)
+    ws.y.fill(np.nan)
+    ws.h[:, :layer.I].fill(0xFFFF)          # (the padding columns must stay zero: see MoEWorkspace)
+    ws.split_part.fill(np.nan)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
+                    residual=None if residual is None else cp.asarray(residual), bulk=True, bulk_split=split, **kw)
+    return out.get(), ws.y.get().view(np.uint32), ws.h.get(), ws
+
+
+def _ids_on_experts(rng, T, k, experts):
+    """Routing on exactly the given experts: row t, column j = pool[(t k + j) % D] of a shuffled pool (distinct
+    in a row since k <= D, every expert used since T k >= D)."""
+    pool = rng.permutation(np.asarray(experts, dtype=np.int32))
+    D = len(pool)
+    assert T * k >= D >= k
+    return pool[(np.arange(T)[:, None] * k + np.arange(k)[None, :]) % D].astype(np.int32)
+
+
+@pytest.mark.parametrize("T,mode", [(4, "uniform"), (8, "uniform"), (16, "uniform"), (32, "uniform"),
+                                    (8, "one_expert"), (32, "one_expert")])
+def test_tail_split_matches_reference(narrow, T, mode):
+    # H = 7168 (112 k64 steps: parts of 56 / 37-38 / 28 steps, partial last stages): float64 reference, poisoned
+    # outputs; the kernel's plan == split_plan; the counters are back to zero; the units outside the tail are
+    # the unsplit kernel's bits (h), the tail's within tolerance of them
+    layer = narrow
+    rng = np.random.default_rng(6000 + T)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8, mode)
+    o1, y1, h1, ws1 = _split_call(layer, x, ids, wts, 1)
+    assert ws1.split_info() == (1, 0)
+    o4, y4, h4, ws = _split_call(layer, x, ids, wts, 4)
+    (P, r), grid, n_units = _expected_split(layer, ws, T, 8, 4)
+    assert ws.split_info() == (P, r)
+    assert not ws.split_cnt.get().any()
+    ref = layer.reference(x, ids, wts)
+    for o in (o1, o4):
+        got = bf16_bits_to_f32(o).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    # h[slot, tile pair 16 columns]: unit u = mg * n_chunks + chunk covers the chunk's slots x tile pair mg
+    chunks = ws.chunks.get()[:int(ws.meta[0].get())]
+    n_chunks = len(chunks)
+    for u in range(n_units):
+        mg, c = divmod(u, n_chunks)
+        _, first, ntok, _ = chunks[c]
+        a = h1[first:first + ntok, 16 * mg:16 * mg + 16]
+        b = h4[first:first + ntok, 16 * mg:16 * mg + 16]
+        assert np.all(b != 0xFFFF)
+        if u < n_units - r:
+            np.testing.assert_array_equal(b, a, err_msg=f"unit {u} outside the tail")
+        else:
+            fa, fb = (bf16_bits_to_f32(v).astype(np.float64) for v in (a, b))
+            assert np.linalg.norm(fb - fa) <= 1e-2 * np.linalg.norm(fa) + 1e-6, u
+
+
+def test_tail_split_runs_and_is_deterministic(narrow):
+    # routing on exactly D experts so that n_units % grid falls where a split pays on this device: the plan
+    # splits, two calls give the same bits (y, h, out) whoever finishes a unit last, the reference agrees
+    layer = narrow
+    T, k = 8, 8
+    n_mg = 2 * layer.I // 32
+    grid = min(64 * n_mg, moe._sm_count() * moe._blocks_per_sm(moe.BULK_GATEUP))
+    D = next(d for d in range(k, layer.E + 1) if moe.split_plan(d * n_mg, grid, 4, ks=layer.H // 64)[0] > 1)
+    rng = np.random.default_rng(6100)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids = _ids_on_experts(rng, T, k, rng.permutation(layer.E)[:D])
+    wts = rng.uniform(0.05, 0.5, size=(T, k)).astype(np.float32)
+    runs = [_split_call(layer, x, ids, wts, 4) for _ in range(3)]
+    ws = runs[0][3]
+    assert int(ws.meta[0].get()) == D
+    (P, r), _, _ = _expected_split(layer, ws, T, k, 4)
+    assert P > 1 and ws.split_info() == (P, r)
+    for o, y, h, _ in runs[1:]:
+        np.testing.assert_array_equal(y, runs[0][1])
+        np.testing.assert_array_equal(h, runs[0][2])
+        np.testing.assert_array_equal(o, runs[0][0])
+    ref = layer.reference(x, ids, wts)
+    got = bf16_bits_to_f32(runs[0][0]).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    # fewer parts allowed: P <= 2
+    o2, _, _, ws2 = _split_call(layer, x, ids, wts, 2)
+    assert ws2.split_info() == _expected_split(layer, ws2, T, k, 2)[0] and ws2.split_info()[0] <= 2
+    got = bf16_bits_to_f32(o2).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+@pytest.mark.parametrize("layer_name,T", [("tiny", 13), ("tiny256", 32), ("wide", 9)])
+def test_tail_split_small_k_and_wide(layer_name, T, request):
+    # H = 512 (8 k64 steps: one partial stage per part), I = 32 (one tile pair per unit), I = 2048 (H = 7168);
+    # residual and duplicate ids; every compiled gate/up block (2 x 4 / 1 x 4: other partial layouts)
+    layer = request.getfixturevalue(layer_name)
+    rng = np.random.default_rng(6200 + T)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8, "duplicates")
+    ref = layer.reference(x, ids, wts, res)
+    for gu in (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES:
+        o, _, _, ws = _split_call(layer, x, ids, wts, 4, residual=res, bulk_tiles=(gu, moe.BULK_DOWN))
+        assert ws.split_info() == _expected_split(layer, ws, T, 8, 4, bt=gu)[0], gu
+        assert not ws.split_cnt.get().any()
+        got = bf16_bits_to_f32(o).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL, gu
+
+
+def test_tail_split_bad_ids(narrow):
+    layer = narrow
+    rng = np.random.default_rng(6300)
+    T, k = 16, 8
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, k)
+    ids[1, 2] = layer.E
+    ids[7, 5] = -3
+    ids[3, :] = -1
+    o, _, _, ws = _split_call(layer, x, ids, wts, 4, residual=res)
+    assert ws.bad_ids() == 2 + k and not ws.split_cnt.get().any()
+    w_ref, ids_ref = wts.copy(), ids.copy()
+    for t, j in ((1, 2), (7, 5)):
+        w_ref[t, j], ids_ref[t, j] = 0.0, 0
+    w_ref[3, :] = 0.0
+    ids_ref[3, :] = np.arange(k)
+    ref = layer.reference(x, ids_ref, w_ref, res)
+    got = bf16_bits_to_f32(o).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    np.testing.assert_array_equal(o[3], res[3])
+
+
+def test_tail_split_graph_replay_and_large_t(narrow, e384):
+    # captured split call == eager bit for bit, replays leave the counters at zero, a replay after new routing
+    # (another unit count, so another plan) matches the reference; G = 1 (moe_route's list) splits too
+    import cupy as cp
+    layer = narrow
+    rng = np.random.default_rng(6400)
+    T, k = 16, 8
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
+    ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_split=4)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()
+    with stream:
+        stream.begin_capture()
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True, bulk_split=4)
+        graph = stream.end_capture()
+        for _ in range(2):
+            out.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(out.get(), eager.get())
+            assert not ws.split_cnt.get().any()
+    ids2, wts2 = _routing(rng, T, layer.E, k, "one_expert")
+    ids[...] = cp.asarray(ids2)
+    wts[...] = cp.asarray(wts2)
+    cp.cuda.Stream.null.synchronize()
+    with stream:
+        out.fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = layer.reference(x.get(), ids2, wts2)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    # G = 1: above 256 pairs (E = 384, H = 512) and fed by moe_route at T = 16
+    for lay, TT, kw in ((e384, 80, {}), (narrow, 16, dict(fuse_route=False))):
+        r2 = np.random.default_rng(6500 + TT)
+        xx = to_bf16_bits(r2.standard_normal((TT, lay.H)))
+        ii, ww = _routing(r2, TT, lay.E, k)
+        o, _, _, wsx = _split_call(lay, xx, ii, ww, 4, **kw)
+        bt = moe.BULK_GATEUP_LARGE if TT * k > moe.FUSED_MAX_PAIRS else moe.BULK_GATEUP
+        assert wsx.split_info() == _expected_split(lay, wsx, TT, k, 4, bt=bt, g=1)[0]
+        assert not wsx.split_cnt.get().any()
+        ref = lay.reference(xx, ii, ww)
+        got = bf16_bits_to_f32(o).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_tail_split_switch_and_errors(tiny256, monkeypatch):
+    import cupy as cp
+    layer = tiny256
+    T = 8
+    names = _kernel_names(monkeypatch)
+    rng = np.random.default_rng(6600)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8)
+    monkeypatch.setattr(moe, "BULK_SPLIT_ENV", "3")            # the env override reaches the kernel
+    o, _, _, ws = _split_call(layer, x, ids, wts, None)
+    assert ws.split_info() == _expected_split(layer, ws, T, 8, 3)[0]
+    assert moe._bulk_name(0, moe.BULK_GATEUP) in names
+    monkeypatch.setattr(moe, "BULK_SPLIT_ENV", None)
+    o, _, _, ws = _split_call(layer, x, ids, wts, None)         # the table: BULK_SPLIT
+    assert ws.split_info() == _expected_split(layer, ws, T, 8, moe.BULK_SPLIT)[0]
+    xs, i_, w_ = cp.asarray(x), cp.asarray(ids), cp.asarray(wts)
+    with pytest.raises(ValueError, match="bulk_split"):
+        moe.moe_forward(xs, i_, w_, layer.w, ws, bulk=True, bulk_split=5)
+    with pytest.raises(ValueError, match="bulk_split"):
+        moe.moe_forward(xs, i_, w_, layer.w, ws, bulk=False, bulk_split=2)
