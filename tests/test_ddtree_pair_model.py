@@ -233,3 +233,17 @@ def test_pair_model_follows_the_kernel():
                  "t_par[i] = (info >> 12) & 255;"):
         assert stmt in PAIR, stmt
     assert "nodes = cache_pairs(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);" in SRC
+
+
+def test_pair_variant_changes_only_the_builder():
+    """Variant 12 differs from 8 only in the cache loop: DDT_CACHE_PAIR is read nowhere before the sorted-cache
+    builder (so the GPU top-K tests need not run 12: its top-K and walk are 8's code), and every feature macro
+    that holds for 8 holds for 12 except the overlap (11 only)."""
+    uses = [m for m in range(len(SRC)) if SRC.startswith("DDT_CACHE_PAIR", m)]
+    builder = SRC.index("// Builder, sorted cache (variants 6, 7;")
+    define = SRC.index("#define DDT_CACHE_PAIR") + len("#define ")
+    assert len(uses) >= 3 and all(u == define or u > builder for u in uses), uses
+    for macro in ("DDT_SCAN (DDT_FAST >= 7)", "DDT_RANK_OUT (DDT_FAST >= 7)", "DDT_CACHE (DDT_FAST >= 7)",
+                  "DDT_MERGE_REGS (DDT_FAST >= 8)", "DDT_CACHE_LEAN (DDT_FAST >= 8)", "DDT_WALK_REGS (DDT_FAST >= 8)",
+                  "DDT_OVERLAP (DDT_FAST == 11)"):
+        assert "#define " + macro in SRC, macro
