@@ -72,6 +72,13 @@ __device__ __forceinline__ void consumers_sync(int nthreads) {
     asm volatile("bar.sync 1, %0;" :: "r"(nthreads) : "memory");
 }
 
+// OFS 1: one repacked word -> four bf16x2 A registers holding 128 + nibble exactly (dequant_word without its fma;
+// the -8 and -128 come back through the mma accumulator's start value).
+__device__ __forceinline__ void nibbles_biased(uint32_t w, uint32_t (&r)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r[j] = lop3_and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u);
+}
+
 // One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [8 tokens][X_PITCH]
 // activations (SS*128 B of k per token; the pitch is 64 B past a multiple of 128 so that the two token rows an
 // 8-lane phase of a 16-byte load touches fall in different bank halves).
@@ -96,7 +103,13 @@ using namespace mbulk;
 // G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
-template <int MODE, int WM, int WK, int SPW, int NST, int G>
+// OFS (session 5, docs/MOE.md "Session 5: decode-size MoE"): 0 = dequantise each A register with one lop3 + one
+// bf16x2 fma (q = nibble - 8, exact); 1 = the lop3 alone (A' = 128 + nibble, exact) and the -136 offset folded into
+// the mma's accumulator: per k64 step and token, off = sum_k (-136) x[k] over each 32-group by 4 mma with a constant
+// A, shared by all the warp's tiles, becomes the C operand of the tile's first mma of that group. Removes 16 of the
+// ~44 dequantisation instructions per tile and step for 4 mma per step; another fp32 rounding path (not bit-identical
+// to OFS 0; the cancellation costs ~5 of fp32's 24 bits: far below the bf16 output).
+template <int MODE, int WM, int WK, int SPW, int NST, int G, int OFS = 0>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -369,19 +382,35 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                         const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * x_pitch + ks * 128 + 16 * t;
                         const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
                         const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
+                        float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
+                        if constexpr (OFS == 1) {
+                            const uint32_t NEG[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};  // -136
+                            mma_bf16(o0, NEG, b0.x, b0.y);
+                            mma_bf16(o0, NEG, b0.z, b0.w);
+                            mma_bf16(o1, NEG, b1.x, b1.y);
+                            mma_bf16(o1, NEG, b1.z, b1.w);
+                        }
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt) {
                             const int r = 2 * wm + mt;
                             const uint4 a = reinterpret_cast<const uint4*>(st + (r * SS + ks) * 512)[lane];
                             const uint2 sc = reinterpret_cast<const uint2*>(st + St::W_BYTES + (r * SS + ks) * 64)[g];
                             uint32_t A[4][4];
-                            dequant_word(a.x, A[0]);
-                            dequant_word(a.y, A[1]);
-                            dequant_word(a.z, A[2]);
-                            dequant_word(a.w, A[3]);
+                            if constexpr (OFS == 1) {
+                                nibbles_biased(a.x, A[0]);
+                                nibbles_biased(a.y, A[1]);
+                                nibbles_biased(a.z, A[2]);
+                                nibbles_biased(a.w, A[3]);
+                            } else {
+                                dequant_word(a.x, A[0]);
+                                dequant_word(a.y, A[1]);
+                                dequant_word(a.z, A[2]);
+                                dequant_word(a.w, A[3]);
+                            }
                             const float s00 = bf_lo(sc.x), s08 = bf_hi(sc.x);
                             const float s10 = bf_lo(sc.y), s18 = bf_hi(sc.y);
-                            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+                            // OFS 1: the offsets are the accumulators' start (OFS 0: zeros, as before)
+                            float d0[4] = {o0[0], o0[1], o0[2], o0[3]}, d1[4] = {o1[0], o1[1], o1[2], o1[3]};
                             mma_bf16(d0, A[0], b0.x, b0.y);
                             mma_bf16(d0, A[1], b0.z, b0.w);
                             mma_bf16(d1, A[2], b1.x, b1.y);

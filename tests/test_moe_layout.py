@@ -410,3 +410,36 @@ def test_bulk_split_switch(monkeypatch):
         monkeypatch.setattr(moe, "BULK_SPLIT_ENV", bad)
         with pytest.raises(ValueError, match="DDT_MOE_BULK_SPLIT"):
             moe.bulk_split_for()
+
+
+def test_offset_dequantisation_identity_and_registry():
+    # OFS = 1: the lop3 alone gives bf16 0x4300 | nibble = 128 + nibble exactly, the constant A register 0xC308 is
+    # -136 exactly, so sum_k (128 + nib - 136) x_k == sum_k q_k x_k with q = nib - 8 (what OFS = 0 computes)
+    from ddtree_cupy.bf16 import bf16_bits_to_f32
+    nib = np.arange(16, dtype=np.uint16)
+    biased = bf16_bits_to_f32(np.uint16(0x4300) | nib).astype(np.float64)
+    assert np.array_equal(biased, 128.0 + nib)
+    assert float(bf16_bits_to_f32(np.array([0xC308], np.uint16))[0]) == -136.0
+    rng = np.random.default_rng(11)
+    q = rng.integers(0, 16, size=(16, 32))
+    x = rng.standard_normal((32, 8))
+    np.testing.assert_allclose((128.0 + q) @ x + (-136.0 * np.ones((16, 32))) @ x, (q - 8.0) @ x, rtol=0, atol=1e-9)
+    names = moe.SPEC_BULK.names
+    assert len(set(names)) == len(names)
+    for mode, bt, g in moe.BULK_OFS_BLOCKS:
+        assert moe._bulk_name(mode, bt, g, 1) in names and moe._bulk_name(mode, bt, g) in names
+        assert moe._bulk_name(mode, bt, g, 1) == moe._bulk_name(mode, bt, g)[:-1] + ", 1>"
+    assert moe._bulk_name(0, moe.BULK_GATEUP, 0, 0) == "moe_gemm_bulk<0, 1, 8, 2, 2, 0>"
+
+
+def test_bulk_ofs_switch(monkeypatch):
+    monkeypatch.setattr(moe, "BULK_OFS_ENV", None)
+    assert moe.bulk_ofs_for() is moe.BULK_OFS is False      # default: the session-4 dequantisation until measured
+    assert moe.bulk_ofs_for(True) is True and moe.bulk_ofs_for(False) is False
+    with pytest.raises(ValueError, match="bulk_ofs"):
+        moe.bulk_ofs_for(1)
+    monkeypatch.setattr(moe, "BULK_OFS_ENV", "1")
+    assert moe.bulk_ofs_for() is True and moe.bulk_ofs_for(False) is False
+    monkeypatch.setattr(moe, "BULK_OFS_ENV", "yes")
+    with pytest.raises(ValueError, match="DDT_MOE_BULK_OFS"):
+        moe.bulk_ofs_for()

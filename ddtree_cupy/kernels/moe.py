@@ -322,8 +322,33 @@ def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
     return gu, dn
 
 
-def _bulk_name(mode: int, bt: BulkTile, g: int = 0) -> str:
+def _bulk_name(mode: int, bt: BulkTile, g: int = 0, ofs: int = 0) -> str:
+    if ofs:
+        return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}, {int(ofs)}>"
     return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}>"
+
+
+# Offset dequantisation (template OFS = 1, session 5; docs/MOE.md "Session 5: decode-size MoE"): the A registers are
+# 128 + nibble (one lop3, no fma) and -136 x the activations' group sums start each tile's mma accumulator. Another
+# fp32 rounding path (float64-reference tolerance, deterministic). Compiled for the tables' blocks only
+# (BULK_OFS_BLOCKS: (mode, block, G)); BULK_OFS = False keeps the session-4 dequantisation until a device run
+# confirms; environment DDT_MOE_BULK_OFS=1/0 overrides, the call's ``bulk_ofs=`` overrides both.
+BULK_OFS = False
+BULK_OFS_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_OFS", "") or None
+BULK_OFS_BLOCKS = ((0, BULK_GATEUP, 0), (1, BULK_DOWN, 0), (0, BULK_GATEUP_LARGE, 1), (1, BULK_DOWN_LARGE, 1))
+
+
+def bulk_ofs_for(ofs: Optional[bool] = None) -> bool:
+    """Offset dequantisation wanted: ``ofs`` if given, else DDT_MOE_BULK_OFS, else BULK_OFS."""
+    if ofs is not None:
+        if not isinstance(ofs, (bool, np.bool_)):
+            raise ValueError(f"bulk_ofs: must be True, False or None, got {ofs!r}")
+        return bool(ofs)
+    if BULK_OFS_ENV is not None:
+        if BULK_OFS_ENV not in ("0", "1"):
+            raise ValueError(f"DDT_MOE_BULK_OFS: must be 0 or 1, got {BULK_OFS_ENV!r}")
+        return BULK_OFS_ENV == "1"
+    return BULK_OFS
 
 
 def _bulk_compiled(g: int):
@@ -344,6 +369,9 @@ def _all_bulk_names() -> Tuple[str, ...]:
             for t in allowed[key]:
                 if _bulk_name(mode, t, g) not in names:
                     names.append(_bulk_name(mode, t, g))
+    for mode, t, g in BULK_OFS_BLOCKS:
+        if _bulk_name(mode, t, g, 1) not in names:
+            names.append(_bulk_name(mode, t, g, 1))
     return tuple(names)
 
 
@@ -706,7 +734,8 @@ def _grid(units_max: int, tile: Tile) -> int:
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
                 fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None,
-                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, bulk_split: Optional[int] = None):
+                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, bulk_split: Optional[int] = None,
+                bulk_ofs: Optional[bool] = None):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -717,7 +746,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles, bulk_split):
+                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles, bulk_split, bulk_ofs):
         launch()
     return out
 
@@ -733,7 +762,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
                     pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
                     bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None,
-                    bulk_split: Optional[int] = None):
+                    bulk_split: Optional[int] = None, bulk_ofs: Optional[bool] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
@@ -743,7 +772,9 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     same slots); False: both register-ring; None: ``bulk_for`` when no register-ring option is given. The bulk
     kernels take none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks
     (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above); ``bulk_split``: parts per tail
-    unit of the bulk gate/up at most (1 = no split; None: ``bulk_split_for``, BULK_SPLIT / DDT_MOE_BULK_SPLIT).
+    unit of the bulk gate/up at most (1 = no split; None: ``bulk_split_for``, BULK_SPLIT / DDT_MOE_BULK_SPLIT);
+    ``bulk_ofs``: offset dequantisation in the bulk GEMMs whose block is compiled with it (True demands it of both;
+    None: ``bulk_ofs_for``, BULK_OFS / DDT_MOE_BULK_OFS, where compiled).
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
     kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
@@ -770,6 +801,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     check_array("out", out, np.uint16, (T, weights.hidden))
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     split = bulk_split_for(bulk_split)
+    ofs = bulk_ofs_for(bulk_ofs)
     ring_options = tiles is not None or l2_prefetch or fuse_route is False
     if bulk is None:
         bulk = False if ring_options else bulk_for(T, k)
@@ -786,9 +818,11 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         if l2_prefetch and not glob:
             raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
         return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch,
-                          split)
+                          split, ofs, strict_ofs=bulk_ofs is True)
     if bulk_split is not None and bulk_split != 1:
         raise ValueError("bulk_split: only the bulk-copy gate/up splits its tail (bulk=True)")
+    if bulk_ofs is True and bulk != "down":
+        raise ValueError("bulk_ofs: only the bulk-copy GEMMs have the offset dequantisation (bulk=True / 'down')")
     if bulk == "down":
         if fuse_route is False or l2_prefetch:
             raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
@@ -840,7 +874,8 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     if bulk == "down":
-        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
+        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, ofs=ofs,
+                               strict_ofs=bulk_ofs is True)[1])
     else:
         plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
@@ -870,10 +905,11 @@ def _blocks_per_sm(bt: BulkTile, g: int = 0) -> int:
 
 def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, glob: bool = False,
-               l2_prefetch: Optional[bool] = None, split: int = 1):
+               l2_prefetch: Optional[bool] = None, split: int = 1, ofs: bool = False, strict_ofs: bool = False):
     """[route,] gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan). ``glob``:
     the routing kernel runs first (chunks of <= 8 tokens) and both GEMMs read its arrays (G = 1); else both sort
-    in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS). ``split``: parts per tail unit of the gate/up at most."""
+    in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS). ``split``: parts per tail unit of the gate/up at most;
+    ``ofs``: the offset dequantisation where the block is compiled with it (``strict_ofs``: in both, or raise)."""
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     g = 1 if glob else 0
     large = T * k > FUSED_MAX_PAIRS
@@ -913,7 +949,11 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
             ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
             ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
         dyn = bt.smem_dyn(g)
-        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
+        o = int(ofs and (mode, bt, g) in BULK_OFS_BLOCKS)
+        if ofs and strict_ofs and not o:
+            raise ValueError(f"bulk_ofs: {bt} (mode {mode}, G = {g}) is not compiled with the offset dequantisation "
+                             f"({BULK_OFS_BLOCKS})")
+        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g, o), max_dynamic_smem=dyn)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
         args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common + split_args

@@ -67,11 +67,12 @@ def test_bulk_publishes_the_sort(narrow):
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
-@pytest.mark.parametrize("T,split", [(16, 1), (40, 1), (16, 4), (40, 4)])
-def test_bulk_under_pdl_matches_plain(narrow, T, split):
+@pytest.mark.parametrize("T,split,ofs", [(16, 1, False), (40, 1, False), (16, 4, True), (40, 4, True)])
+def test_bulk_under_pdl_matches_plain(narrow, T, split, ofs):
     # ROUNDS x (mixing GEMM -> router -> bulk MoE): the router writes new ids / weights every round, and the
     # down kernel reads them before its PDL wait (T = 40: also moe_route's chunk list, written two kernels
-    # earlier, G = 1; split 4: the gate/up's tail parts meet through the split counters). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
+    # earlier, G = 1; split 4 + ofs: the gate/up's tail parts meet through the split counters, offset
+    # dequantisation in both GEMMs). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
     # launches (G = 1: moe_route's atomic slot order may differ between runs, each output's arithmetic not).
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch, router
@@ -95,7 +96,7 @@ def test_bulk_under_pdl_matches_plain(narrow, T, split):
         for r in range(R):
             gemm.gemm_bf16(xs[r], w_mix, xm, workspace=gws)
             router.route(xm, gate, bias, k, out_ids=ids, out_weights=wts, logits=logits)
-            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True, bulk_split=split)
+            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True, bulk_split=split, bulk_ofs=ofs)
 
     def fresh():     # poisoned outputs, finished before the non-blocking stream uses them
         out = cp.full((R, T, layer.H), 0xFFFF, cp.uint16)
@@ -493,7 +494,7 @@ def test_tail_split_bad_ids(narrow):
 
 
 def test_tail_split_graph_replay_and_large_t(narrow, e384):
-    # captured split call == eager bit for bit, replays leave the counters at zero, a replay after new routing
+    # captured split (+ offset dequantisation) call == eager bit for bit, replays leave the counters at zero, a replay after new routing
     # (another unit count, so another plan) matches the reference; G = 1 (moe_route's list) splits too
     import cupy as cp
     layer = narrow
@@ -502,13 +503,13 @@ def test_tail_split_graph_replay_and_large_t(narrow, e384):
     ws = moe.MoEWorkspace(T, k, layer.w)
     x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
-    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_split=4)
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_split=4, bulk_ofs=True)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Stream.null.synchronize()
     with stream:
         stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True, bulk_split=4)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True, bulk_split=4, bulk_ofs=True)
         graph = stream.end_capture()
         for _ in range(2):
             out.fill(0xFFFF)
@@ -561,3 +562,76 @@ def test_tail_split_switch_and_errors(tiny256, monkeypatch):
         moe.moe_forward(xs, i_, w_, layer.w, ws, bulk=True, bulk_split=5)
     with pytest.raises(ValueError, match="bulk_split"):
         moe.moe_forward(xs, i_, w_, layer.w, ws, bulk=False, bulk_split=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: offset dequantisation (bulk_ofs=True, template OFS = 1)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer_name,T,mode,split", [
+    ("narrow", 4, "uniform", 1), ("narrow", 8, "uniform", 4), ("narrow", 16, "uniform", 1),
+    ("narrow", 32, "uniform", 4), ("narrow", 8, "one_expert", 1), ("narrow", 32, "one_expert", 4),
+    ("tiny", 13, "duplicates", 1), ("wide", 9, "uniform", 4)])
+def test_offset_dequant_matches_reference_and_the_fma_path(layer_name, T, mode, split, request):
+    # float64 reference (poisoned outputs), the fma dequantisation within fp32 rounding (y: a wrong index or a
+    # missing offset is O(1)), and two calls bit-identical
+    layer = request.getfixturevalue(layer_name)
+    rng = np.random.default_rng(6700 + T)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8, mode)
+    o0, y0, _, _ = _split_call(layer, x, ids, wts, split, bulk_ofs=False)
+    o1, y1, h1, ws = _split_call(layer, x, ids, wts, split, bulk_ofs=True)
+    o2, y2, h2, _ = _split_call(layer, x, ids, wts, split, bulk_ofs=True)
+    np.testing.assert_array_equal(y2, y1)
+    np.testing.assert_array_equal(h2, h1)
+    np.testing.assert_array_equal(o2, o1)
+    ref = layer.reference(x, ids, wts)
+    got = bf16_bits_to_f32(o1).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    n = len(ids.ravel())                           # y rows = pairs (all valid here)
+    a, b = (v[:n].view(np.float32).astype(np.float64) for v in (y0, y1))
+    assert np.all(np.isfinite(b))
+    assert np.linalg.norm(b - a) / np.linalg.norm(a) < 2e-3
+    assert not ws.split_cnt.get().any()
+
+
+@pytest.mark.parametrize("layer_name,T,kw", [("e384", 80, {}), ("narrow", 16, dict(fuse_route=False)),
+                                             ("narrow", 20, dict(bulk="down"))])
+def test_offset_dequant_large_t_and_down_only(layer_name, T, kw, request, monkeypatch):
+    # G = 1 blocks (moe_route's list) and the ring gate/up + bulk down mix; the OFS kernels are the ones that ran
+    import cupy as cp
+    layer = request.getfixturevalue(layer_name)
+    names = _kernel_names(monkeypatch)
+    kw = dict(kw)
+    bulk = kw.pop("bulk", True)
+    assert _run(layer, T, 8, seed=6800 + T, residual=True, bulk=bulk, bulk_ofs=True, **kw) < TOL
+    assert any(n.startswith("moe_gemm_bulk<1,") and n.endswith(", 1>") and n.count(",") == 6 for n in names), names
+    if bulk is True:
+        assert any(n.startswith("moe_gemm_bulk<0,") and n.count(",") == 6 for n in names), names
+    # errors: a block without the OFS build, the register ring
+    x = cp.asarray(to_bf16_bits(np.ones((T, layer.H))))
+    ids = cp.asarray(_routing(np.random.default_rng(1), T, layer.E, 8)[0])
+    wts = cp.ones((T, 8), cp.float32)
+    ws = moe.MoEWorkspace(T, 8, layer.w)
+    with pytest.raises(ValueError, match="bulk_ofs"):
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=False, bulk_ofs=True)
+    if T * 8 <= moe.FUSED_MAX_PAIRS:
+        with pytest.raises(ValueError, match="bulk_ofs"):
+            moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_ofs=True,
+                            bulk_tiles=(moe.BULK_GATEUP_CANDIDATES[0], moe.BULK_DOWN))
+
+
+def test_offset_dequant_env_switch(tiny256, monkeypatch):
+    # DDT_MOE_BULK_OFS=1 reaches the table's blocks; a candidate block without the OFS build falls back to the
+    # fma dequantisation under the rule (only an explicit bulk_ofs=True demands it)
+    names = _kernel_names(monkeypatch)
+    monkeypatch.setattr(moe, "BULK_OFS_ENV", "1")
+    assert _run(tiny256, 8, 8, seed=6900, bulk=True) < TOL
+    assert moe._bulk_name(0, moe.BULK_GATEUP, 0, 1) in names and moe._bulk_name(1, moe.BULK_DOWN, 0, 1) in names
+    names.clear()
+    assert _run(tiny256, 8, 8, seed=6900, bulk=True, bulk_tiles=(moe.BULK_GATEUP_CANDIDATES[0], moe.BULK_DOWN)) < TOL
+    assert moe._bulk_name(0, moe.BULK_GATEUP_CANDIDATES[0], 0) in names
+    assert moe._bulk_name(1, moe.BULK_DOWN, 0, 1) in names
+    names.clear()
+    monkeypatch.setattr(moe, "BULK_OFS_ENV", None)
+    assert _run(tiny256, 8, 8, seed=6900, bulk=True) < TOL
+    assert moe._bulk_name(0, moe.BULK_GATEUP, 0, moe.BULK_OFS) in names
