@@ -1546,6 +1546,8 @@ __device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, i
     h.lc = s_lp[min(1, D - 1) * K];
     CEnt c = h;   // lane j: entry j (lanes >= n hold stale copies of real entries: never placed or popped)
     int n = 1;
+    const int kx = lane / 3, ky = lane % 3 + (lane % 3 >= lane / 3 ? 1 : 0);   // the new-entry pair of lane k < 12
+    const bool kx1 = kx & 1, kx2 = kx & 2, ky1 = ky & 1, ky2 = ky & 2;
     while (true) {   // here n > 0 and nodes < budget
         const CEnt e1 = cent_shfl(c, 1);   // entry 1: a candidate for h1 (valid when n >= 2)
         // ---- pop h0 = h
@@ -1566,7 +1568,7 @@ __device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, i
         // ---- pop h1 = the best of {entry 1, s0, c0}
         const bool child_first0 = pops_before(c0.os, c0.tup, s0.os, s0.tup);
         const bool use_s0 = hs0 && (!hc0 || !child_first0);   // the better existing one of s0, c0
-        const bool e1_first = n >= 2 && (!hs0 || (ba & 2u)) && (!hc0 || (bb & 2u));
+        const bool e1_first = (n >= 2) & (!hs0 | ((ba >> 1) & 1)) & (!hc0 | ((bb >> 1) & 1));   // & not &&: no branch
         const CEnt g = cent_sel(e1_first, e1, cent_sel(use_s0, s0, c0));
         const int d1 = g.info & 15, r1 = (g.info >> 4) & 255, chain1 = (g.info >> 20) & 1;
         const bool hs1 = r1 + 1 < kf, hc1 = d1 < D;
@@ -1580,13 +1582,21 @@ __device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, i
         // ---- place the new entries: a = s0, b = c0, c = s1, d = c1 (those that exist and were not popped)
         const bool xa = hs0 && (e1_first || !use_s0), xb = hc0 && (e1_first || use_s0), xc = hs1, xd = hc1;
         const unsigned keep = e1_first ? ~2u : ~0u;   // entry 1 left the list as h1
-        const bool ab = !child_first0, cd = !pops_before(c1.os, c1.tup, s1.os, s1.tup);
-        const bool ac = pops_before(s0.os, s0.tup, s1.os, s1.tup), ad = pops_before(s0.os, s0.tup, c1.os, c1.tup);
-        const bool bcx = pops_before(c0.os, c0.tup, s1.os, s1.tup), bdx = pops_before(c0.os, c0.tup, c1.os, c1.tup);
-        const int pa = xa ? __popc(ba & keep) + (xb && !ab) + (xc && !ac) + (xd && !ad) : 64;
-        const int pb = xb ? __popc(bb & keep) + (xa && ab) + (xc && !bcx) + (xd && !bdx) : 64;
-        const int pc = xc ? __popc(bc & keep) + (xa && ac) + (xb && bcx) + (xd && !cd) : 64;
-        const int pd = xd ? __popc(bd & keep) + (xa && ad) + (xb && bdx) + (xc && cd) : 64;
+        // their order among themselves in one more ballot: lane k < 12 asks whether new entry ky exists and
+        // pops before new entry kx (kx = k / 3; ky = the (k % 3)-th of the other three; 0..3 = a, b, c, d),
+        // so bits 3 kx .. 3 kx + 2 count the new entries ahead of kx (selects by lane-constant indices
+        // instead of six warp-uniform comparisons and their gated sums)
+        const int ex = (xa ? 1 : 0) | (xb ? 2 : 0) | (xc ? 4 : 0) | (xd ? 8 : 0);
+        // by value (a reference select put the entries on the stack), as selects on lane-constant bits
+        const uint32_t xo = kx2 ? (kx1 ? c1.os : s1.os) : (kx1 ? c0.os : s0.os);
+        const u64 xt = kx2 ? (kx1 ? c1.tup : s1.tup) : (kx1 ? c0.tup : s0.tup);
+        const uint32_t yo = ky2 ? (ky1 ? c1.os : s1.os) : (ky1 ? c0.os : s0.os);
+        const u64 yt = ky2 ? (ky1 ? c1.tup : s1.tup) : (ky1 ? c0.tup : s0.tup);
+        const unsigned w = __ballot_sync(FULL_MASK, (lane < 12) & ((ex >> ky) & 1) & pops_before(yo, yt, xo, xt));   // & not &&: no branch
+        const int pa = xa ? __popc(ba & keep) + __popc(w & 0x7u) : 64;
+        const int pb = xb ? __popc(bb & keep) + __popc(w & 0x38u) : 64;
+        const int pc = xc ? __popc(bc & keep) + __popc(w & 0x1c0u) : 64;
+        const int pd = xd ? __popc(bd & keep) + __popc(w & 0xe00u) : 64;
         // new entry j: a new one at its position, else old entry j + (1 or 2 popped) - (new ones before j);
         // index 32 and beyond falls off (sources 32, 33 wrap to lanes 0, 1: unused then)
         const int src = lane + (e1_first ? 2 : 1) - (pa < lane) - (pb < lane) - (pc < lane) - (pd < lane);

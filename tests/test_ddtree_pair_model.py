@@ -4,8 +4,8 @@ lane by lane, against the numpy reference builder (ddtree_cupy/reference/ddtree.
 It mirrors the kernel's state: 32 lanes each holding one entry (ordered score, rank tuple, info word,
 parent score, next sibling's log-prob, first child's log-prob), the warp-uniform head h0, entry 1's
 broadcast, the choice of h1 among {entry 1, s0, c0} (entry 1 wins through bit 1 of the ballots of s0 and
-c0), the four ballots over lanes 1 .. n-1 with lane 1 masked out when it was popped, the pairwise order of
-the new entries, the one shuffle round (source lane modulo 32, as `__shfl_sync`), the next head as lane 0's
+c0), the four ballots over lanes 1 .. n-1 with lane 1 masked out when it was popped, the fifth ballot that
+orders the new entries among themselves (lane k < 12: entry k % 3-th other before entry k / 3), the one shuffle round (source lane modulo 32, as `__shfl_sync`), the next head as lane 0's
 entry, the info words stored per row and decoded after the loop. Stale lanes (>= n) keep whatever the
 shuffles left there, as on the GPU. The test asserts that every path runs: h1 = entry 1 / sibling / child,
 odd remainders (the round ends after h0), rounds ending with an empty frontier, drops off the end of the list,
@@ -72,7 +72,7 @@ def build_pair(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
             # pop h1 = the best of {entry 1, s0, c0}
             child_first0 = pops_before(c0, s0)
             use_s0 = hs0 and (not hc0 or not child_first0)
-            e1_first = n >= 2 and (not hs0 or bool(ba & 2)) and (not hc0 or bool(bb & 2))
+            e1_first = (n >= 2) & (not hs0 or bool((ba >> 1) & 1)) & (not hc0 or bool((bb >> 1) & 1))
             g = e1 if e1_first else (s0 if use_s0 else c0)
             # the choice is the true best of the three (the exactness argument, checked independently)
             cands = ([c[1]] if n >= 2 else []) + ([s0] if hs0 else []) + ([c0] if hc0 else [])
@@ -91,14 +91,25 @@ def build_pair(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
             # place the new entries
             xa, xb, xc, xd = hs0 and (e1_first or not use_s0), hc0 and (e1_first or use_s0), hs1, hc1
             keep = (~2 if e1_first else ~0) & 0xFFFFFFFF
-            ab, cd = not child_first0, not pops_before(c1, s1)
-            ac, ad = pops_before(s0, s1), pops_before(s0, c1)
-            bcx, bdx = pops_before(c0, s1), pops_before(c0, c1)
+            # the new entries' order among themselves: one ballot, lane k < 12 compares entry ky with entry kx
+            ex = int(xa) | int(xb) << 1 | int(xc) << 2 | int(xd) << 3
+            news = (s0, c0, s1, c1)
+
+            def pair_pred(lane):
+                kx, ky = lane // 3, lane % 3 + int(lane % 3 >= lane // 3)
+                kx1, kx2, ky1, ky2 = kx & 1, kx & 2, ky & 1, ky & 2
+                # the kernel's selects on lane-constant bits (lanes >= 12 select some entry: masked out)
+                xe = (c1 if kx1 else s1) if kx2 else (c0 if kx1 else s0)
+                ye = (c1 if ky1 else s1) if ky2 else (c0 if ky1 else s0)
+                if lane < 12:
+                    assert xe is news[kx] and ye is news[ky] and kx != ky
+                return (lane < 12) & bool((ex >> ky) & 1) & pops_before(ye, xe)
+            w = ballot(lambda lane: lane < width and pair_pred(lane))
             pc_ = lambda x: bin(x).count("1")
-            pa = pc_(ba & keep) + (xb and not ab) + (xc and not ac) + (xd and not ad) if xa else 64
-            pb = pc_(bb & keep) + (xa and ab) + (xc and not bcx) + (xd and not bdx) if xb else 64
-            pc = pc_(bc & keep) + (xa and ac) + (xb and bcx) + (xd and not cd) if xc else 64
-            pd = pc_(bd & keep) + (xa and ad) + (xb and bdx) + (xc and cd) if xd else 64
+            pa = pc_(ba & keep) + pc_(w & 0x7) if xa else 64
+            pb = pc_(bb & keep) + pc_(w & 0x38) if xb else 64
+            pc = pc_(bc & keep) + pc_(w & 0x1C0) if xc else 64
+            pd = pc_(bd & keep) + pc_(w & 0xE00) if xd else 64
             new = []
             for lane in range(width):
                 src = lane + (2 if e1_first else 1) - (pa < lane) - (pb < lane) - (pc < lane) - (pd < lane)
@@ -206,7 +217,7 @@ def test_pair_model_follows_the_kernel():
                  "if (n1 == 0 || nodes >= budget) break;",
                  "const bool child_first0 = pops_before(c0.os, c0.tup, s0.os, s0.tup);",
                  "const bool use_s0 = hs0 && (!hc0 || !child_first0);",
-                 "const bool e1_first = n >= 2 && (!hs0 || (ba & 2u)) && (!hc0 || (bb & 2u));",
+                 "const bool e1_first = (n >= 2) & (!hs0 | ((ba >> 1) & 1)) & (!hc0 | ((bb >> 1) & 1));",
                  "const CEnt g = cent_sel(e1_first, e1, cent_sel(use_s0, s0, c0));",
                  "const bool hs1 = r1 + 1 < kf, hc1 = d1 < D;",
                  "const int row1 = chain1 ? d1 : nodes + 1;",
@@ -215,13 +226,18 @@ def test_pair_model_follows_the_kernel():
                  "const unsigned bd = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, c1.os, c1.tup));",
                  "const bool xa = hs0 && (e1_first || !use_s0), xb = hc0 && (e1_first || use_s0), xc = hs1, xd = hc1;",
                  "const unsigned keep = e1_first ? ~2u : ~0u;",
-                 "const bool ab = !child_first0, cd = !pops_before(c1.os, c1.tup, s1.os, s1.tup);",
-                 "const bool ac = pops_before(s0.os, s0.tup, s1.os, s1.tup), ad = pops_before(s0.os, s0.tup, c1.os, c1.tup);",
-                 "const bool bcx = pops_before(c0.os, c0.tup, s1.os, s1.tup), bdx = pops_before(c0.os, c0.tup, c1.os, c1.tup);",
-                 "const int pa = xa ? __popc(ba & keep) + (xb && !ab) + (xc && !ac) + (xd && !ad) : 64;",
-                 "const int pb = xb ? __popc(bb & keep) + (xa && ab) + (xc && !bcx) + (xd && !bdx) : 64;",
-                 "const int pc = xc ? __popc(bc & keep) + (xa && ac) + (xb && bcx) + (xd && !cd) : 64;",
-                 "const int pd = xd ? __popc(bd & keep) + (xa && ad) + (xb && bdx) + (xc && cd) : 64;",
+                 "const int kx = lane / 3, ky = lane % 3 + (lane % 3 >= lane / 3 ? 1 : 0);",
+                 "const bool kx1 = kx & 1, kx2 = kx & 2, ky1 = ky & 1, ky2 = ky & 2;",
+                 "const int ex = (xa ? 1 : 0) | (xb ? 2 : 0) | (xc ? 4 : 0) | (xd ? 8 : 0);",
+                 "const uint32_t xo = kx2 ? (kx1 ? c1.os : s1.os) : (kx1 ? c0.os : s0.os);",
+                 "const u64 xt = kx2 ? (kx1 ? c1.tup : s1.tup) : (kx1 ? c0.tup : s0.tup);",
+                 "const uint32_t yo = ky2 ? (ky1 ? c1.os : s1.os) : (ky1 ? c0.os : s0.os);",
+                 "const u64 yt = ky2 ? (ky1 ? c1.tup : s1.tup) : (ky1 ? c0.tup : s0.tup);",
+                 "const unsigned w = __ballot_sync(FULL_MASK, (lane < 12) & ((ex >> ky) & 1) & pops_before(yo, yt, xo, xt));",
+                 "const int pa = xa ? __popc(ba & keep) + __popc(w & 0x7u) : 64;",
+                 "const int pb = xb ? __popc(bb & keep) + __popc(w & 0x38u) : 64;",
+                 "const int pc = xc ? __popc(bc & keep) + __popc(w & 0x1c0u) : 64;",
+                 "const int pd = xd ? __popc(bd & keep) + __popc(w & 0xe00u) : 64;",
                  "const int src = lane + (e1_first ? 2 : 1) - (pa < lane) - (pb < lane) - (pc < lane) - (pd < lane);",
                  "const CEnt moved = cent_shfl(c, src);",
                  "c = cent_sel(lane == pa, s0, cent_sel(lane == pb, c0, cent_sel(lane == pc, s1, cent_sel(lane == pd, c1, moved))));",
