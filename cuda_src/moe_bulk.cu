@@ -106,8 +106,9 @@ using namespace mbulk;
 // OFS (session 5, docs/MOE.md "Session 5: decode-size MoE"): 0 = dequantise each A register with one lop3 + one
 // bf16x2 fma (q = nibble - 8, exact); 1 = the lop3 alone (A' = 128 + nibble, exact) and the -136 offset folded into
 // the mma's accumulator: per k64 step and token, off = sum_k (-136) x[k] over each 32-group by 4 mma with a constant
-// A, shared by all the warp's tiles, becomes the C operand of the tile's first mma of that group. Removes 16 of the
-// ~44 dequantisation instructions per tile and step for 4 mma per step; another fp32 rounding path (not bit-identical
+// A, shared by all the warp's tiles, becomes the C operand of the tile's first mma of that group; and the two group
+// scales are applied by two chained fma per column (OFS 0: mul, fma, add). Removes 16 of the ~44 dequantisation and
+// 4 of the 12 scale instructions per tile and step for 4 mma per step; another fp32 rounding path (not bit-identical
 // to OFS 0; the cancellation costs ~5 of fp32's 24 bits: far below the bf16 output).
 template <int MODE, int WM, int WK, int SPW, int NST, int G, int OFS = 0>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
@@ -415,10 +416,18 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                             mma_bf16(d0, A[1], b0.z, b0.w);
                             mma_bf16(d1, A[2], b1.x, b1.y);
                             mma_bf16(d1, A[3], b1.z, b1.w);
-                            acc[mt][0] += s00 * d0[0] + s10 * d1[0];
-                            acc[mt][1] += s00 * d0[1] + s10 * d1[1];
-                            acc[mt][2] += s08 * d0[2] + s18 * d1[2];
-                            acc[mt][3] += s08 * d0[3] + s18 * d1[3];
+                            if constexpr (OFS == 1) {
+                                // two chained fma per column (2 instructions, 2 roundings) instead of mul, fma, add
+                                acc[mt][0] = fmaf(s10, d1[0], fmaf(s00, d0[0], acc[mt][0]));
+                                acc[mt][1] = fmaf(s10, d1[1], fmaf(s00, d0[1], acc[mt][1]));
+                                acc[mt][2] = fmaf(s18, d1[2], fmaf(s08, d0[2], acc[mt][2]));
+                                acc[mt][3] = fmaf(s18, d1[3], fmaf(s08, d0[3], acc[mt][3]));
+                            } else {
+                                acc[mt][0] += s00 * d0[0] + s10 * d1[0];
+                                acc[mt][1] += s00 * d0[1] + s10 * d1[1];
+                                acc[mt][2] += s08 * d0[2] + s18 * d1[2];
+                                acc[mt][3] += s08 * d0[3] + s18 * d1[3];
+                            }
                         }
                     }
                 }
