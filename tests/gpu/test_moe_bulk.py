@@ -9,7 +9,11 @@ Session 5: the same kernels fed by moe_route's global chunk list (template G = 1
 at any T): T = 33 .. 320 with E = 384 and small E, one expert holding every token, bad ids, I = 32 / 256 / 2048,
 bit-identity with the shared-memory sort (G = 0: only the slot order differs, every output column's arithmetic
 is the same), every compiled large-T block, graph replay, a workspace reused from a larger T, and the PDL chain
-(the down kernel reads moe_route's chunk list before its wait)."""
+(the down kernel reads moe_route's chunk list before its wait).
+
+Session 5 (decode sizes): the gate/up tail split (``bulk_split``: the last round's units as K-parts summed by the
+last arriving block; plan, counters, bits outside the tail, determinism, replay) and the offset dequantisation
+(``bulk_ofs``: OFS = 1 kernels against the reference and the fma path), both off by default."""
 from __future__ import annotations
 
 import numpy as np
