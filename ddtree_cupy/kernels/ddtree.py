@@ -112,6 +112,9 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # cross-kernel spin-wait; 8 stays the default (docs/DDTREE.md "Variant 11 measured"). DDT_TREE_VARIANT=11
 # selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
 # extra row_cnt argument).
+# 12 (session 5, not yet run on a GPU): set DEFAULT_VARIANT = 12 only under the rule in docs/DDTREE.md "Variant 12"
+# (all its GPU tests pass, "same: yes", build at 10 x 64 lower by >= 0.3 us, 1 x 8 / 10 x 8 not slower);
+# DDT_TREE_VARIANT=12 selects it meanwhile (same kernel signatures as 8).
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
