@@ -99,7 +99,7 @@ struct BulkMeta {
 
 using namespace mbulk;
 
-// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta (G = 0 only)].
+// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B; the tail split's flag at byte 120][NST stages][BulkMeta (G = 0 only)].
 // G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
@@ -129,10 +129,13 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     constexpr int RED_UNIT = NCW * 2 * 4 * 32;
     constexpr int RED = WK > 1 ? 2 * RED_UNIT : 1;
     __shared__ float red[RED];
-    __shared__ int split_last;                       // tail split: this block summed the unit's parts
     extern __shared__ __align__(128) unsigned char bulk_dyn[];
     uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
     uint64_t* empty = full + NST;
+    // Tail split: "this block summed the unit's parts", in the barriers' 128-byte header (a static variable would
+    // pad the static area past the dynamic one's 128-byte alignment: 128 B more per block).
+    static_assert(2 * NST * 8 <= 120, "mbarriers and split_last share the 128-byte header");
+    int& split_last = *reinterpret_cast<int*>(bulk_dyn + 120);
     unsigned char* ring = bulk_dyn + 128;
     // (G = 1 allocates no BulkMeta: the reference is formed, never used)
     BulkMeta& bm = *reinterpret_cast<BulkMeta*>(ring + (size_t)NST * St::BYTES);
