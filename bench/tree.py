@@ -228,6 +228,15 @@ def main(argv=None):
         if r["streams"] == 10 and r["budget"] == 64 and r["dtype"] == "bf16":
             print(f"target: 10 streams, budget 64, {r['variant']}: {r['was_total_us']:.1f} -> {r['total_us']:.1f} us "
                   f"(PDL {r['total_pdl_us']:.1f}; target <= 30 us)")
+    # the builder's cost per pop: the slope of its time between the smallest and the largest budget (the
+    # fixed part -- launch, loads, the rows and masks -- cancels; variant 12 pops two entries per round)
+    lo_b, hi_b = min(args.budgets), max(args.budgets)
+    for S in args.streams:
+        for v in variants:
+            a, b = by.get((S, lo_b, "bf16", VARIANTS[v])), by.get((S, hi_b, "bf16", VARIANTS[v]))
+            if a is not None and b is not None and hi_b > lo_b:
+                print(f"build per pop, {VARIANTS[v]}, {S} streams: ({b['build_us']:.2f} - {a['build_us']:.2f}) / "
+                      f"{hi_b - lo_b} = {(b['build_us'] - a['build_us']) / (hi_b - lo_b) * 1e3:.0f} ns")
     for (S, B, dt, v), r in by.items():   # every variant against the reference variant, same run and inputs
         d = by.get((S, B, dt, ref_name))
         if v != ref_name and d is not None:
