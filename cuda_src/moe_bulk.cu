@@ -99,7 +99,8 @@ struct BulkMeta {
 
 using namespace mbulk;
 
-// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B; the tail split's flag at byte 120][NST stages][BulkMeta (G = 0 only)].
+// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B; the tail split's flag at byte 120]
+// [NST stages][BulkMeta (G = 0 only)].
 // G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
