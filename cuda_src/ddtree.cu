@@ -1518,9 +1518,11 @@ __device__ __forceinline__ void cache_succ(const CEnt& e, const float* s_lp, int
     const int d = e.info & 15, r = (e.info >> 4) & 255, prow = (e.info >> 12) & 255, chain = (e.info >> 20) & 1;
     const float sc = ordered_to_f32(e.os);
     sib.os = ordered_sum(e.ps, e.ls);
-    sib.tup = e.tup + tuple_digit(d, 0);   // rank digit + 1
+    const u64 dig = tuple_digit(d, 0);
+    sib.tup = e.tup + dig;          // rank digit + 1
     ch.os = ordered_sum(sc, e.lc);
-    ch.tup = e.tup + (d < D ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);   // d < D <= 8 there
+    ch.tup = e.tup + (dig >> 8);    // the next depth's digit (wrong only for a child that does not exist,
+                                    // d = D: cache_pairs never places, pops or orders such an entry)
     sib.info = pack_info(d, r + 1, prow, 0);
     sib.ps = e.ps;
     sib.ls = s_lp[(d - 1) * K + min(r + 2, K - 1)];   // the sibling's own next sibling

@@ -30,7 +30,7 @@ def succ(e, s_lp, D, K, nc, row):
     sc = from_ordered(os_e)
     sib = (ordered_sum(ps, ls), (tup + digit(d, 0)) & U64, pack(d, r + 1, prow, 0), ps,
            s_lp[(d - 1) * K + min(r + 2, K - 1)], lc)
-    ch = (ordered_sum(sc, lc), (tup + (digit(min(d + 1, 8), 0) if d < D else 0)) & U64,
+    ch = (ordered_sum(sc, lc), (tup + (digit(d, 0) >> 8)) & U64,     # wrong only for a child that does not exist
           pack(d + 1, 0, row, int(bool(chain) and d + 1 <= nc)), sc,
           s_lp[min(d, D - 1) * K + min(1, K - 1)], s_lp[min(d + 1, D - 1) * K])
     return sib, ch
@@ -197,9 +197,10 @@ def test_pair_model_follows_the_kernel():
     for stmt in ("if (nodes >= budget) return nodes;",
                  "const CEnt e1 = cent_shfl(c, 1);",
                  "sib.os = ordered_sum(e.ps, e.ls);",
-                 "sib.tup = e.tup + tuple_digit(d, 0);",
+                 "const u64 dig = tuple_digit(d, 0);",
+                 "sib.tup = e.tup + dig;",
                  "ch.os = ordered_sum(sc, e.lc);",
-                 "ch.tup = e.tup + (d < D ? tuple_digit(min(d + 1, DDT_MAX_DEPTH), 0) : 0ull);",
+                 "ch.tup = e.tup + (dig >> 8);",
                  "sib.info = pack_info(d, r + 1, prow, 0);",
                  "sib.ls = s_lp[(d - 1) * K + min(r + 2, K - 1)];",
                  "sib.lc = e.lc;",
