@@ -184,8 +184,8 @@ def variant(request, monkeypatch):
 
 def _assert_kernel(variant, launched):
     v, names = variant, launched
-    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "splitk" for n in names
-            if n.startswith("gemm_bf16_kernel")}
+    used = {"decode" if n.startswith("gemm_bf16_kernel_decode") else "wide" if n.startswith("gemm_bf16_kernel_wide")
+            else "splitk" for n in names if n.startswith("gemm_bf16_kernel")}
     assert used == {v}, (v, names)
 
 
@@ -266,18 +266,25 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
         assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
 
 
-@pytest.mark.parametrize("T", [1, 16])
-def test_engine_pdl_chain_equals_plain(variant, T):
-    """q_a -> q_b (strided input) -> gate+up -> down (strided input) -> router (fp32), each GEMM reading the
-    one before, 3 rounds of new inputs: with PDL (eager and graph replay, intermediates poisoned between
-    replays) bit-identical to plain launches; the first stage against float64; every launch went through
-    the PDL path (sm_90+)."""
+@pytest.mark.parametrize("v,T", [("splitk", 1), ("splitk", 16), ("decode", 1), ("decode", 16), ("wide", 32),
+                                 ("wide", 160)])
+def test_engine_pdl_chain_equals_plain(monkeypatch, v, T):
+    """q_a -> q_b (strided input) -> gate+up -> down (strided input) -> router+shared (fp32), each GEMM reading
+    the one before, 3 rounds of new inputs, every GEMM on the forced family: with PDL (eager and graph replay,
+    intermediates poisoned between replays) bit-identical to plain launches; the first stage against float64;
+    every launch went through the PDL path (sm_90+)."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch
-    v, launched = variant
+    launched = []
+    real_get = gemm.get_kernel
+
+    def recording(spec, name, **kw):
+        launched.append(name)
+        return real_get(spec, name, **kw)
+    monkeypatch.setattr(gemm, "get_kernel", recording)
     rng = np.random.default_rng(77 + T)
     ws = {k: _weight(*s, 1) for k, s in dict(qa=(2112, 7168), qb=(7168, 1536), gu=(4608, 7168),
-                                             dn=(7168, 2304), rt=(384, 7168)).items()}
+                                             dn=(7168, 2304), rt=(896, 7168)).items()}
     xs = [rand_bf16(rng, (T, 7168)) for _ in range(3)]
     x_dev = cp.asarray(np.stack([b for b, _ in xs]))
     mid = dict(qa=cp.empty((T, 2112), np.uint16), qb=cp.empty((T, 7168), np.uint16),
@@ -298,9 +305,10 @@ def test_engine_pdl_chain_equals_plain(variant, T):
         n_pdl[0] += 1
         return real(*a, **k)
     launch.launch_pdl = counting
+    old = gemm.set_variant(v)
     s = cp.cuda.Stream(non_blocking=True)
     try:
-        ref = cp.full((3, T, 384), np.nan, np.float32)
+        ref = cp.full((3, T, 896), np.nan, np.float32)
         cp.cuda.Device().synchronize()      # the fills above ran on the default stream
         launch.set_pdl(False)
         with s:
@@ -311,7 +319,7 @@ def test_engine_pdl_chain_equals_plain(variant, T):
         assert np.all(np.isfinite(ref.get()))
         launch.set_pdl(True)
         with s:
-            got = cp.full((3, T, 384), np.nan, np.float32)
+            got = cp.full((3, T, 896), np.nan, np.float32)
             chain(got)
         s.synchronize()
         assert cp.array_equal(got, ref)
@@ -330,6 +338,7 @@ def test_engine_pdl_chain_equals_plain(variant, T):
     finally:
         launch.set_pdl(False)
         launch.launch_pdl = real
+        gemm.set_variant(old)
     _assert_kernel(v, launched)
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus split-K reduces)

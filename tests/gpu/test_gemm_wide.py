@@ -190,74 +190,7 @@ def test_graph_replay_equals_eager(launched, T, N, K, f32):
     assert all(n.startswith(("gemm_bf16_kernel_wide", "gemm_splitk_reduce")) for n in launched), launched
 
 
-@pytest.mark.parametrize("T", [32, 160])
-def test_pdl_chain_equals_plain(launched, T):
-    """q_a -> q_b (strided input) -> gate+up -> down (strided input) -> router+shared (fp32), each GEMM
-    reading the one before, 3 rounds of new inputs, all on the wide family: with PDL (eager and graph
-    replay, intermediates poisoned between replays) bit-identical to plain launches; the first stage against
-    float64; every GEMM launch went through the PDL path (sm_90+)."""
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm, launch
-    rng = np.random.default_rng(91 + T)
-    ws = {k: _weight(*s, 1) for k, s in dict(qa=(2112, 7168), qb=(7168, 1536), gu=(4608, 7168),
-                                             dn=(7168, 2304), rt=(896, 7168)).items()}
-    xs = [rand_bf16(rng, (T, 7168)) for _ in range(3)]
-    x_dev = cp.asarray(np.stack([b for b, _ in xs]))
-    mid = dict(qa=cp.empty((T, 2112), np.uint16), qb=cp.empty((T, 7168), np.uint16),
-               gu=cp.empty((T, 4608), np.uint16), dn=cp.empty((T, 7168), np.uint16))
-
-    def chain(lg):
-        for r in range(3):
-            gemm.gemm_bf16(x_dev[r], ws["qa"][0][0], mid["qa"])
-            gemm.gemm_bf16(mid["qa"][:, :1536], ws["qb"][0][0], mid["qb"])
-            gemm.gemm_bf16(mid["qb"], ws["gu"][0][0], mid["gu"])
-            gemm.gemm_bf16(mid["gu"][:, :2304], ws["dn"][0][0], mid["dn"])
-            gemm.gemm_bf16(mid["dn"], ws["rt"][0][0], lg[r], out_dtype=np.float32)
-
-    n_pdl = [0]
-    real = launch.launch_pdl
-
-    def counting(*a, **k):
-        n_pdl[0] += 1
-        return real(*a, **k)
-    launch.launch_pdl = counting
-    old = gemm.set_variant("wide")
-    s = cp.cuda.Stream(non_blocking=True)
-    try:
-        ref = cp.full((3, T, 896), np.nan, np.float32)
-        cp.cuda.Device().synchronize()      # the fills above ran on the default stream
-        launch.set_pdl(False)
-        with s:
-            chain(ref)
-        s.synchronize()
-        assert rel_err(f64(mid["qa"]), xs[2][1] @ ws["qa"][1][0].T) < BF16_TOL    # round 2's q_a output
-        assert np.all(np.isfinite(ref.get()))
-        launch.set_pdl(True)
-        with s:
-            got = cp.full((3, T, 896), np.nan, np.float32)
-            chain(got)
-        s.synchronize()
-        assert cp.array_equal(got, ref)
-        with s:
-            s.begin_capture()
-            chain(got)
-            g = s.end_capture()
-        for _ in range(2):
-            with s:
-                got.fill(np.nan)
-                for m in mid.values():
-                    m.fill(0xFFFF)      # a consumer reading before its producer finished would see NaN
-                g.launch(s)
-            s.synchronize()
-            assert cp.array_equal(got, ref)
-    finally:
-        launch.set_pdl(False)
-        launch.launch_pdl = real
-        gemm.set_variant(old)
-    gemms = [n for n in launched if n.startswith("gemm_bf16_kernel")]
-    assert gemms and all(n.startswith("gemm_bf16_kernel_wide") for n in gemms), launched
-    if int(cp.cuda.Device().compute_capability) >= 90:
-        assert n_pdl[0] >= 2 * 15, n_pdl      # eager + capture, 15 GEMM launches each (plus reduces)
+# The PDL chain of engine shapes on the wide family: tests/gpu/test_gemm.py::test_engine_pdl_chain_equals_plain.
 
 
 @pytest.mark.parametrize("env,forced", [("0", None), ("1", None), ("0", True), ("1", False)])
