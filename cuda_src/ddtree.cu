@@ -1512,6 +1512,14 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
 // reference's entries while pops remain: each pop's true best has rank <= budget, so it is in the list.
 // The round pops h1 only if h0 left a node to emit (nodes < budget) and a frontier entry (odd remainders
 // end after h0). Chain pops count towards the pops (<= budget in all: nc chain pops, budget - nc others).
+// A lane-dependent `valid && cmp` in a ballot: sm_120 (NVRTC 12.9 / nvcc 13) compiles && into a divergent
+// branch (BSSY/BSYNC, 11 SASS instructions more per round), sm_90 into predicated compares that beat the
+// branch-free & by 14; same predicate either way.
+#if __CUDA_ARCH__ >= 1000
+#define DDT_LANE_AND(a, b) ((a) & (b))
+#else
+#define DDT_LANE_AND(a, b) ((a) && (b))
+#endif
 // The successors of an entry `e` (both scores, rank tuples, info words and the log-probs they carry).
 __device__ __forceinline__ void cache_succ(const CEnt& e, const float* s_lp, int D, int K, int nc, int row,
                                           CEnt& sib, CEnt& ch) {
@@ -1564,8 +1572,8 @@ __device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, i
         const int n1 = n - 1 + (hs0 ? 1 : 0) + (hc0 ? 1 : 0);   // list entries once h0 is gone
         // s0's and c0's ranks among entries 1 .. n-1 (bit 1 = entry 1 before them: it picks h1 below)
         const bool valid = lane >= 1 && lane < n;
-        const unsigned ba = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, s0.os, s0.tup));
-        const unsigned bb = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, c0.os, c0.tup));
+        const unsigned ba = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, s0.os, s0.tup)));
+        const unsigned bb = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, c0.os, c0.tup)));
         if (n1 == 0 || nodes >= budget) break;   // odd remainder or an empty frontier: the round ends at h0
         // ---- pop h1 = the best of {entry 1, s0, c0}
         const bool child_first0 = pops_before(c0.os, c0.tup, s0.os, s0.tup);
@@ -1579,8 +1587,8 @@ __device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, i
         cache_succ(g, s_lp, D, K, nc, row1, s1, c1);
         t_info[lane == 0 && !chain1 ? row1 : DDT_MAX_TREE_ROWS + lane] = g.info;
         nodes += chain1 ? 0 : 1;
-        const unsigned bc = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, s1.os, s1.tup));
-        const unsigned bd = __ballot_sync(FULL_MASK, valid && pops_before(c.os, c.tup, c1.os, c1.tup));
+        const unsigned bc = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, s1.os, s1.tup)));
+        const unsigned bd = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, c1.os, c1.tup)));
         // ---- place the new entries: a = s0, b = c0, c = s1, d = c1 (those that exist and were not popped)
         const bool xa = hs0 && (e1_first || !use_s0), xb = hc0 && (e1_first || use_s0), xc = hs1, xd = hc1;
         const unsigned keep = e1_first ? ~2u : ~0u;   // entry 1 left the list as h1
