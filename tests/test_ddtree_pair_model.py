@@ -5,8 +5,9 @@ It mirrors the kernel's state: 32 lanes each holding one entry (ordered score, r
 parent score, next sibling's log-prob, first child's log-prob), the warp-uniform head h0, entry 1's
 broadcast, the choice of h1 among {entry 1, s0, c0} (entry 1 wins through bit 1 of the ballots of s0 and
 c0), the four ballots over lanes 1 .. n-1 with lane 1 masked out when it was popped, the fifth ballot that
-orders the new entries among themselves (lane k < 12: entry k % 3-th other before entry k / 3), the one shuffle round (source lane modulo 32, as `__shfl_sync`), the next head as lane 0's
-entry, the info words stored per row and decoded after the loop. Stale lanes (>= n) keep whatever the
+orders the new entries among themselves (lane k < 12: is the (k % 3)-th other new entry before new entry
+k / 3), the one shuffle round (source lane modulo 32, as `__shfl_sync`), the next head as lane 0's entry,
+the info words stored per row and decoded after the loop. Stale lanes (>= n) keep whatever the
 shuffles left there, as on the GPU. The test asserts that every path runs: h1 = entry 1 / sibling / child,
 odd remainders (the round ends after h0), rounds ending with an empty frontier, drops off the end of the list,
 ties decided by the rank tuple, chain pops.
@@ -166,8 +167,8 @@ def test_pair_model_equals_reference(kind):
         chain = bool(rng.integers(0, 2))
         _check(lp, ids, budget, cap, chain, stats, f"trial {trial}: D {D} K {K} budget {budget} cap {cap} chain {chain}")
     for key in ("h1_e1", "h1_sib", "h1_child", "end_h0_empty", "end_h0_budget", "end_round", "chain", "four_new"):
-        # all-zero (or subnormal: read as zero) log-probs: every score ties and a proper prefix pops first, so when h0 has a child, h1 is
-        # that child: h1 = entry 1 with four new entries cannot happen
+        # all-zero (or subnormal: read as zero) log-probs: every score ties and a proper prefix pops first,
+        # so when h0 has a child, h1 is that child: h1 = entry 1 with four new entries cannot happen
         assert stats[key] > 0 or (kind in ("zero", "subnormal") and key == "four_new"), (key, stats)
     if kind != "normal":
         assert stats["tie"] > 0, stats
