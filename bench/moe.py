@@ -6,9 +6,6 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
     PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
-    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:4,8,16,32;2048:8' --variants 'bulk,bulk_split*,bulk_ofs*,ring'
-        # session 5: the gate/up tail split ("bulk_split4/2"), the offset dequantisation ("bulk_ofs") and both
-        # ("bulk_ofs_split4") against the table ("bulk" = "now" there)
         # session 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
 
@@ -265,11 +262,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
                 variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
-                # session 5: the gate/up's tail units cut into <= 4 / 2 K-parts (bulk_split; the table: 1)
-                variants["bulk_split4"] = dict(bulk=True, bulk_split=4)
-                variants["bulk_split2"] = dict(bulk=True, bulk_split=2)
-                variants["bulk_ofs"] = dict(bulk=True, bulk_ofs=True)       # offset dequantisation (OFS = 1)
-                variants["bulk_ofs_split4"] = dict(bulk=True, bulk_ofs=True, bulk_split=4)
             else:
                 # session 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
                 # ("now" is the ring unless DDT_MOE_BULK_LARGE=1); the route's L2 prefetch flipped from its rule
@@ -277,9 +269,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 variants["ring"] = dict(bulk=False)
                 variants["bulkL"] = dict(bulk=True)
                 variants["bulkL_pf" if T < 64 else "bulkL_nopf"] = dict(bulk=True, l2_prefetch=T < 64)
-                variants["bulkL_split4"] = dict(bulk=True, bulk_split=4)
-                variants["bulkL_ofs"] = dict(bulk=True, bulk_ofs=True)
-                variants["bulkL_ofs_split4"] = dict(bulk=True, bulk_ofs=True, bulk_split=4)
                 for i, t in enumerate(moe.BULK_GATEUP_LARGE_CANDIDATES):
                     variants[f"bulkL_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN_LARGE))
                 for i, t in enumerate(moe.BULK_DOWN_LARGE_CANDIDATES):
@@ -293,7 +282,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL", "bulk_split4", "bulk_ofs") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -309,14 +298,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
                              stages_bulk_us_cumulative=stage_sets.get("bulk"),
-                             stages_bulkL_us_cumulative=stage_sets.get("bulkL"),
-                             stages_bulk_split4_us_cumulative=stage_sets.get("bulk_split4"),
-                             stages_bulk_ofs_us_cumulative=stage_sets.get("bulk_ofs"), tiles=str(tab)))
-            for key in ("bulk_split4", "bulkL_split4"):      # the gate/up's tail plan (parts, tail units)
-                if key in plans:
-                    [f() for _, f in plans[key]]
-                    rows[-1][key + "_plan"] = ws.split_info()
-                    print(f"    {key} plan (parts, tail units) = {ws.split_info()}", flush=True)
+                             stages_bulkL_us_cumulative=stage_sets.get("bulkL"), tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "

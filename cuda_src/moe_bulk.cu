@@ -72,13 +72,6 @@ __device__ __forceinline__ void consumers_sync(int nthreads) {
     asm volatile("bar.sync 1, %0;" :: "r"(nthreads) : "memory");
 }
 
-// OFS 1: one repacked word -> four bf16x2 A registers holding 128 + nibble exactly (dequant_word without its fma;
-// the -8 and -128 come back through the mma accumulator's start value).
-__device__ __forceinline__ void nibbles_biased(uint32_t w, uint32_t (&r)[4]) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) r[j] = lop3_and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u);
-}
-
 // One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [8 tokens][X_PITCH]
 // activations (SS*128 B of k per token; the pitch is 64 B past a multiple of 128 so that the two token rows an
 // 8-lane phase of a 16-byte load touches fall in different bank halves).
@@ -99,27 +92,17 @@ struct BulkMeta {
 
 using namespace mbulk;
 
-// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B; the tail split's flag at byte 120]
-// [NST stages][BulkMeta (G = 0 only)].
+// Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta (G = 0 only)].
 // G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
-// OFS (session 5, docs/MOE.md "Session 5: decode-size MoE"): 0 = dequantise each A register with one lop3 + one
-// bf16x2 fma (q = nibble - 8, exact); 1 = the lop3 alone (A' = 128 + nibble, exact) and the -136 offset folded into
-// the mma's accumulator: per k64 step and token, off = sum_k (-136) x[k] over each 32-group by 4 mma with a constant
-// A, shared by all the warp's tiles, becomes the C operand of the tile's first mma of that group; and the two group
-// scales are applied by two chained fma per column (OFS 0: mul, fma, add). Removes 16 of the ~44 dequantisation and
-// 4 of the 12 scale instructions per tile and step for 4 mma per step; another fp32 rounding path (not bit-identical
-// to OFS 0; the cancellation costs ~5 of fp32's 24 bits: far below the bf16 output).
-template <int MODE, int WM, int WK, int SPW, int NST, int G, int OFS = 0>
+template <int MODE, int WM, int WK, int SPW, int NST, int G>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
-        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok,
-        float* __restrict__ split_part, int* __restrict__ split_cnt, int split_max, int split_units_cap,
-        int split_cap) {
+        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok) {
     constexpr int NCW = WM * WK;          // consumer warps
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS>;
@@ -133,10 +116,6 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     extern __shared__ __align__(128) unsigned char bulk_dyn[];
     uint64_t* full = reinterpret_cast<uint64_t*>(bulk_dyn);
     uint64_t* empty = full + NST;
-    // Tail split: "this block summed the unit's parts", in the barriers' 128-byte header (a static variable would
-    // pad the static area past the dynamic one's 128-byte alignment: 128 B more per block).
-    static_assert(2 * NST * 8 <= 120, "mbarriers and split_last share the 128-byte header");
-    int& split_last = *reinterpret_cast<int*>(bulk_dyn + 120);
     unsigned char* ring = bulk_dyn + 128;
     // (G = 1 allocates no BulkMeta: the reference is formed, never used)
     BulkMeta& bm = *reinterpret_cast<BulkMeta*>(ring + (size_t)NST * St::BYTES);
@@ -175,41 +154,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     }
     (void)npairs;
     const int n_units = n_chunks * n_mg;
-    const int gs = gridDim.x;
-    // Tail split (gate/up only, split_max > 1; docs/MOE.md "Session 5: decode-size MoE"). A unit covers its tile
-    // pair's whole K, so the last round of units (n_units % grid of them) runs alone while the other blocks idle.
-    // Those r tail units are cut into P K-ranges ("parts", P <= split_max) that run as separate work items; each
-    // part stores its fp32 partial, the last arriving block of a unit (a counter per tail unit) sums the P
-    // partials in part order (deterministic whoever arrives last) and applies SiLU. P minimises the tail's
-    // length in unit-times, ceil(P r / grid) / P (ties: the fewest parts); P = 1 is the old schedule exactly.
-    // Every block derives the same plan from (n_units, grid, split_max), so the items agree across blocks.
-    int sp_n = 1, sp_r = 0;                          // parts per tail unit, tail units
-    if (MODE == 0 && split_max > 1) {
-        const int r = n_units % gs;
-        if (r > 0 && r <= split_units_cap) {
-            int bn = 1, bd = 1;
-            for (int p = 2; p <= split_max && p <= KS; ++p) {
-                const int c = (p * r + gs - 1) / gs;
-                if (c * bd < bn * p && p * r * 256 * WM <= split_cap) { bn = c; bd = p; }
-            }
-            if (bd > 1) { sp_n = bd; sp_r = r; }
-        }
-    }
-    const int n_whole = n_units - sp_r;              // items [0, n_whole) are whole units, as before
-    const int n_items = n_whole + sp_n * sp_r;       // then part p of tail unit j is item n_whole + p r + j
-    if (MODE == 0 && blockIdx.x == 0 && threadIdx.x == 0) { meta[2] = sp_n; meta[3] = sp_r; }   // tests, debug
-    auto item_unit = [&](int i) -> int {
-        if (i < n_whole) return i;
-        const int j = i - n_whole;
-        return n_whole + j % max(sp_r, 1);
-    };
-    // The k64-step range [kb, ke) of item i.
-    auto item_krange = [&](int i, int& kb, int& ke) {
-        if (i < n_whole) { kb = 0; ke = KS; return; }
-        const int p = (i - n_whole) / sp_r;
-        kb = p * KS / sp_n;
-        ke = (p + 1) * KS / sp_n;
-    };
+    const int nst_unit = (KS + SS - 1) / SS;
     // The chunk of unit u (units run m-group major: u = mg * n_chunks + chunk).
     auto chunk_of = [&](int u) -> int4 {
         const int c = u - (u / n_chunks) * n_chunks;
@@ -234,10 +179,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             if constexpr (G == 0) return so.slot_pair[ch.y + j];
             else return __ldcg(slot_pair + ch.y + j);
         };
-        auto issue = [&](int u, int4 ch, int pr, int k0, int ke, int slot, bool weights, bool acts) {
+        auto issue = [&](int u, int4 ch, int pr, int k0, int slot, bool weights, bool acts) {
             const int mg = u / n_chunks;
             const int tile0 = mg * WM * 2;
-            const int ns = min(SS, ke - k0);
+            const int ns = min(SS, KS - k0);
             unsigned char* st = ring + (size_t)slot * St::BYTES;
             if (whole) {
                 // The stage is the unit's whole K: its tiles' weights, their scales and the chunk's h rows are
@@ -265,10 +210,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                          ns * 128, full + slot);
             }
         };
-        auto stage_bytes = [&](int u, int4 ch, int k0, int ke) {
+        auto stage_bytes = [&](int u, int4 ch, int k0) {
             const int mg = u / n_chunks;
             const int ntl = min(2 * WM, ntiles - mg * WM * 2);
-            const int ns = min(SS, ke - k0);
+            const int ns = min(SS, KS - k0);
             return (uint32_t)(ntl * ns * 576 + ch.z * ns * 128);
         };
         int pre = 0;                                 // stages whose weights went out before the PDL wait
@@ -276,9 +221,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             int u = blockIdx.x, k0 = 0;
             int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
             for (; pre < NST && u < n_units; ++pre) {
-                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0, KS));
+                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0));
                 __syncwarp();
-                issue(u, ch, 0, k0, KS, pre, true, false);
+                issue(u, ch, 0, k0, pre, true, false);
                 k0 += SS;
                 if (k0 >= KS) {
                     k0 = 0;
@@ -291,25 +236,22 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         // Lookahead: at the start of unit u the chunk of u + grid is already here (loaded one unit ago) and
         // this lane's pair of it is requested now; the chunk of u + 2 grid is requested now. A unit's copies
         // then wait on no routing load (G = 1: L2 round trips; G = 0: shared memory, the same order).
-        // (Items, not units: without a tail split item i is unit i.)
-        int i = blockIdx.x;
-        int4 ch = i < n_items ? chunk_of(item_unit(i)) : make_int4(0, 0, 0, 0);
+        const int gs = gridDim.x;
+        int u = blockIdx.x;
+        int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
         int pr = pair_of(ch);
-        int4 ch1 = i + gs < n_items ? chunk_of(item_unit(i + gs)) : ch;
+        int4 ch1 = u + gs < n_units ? chunk_of(u + gs) : ch;
         int it = 0;
-        for (; i < n_items; i += gs) {
-            const int u = item_unit(i);
-            int kb, ke;
-            item_krange(i, kb, ke);
-            const int pr1 = i + gs < n_items ? pair_of(ch1) : 0;
-            const int4 ch2 = i + 2 * gs < n_items ? chunk_of(item_unit(i + 2 * gs)) : ch1;
-            for (int k0 = kb; k0 < ke; k0 += SS, ++it) {
+        for (; u < n_units; u += gs) {
+            const int pr1 = u + gs < n_units ? pair_of(ch1) : 0;
+            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : ch1;
+            for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
-                if (it < pre) { issue(u, ch, pr, k0, ke, slot, false, true); continue; }
+                if (it < pre) { issue(u, ch, pr, k0, slot, false, true); continue; }
                 if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
-                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0, ke));
+                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0));
                 __syncwarp();
-                issue(u, ch, pr, k0, ke, slot, true, true);
+                issue(u, ch, pr, k0, slot, true, true);
             }
             ch = ch1;
             ch1 = ch2;
@@ -327,22 +269,19 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     // G = 1 lookahead (as the producer's): the chunk one unit ahead is here, the one two ahead in flight; the
     // down epilogue's pairs (columns 2t, 2t + 1) of the next unit are requested at this unit's start and their
     // routing weights at the next unit's start, so the epilogue never waits on L2.
+    const int gs = gridDim.x;
     int4 gch = make_int4(0, 0, 0, 0), gch1 = gch;
     int gp0 = -1, gp1 = -1;
     if constexpr (G == 1) {
-        const int i0 = blockIdx.x;
-        if (i0 < n_items) gch = chunk_of(item_unit(i0));
-        gch1 = i0 + gs < n_items ? chunk_of(item_unit(i0 + gs)) : gch;
+        const int u0 = blockIdx.x;
+        if (u0 < n_units) gch = chunk_of(u0);
+        gch1 = u0 + gs < n_units ? chunk_of(u0 + gs) : gch;
         if (MODE == 1) {
             gp0 = 2 * t < gch.z ? __ldcg(slot_pair + gch.y + 2 * t) : -1;
             gp1 = 2 * t + 1 < gch.z ? __ldcg(slot_pair + gch.y + 2 * t + 1) : -1;
         }
     }
-    for (int i = blockIdx.x; i < n_items; i += gs) {
-        const int u = item_unit(i);
-        int kb, ke;
-        item_krange(i, kb, ke);
-        const bool part = i >= n_whole;              // a tail unit's K-range (block-uniform)
+    for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
         const int mg = u / n_chunks;
         int4 ch;
         float gw0 = 0.f, gw1 = 0.f;
@@ -351,11 +290,11 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             ch = so.chunks[u - mg * n_chunks];
         } else {
             ch = gch;
-            const int4 ch2 = i + 2 * gs < n_items ? chunk_of(item_unit(i + 2 * gs)) : gch1;
+            const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : gch1;
             if (MODE == 1) {
                 gw0 = gp0 >= 0 ? __ldg(wts + gp0) : 0.f;
                 gw1 = gp1 >= 0 ? __ldg(wts + gp1) : 0.f;
-                if (i + gs < n_items) {
+                if (u + gs < n_units) {
                     gp0n = 2 * t < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t) : -1;
                     gp1n = 2 * t + 1 < gch1.z ? __ldcg(slot_pair + gch1.y + 2 * t + 1) : -1;
                 }
@@ -371,67 +310,42 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
-        const int nst_item = (ke - kb + SS - 1) / SS;
-        for (int s = 0; s < nst_item; ++s, ++it) {
+        for (int s = 0; s < nst_unit; ++s, ++it) {
             const int slot = it % NST;
             mbar_wait(full + slot, (it / NST) & 1);
             const unsigned char* st = ring + (size_t)slot * St::BYTES;
-            const int ns = min(SS, ke - kb - s * SS);
+            const int ns = min(SS, KS - s * SS);
             if (wactive) {
 #pragma unroll
-                for (int si = 0; si < SPW; ++si) {
-                    const int ks = kw * SPW + si;
+                for (int i = 0; i < SPW; ++i) {
+                    const int ks = kw * SPW + i;
                     if (ks < ns) {
                         // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
                         // whatever it holds never reaches a stored column.
                         const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * x_pitch + ks * 128 + 16 * t;
                         const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
                         const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
-                        float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
-                        if constexpr (OFS == 1) {
-                            const uint32_t NEG[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};  // -136
-                            mma_bf16(o0, NEG, b0.x, b0.y);
-                            mma_bf16(o0, NEG, b0.z, b0.w);
-                            mma_bf16(o1, NEG, b1.x, b1.y);
-                            mma_bf16(o1, NEG, b1.z, b1.w);
-                        }
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt) {
                             const int r = 2 * wm + mt;
                             const uint4 a = reinterpret_cast<const uint4*>(st + (r * SS + ks) * 512)[lane];
                             const uint2 sc = reinterpret_cast<const uint2*>(st + St::W_BYTES + (r * SS + ks) * 64)[g];
                             uint32_t A[4][4];
-                            if constexpr (OFS == 1) {
-                                nibbles_biased(a.x, A[0]);
-                                nibbles_biased(a.y, A[1]);
-                                nibbles_biased(a.z, A[2]);
-                                nibbles_biased(a.w, A[3]);
-                            } else {
-                                dequant_word(a.x, A[0]);
-                                dequant_word(a.y, A[1]);
-                                dequant_word(a.z, A[2]);
-                                dequant_word(a.w, A[3]);
-                            }
+                            dequant_word(a.x, A[0]);
+                            dequant_word(a.y, A[1]);
+                            dequant_word(a.z, A[2]);
+                            dequant_word(a.w, A[3]);
                             const float s00 = bf_lo(sc.x), s08 = bf_hi(sc.x);
                             const float s10 = bf_lo(sc.y), s18 = bf_hi(sc.y);
-                            // OFS 1: the offsets are the accumulators' start (OFS 0: zeros, as before)
-                            float d0[4] = {o0[0], o0[1], o0[2], o0[3]}, d1[4] = {o1[0], o1[1], o1[2], o1[3]};
+                            float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
                             mma_bf16(d0, A[0], b0.x, b0.y);
                             mma_bf16(d0, A[1], b0.z, b0.w);
                             mma_bf16(d1, A[2], b1.x, b1.y);
                             mma_bf16(d1, A[3], b1.z, b1.w);
-                            if constexpr (OFS == 1) {
-                                // two chained fma per column (2 instructions, 2 roundings) instead of mul, fma, add
-                                acc[mt][0] = fmaf(s10, d1[0], fmaf(s00, d0[0], acc[mt][0]));
-                                acc[mt][1] = fmaf(s10, d1[1], fmaf(s00, d0[1], acc[mt][1]));
-                                acc[mt][2] = fmaf(s18, d1[2], fmaf(s08, d0[2], acc[mt][2]));
-                                acc[mt][3] = fmaf(s18, d1[3], fmaf(s08, d0[3], acc[mt][3]));
-                            } else {
-                                acc[mt][0] += s00 * d0[0] + s10 * d1[0];
-                                acc[mt][1] += s00 * d0[1] + s10 * d1[1];
-                                acc[mt][2] += s08 * d0[2] + s18 * d1[2];
-                                acc[mt][3] += s08 * d0[3] + s18 * d1[3];
-                            }
+                            acc[mt][0] += s00 * d0[0] + s10 * d1[0];
+                            acc[mt][1] += s00 * d0[1] + s10 * d1[1];
+                            acc[mt][2] += s08 * d0[2] + s18 * d1[2];
+                            acc[mt][3] += s08 * d0[3] + s18 * d1[3];
                         }
                     }
                 }
@@ -461,20 +375,6 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                 y[row + 16] = wgt * v1;
             }
         };
-        const int sj = part ? i - n_whole : 0;       // tail item: part sp_p of tail unit stu
-        const int sp_p = part ? sj / sp_r : 0, stu = sj - sp_p * sp_r;
-        // Partial of tail unit tu, part p, this warp's tile pair, column q, this lane: float2 (gate, up) index.
-        auto part_idx = [&](int tu, int p, int q) -> size_t {
-            return ((size_t)(tu * sp_n + p) * WM + wm) * 128 + q * 32 + lane;
-        };
-        // A column's final values: stored (whole unit) or stashed as this part's partial (tail split).
-        auto emit = [&](int q, float v0, float v1) {
-            if (MODE == 0 && part) {
-                __stcg(reinterpret_cast<float2*>(split_part) + part_idx(stu, sp_p, q), make_float2(v0, v1));
-            } else {
-                store(q, v0, v1);
-            }
-        };
         if (WK > 1) {
             float* buf = red + (size_t)(unit_parity * RED_UNIT);
             float* mine = buf + (size_t)warp * 2 * 4 * 32 + lane;
@@ -494,41 +394,14 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                         v0 += p[0];
                         v1 += p[4 * 32];
                     }
-                    emit(q, v0, v1);
+                    store(q, v0, v1);
                 }
             }
             unit_parity ^= 1;
         } else if (wactive) {
 #pragma unroll
             for (int q = 0; q < 4; ++q)
-                if (2 * t + (q & 1) < ntok) emit(q, acc[0][q], acc[1][q]);
-        }
-        if (MODE == 0 && part) {
-            // Tail split: every part's partial is in L2 (fenced) before the block counts itself in; the last of
-            // the unit's sp_n blocks re-reads all partials (its own included) in part order and stores h.
-            __threadfence();
-            consumers_sync(NCW * 32);
-            if (warp == 0 && lane == 0) {
-                const int last = atomicAdd(split_cnt + stu, 1) == sp_n - 1;
-                if (last) split_cnt[stu] = 0;        // all parts arrived: zero for the next launch / replay
-                split_last = last;
-            }
-            consumers_sync(NCW * 32);
-            if (split_last) {
-                __threadfence();
-                if (wactive) {
-                    for (int q = WK > 1 ? kw : 0; q < 4; q += WK) {
-                        if (2 * t + (q & 1) >= ntok) continue;
-                        float2 v = __ldcg(reinterpret_cast<const float2*>(split_part) + part_idx(stu, 0, q));
-                        for (int p = 1; p < sp_n; ++p) {
-                            const float2 w = __ldcg(reinterpret_cast<const float2*>(split_part) + part_idx(stu, p, q));
-                            v.x += w.x;
-                            v.y += w.y;
-                        }
-                        store(q, v.x, v.y);
-                    }
-                }
-            }
+                if (2 * t + (q & 1) < ntok) store(q, acc[0][q], acc[1][q]);
         }
         if constexpr (G == 1) {
             gp0 = gp0n;

@@ -322,33 +322,8 @@ def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
     return gu, dn
 
 
-def _bulk_name(mode: int, bt: BulkTile, g: int = 0, ofs: int = 0) -> str:
-    if ofs:
-        return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}, {int(ofs)}>"
+def _bulk_name(mode: int, bt: BulkTile, g: int = 0) -> str:
     return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}>"
-
-
-# Offset dequantisation (template OFS = 1, session 5; docs/MOE.md "Session 5: decode-size MoE"): the A registers are
-# 128 + nibble (one lop3, no fma) and -136 x the activations' group sums start each tile's mma accumulator. Another
-# fp32 rounding path (float64-reference tolerance, deterministic). Compiled for the tables' blocks only
-# (BULK_OFS_BLOCKS: (mode, block, G)); BULK_OFS = False keeps the session-4 dequantisation until a device run
-# confirms; environment DDT_MOE_BULK_OFS=1/0 overrides, the call's ``bulk_ofs=`` overrides both.
-BULK_OFS = False
-BULK_OFS_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_OFS", "") or None
-BULK_OFS_BLOCKS = ((0, BULK_GATEUP, 0), (1, BULK_DOWN, 0), (0, BULK_GATEUP_LARGE, 1), (1, BULK_DOWN_LARGE, 1))
-
-
-def bulk_ofs_for(ofs: Optional[bool] = None) -> bool:
-    """Offset dequantisation wanted: ``ofs`` if given, else DDT_MOE_BULK_OFS, else BULK_OFS."""
-    if ofs is not None:
-        if not isinstance(ofs, (bool, np.bool_)):
-            raise ValueError(f"bulk_ofs: must be True, False or None, got {ofs!r}")
-        return bool(ofs)
-    if BULK_OFS_ENV is not None:
-        if BULK_OFS_ENV not in ("0", "1"):
-            raise ValueError(f"DDT_MOE_BULK_OFS: must be 0 or 1, got {BULK_OFS_ENV!r}")
-        return BULK_OFS_ENV == "1"
-    return BULK_OFS
 
 
 def _bulk_compiled(g: int):
@@ -369,9 +344,6 @@ def _all_bulk_names() -> Tuple[str, ...]:
             for t in allowed[key]:
                 if _bulk_name(mode, t, g) not in names:
                     names.append(_bulk_name(mode, t, g))
-    for mode, t, g in BULK_OFS_BLOCKS:
-        if _bulk_name(mode, t, g, 1) not in names:
-            names.append(_bulk_name(mode, t, g, 1))
     return tuple(names)
 
 
@@ -396,53 +368,6 @@ BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
 BULK_LARGE_DEFAULT = True
 BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the lead's run shows a crossover)
 BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
-# Tail split of the bulk gate/up (session 5; docs/MOE.md "Session 5: decode-size MoE"): the last round of gate/up
-# units (n_units % grid, each a tile pair's whole K) runs as up to BULK_SPLIT K-parts per unit on otherwise idle
-# blocks; the last part of a unit sums the fp32 partials in part order (deterministic, not bit-identical to the
-# unsplit unit: its K sum is grouped differently). 1 = off (the session-4 schedule, bit for bit). Default off until
-# a device run confirms (decision rule in MOE.md); environment DDT_MOE_BULK_SPLIT=1..4 overrides, the call's
-# ``bulk_split=`` overrides both.
-BULK_SPLIT = 1
-BULK_SPLIT_MAX = 4
-BULK_SPLIT_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_SPLIT", "") or None
-# Workspace for the split: one counter per tail unit (< grid <= SPLIT_UNITS_CAP) and the parts' partials (256 fp32
-# per part and tile pair: 4 columns x 32 lanes x (gate, up)); the kernel splits only what fits.
-SPLIT_UNITS_CAP = 1024
-SPLIT_PART_FLOATS = 1 << 18
-
-
-def bulk_split_for(split: Optional[int] = None) -> int:
-    """Parts per tail gate/up unit at most: ``split`` if given, else DDT_MOE_BULK_SPLIT, else BULK_SPLIT."""
-    if split is None:
-        split = BULK_SPLIT
-        if BULK_SPLIT_ENV is not None:
-            try:
-                split = int(BULK_SPLIT_ENV)
-            except ValueError:
-                raise ValueError(f"DDT_MOE_BULK_SPLIT: must be an integer 1..{BULK_SPLIT_MAX}, "
-                                 f"got {BULK_SPLIT_ENV!r}") from None
-            if not 1 <= split <= BULK_SPLIT_MAX:
-                raise ValueError(f"DDT_MOE_BULK_SPLIT: must be 1..{BULK_SPLIT_MAX}, got {split}")
-            return split
-    if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= BULK_SPLIT_MAX:
-        raise ValueError(f"bulk_split: must be an integer 1..{BULK_SPLIT_MAX}, got {split!r}")
-    return int(split)
-
-
-def split_plan(n_units: int, grid: int, split_max: int, wm: int = 1, ks: int = 112,
-               units_cap: int = SPLIT_UNITS_CAP, part_floats: int = SPLIT_PART_FLOATS) -> Tuple[int, int]:
-    """(parts P, tail units r) the bulk gate/up kernel derives (moe_bulk.cu, same arithmetic): r = n_units % grid
-    tail units cut into the P <= split_max that minimises ceil(P r / grid) / P (ties: fewest parts), if they fit
-    the workspace; (1, 0) when nothing is split."""
-    r = n_units % grid
-    if split_max <= 1 or r == 0 or r > units_cap:
-        return 1, 0
-    bn, bd = 1, 1
-    for p in range(2, min(split_max, ks) + 1):
-        c = -(-(p * r) // grid)
-        if c * bd < bn * p and p * r * 256 * wm <= part_floats:
-            bn, bd = c, p
-    return (bd, r) if bd > 1 else (1, 0)
 
 
 def bulk_for(T: int, top_k: int):
@@ -685,20 +610,10 @@ class MoEWorkspace:
         self.slot_pair = cupy.zeros(self.slot_cap, dtype=cupy.int32)
         self.rank = cupy.empty(pairs, dtype=cupy.int32)
         self.chunks = cupy.zeros((pairs + weights.n_experts, 4), dtype=cupy.int32)
-        self.meta = cupy.zeros(4, dtype=cupy.int32)      # [chunks, bad ids, bulk gate/up split parts, split units]
-        # bulk gate/up tail split: per-unit arrival counters (zero between launches: the last part resets its
-        # own) and the parts' fp32 partials
-        self.split_cnt = cupy.zeros(SPLIT_UNITS_CAP, dtype=cupy.int32)
-        self.split_part = cupy.empty(SPLIT_PART_FLOATS, dtype=cupy.float32)
+        self.meta = cupy.zeros(4, dtype=cupy.int32)
 
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta,
-                                           self.split_cnt, self.split_part))
-
-    def split_info(self) -> Tuple[int, int]:
-        """(parts, tail units) of the last bulk gate/up launch's tail split (host sync: tests/debug only)."""
-        m = self.meta.get()
-        return int(m[2]), int(m[3])
+        return sum(int(a.nbytes) for a in (self.h, self.y, self.slot_pair, self.rank, self.chunks, self.meta))
 
     def bad_ids(self) -> int:
         """Number of out-of-range expert ids seen by the last call (host sync: tests/debug only)."""
@@ -734,8 +649,7 @@ def _grid(units_max: int, tile: Tile) -> int:
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
                 fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None,
-                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, bulk_split: Optional[int] = None,
-                bulk_ofs: Optional[bool] = None):
+                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -746,7 +660,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles, bulk_split, bulk_ofs):
+                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles):
         launch()
     return out
 
@@ -761,8 +675,7 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
                     pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
-                    bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None,
-                    bulk_split: Optional[int] = None, bulk_ofs: Optional[bool] = None):
+                    bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
@@ -771,10 +684,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     "down": the register-ring gate/up (fused sort, the table's tiles) and the bulk-copy down (it re-derives the
     same slots); False: both register-ring; None: ``bulk_for`` when no register-ring option is given. The bulk
     kernels take none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks
-    (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above); ``bulk_split``: parts per tail
-    unit of the bulk gate/up at most (1 = no split; None: ``bulk_split_for``, BULK_SPLIT / DDT_MOE_BULK_SPLIT);
-    ``bulk_ofs``: offset dequantisation in the bulk GEMMs whose block is compiled with it (True demands it of both;
-    None: ``bulk_ofs_for``, BULK_OFS / DDT_MOE_BULK_OFS, where compiled).
+    (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above).
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
     kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
@@ -800,8 +710,6 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         check_array("residual", residual, np.uint16, (T, weights.hidden))
     check_array("out", out, np.uint16, (T, weights.hidden))
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
-    split = bulk_split_for(bulk_split)
-    ofs = bulk_ofs_for(bulk_ofs)
     ring_options = tiles is not None or l2_prefetch or fuse_route is False
     if bulk is None:
         bulk = False if ring_options else bulk_for(T, k)
@@ -817,12 +725,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
             raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
         if l2_prefetch and not glob:
             raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
-        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch,
-                          split, ofs, strict_ofs=bulk_ofs is True)
-    if bulk_split is not None and bulk_split != 1:
-        raise ValueError("bulk_split: only the bulk-copy gate/up splits its tail (bulk=True)")
-    if bulk_ofs is True and bulk != "down":
-        raise ValueError("bulk_ofs: only the bulk-copy GEMMs have the offset dequantisation (bulk=True / 'down')")
+        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch)
     if bulk == "down":
         if fuse_route is False or l2_prefetch:
             raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
@@ -874,8 +777,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     if bulk == "down":
-        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, ofs=ofs,
-                               strict_ofs=bulk_ofs is True)[1])
+        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
     else:
         plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
@@ -905,11 +807,10 @@ def _blocks_per_sm(bt: BulkTile, g: int = 0) -> int:
 
 def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, glob: bool = False,
-               l2_prefetch: Optional[bool] = None, split: int = 1, ofs: bool = False, strict_ofs: bool = False):
+               l2_prefetch: Optional[bool] = None):
     """[route,] gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan). ``glob``:
     the routing kernel runs first (chunks of <= 8 tokens) and both GEMMs read its arrays (G = 1); else both sort
-    in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS). ``split``: parts per tail unit of the gate/up at most;
-    ``ofs``: the offset dequantisation where the block is compiled with it (``strict_ofs``: in both, or raise)."""
+    in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS)."""
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
     g = 1 if glob else 0
     large = T * k > FUSED_MAX_PAIRS
@@ -943,20 +844,14 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
         plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y,
               i32(BULK_WHOLE))
-    # the tail split (gate/up only; the down ignores these)
-    split_args = (ws.split_part, ws.split_cnt, i32(split), i32(ws.split_cnt.size), i32(ws.split_part.size))
     for name, mode, bt, w, s, N, KS, act, act_stride in (
             ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
             ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
         dyn = bt.smem_dyn(g)
-        o = int(ofs and (mode, bt, g) in BULK_OFS_BLOCKS)
-        if ofs and strict_ofs and not o:
-            raise ValueError(f"bulk_ofs: {bt} (mode {mode}, G = {g}) is not compiled with the offset dequantisation "
-                             f"({BULK_OFS_BLOCKS})")
-        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g, o), max_dynamic_smem=dyn)
+        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
-        args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common + split_args
+        args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common
         plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args, dyn=dyn:
                      fn((grid,), (bt.threads,), args, shared_mem=dyn)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
