@@ -15,7 +15,7 @@
 // hence stages of 16 k64 steps (gate/up) or a whole K (down at I <= 256).
 //
 // Block = WM x WK consumer warps + 1 producer warp. A unit is (chunk, m-group) as in moe_gemm: the chunk's
-// <= 8 tokens times WM pairs of m16 tiles (gate/up: tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..). A stage
+// <= XR (8; the compact gate/up blocks 4 or 2) tokens times WM pairs of m16 tiles (gate/up: tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..). A stage
 // holds SS = WK * SPW k64 steps of the unit's 2*WM tiles; consumer warp (wm, kw) computes tile pair wm over
 // steps kw*SPW .. kw*SPW + SPW - 1 of every stage, and the WK partial sums meet in shared memory at the unit's
 // end in a fixed order (deterministic).
@@ -72,15 +72,17 @@ __device__ __forceinline__ void consumers_sync(int nthreads) {
     asm volatile("bar.sync 1, %0;" :: "r"(nthreads) : "memory");
 }
 
-// One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [8 tokens][X_PITCH]
+// One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [XR tokens][X_PITCH]
 // activations (SS*128 B of k per token; the pitch is 64 B past a multiple of 128 so that the two token rows an
-// 8-lane phase of a 16-byte load touches fall in different bank halves).
-template <int WM, int SS>
+// 8-lane phase of a 16-byte load touches fall in different bank halves). XR = the chunk size (token rows per
+// unit): 8 everywhere but the compact gate/up blocks (session 5, docs/MOE.md "Session 5: compact token rows"),
+// whose 4 or 2 rows leave room for a third stage.
+template <int WM, int SS, int XR = 8>
 struct Stage {
     static constexpr int W_BYTES = 2 * WM * SS * 512;
     static constexpr int S_BYTES = 2 * WM * SS * 64;
     static constexpr int X_PITCH = SS * 128 + 64;
-    static constexpr int BYTES = W_BYTES + S_BYTES + 8 * X_PITCH;    // a multiple of 128
+    static constexpr int BYTES = W_BYTES + S_BYTES + XR * X_PITCH;   // a multiple of 128 for XR in {2, 4, 8}
 };
 
 struct BulkMeta {
@@ -93,10 +95,15 @@ struct BulkMeta {
 using namespace mbulk;
 
 // Dynamic shared memory: [NST full | NST empty mbarriers, padded to 128 B][NST stages][BulkMeta (G = 0 only)].
+// XR: token rows per chunk (the sort's chunk size; 8 = the previous kernels, unchanged). XR = 4 / 2 (gate/up with
+// the shared-memory sort only): an expert with more tokens gets several chunks, so its weights are streamed once
+// per chunk; each token column's arithmetic (k order, K-split partial order) is the same as at XR = 8, so h is
+// bit-identical, and the slots (hence what the down kernel reads) do not depend on the chunk size at all
+// (sort_pairs_block: a slot is the expert's run offset + the pair's rank).
 // G: where the routing comes from. 0 = the block sorts it in shared memory (T*k <= FUSED_MAX_PAIRS);
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
-template <int MODE, int WM, int WK, int SPW, int NST, int G>
+template <int MODE, int WM, int WK, int SPW, int NST, int G, int XR = 8>
 __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -105,12 +112,19 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok) {
     constexpr int NCW = WM * WK;          // consumer warps
     constexpr int SS = WK * SPW;          // k64 steps per stage
-    using St = Stage<WM, SS>;
-    static_assert(4 * WM + 8 <= 32, "one producer lane per copy: 2*WM weight tiles, their scales, 8 token rows");
+    using St = Stage<WM, SS, XR>;
+    static_assert(4 * WM + XR <= 32, "one producer lane per copy: 2*WM weight tiles, their scales, XR token rows");
     static_assert(G == 0 || G == 1, "G: 0 = shared-memory sort, 1 = moe_route's global arrays");
+    static_assert(XR == 8 || XR == 4 || XR == 2, "XR: token rows per chunk, 8, 4 or 2");
+    // moe_route cuts chunks of 8 (G = 1), and the down kernel's whole-K stage copies up to 8 h rows
+    static_assert(XR == 8 || (MODE == 0 && G == 0), "XR < 8: gate/up with the shared-memory sort only");
     // K-split partials, double-buffered by unit parity: one barrier per unit (a warp can only reach the next
     // unit's barrier, and so the buffer after it, once every warp has finished this unit's epilogue reads).
-    constexpr int RED_UNIT = NCW * 2 * 4 * 32;
+    // Only lanes whose columns can hold a token store them: tokens j = 2t, 2t + 1 < XR, i.e. t < XR / 2, so
+    // RL = 4 * XR lanes per warp (XR = 8: all 32, the previous layout; XR = 4: half the buffer, which is what
+    // lets a third stage fit sm_120's 99 KB).
+    constexpr int RL = 4 * XR;
+    constexpr int RED_UNIT = NCW * 2 * 4 * RL;
     constexpr int RED = WK > 1 ? 2 * RED_UNIT : 1;
     __shared__ float red[RED];
     extern __shared__ __align__(128) unsigned char bulk_dyn[];
@@ -134,7 +148,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                                                      // the routing arrays from moe_route)
     int n_chunks;
     if constexpr (G == 0) {
-        sort_pairs_block(ids, npairs, E, 8, so);     // ends with __syncthreads (the barrier inits are visible)
+        sort_pairs_block(ids, npairs, E, XR, so);    // ends with __syncthreads (the barrier inits are visible)
         n_chunks = so.total.y;
         if constexpr (MODE == 0) {
             if (blockIdx.x == 0) {
@@ -169,9 +183,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
 
     if (warp == NCW) {
         // ---------------- producer warp ----------------
-        // Lanes [0, 2WM): weight tile, [2WM, 4WM): its scales, [4WM, 4WM + 8): token row (gate/up: x of the
+        // Lanes [0, 2WM): weight tile, [2WM, 4WM): its scales, [4WM, 4WM + XR): token row (gate/up: x of the
         // pair's token; down: h of the slot). One copy per lane and stage.
-        const int j = lane - 4 * WM;                 // this lane's token of the chunk (when 0 <= j < 8)
+        const int j = lane - 4 * WM;                 // this lane's token of the chunk (when 0 <= j < ch.z <= XR)
         // This lane's routing datum for a unit: gate/up the pair of slot ch.y + j (its token = pair / k, divided
         // only where the copy is issued, so that a lookahead load is not waited for early); down: unused.
         auto pair_of = [&](int4 ch) -> int {
@@ -321,8 +335,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                     const int ks = kw * SPW + i;
                     if (ks < ns) {
                         // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
-                        // whatever it holds never reaches a stored column.
-                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + g * x_pitch + ks * 128 + 16 * t;
+                        // whatever it holds never reaches a stored column. Columns g >= XR have no row in the
+                        // stage: they read row g % XR (inside the stage; a same-address broadcast, no conflict).
+                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + (g % XR) * x_pitch + ks * 128 + 16 * t;
                         const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
                         const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
 #pragma unroll
@@ -377,22 +392,25 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         };
         if (WK > 1) {
             float* buf = red + (size_t)(unit_parity * RED_UNIT);
-            float* mine = buf + (size_t)warp * 2 * 4 * 32 + lane;
+            const int rl = g * (XR / 2) + t;         // this lane's place among the RL storing lanes (XR = 8: lane)
+            float* mine = buf + (size_t)warp * 2 * 4 * RL + rl;
+            if (2 * t < XR) {
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int q = 0; q < 4; ++q) mine[(mt * 4 + q) * 32] = acc[mt][q];
+                    for (int q = 0; q < 4; ++q) mine[(mt * 4 + q) * RL] = acc[mt][q];
+            }
             consumers_sync(NCW * 32);
             // The WK warps of a tile pair share its four columns: warp kw sums column q = kw, kw + WK, ... over
             // the K slices in a fixed order (deterministic) and stores it.
             if (wactive) {
                 for (int q = kw; q < 4; q += WK) {
-                    if (2 * t + (q & 1) >= ntok) continue;
+                    if (2 * t + (q & 1) >= ntok) continue;       // (ntok <= XR: so t < XR / 2 below)
                     float v0 = 0.f, v1 = 0.f;
                     for (int k2 = 0; k2 < WK; ++k2) {
-                        const float* p = buf + ((size_t)(k2 * WM + wm) * 2 * 4 + q) * 32 + lane;
+                        const float* p = buf + ((size_t)(k2 * WM + wm) * 2 * 4 + q) * RL + rl;
                         v0 += p[0];
-                        v1 += p[4 * 32];
+                        v1 += p[4 * RL];
                     }
                     store(q, v0, v1);
                 }

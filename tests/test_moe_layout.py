@@ -261,7 +261,7 @@ def test_bulk_tiles_fit_sm120_and_the_producer_warp():
     # moe_bulk.cu: one producer lane per copy (2*wm weight tiles + their scales + 8 token rows <= 32 lanes),
     # stages a multiple of 128 B (the bulk copies' 16-byte alignment), <= 99 KB per block on sm_120
     for bt in (moe.BULK_GATEUP, moe.BULK_DOWN) + moe.BULK_GATEUP_CANDIDATES + moe.BULK_DOWN_CANDIDATES:
-        assert 4 * bt.wm + 8 <= 32
+        assert 4 * bt.wm + bt.xr <= 32
         assert bt.stage_bytes() % 128 == 0
         assert bt.smem_dynamic + bt.smem_static <= moe.SMEM_LIMIT, bt
 
@@ -348,3 +348,81 @@ def test_bulk_tiles_env_override(monkeypatch):
     monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,x")
     with pytest.raises(ValueError, match="DDT_MOE_BULK_TILES"):
         moe._env_bulk_tiles()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
+# ---------------------------------------------------------------------------------------------------------
+def test_compact_gateup_blocks_fit_and_are_named_apart():
+    compact = [bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8]
+    assert {(bt.xr, bt.nst) for bt in compact} == {(4, 3), (2, 3)}
+    for bt in compact:
+        # the table's block with fewer token rows and one more stage: same warps, same k64 steps per stage
+        assert (bt.wm, bt.wk, bt.spw) == (moe.BULK_GATEUP.wm, moe.BULK_GATEUP.wk, moe.BULK_GATEUP.spw)
+        assert bt.stage_bytes() == 2 * bt.wm * bt.steps * 576 + bt.xr * (bt.steps * 128 + 64)
+        assert bt.stage_bytes() % 128 == 0 and 4 * bt.wm + bt.xr <= 32
+        assert bt.smem_dyn(0) + bt.smem_static <= moe.SMEM_LIMIT, bt          # one block on sm_120
+        assert 2 * (bt.smem_dyn(0) + bt.smem_static + 1024) <= 228 * 1024     # two blocks per H200 SM
+        # the K-split partials hold only the 4*xr lanes whose columns can be tokens
+        assert bt.smem_static == moe.BULK_GATEUP.smem_static * bt.xr // 8
+        name = moe._bulk_name(0, bt)
+        assert name == f"moe_gemm_bulk<0, 1, 8, 2, {bt.nst}, 0, {bt.xr}>" and name in moe.SPEC_BULK.names
+        # decode only: moe_route's chunks are 8 tokens (G = 1 is not compiled with xr < 8)
+        assert bt not in moe._bulk_compiled(1)["gu"]
+        assert not any(n.endswith(f", 1, {bt.xr}>") for n in moe.SPEC_BULK.names)
+    # xr = 8 keeps the previous names (the template's default)
+    assert moe._bulk_name(0, moe.BULK_GATEUP) == "moe_gemm_bulk<0, 1, 8, 2, 2, 0>"
+    assert moe.BulkTile(1, 8, 2, 2) == moe.BULK_GATEUP and moe.BULK_GATEUP.xr == 8
+
+
+def test_compact_blocks_third_stage_needs_the_compact_partials():
+    # why the partials are compacted: with 32 lanes' partials the xr = 4, 3-stage block would not fit sm_120
+    bt = moe.BulkTile(1, 8, 2, 3, 4)
+    full_red = 2 * bt.wm * bt.wk * 2 * 4 * 32 * 4
+    assert bt.smem_dyn(0) + full_red > moe.SMEM_LIMIT >= bt.smem_dyn(0) + bt.smem_static
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_slots_do_not_depend_on_the_chunk_size(seed):
+    # the compact gate/up sorts with chunks of xr tokens, the down kernel with 8: h[slot] is only consistent if
+    # the slot order is the same (sort_pairs_block: slot = expert's run offset + the pair's rank)
+    rng = np.random.default_rng(seed)
+    E, T, k = 24, 32, 8
+    ids = rng.integers(0, E, size=(T, k)).astype(np.int32)
+    ids[:5] = 7                      # an expert with 40 tokens: 5 chunks of 8, 10 of 4, 20 of 2
+    ids[9, 3] = E + 2                # a bad id
+    c8, s8, b8 = moe.fused_sort_numpy(ids, E, 8)
+    for xr in (4, 2):
+        c, s, b = moe.fused_sort_numpy(ids, E, xr)
+        np.testing.assert_array_equal(s, s8)
+        assert b == b8 == 1
+        assert c[:, 2].max() <= xr and c[:, 2].sum() == c8[:, 2].sum() == len(s8)
+        # every chunk of 8 is the concatenation of its chunks of xr (same expert, contiguous slots)
+        for e, first, n, _ in c8:
+            sub = c[(c[:, 0] == e) & (c[:, 1] >= first) & (c[:, 1] < first + n)]
+            assert sub[:, 2].sum() == n and sub[0, 1] == first
+            np.testing.assert_array_equal(sub[1:, 1], sub[:-1, 1] + sub[:-1, 2])
+        # at most one chunk per pair (FUSED_MAX_CHUNKS bounds the shared-memory chunk list)
+        assert len(c) <= min(T * k, moe.FUSED_MAX_PAIRS + moe.FUSED_MAX_PAIRS // 8)
+        assert len(c) == sum(-(-int(n) // xr) for n in np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E))
+
+
+def test_compact_blocks_env_override(monkeypatch):
+    # DDT_MOE_BULK_TILES takes an optional fifth number, the token rows (gu=1,8,2,3,4)
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
+    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,2;dn=4,1,4,3")
+    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,8")          # xr = 8 with 3 stages: not compiled
+    with pytest.raises(ValueError, match="compiled"):
+        moe._env_bulk_tiles()
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "dn=4,1,4,2,4")          # the down kernel keeps chunks of 8
+    with pytest.raises(ValueError, match="compiled"):
+        moe._env_bulk_tiles()
+    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,8,2,3,4")    # decode only
+    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
+        moe._env_bulk_tiles(True)
+    monkeypatch.delenv("DDT_MOE_BULK_TILES")
+    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
+    assert moe._env_bulk_tiles() == (moe.BULK_GATEUP, moe.BULK_DOWN)   # the default is unchanged
+    assert moe.BULK_GATEUP.xr == 8 and moe.BULK_GATEUP.nst == 2

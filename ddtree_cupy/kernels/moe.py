@@ -234,6 +234,7 @@ class BulkTile:
     wk: int
     spw: int      # k64 steps per consumer warp and stage
     nst: int      # ring stages
+    xr: int = 8   # token rows per stage = the routing chunk size (8; 4 or 2: the compact gate/up blocks)
 
     @property
     def threads(self) -> int:
@@ -245,7 +246,7 @@ class BulkTile:
 
     def stage_bytes(self) -> int:
         ss = self.steps
-        return 2 * self.wm * ss * (512 + 64) + 8 * (ss * 128 + 64)
+        return 2 * self.wm * ss * (512 + 64) + self.xr * (ss * 128 + 64)
 
     @property
     def smem_dynamic(self) -> int:      # with the shared-memory sort (G = 0)
@@ -257,8 +258,8 @@ class BulkTile:
         return 128 + self.nst * self.stage_bytes() + (BULK_META if g == 0 else 0)
 
     @property
-    def smem_static(self) -> int:      # the K-split partials, double-buffered (moe_bulk.cu)
-        return 2 * self.wm * self.wk * 2 * 4 * 32 * 4 if self.wk > 1 else 4
+    def smem_static(self) -> int:      # the K-split partials of the 4*xr lanes that can hold tokens, double-buffered
+        return 2 * self.wm * self.wk * 2 * 4 * (4 * self.xr) * 4 if self.wk > 1 else 4
 
 
 # gate/up: 1 x 8 warps: one tile pair per unit, K split eight ways with two k64 steps per warp in each 16-step
@@ -271,7 +272,12 @@ class BulkTile:
 BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
-BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2))
+BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2)) + (
+    # session 5, docs/MOE.md "Session 5: compact token rows": the table's block with stages of 4 (2) token rows
+    # instead of 8 and a third stage in the space freed (two blocks per H200 SM, one fits sm_120's 99 KB);
+    # bit-identical to BULK_GATEUP. The routing chunk becomes 4 (2) tokens: an expert with more tokens has its
+    # weights streamed once per chunk.
+    BulkTile(1, 8, 2, 3, 4), BulkTile(1, 8, 2, 3, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
@@ -290,7 +296,8 @@ BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 # Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
 # picks compiled blocks (the table's or a candidate) for T*k <= FUSED_MAX_PAIRS, DDT_MOE_BULK_LARGE_TILES (same
-# syntax) above; DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
+# syntax) above; an optional fifth number is the token rows per stage (xr, default 8: "gu=1,8,2,3,4" is the compact
+# gate/up block with 4 rows and 3 stages); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
 # one per tile and token row).
 BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
 
@@ -312,7 +319,7 @@ def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
         try:
             t = BulkTile(*(int(n) for n in nums.split(",")))
         except (TypeError, ValueError):
-            raise ValueError(f"{var}: {part!r} is not gu=wm,wk,spw,nst or dn=wm,wk,spw,nst") from None
+            raise ValueError(f"{var}: {part!r} is not gu=wm,wk,spw,nst[,xr] or dn=wm,wk,spw,nst[,xr]") from None
         if key not in allowed or t not in allowed[key]:
             raise ValueError(f"{var}: {part!r} is not a compiled block ({allowed.get(key)})")
         if key == "gu":
@@ -323,6 +330,9 @@ def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
 
 
 def _bulk_name(mode: int, bt: BulkTile, g: int = 0) -> str:
+    # XR = 8 is the template's default: the previous names stay the same kernels
+    if bt.xr != 8:
+        return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}, {bt.xr}>"
     return f"moe_gemm_bulk<{mode}, {bt.wm}, {bt.wk}, {bt.spw}, {bt.nst}, {g}>"
 
 
@@ -828,7 +838,6 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     Ip = weights.inter_padded
     i32, i64 = np.int32, np.int64
     pairs = T * k
-    chunks_max = min(pairs, min(pairs, E) + pairs // 8)
     plan = []
     if glob:
         # the register ring's routing kernel with chunks of 8 (the bulk kernels' token tile) and its L2 prefetch
@@ -849,6 +858,8 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
             ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
         dyn = bt.smem_dyn(g)
         fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
+        # chunks of <= bt.xr tokens (the compact gate/up blocks cut more of them than the down's 8)
+        chunks_max = min(pairs, min(pairs, E) + pairs // bt.xr)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
         args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common
