@@ -258,7 +258,11 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 variants["ring"] = dict(bulk=False)
                 variants["bulk_down"] = dict(bulk="down")
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
-                    variants[f"bulk_gu{i}"] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
+                    # session 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
+                    key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
+                    variants[key] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
+                # the table's block named explicitly, whatever DDT_MOE_BULK_TILES says ("bulk" follows it)
+                variants["bulk_xr8"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, moe.BULK_DOWN))
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
                 variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
@@ -282,7 +286,8 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans]:
+            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans] + \
+                    [k for k in plans if k.startswith("bulk_xr")]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
                     sub = plan[:n]
@@ -298,7 +303,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
                              stages_bulk_us_cumulative=stage_sets.get("bulk"),
-                             stages_bulkL_us_cumulative=stage_sets.get("bulkL"), tiles=str(tab)))
+                             stages_bulkL_us_cumulative=stage_sets.get("bulkL"),
+                             stages_xr_us_cumulative={k: v for k, v in stage_sets.items() if k.startswith("bulk_xr")},
+                             tiles=str(tab)))
             best = min(res, key=res.get)
             print(f"I={I:5d} {mode:8s} T={T:3d} exp={len(touched):3d} now {res['now']:8.1f} us "
                   f"({100 * frac['now']:4.1f}%) best={best} {res[best]:.1f} | "
@@ -307,6 +314,20 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 v = list(st.values())
                 print(f"    stages {key:6s} " + " ".join(
                     f"{n}={b - a:.1f}" for n, a, b in zip(st, [0.0] + v[:-1], v)), flush=True)
+            if "bulk_xr8" in stage_sets:
+                # the decision line (docs/MOE.md "Session 5: compact token rows"): layer and gate/up time of the
+                # compact blocks against the table's block (xr8), same process, same inputs
+                def gu_us(key):
+                    st = stage_sets[key]
+                    return st["gate_up"] - st.get("route", 0.0)
+                base_l, base_g = res["bulk_xr8"], gu_us("bulk_xr8")
+                touched_gu = np.unique(ids)          # the gate/up's bytes: its weights + scales of touched experts
+                gu_bytes = len(touched_gu) * (w.w13.nbytes + w.s13.nbytes) // E
+                print(f"    compact I={I} {mode} T={T}: " + " | ".join(
+                    f"{k[5:]} layer {res[k]:.1f} us ({100 * (res[k] / base_l - 1):+.1f}%) gate/up {gu_us(k):.1f} us "
+                    f"({100 * (gu_us(k) / base_g - 1):+.1f}%, {gu_bytes / (gu_us(k) * 1e-6) / 1e9 / read_gbs * 100:.0f}% "
+                    f"of ceiling)" for k in sorted((k for k in stage_sets if k.startswith("bulk_xr")), reverse=True))
+                      + f" [{len(touched_gu)} experts]", flush=True)
     del w, ws
     cp.get_default_memory_pool().free_all_blocks()
 

@@ -9,7 +9,12 @@ Session 5: the same kernels fed by moe_route's global chunk list (template G = 1
 at any T): T = 33 .. 320 with E = 384 and small E, one expert holding every token, bad ids, I = 32 / 256 / 2048,
 bit-identity with the shared-memory sort (G = 0: only the slot order differs, every output column's arithmetic
 is the same), every compiled large-T block, graph replay, a workspace reused from a larger T, and the PDL chain
-(the down kernel reads moe_route's chunk list before its wait)."""
+(the down kernel reads moe_route's chunk list before its wait).
+
+Session 5, compact token rows: the gate/up blocks with stages of xr = 4 / 2 token rows (chunks of xr tokens, a
+third stage) against the float64 reference at T = 4 .. 32 and bit for bit against the table's block (h, y, out),
+experts with many chunks, every pair on one expert, bad ids, graph replay, the published sort, the environment
+override and the PDL chain."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,8 +72,11 @@ def test_bulk_publishes_the_sort(narrow):
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
-@pytest.mark.parametrize("T", [16, 40])
-def test_bulk_under_pdl_matches_plain(narrow, T):
+COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # session 5: xr = 4, 2
+
+
+@pytest.mark.parametrize("T,gu", [(16, None), (40, None), (16, COMPACT[0]), (8, COMPACT[-1])])
+def test_bulk_under_pdl_matches_plain(narrow, T, gu):
     # ROUNDS x (mixing GEMM -> router -> bulk MoE): the router writes new ids / weights every round, and the
     # down kernel reads them before its PDL wait (T = 40: also moe_route's chunk list, written two kernels
     # earlier, G = 1). With PDL on (eager and graph-replayed) the outputs must be bit-identical to plain
@@ -95,7 +103,8 @@ def test_bulk_under_pdl_matches_plain(narrow, T):
         for r in range(R):
             gemm.gemm_bf16(xs[r], w_mix, xm, workspace=gws)
             router.route(xm, gate, bias, k, out_ids=ids, out_weights=wts, logits=logits)
-            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True)
+            moe.moe_forward(xm, ids, wts, layer.w, ws, out=outs[r], bulk=True,
+                            bulk_tiles=None if gu is None else (gu, moe.BULK_DOWN))
 
     def fresh():     # poisoned outputs, finished before the non-blocking stream uses them
         out = cp.full((R, T, layer.H), 0xFFFF, cp.uint16)
@@ -345,3 +354,172 @@ def test_bulk_large_t_rule_switch(e384, monkeypatch):
     monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
     assert _run(e384, 40, 8, seed=5700) < TOL
     assert not any(n.startswith("moe_gemm_bulk") for n in names) and any(n.startswith("moe_gemm<") for n in names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: compact token rows (docs/MOE.md "Session 5: compact token rows")
+# ---------------------------------------------------------------------------------------------------------
+def _compact_call(layer, x, ids, wts, gu, residual=None, ws=None):
+    """One bulk call with gate/up block ``gu`` and poisoned h / y / out: (out, y bits, h bits, ws)."""
+    import cupy as cp
+    T, k = ids.shape
+    ws = ws or moe.MoEWorkspace(T, k, layer.w)
+    ws.y.fill(np.nan)
+    ws.h[:, :layer.I] = 0xFFFF      # bf16 NaN (the padding columns [I, Ip) must stay zero: the down reads them)
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
+                    residual=None if residual is None else cp.asarray(residual), bulk=True,
+                    bulk_tiles=(gu, moe.BULK_DOWN))
+    return out.get(), ws.y.get().view(np.uint32), ws.h.get(), ws
+
+
+def _assert_compact_is_the_table(layer, x, ids, wts, residual=None):
+    """Every compact block: within TOL of the float64 reference and bit-identical to the table's block (h of the
+    valid slots, y of the valid pairs, out)."""
+    o8, y8, h8, ws = _compact_call(layer, x, ids, wts, moe.BULK_GATEUP, residual)
+    valid = ((ids >= 0) & (ids < layer.E)).reshape(-1)
+    n_valid = int(valid.sum())
+    assert not np.any(h8[:n_valid, :layer.I] == 0xFFFF) and np.all(o8 != 0xFFFF)
+    ref = layer.reference(x, ids, wts, residual)
+    for gu in COMPACT:
+        o, y, h, _ = _compact_call(layer, x, ids, wts, gu, residual)
+        np.testing.assert_array_equal(h[:n_valid], h8[:n_valid], err_msg=f"h {gu}")
+        np.testing.assert_array_equal(y[valid], y8[valid], err_msg=f"y {gu}")
+        np.testing.assert_array_equal(o, o8, err_msg=f"out {gu}")
+        got = bf16_bits_to_f32(o).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL, gu
+    return ws
+
+
+@pytest.mark.parametrize("layer_name,T,mode", [
+    ("narrow", 4, "uniform"), ("narrow", 8, "uniform"), ("narrow", 16, "uniform"), ("narrow", 32, "uniform"),
+    ("narrow", 20, "one_expert"),      # expert 3 holds 20 tokens: 5 chunks of 4, 10 of 2
+    ("tiny", 13, "duplicates"),        # I = 32 (K padded to one step), repeated ids inside a token
+    ("tiny256", 32, "one_expert"),     # H = 512: 8-step stages (a partial stage of the 16-step ring)
+    ("wide", 9, "uniform")])           # I = 2048: 64 m-groups per chunk
+def test_compact_gateup_matches_reference_and_the_table_bit_for_bit(layer_name, T, mode, request):
+    layer = request.getfixturevalue(layer_name)
+    rng = np.random.default_rng(7000 + T)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8, mode)
+    res = to_bf16_bits(rng.standard_normal((T, layer.H))) if mode == "one_expert" else None
+    _assert_compact_is_the_table(layer, x, ids, wts, res)
+
+
+def test_compact_gateup_every_pair_on_one_expert(tiny256):
+    # T*k = 256 pairs all on expert 3 (8 times in every token): 64 chunks of 4 / 128 of 2 for one expert, the
+    # largest chunk list the shared-memory sort holds
+    layer = tiny256
+    rng = np.random.default_rng(7100)
+    T = 32
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids = np.full((T, 8), 3, np.int32)
+    wts = rng.uniform(0.05, 0.5, size=(T, 8)).astype(np.float32)
+    ws = _assert_compact_is_the_table(layer, x, ids, wts)
+    assert ws.bad_ids() == 0
+
+
+def test_compact_gateup_bad_ids_are_counted_and_skipped(narrow):
+    layer = narrow
+    rng = np.random.default_rng(7200)
+    T, k = 12, 8
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, k, "one_expert")
+    ids[1, 2] = layer.E
+    ids[7, 5] = -3
+    ids[3, :] = -1                  # token 3 has no valid expert: out = residual
+    o8, *_ = _compact_call(layer, x, ids, wts, moe.BULK_GATEUP, res)
+    w_ref, ids_ref = wts.copy(), ids.copy()
+    for t, j in ((1, 2), (7, 5)):
+        w_ref[t, j], ids_ref[t, j] = 0.0, 0
+    w_ref[3, :] = 0.0
+    ids_ref[3, :] = np.arange(k)
+    ref = layer.reference(x, ids_ref, w_ref, res)
+    for gu in COMPACT:
+        o, y, h, ws = _compact_call(layer, x, ids, wts, gu, res)
+        assert ws.bad_ids() == 2 + k, gu
+        np.testing.assert_array_equal(o, o8, err_msg=str(gu))
+        np.testing.assert_array_equal(o[3], res[3])
+        got = bf16_bits_to_f32(o).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL, gu
+
+
+@pytest.mark.parametrize("gu", COMPACT)
+def test_compact_gateup_publishes_its_chunks(narrow, gu):
+    # block 0 publishes the gate/up's own sort: chunks of <= xr tokens, the same slots as with chunks of 8
+    import cupy as cp
+    T = 20
+    rng = np.random.default_rng(7300)
+    ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
+    x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
+    ws = moe.MoEWorkspace(T, 8, narrow.w)
+    ws.chunks.fill(-7)
+    ws.slot_pair.fill(-7)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True,
+                    bulk_tiles=(gu, moe.BULK_DOWN))
+    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, gu.xr)
+    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
+    assert chunks[:, 2].max() == gu.xr
+    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
+    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+
+
+@pytest.mark.parametrize("gu", COMPACT)
+def test_compact_gateup_graph_replay(narrow, gu):
+    # captured once, replayed with new routing written into the same buffers: the sort runs inside the graph
+    import cupy as cp
+    layer = narrow
+    rng = np.random.default_rng(7400 + gu.xr)
+    T, k = 16, 8
+    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
+    ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_tiles=(moe.BULK_GATEUP, moe.BULK_DOWN))
+    # eager first (also loads the kernel outside the capture): bit-identical to the table's block
+    mine = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
+    np.testing.assert_array_equal(mine.get(), eager.get())
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()
+    with stream:
+        stream.begin_capture()
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(out.get(), eager.get())
+    ids2, wts2 = _routing(rng, T, layer.E, k, "one_expert")
+    ids[...] = cp.asarray(ids2)
+    wts[...] = cp.asarray(wts2)
+    cp.cuda.Stream.null.synchronize()
+    with stream:
+        out.fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = layer.reference(x.get(), ids2, wts2)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
+    # DDT_MOE_BULK_TILES="gu=1,8,2,3,4" runs the compact block through the plain call (what bench.step uses);
+    # the compact blocks are decode-only (no moe_route feed)
+    import cupy as cp
+    names = _kernel_names(monkeypatch)
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
+    assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
+    assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)) in names and moe._bulk_name(1, moe.BULK_DOWN) in names
+    assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)).endswith(", 0, 4>")
+    monkeypatch.delenv("DDT_MOE_BULK_TILES")
+    names.clear()
+    assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
+    assert moe._bulk_name(0, moe.BULK_GATEUP) in names          # the default is the previous block
+    T = 8
+    ws = moe.MoEWorkspace(T, 8, tiny256.w)
+    x = cp.zeros((T, tiny256.H), cp.uint16)
+    ids = cp.zeros((T, 8), cp.int32)
+    wts = cp.zeros((T, 8), cp.float32)
+    with pytest.raises(ValueError, match="bulk_tiles"):        # G = 1 is not compiled with xr < 8
+        moe.moe_forward(x, ids, wts, tiny256.w, ws, bulk=True, fuse_route=False,
+                        bulk_tiles=(COMPACT[0], moe.BULK_DOWN))
