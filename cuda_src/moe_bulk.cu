@@ -337,7 +337,8 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                         // Absent token columns (g >= ntok) read a stale row: MMA columns are independent, so
                         // whatever it holds never reaches a stored column. Columns g >= XR have no row in the
                         // stage: they read row g % XR (inside the stage; a same-address broadcast, no conflict).
-                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + (g % XR) * x_pitch + ks * 128 + 16 * t;
+                        const int xrow = XR == 8 ? g : g % XR;
+                        const unsigned char* xr = st + St::W_BYTES + St::S_BYTES + xrow * x_pitch + ks * 128 + 16 * t;
                         const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
                         const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 64);
 #pragma unroll
@@ -394,7 +395,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             float* buf = red + (size_t)(unit_parity * RED_UNIT);
             const int rl = g * (XR / 2) + t;         // this lane's place among the RL storing lanes (XR = 8: lane)
             float* mine = buf + (size_t)warp * 2 * 4 * RL + rl;
-            if (2 * t < XR) {
+            if (XR == 8 || 2 * t < XR) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
