@@ -9,9 +9,8 @@ build (1 launch), walk + commit (1 launch), and all of them in one graph ("total
 same graph launched with programmatic dependent launch, when the launch path is available; "top-K PDL":
 the top-K's two launches alone with PDL, in the comparison lines). The kernel variants of kernels/ddtree.py
 given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 7 scan-rank-cache / 8 scan-rank-cache-regs
-/ 11 scan-rank-cache-regs-ovl / 12 scan-rank-cache-regs-pair; default: 8 12: the default and its candidate,
-whose builder pops two entries per round; `--variants 8 12` decides variant 12: build 8 -> 12 in the
-comparison lines) run on the same inputs;
+/ 11 scan-rank-cache-regs-ovl; default: 8 11: the default and its candidate, whose merge overlaps stage 1
+under PDL) run on the same inputs;
 "same" says a variant's outputs equal the reference
 variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
@@ -155,10 +154,9 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[8, 12],
+    ap.add_argument("--variants", type=int, nargs="+", default=[8, 11],
                     help="kernel variants to time (0 = verified, 3 = v3, 7 = scan-rank-cache, 8 = "
-                         "scan-rank-cache-regs, 11 = scan-rank-cache-regs-ovl, 12 = scan-rank-cache-regs-pair); "
-                         "the reference of the "
+                         "scan-rank-cache-regs, 11 = scan-rank-cache-regs-ovl); the reference of the "
                          "'same' column is 0 when given, else the lowest")
     ap.add_argument("--was-variant", default="scan-rank-cache-regs",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
@@ -229,7 +227,7 @@ def main(argv=None):
             print(f"target: 10 streams, budget 64, {r['variant']}: {r['was_total_us']:.1f} -> {r['total_us']:.1f} us "
                   f"(PDL {r['total_pdl_us']:.1f}; target <= 30 us)")
     # the builder's cost per pop: the slope of its time between the smallest and the largest budget (the
-    # fixed part -- launch, loads, the rows and masks -- cancels; variant 12 pops two entries per round)
+    # fixed part -- launch, loads, the rows and masks -- cancels)
     lo_b, hi_b = min(args.budgets), max(args.budgets)
     for S in args.streams:
         for v in variants:

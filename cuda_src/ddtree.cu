@@ -41,11 +41,8 @@
 // merge block waits for its row's count instead of the whole stage-1 grid, so the rows finished in stage
 // 1's earlier waves are merged while the later ones still stream ("Stage 1 -> merge overlap" below); its
 // stage 1 runs at 5 blocks per SM (48 registers).
-// DDT_FAST=12 ("scan-rank-cache-regs-pair") is variant 8 whose cache loop pops two entries per round
-// (cache_pairs: the head and the best of {entry 1, the head's sibling, the head's child}; the up to four
-// new entries are ranked in one pass and placed with one shuffle round; docs/DDTREE.md "Variant 12").
-#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 7 && DDT_FAST != 8 && DDT_FAST != 11 && DDT_FAST != 12
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 11 (scan-rank-cache-regs-ovl), 12 (scan-rank-cache-regs-pair)"
+#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 7 && DDT_FAST != 8 && DDT_FAST != 11
+#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 11 (scan-rank-cache-regs-ovl)"
 #endif
 #define DDT_SCAN (DDT_FAST >= 7)        // stage 1 writes group keys, the merge re-reads groups
 #define DDT_RANK_OUT (DDT_FAST >= 7)    // the merge's output placed by rank
@@ -54,7 +51,6 @@
 #define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
 #define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
 #define DDT_OVERLAP (DDT_FAST == 11)    // per-row arrival counters: the merge overlaps stage 1 (row_cnt argument)
-#define DDT_CACHE_PAIR (DDT_FAST == 12) // the cache loop pops two entries per round (cache_pairs)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_OVERLAP
 #define DDT_PARTIAL_MIN_BLOCKS 5   // 48 registers, no spill (session 3's variant 10: stage 1 at 10 x 64 9.6 -> 9.2 us)
@@ -1495,138 +1491,6 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
     return nodes;
 }
 #endif
-#if DDT_CACHE_PAIR
-// ---------------------------------------------------------------------------------------------------
-// Builder, sorted cache, two pops per round (variant 12; docs/DDTREE.md "Variant 12"). Same list as
-// cache_pops (entry j in lane j, sorted in pop order, the head h known to every lane). A round pops the
-// head h0 and then h1 = the best of {entry 1, h0's next sibling s0, h0's first child c0}: exact, because
-// after h0 leaves, the best of the frontier is the list's next entry or one of the two entries h0 just
-// created. h1's successors s1, c1 follow; the new entries (s0, c0, s1, c1 minus the one popped as h1) are
-// ranked against the list in one pass (four ballots over lanes 1 .. n-1, lane 1 masked out when it was
-// popped) plus their pairwise order, and placed by one shuffle round. The round's fixed costs (entry 1's
-// broadcast, the move shuffle, the next head's broadcast, the loop test) are paid once per two pops.
-// Why 32 entries are still enough for budget <= 64: after q pops the frontier holds <= q + 1 entries, so
-// an entry falls off (index >= 32 when a round ends) only when q >= 32; it then has 32 unpopped prefixes
-// ahead of it, so its rank in the total order is >= q + 33 > budget (<= 64) and it (like every entry after
-// it) is never among the first `budget` prefixes. A list that misses only such entries pops exactly the
-// reference's entries while pops remain: each pop's true best has rank <= budget, so it is in the list.
-// The round pops h1 only if h0 left a node to emit (nodes < budget) and a frontier entry (odd remainders
-// end after h0). Chain pops count towards the pops (<= budget in all: nc chain pops, budget - nc others).
-// A lane-dependent `valid && cmp` in a ballot: sm_120 (NVRTC 12.9 / nvcc 13) compiles && into a divergent
-// branch (BSSY/BSYNC, 11 SASS instructions more per round), sm_90 into predicated compares that beat the
-// branch-free & by 14; same predicate either way.
-#if __CUDA_ARCH__ >= 1000
-#define DDT_LANE_AND(a, b) ((a) & (b))
-#else
-#define DDT_LANE_AND(a, b) ((a) && (b))
-#endif
-// The successors of an entry `e` (both scores, rank tuples, info words and the log-probs they carry).
-__device__ __forceinline__ void cache_succ(const CEnt& e, const float* s_lp, int D, int K, int nc, int row,
-                                          CEnt& sib, CEnt& ch) {
-    const int d = e.info & 15, r = (e.info >> 4) & 255, prow = (e.info >> 12) & 255, chain = (e.info >> 20) & 1;
-    const float sc = ordered_to_f32(e.os);
-    sib.os = ordered_sum(e.ps, e.ls);
-    const u64 dig = tuple_digit(d, 0);
-    sib.tup = e.tup + dig;          // rank digit + 1
-    ch.os = ordered_sum(sc, e.lc);
-    ch.tup = e.tup + (dig >> 8);    // the next depth's digit (wrong only for a child that does not exist,
-                                    // d = D: cache_pairs never places, pops or orders such an entry)
-    sib.info = pack_info(d, r + 1, prow, 0);
-    sib.ps = e.ps;
-    sib.ls = s_lp[(d - 1) * K + min(r + 2, K - 1)];   // the sibling's own next sibling
-    sib.lc = e.lc;                                     // same depth: same first-child log-prob
-    ch.info = pack_info(d + 1, 0, row, chain && d + 1 <= nc);
-    ch.ps = sc;
-    ch.ls = s_lp[min(d, D - 1) * K + min(1, K - 1)];  // the child's next sibling
-    ch.lc = s_lp[min(d + 1, D - 1) * K];              // the child's first child
-}
-// Pops until `budget` rows are emitted or the frontier is empty; lane 0 stores each emitted row's info
-// word (as cache_pops with DDT_CACHE_LEAN), every lane decodes the rows after the loop. Returns the node
-// count (warp-uniform).
-__device__ __forceinline__ int cache_pairs(const float* s_lp, const int* s_id, int D, int K, int kf, int budget,
-                                           int nc, int lane, int* t_tok, int* t_par, int* t_dep, int* t_info) {
-    int nodes = nc;
-    if (nodes >= budget) return nodes;   // budget <= 0, or the chain alone fills it (nc = budget)
-    CEnt h;   // the root's first child: depth 1, rank 0 (indices clamped: unused when K or D is 1)
-    h.os = ordered_sum(0.f, s_lp[0]);
-    h.tup = tuple_digit(1, 0);
-    h.info = pack_info(1, 0, 0, nc >= 1);
-    h.ps = 0.f;
-    h.ls = s_lp[min(1, K - 1)];
-    h.lc = s_lp[min(1, D - 1) * K];
-    CEnt c = h;   // lane j: entry j (lanes >= n hold stale copies of real entries: never placed or popped)
-    int n = 1;
-    const int kx = lane / 3, ky = lane % 3 + (lane % 3 >= lane / 3 ? 1 : 0);   // the new-entry pair of lane k < 12
-    const bool kx1 = kx & 1, kx2 = kx & 2, ky1 = ky & 1, ky2 = ky & 2;
-    while (true) {   // here n > 0 and nodes < budget
-        const CEnt e1 = cent_shfl(c, 1);   // entry 1: a candidate for h1 (valid when n >= 2)
-        // ---- pop h0 = h
-        const int d0 = h.info & 15, r0 = (h.info >> 4) & 255, chain0 = (h.info >> 20) & 1;
-        const bool hs0 = r0 + 1 < kf, hc0 = d0 < D;
-        const int row0 = chain0 ? d0 : nodes + 1;
-        CEnt s0, c0;
-        cache_succ(h, s_lp, D, K, nc, row0, s0, c0);
-        // the emitted row's info word (one store, no branch: other lanes and chain pops write scratch slots)
-        t_info[lane == 0 && !chain0 ? row0 : DDT_MAX_TREE_ROWS + lane] = h.info;
-        nodes += chain0 ? 0 : 1;
-        const int n1 = n - 1 + (hs0 ? 1 : 0) + (hc0 ? 1 : 0);   // list entries once h0 is gone
-        // s0's and c0's ranks among entries 1 .. n-1 (bit 1 = entry 1 before them: it picks h1 below)
-        const bool valid = lane >= 1 && lane < n;
-        const unsigned ba = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, s0.os, s0.tup)));
-        const unsigned bb = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, c0.os, c0.tup)));
-        if (n1 == 0 || nodes >= budget) break;   // odd remainder or an empty frontier: the round ends at h0
-        // ---- pop h1 = the best of {entry 1, s0, c0}
-        const bool child_first0 = pops_before(c0.os, c0.tup, s0.os, s0.tup);
-        const bool use_s0 = hs0 && (!hc0 || !child_first0);   // the better existing one of s0, c0
-        const bool e1_first = (n >= 2) & (!hs0 | ((ba >> 1) & 1)) & (!hc0 | ((bb >> 1) & 1));   // & not &&: no branch
-        const CEnt g = cent_sel(e1_first, e1, cent_sel(use_s0, s0, c0));
-        const int d1 = g.info & 15, r1 = (g.info >> 4) & 255, chain1 = (g.info >> 20) & 1;
-        const bool hs1 = r1 + 1 < kf, hc1 = d1 < D;
-        const int row1 = chain1 ? d1 : nodes + 1;
-        CEnt s1, c1;
-        cache_succ(g, s_lp, D, K, nc, row1, s1, c1);
-        t_info[lane == 0 && !chain1 ? row1 : DDT_MAX_TREE_ROWS + lane] = g.info;
-        nodes += chain1 ? 0 : 1;
-        const unsigned bc = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, s1.os, s1.tup)));
-        const unsigned bd = __ballot_sync(FULL_MASK, DDT_LANE_AND(valid, pops_before(c.os, c.tup, c1.os, c1.tup)));
-        // ---- place the new entries: a = s0, b = c0, c = s1, d = c1 (those that exist and were not popped)
-        const bool xa = hs0 && (e1_first || !use_s0), xb = hc0 && (e1_first || use_s0), xc = hs1, xd = hc1;
-        const unsigned keep = e1_first ? ~2u : ~0u;   // entry 1 left the list as h1
-        // their order among themselves in one more ballot: lane k < 12 asks whether new entry ky exists and
-        // pops before new entry kx (kx = k / 3; ky = the (k % 3)-th of the other three; 0..3 = a, b, c, d),
-        // so bits 3 kx .. 3 kx + 2 count the new entries ahead of kx (selects by lane-constant indices
-        // instead of six warp-uniform comparisons and their gated sums)
-        const int ex = (xa ? 1 : 0) | (xb ? 2 : 0) | (xc ? 4 : 0) | (xd ? 8 : 0);
-        // by value (a reference select put the entries on the stack), as selects on lane-constant bits
-        const uint32_t xo = kx2 ? (kx1 ? c1.os : s1.os) : (kx1 ? c0.os : s0.os);
-        const u64 xt = kx2 ? (kx1 ? c1.tup : s1.tup) : (kx1 ? c0.tup : s0.tup);
-        const uint32_t yo = ky2 ? (ky1 ? c1.os : s1.os) : (ky1 ? c0.os : s0.os);
-        const u64 yt = ky2 ? (ky1 ? c1.tup : s1.tup) : (ky1 ? c0.tup : s0.tup);
-        const unsigned w = __ballot_sync(FULL_MASK, (lane < 12) & ((ex >> ky) & 1) & pops_before(yo, yt, xo, xt));   // & not &&: no branch
-        const int pa = xa ? __popc(ba & keep) + __popc(w & 0x7u) : 64;
-        const int pb = xb ? __popc(bb & keep) + __popc(w & 0x38u) : 64;
-        const int pc = xc ? __popc(bc & keep) + __popc(w & 0x1c0u) : 64;
-        const int pd = xd ? __popc(bd & keep) + __popc(w & 0xe00u) : 64;
-        // new entry j: a new one at its position, else old entry j + (1 or 2 popped) - (new ones before j);
-        // index 32 and beyond falls off (sources 32, 33 wrap to lanes 0, 1: unused then)
-        const int src = lane + (e1_first ? 2 : 1) - (pa < lane) - (pb < lane) - (pc < lane) - (pd < lane);
-        const CEnt moved = cent_shfl(c, src);
-        c = cent_sel(lane == pa, s0, cent_sel(lane == pb, c0, cent_sel(lane == pc, s1, cent_sel(lane == pd, c1, moved))));
-        n = min(n1 - 1 + (hs1 ? 1 : 0) + (hc1 ? 1 : 0), 32);
-        if (n == 0 || nodes >= budget) break;
-        h = cent_shfl(c, 0);   // the next head: the list's entry 0
-    }
-    __syncwarp();   // lane 0's info words are visible to every lane
-    for (int i = nc + 1 + lane; i <= nodes; i += 32) {   // rows emitted by the loop
-        const int info = t_info[i];
-        const int d = info & 15, r = (info >> 4) & 255;
-        t_tok[i] = s_id[(d - 1) * K + r];
-        t_par[i] = (info >> 12) & 255;
-        t_dep[i] = d;
-    }
-    return nodes;
-}
-#endif
 extern "C" __global__ void __launch_bounds__(32)
 ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
                const int* __restrict__ budgets, const int* __restrict__ prefix_len,
@@ -1680,11 +1544,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
 #else
         int* t_info = nullptr;
 #endif
-#if DDT_CACHE_PAIR
-        nodes = cache_pairs(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);
-#else
         nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);
-#endif
     } else
 #endif
     {   // v3's pop loop (every budget in variants 3-5; budgets > DDT_CACHE_BUDGET in 6 and 7)

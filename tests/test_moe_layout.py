@@ -424,5 +424,13 @@ def test_compact_blocks_env_override(monkeypatch):
         moe._env_bulk_tiles(True)
     monkeypatch.delenv("DDT_MOE_BULK_TILES")
     monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
-    assert moe._env_bulk_tiles() == (moe.BULK_GATEUP, moe.BULK_DOWN)   # the default is unchanged
+    assert moe._env_bulk_tiles() == (moe.BULK_GATEUP, moe.BULK_DOWN)
     assert moe.BULK_GATEUP.xr == 8 and moe.BULK_GATEUP.nst == 2
+    # the table by expert width: the compact gate/up up to BULK_COMPACT_MAX_I (shared-memory sort only)
+    assert moe._env_bulk_tiles(False, 256) == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    assert moe._env_bulk_tiles(False, moe.BULK_COMPACT_MAX_I)[0] == moe.BULK_GATEUP_COMPACT
+    assert moe._env_bulk_tiles(False, 2048) == (moe.BULK_GATEUP, moe.BULK_DOWN)
+    assert moe._env_bulk_tiles(True, 256) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+    assert moe.BULK_GATEUP_COMPACT in moe.BULK_GATEUP_CANDIDATES
+    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2")             # the environment still decides
+    assert moe._env_bulk_tiles(False, 256)[0] == moe.BULK_GATEUP

@@ -86,19 +86,12 @@ DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
 DDTREE_OVERLAP_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "11"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, variant 8 with the merge overlapping stage 1 (per-row arrival counters, early PDL triggers)"))
-# Variant 12 ("scan-rank-cache-regs-pair", session 5): 8 whose cache loop pops two entries per round (the head
-# and the best of {entry 1, the head's sibling, the head's child}), ranking the up to four new entries in one
-# ballot pass and placing them with one shuffle round (cache_pairs in ddtree.cu; docs/DDTREE.md "Variant 12").
-# Top-K, walk and every output are variant 8's bit for bit; opt-in (DDT_TREE_VARIANT=12) until a device run.
-DDTREE_PAIR_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "12"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 8 whose sorted-cache builder pops two entries per round"))
 _SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
-          11: DDTREE_OVERLAP_SPEC, 12: DDTREE_PAIR_SPEC}
+          11: DDTREE_OVERLAP_SPEC}
 VARIANTS = {0: "verified", 3: "v3", 7: "scan-rank-cache", 8: "scan-rank-cache-regs",
-            11: "scan-rank-cache-regs-ovl", 12: "scan-rank-cache-regs-pair"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (7, 8, 11, 12)   # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (7, 8, 11, 12)  # variants with the sorted-cache builder
+            11: "scan-rank-cache-regs-ovl"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (7, 8, 11)       # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (7, 8, 11)      # variants with the sorted-cache builder
 OVERLAP_VARIANTS = (11,)         # variants whose top-K kernels take row_cnt (DDT_OVERLAP in ddtree.cu)
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge (8, 11) for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
@@ -112,9 +105,6 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # cross-kernel spin-wait; 8 stays the default (docs/DDTREE.md "Variant 11 measured"). DDT_TREE_VARIANT=11
 # selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
 # extra row_cnt argument).
-# 12 (session 5, not yet run on a GPU): set DEFAULT_VARIANT = 12 only under the rule in docs/DDTREE.md "Variant 12"
-# (all its GPU tests pass, "same: yes", build at 10 x 64 lower by >= 0.3 us, 1 x 8 / 10 x 8 not slower);
-# DDT_TREE_VARIANT=12 selects it meanwhile (same kernel signatures as 8).
 DEFAULT_VARIANT = 8
 if os.environ.get("DDT_TREE_VARIANT"):
     DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])

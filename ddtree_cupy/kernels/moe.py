@@ -279,6 +279,11 @@ BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2)) + (
     # weights streamed once per chunk.
     BulkTile(1, 8, 2, 3, 4), BulkTile(1, 8, 2, 3, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
+# The table's gate/up at expert widths <= BULK_COMPACT_MAX_I (a TP >= 4 shard of Kimi's 2048; the TP = 8 rank's is
+# 256): the compact block (docs/MOE.md "Session 5: compact token rows -- measured"): -1.1 to -4.5% per MoE layer at
+# I = 256, T = 4..32, uniform and skewed; PDL step 1 x 8 9.03 -> 8.91 ms; at I = 2048 it lost (+1%, skewed +13.6%).
+BULK_GATEUP_COMPACT = BulkTile(1, 8, 2, 3, 4)
+BULK_COMPACT_MAX_I = 512
 
 
 # Large T (T*k > FUSED_MAX_PAIRS, session 5; docs/MOE.md "Session 5: bulk GEMMs at large T"): the same kernels fed
@@ -309,10 +314,14 @@ def _bulk_allowed(large: bool):
     return {"gu": (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES, "dn": (BULK_DOWN,) + BULK_DOWN_CANDIDATES}
 
 
-def _env_bulk_tiles(large: bool = False) -> Tuple[BulkTile, BulkTile]:
+def _env_bulk_tiles(large: bool = False, inter: Optional[int] = None) -> Tuple[BulkTile, BulkTile]:
+    """The table's (gate/up, down) blocks -- the compact gate/up for the shared-memory sort at expert widths
+    ``inter`` <= BULK_COMPACT_MAX_I -- unless the environment names compiled blocks."""
     var = "DDT_MOE_BULK_LARGE_TILES" if large else "DDT_MOE_BULK_TILES"
     allowed = _bulk_allowed(large)
     gu, dn = allowed["gu"][0], allowed["dn"][0]
+    if not large and inter is not None and inter <= BULK_COMPACT_MAX_I:
+        gu = BULK_GATEUP_COMPACT
     v = os.environ.get(var, "")
     for part in filter(None, v.split(";")):
         key, _, nums = part.partition("=")
@@ -826,7 +835,7 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     large = T * k > FUSED_MAX_PAIRS
     allowed = _bulk_compiled(g)
     # the table by size (the decode blocks up to FUSED_MAX_PAIRS pairs, also when fed by moe_route there)
-    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles(large)
+    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles(large, None if glob else I)
     if gu_tile not in allowed["gu"] or dn_tile not in allowed["dn"]:
         raise ValueError(f"bulk_tiles: {(gu_tile, dn_tile)} are not compiled with routing source G = {g} "
                          f"({allowed})")

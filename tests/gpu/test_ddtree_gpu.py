@@ -16,18 +16,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[0, 3, 7, 8, 11, 12], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
-                                                   "scan-rank-cache-regs-ovl", "scan-rank-cache-regs-pair"])
-def fast(request):
-    """Every kernel variant (DDT_FAST = 0, 3, 7, 8, 11, 12, kernels/ddtree.py VARIANTS) must equal the reference."""
-    return request.param
-
-
 @pytest.fixture(params=[0, 3, 7, 8, 11], ids=["verified", "v3", "scan-rank-cache", "scan-rank-cache-regs",
                                                "scan-rank-cache-regs-ovl"])
-def topk_fast(request):
-    """The variants with top-K code of their own: 12 differs from 8 only in the builder (DDT_CACHE_PAIR is read
-    only there, tests/test_ddtree_pair_model.py checks it), so the top-K tests leave it out to stay fast."""
+def fast(request):
+    """Every kernel variant (DDT_FAST = 0, 3, 7, 8, 11, kernels/ddtree.py VARIANTS) must equal the reference."""
     return request.param
 
 
@@ -114,8 +106,7 @@ def _check_tree(ws, top_lp, top_id, budgets, prefix, bonus, cap_k, chain):
                                       # short rows: 64 groups of 8 logits, fewer than k (the scan merge takes
                                       # every group), and 128 groups for k = 64 (half of them selected)
                                       (512, 128, "normal"), (1024, 64, "ties")])
-def test_topk_matches_reference(dtype, V, k, kind, topk_fast):
-    fast = topk_fast
+def test_topk_matches_reference(dtype, V, k, kind, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(V + k)
@@ -147,8 +138,7 @@ def test_topk_matches_reference(dtype, V, k, kind, topk_fast):
 
 @pytest.mark.parametrize("shards,k", [(2, 64), (4, 64), (8, 64), (4, 1), (8, 128)])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_topk_vocab_shards_merge(shards, k, dtype, topk_fast):
-    fast = topk_fast
+def test_topk_vocab_shards_merge(shards, k, dtype, fast):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace, topk_merge
     rng = np.random.default_rng(shards + k)
@@ -501,8 +491,7 @@ def test_topk_with_pdl_equals_without(variant, V, K, dtype, pdl_on):
         np.testing.assert_array_equal(ws.row_cnt.get(), 0, err_msg="row_cnt (stand-alone launches)")
 
 
-@pytest.mark.parametrize("variant", [8, 11, 12], ids=["scan-rank-cache-regs", "scan-rank-cache-regs-ovl",
-                                                    "scan-rank-cache-regs-pair"])
+@pytest.mark.parametrize("variant", [8, 11], ids=["scan-rank-cache-regs", "scan-rank-cache-regs-ovl"])
 def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
     """The whole step (top-K, builder, walk) captured with PDL and replayed several times with new logits
     written in place: equal to eager launches without PDL, bit for bit (stage-1 buffers included: the scan

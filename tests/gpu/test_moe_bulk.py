@@ -514,7 +514,7 @@ def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
     monkeypatch.delenv("DDT_MOE_BULK_TILES")
     names.clear()
     assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
-    assert moe._bulk_name(0, moe.BULK_GATEUP) in names          # the default is the previous block
+    assert moe._bulk_name(0, moe.BULK_GATEUP_COMPACT) in names   # the table's gate/up at I <= BULK_COMPACT_MAX_I
     T = 8
     ws = moe.MoEWorkspace(T, 8, tiny256.w)
     x = cp.zeros((T, tiny256.H), cp.uint16)
