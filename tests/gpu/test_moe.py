@@ -200,7 +200,9 @@ def test_fused_sort_publishes_the_model(narrow, T, mode):
     ws.chunks.fill(-7)
     ws.slot_pair.fill(-7)
     out = moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, fuse_route=True)
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, 8)
+    # the chunk size of the sort that ran: the table's bulk gate/up block's token rows, the ring's 8
+    chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr if moe.bulk_for(T, 8) else 8
+    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, chunk)
     assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
     np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)

@@ -66,7 +66,10 @@ def test_bulk_publishes_the_sort(narrow):
     ws.chunks.fill(-7)
     ws.slot_pair.fill(-7)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True)
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, 8)
+    # block 0 of the gate/up publishes its sort: chunks of the table block's token rows (4 at I <= 512)
+    chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr
+    assert chunk == moe.BULK_GATEUP_COMPACT.xr
+    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, chunk)
     assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
     np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
     np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
