@@ -431,11 +431,13 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         if cfg.nt * 8 < T or N % cfg.rows():
             raise ValueError(f"decode config {cfg} cannot serve T={T}, N={N} (forced by set_decode_config)")
         smem = cfg.smem()
-        if DEC_SPREAD and (N // cfg.rows()) * cfg.cs * B <= _sm_count():
+        if DEC_SPREAD and cfg.cs == 1 and (N // cfg.rows()) * B <= _sm_count():
             # a grid of at most one block per SM asks for more than half an SM's shared memory, so two of its
             # blocks never share an SM: launched early under PDL while earlier kernels still hold some SMs, the
             # block scheduler otherwise packs two of them onto the free ones (H200 step 1 x 8 / 1 x 16 -1%,
-            # docs/KERNELS.md "Session 5"; a no-op where one block fills an SM, as on sm_120)
+            # docs/KERNELS.md "Session 5"; a no-op where one block fills an SM, as on sm_120). Not for clusters:
+            # 4-block clusters of one-per-SM blocks do not all fit the GPCs at once (shared gate+up, 128 blocks:
+            # 5.0 -> 7.4 us)
             smem = max(smem, _smem_per_sm() // 2 + 1024)
         kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=smem)
         kern((N // cfg.rows(), cfg.cs, B), (DEC_THREADS,),
