@@ -421,11 +421,12 @@ def test_every_decode_config(monkeypatch, cfg, T, N, K, B, f32):
 
 @pytest.mark.parametrize("T,N,K,f32", [(1, 1280, 7168, False), (16, 384, 7168, True), (16, 7168, 1024, False),
                                        (1, 4608, 7168, False), (16, 4608, 7168, False), (8, 7168, 256, False),
-                                       (17, 2112, 7168, False), (160, 2112, 7168, False)])
+                                       (17, 2112, 7168, False), (160, 2112, 7168, False), (64, 896, 7168, True),
+                                       (160, 7168, 2304, False)])
 def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
-    """The rule's own pick (cluster, RT, light-ring configs, split-K on both sides of T = 16) captured once
-    and replayed with new inputs: bit-identical to an eager call, right against float64, with PDL on as the
-    engine runs it."""
+    """The rule's own pick (cluster, RT, light-ring configs at T <= 16; the wide-token kernel with its split,
+    fp32 out included, above) captured once and replayed with new inputs: bit-identical to an eager call, right
+    against float64, with PDL on as the engine runs it."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch
     rng = np.random.default_rng(T * 3 + N)

@@ -2,8 +2,8 @@
 config forced with split 1, > 1 and uneven K ranges at edge shapes (T 17..160 with padded token tiles, N not
 a multiple of the 128-row block, K of 2 to 112 k tiles), bf16 and fp32 out, batched and strided views as
 the engine uses them (x a column slice of wider rows, out a column slice of a buffer with spare rows after
-T that must stay poisoned); bit-identical repeats; the rule's pick at every engine shape; graph replay ==
-eager and a PDL chain == plain launches; the "auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the
+T that must stay poisoned); bit-identical repeats; the rule's pick at every engine shape (graph replay of the
+rule's picks and the PDL chain of engine shapes are in test_gemm.py, shared with the other families); the "auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the
 wide or the split-K family. Every output buffer is filled on the stream that launches the GEMM."""
 import functools
 
@@ -151,45 +151,7 @@ def test_engine_shapes_rule_pick(launched, name, N, K, B, f32, T):
     _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
 
 
-@pytest.mark.parametrize("T,N,K,f32", [(17, 2112, 7168, False), (64, 896, 7168, True), (160, 7168, 2304, False)])
-def test_graph_replay_equals_eager(launched, T, N, K, f32):
-    """Captured once with PDL on, replayed with new inputs written into the static buffer: bit-identical to
-    an eager call on the same inputs, and right against float64."""
-    import cupy as cp
-    from ddtree_cupy.kernels import gemm, launch
-    rng = np.random.default_rng(T + N)
-    w_dev, w = _weight(N, K, 1)
-    w_dev, w = w_dev[0], w[0]
-    dt = np.float32 if f32 else np.uint16
-    x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
-    x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
-    old = gemm.set_variant("wide")
-    launch.set_pdl(True)
-    try:
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)     # warm-up: compiles, sizes the workspace
-        cp.cuda.Device().synchronize()      # default-stream work is not ordered before the non-blocking stream
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
-            gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-            g = s.end_capture()
-        for _ in range(2):
-            xb, x = rand_bf16(rng, (T, K))
-            with s:
-                x_dev.set(xb)
-                out.fill(np.nan if f32 else 0xFFFF)
-                g.launch(s)
-                gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
-            s.synchronize()
-            assert cp.array_equal(out, eager)
-            got = out.get().astype(np.float64) if f32 else f64(out)
-            assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
-    finally:
-        launch.set_pdl(False)
-        gemm.set_variant(old)
-    assert all(n.startswith(("gemm_bf16_kernel_wide", "gemm_splitk_reduce")) for n in launched), launched
-
-
+# Graph replay of the rule's wide picks: tests/gpu/test_gemm.py::test_auto_pick_graph_replay_equals_eager.
 # The PDL chain of engine shapes on the wide family: tests/gpu/test_gemm.py::test_engine_pdl_chain_equals_plain.
 
 
