@@ -3,8 +3,8 @@ config forced with split 1, > 1 and uneven K ranges at edge shapes (T 17..160 wi
 a multiple of the 128-row block, K of 2 to 112 k tiles), bf16 and fp32 out, batched and strided views as
 the engine uses them (x a column slice of wider rows, out a column slice of a buffer with spare rows after
 T that must stay poisoned); bit-identical repeats; the rule's pick at every engine shape (graph replay of the
-rule's picks and the PDL chain of engine shapes are in test_gemm.py, shared with the other families); the "auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the
-wide or the split-K family. Every output buffer is filled on the stream that launches the GEMM."""
+rule's picks and the PDL chain of engine shapes are in test_gemm.py, shared with the other families); the
+"auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the wide or the split-K family. Every output buffer is filled on the stream that launches the GEMM."""
 import functools
 
 import numpy as np
