@@ -321,19 +321,28 @@ def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
     x = cp.asarray(to_bf16_bits(rng.standard_normal((T, layer.H))))
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k, "one_expert"))
     eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
+    _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "uniform", bulk=True)
+
+
+def _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, mode, **kw):
+    """moe_forward(..., **kw) captured once on a non-blocking stream: the replay equals ``eager`` bit for bit;
+    then new routing (``mode``) written into the same ids / wts buffers and replayed: right against the float64
+    reference (the sort / route runs inside the graph)."""
+    import cupy as cp
+    T, k = ids.shape
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
     with stream:
         stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True)
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **kw)
         graph = stream.end_capture()
         out.fill(0xFFFF)
         stream.synchronize()
         graph.launch(stream)
         stream.synchronize()
     np.testing.assert_array_equal(out.get(), eager.get())
-    ids2, wts2 = _routing(rng, T, layer.E, k)
+    ids2, wts2 = _routing(rng, T, layer.E, k, mode)
     ids[...] = cp.asarray(ids2)
     wts[...] = cp.asarray(wts2)
     cp.cuda.Stream.null.synchronize()
@@ -482,27 +491,7 @@ def test_compact_gateup_graph_replay(narrow, gu):
     # eager first (also loads the kernel outside the capture): bit-identical to the table's block
     mine = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
     np.testing.assert_array_equal(mine.get(), eager.get())
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Stream.null.synchronize()
-    with stream:
-        stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(out.get(), eager.get())
-    ids2, wts2 = _routing(rng, T, layer.E, k, "one_expert")
-    ids[...] = cp.asarray(ids2)
-    wts[...] = cp.asarray(wts2)
-    cp.cuda.Stream.null.synchronize()
-    with stream:
-        out.fill(0xFFFF)
-        graph.launch(stream)
-        stream.synchronize()
-    ref = layer.reference(x.get(), ids2, wts2)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "one_expert", bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
 
 
 def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
