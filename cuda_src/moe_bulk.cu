@@ -37,6 +37,81 @@
 // same argument) and h through the producer's copies.
 #include "moe_common.cuh"
 
+// ---------------------------------------------------------------------------------------------------------
+// Timeline build (session 5, docs/MOE.md "Session 5: a timeline build (not yet run)"). Only with
+// -DDDT_MOE_TIMELINE (moe.py's SPEC_BULK_TIMELINE): the kernel takes one more argument, `tl`, and lane 0 of every
+// warp of the blocks blockIdx.x < DDT_MOE_TL_BLOCKS stores SM cycle stamps (%clock64) at fixed events into it.
+// Without the macro every MB_TL(...) is empty and the parameter list is the production one: the production
+// PTX does not change (checked by diffing it before / after, line info stripped).
+// Why %clock64 per event and %globaltimer only at a warp's start and end: %globaltimer's update interval is
+// implementation-defined (microsecond-scale on some parts, i.e. coarser than the ~1-2 us stage this is meant
+// to resolve); %clock64 counts SM cycles, and every warp of a block sits on one SM, so the stamps of a block
+// compare exactly. The start / end pairs (globaltimer, clock64) give each block's cycles-per-ns and place the
+// blocks on one time axis (bench/moe_timeline.py).
+// Layout of one block's record (int64 words; the buffer is poisoned with -1 by the caller, so -1 = "not
+// recorded"), NW = consumer warps + 1 (the producer is warp NW - 1), S = DDT_MOE_TL_STAGES, U = DDT_MOE_TL_UNITS:
+//   [0, 8)                     block header: magic, smid, units of this block, stages per unit, NCW, NST, SS, chunks
+//   [8, 8 + 8 NW)              per warp: gt_start, clk_start, clk_pdl (after its PDL wait, if it has one),
+//                              clk_sort (routing ready), gt_end, clk_end, stages done, units done
+//   then [NW][S][3]            per warp and ring stage it (its running stage count, across units):
+//                              consumer: before the full wait, after it, before its empty arrive (stage released)
+//                              producer: before the empty wait, after it, after its lanes issued the copies
+//   then [NW][U][2]            per consumer warp and local unit: epilogue start (after the last stage), end
+// Stage / unit indices past S / U are not recorded (the counts in the warp header still are).
+// ---------------------------------------------------------------------------------------------------------
+#ifdef DDT_MOE_TIMELINE
+#ifndef DDT_MOE_TL_STAGES
+#define DDT_MOE_TL_STAGES 128
+#endif
+#ifndef DDT_MOE_TL_UNITS
+#define DDT_MOE_TL_UNITS 32
+#endif
+#ifndef DDT_MOE_TL_BLOCKS
+#define DDT_MOE_TL_BLOCKS 512
+#endif
+#define MB_TL(...) __VA_ARGS__
+namespace mtl {
+constexpr int S = DDT_MOE_TL_STAGES, U = DDT_MOE_TL_UNITS, B = DDT_MOE_TL_BLOCKS, BH = 8, WH = 8;
+constexpr long long MAGIC = 0x544C424Bll;    // "TLBK": this block's record was written
+enum { B_MAGIC = 0, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS };
+enum { W_GT0 = 0, W_CLK0, W_PDL, W_SORT, W_GT1, W_CLK1, W_STAGES, W_UNITS };
+__host__ __device__ constexpr int block_words(int nw) { return BH + nw * WH + nw * S * 3 + nw * U * 2; }
+// The timer reads are volatile asm with a memory clobber so that the compiler keeps them where they are written
+// relative to the barrier asms (also volatile, also clobbering memory); they add no data dependence.
+__device__ __forceinline__ long long clk() {
+    long long c;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
+    return c;
+}
+__device__ __forceinline__ long long gtime() {
+    long long c;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c) :: "memory");
+    return c;
+}
+__device__ __forceinline__ int smid() {
+    int v;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+    return v;
+}
+// One warp's writer: only lane 0 of a recorded block stores (every lane reads the clock: no divergence there).
+struct Rec {
+    long long* base;
+    int warp, nw;
+    bool on;
+    __device__ void blk(int f, long long v) const { if (on) base[f] = v; }
+    __device__ void hdr(int f, long long v) const { if (on) base[BH + warp * WH + f] = v; }
+    __device__ void stage(int it, int e, long long v) const {
+        if (on && it < S) base[BH + nw * WH + (warp * S + it) * 3 + e] = v;
+    }
+    __device__ void unit(int lu, int e, long long v) const {
+        if (on && lu < U) base[BH + nw * WH + nw * S * 3 + (warp * U + lu) * 2 + e] = v;
+    }
+};
+}  // namespace mtl
+#else
+#define MB_TL(...)
+#endif
+
 namespace mbulk {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -109,7 +184,11 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
-        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok) {
+        bf16_bits* __restrict__ h_out, int h_stride, float* __restrict__ y, int whole_ok
+#ifdef DDT_MOE_TIMELINE
+        , long long* __restrict__ tl
+#endif
+        ) {
     constexpr int NCW = WM * WK;          // consumer warps
     constexpr int SS = WK * SPW;          // k64 steps per stage
     using St = Stage<WM, SS, XR>;
@@ -139,6 +218,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     const int ntiles = N / 16;                       // even: pack_moe_weights checks H % 64 and I % 32
     const int n_mg = (ntiles / 2 + WM - 1) / WM;
     const int npairs = T * k;
+    MB_TL(const mtl::Rec rec{tl + (size_t)min((int)blockIdx.x, mtl::B - 1) * mtl::block_words(NCW + 1), warp, NCW + 1,
+                             lane == 0 && (int)blockIdx.x < mtl::B};
+          rec.hdr(mtl::W_GT0, mtl::gtime());
+          rec.hdr(mtl::W_CLK0, mtl::clk());)
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < NST; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, NCW); }
@@ -146,6 +229,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     }
     if (MODE == 0) DDT_PDL_WAIT();                   // ids and x come from the router / the norm (G = 1: and
                                                      // the routing arrays from moe_route)
+    MB_TL(if (MODE == 0) rec.hdr(mtl::W_PDL, mtl::clk());)
     int n_chunks;
     if constexpr (G == 0) {
         sort_pairs_block(ids, npairs, E, XR, so);    // ends with __syncthreads (the barrier inits are visible)
@@ -169,6 +253,17 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     (void)npairs;
     const int n_units = n_chunks * n_mg;
     const int nst_unit = (KS + SS - 1) / SS;
+    MB_TL(rec.hdr(mtl::W_SORT, mtl::clk());
+          if (warp == 0) {
+              rec.blk(mtl::B_MAGIC, mtl::MAGIC);
+              rec.blk(mtl::B_SMID, mtl::smid());
+              rec.blk(mtl::B_UNITS, (int)blockIdx.x < n_units ? (n_units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0);
+              rec.blk(mtl::B_NST_UNIT, nst_unit);
+              rec.blk(mtl::B_NCW, NCW);
+              rec.blk(mtl::B_NST, NST);
+              rec.blk(mtl::B_SS, SS);
+              rec.blk(mtl::B_CHUNKS, n_chunks);
+          })
     // The chunk of unit u (units run m-group major: u = mg * n_chunks + chunk).
     auto chunk_of = [&](int u) -> int4 {
         const int c = u - (u / n_chunks) * n_chunks;
@@ -246,6 +341,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                 }
             }
             DDT_PDL_WAIT();                          // h is the gate/up kernel's output
+            MB_TL(rec.hdr(mtl::W_PDL, mtl::clk());)
         }
         // Lookahead: at the start of unit u the chunk of u + grid is already here (loaded one unit ago) and
         // this lane's pair of it is requested now; the chunk of u + 2 grid is requested now. A unit's copies
@@ -261,17 +357,26 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : ch1;
             for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
-                if (it < pre) { issue(u, ch, pr, k0, slot, false, true); continue; }
+                MB_TL(rec.stage(it, 0, mtl::clk());)
+                if (it < pre) {
+                    MB_TL(rec.stage(it, 1, mtl::clk());)
+                    issue(u, ch, pr, k0, slot, false, true);
+                    MB_TL(__syncwarp(); rec.stage(it, 2, mtl::clk());)
+                    continue;
+                }
                 if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
+                MB_TL(rec.stage(it, 1, mtl::clk());)
                 if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0));
                 __syncwarp();
                 issue(u, ch, pr, k0, slot, true, true);
+                MB_TL(__syncwarp(); rec.stage(it, 2, mtl::clk());)   // every lane's copy is issued
             }
             ch = ch1;
             ch1 = ch2;
             pr = pr1;
         }
         DDT_PDL_LAUNCH_DEPENDENTS();                 // everything is requested; the next kernel may launch
+        MB_TL(rec.hdr(mtl::W_GT1, mtl::gtime()); rec.hdr(mtl::W_CLK1, mtl::clk()); rec.hdr(mtl::W_STAGES, it);)
         return;
     }
 
@@ -280,6 +385,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     const int g = lane >> 2, t = lane & 3;
     int it = 0;
     int unit_parity = 0;
+    MB_TL(int lu = 0;)                               // units this warp has done (timeline index)
     // G = 1 lookahead (as the producer's): the chunk one unit ahead is here, the one two ahead in flight; the
     // down epilogue's pairs (columns 2t, 2t + 1) of the next unit are requested at this unit's start and their
     // routing weights at the next unit's start, so the epilogue never waits on L2.
@@ -326,7 +432,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             for (int q = 0; q < 4; ++q) acc[mt][q] = 0.f;
         for (int s = 0; s < nst_unit; ++s, ++it) {
             const int slot = it % NST;
+            MB_TL(rec.stage(it, 0, mtl::clk());)
             mbar_wait(full + slot, (it / NST) & 1);
+            MB_TL(rec.stage(it, 1, mtl::clk());)
             const unsigned char* st = ring + (size_t)slot * St::BYTES;
             const int ns = min(SS, KS - s * SS);
             if (wactive) {
@@ -367,8 +475,10 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                 }
             }
             __syncwarp();                            // every lane has read the stage
+            MB_TL(rec.stage(it, 2, mtl::clk());)     // released: what the producer's empty wait sees
             if (lane == 0) mbar_arrive(empty + slot);
         }
+        MB_TL(rec.unit(lu, 0, mtl::clk());)
 
         // Epilogue of column q (token j = 2t + q%2, row g + 8*(q/2) of each tile) from its two tile values.
         auto store = [&](int q, float v0, float v1) {
@@ -426,5 +536,8 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             gp0 = gp0n;
             gp1 = gp1n;
         }
+        MB_TL(rec.unit(lu, 1, mtl::clk()); ++lu;)
     }
+    MB_TL(rec.hdr(mtl::W_GT1, mtl::gtime()); rec.hdr(mtl::W_CLK1, mtl::clk()); rec.hdr(mtl::W_STAGES, it);
+          rec.hdr(mtl::W_UNITS, lu);)
 }

@@ -374,6 +374,49 @@ SPEC_BULK = register(KernelSpec(
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (routing sorted in the block or "
         "from moe_route)"))
 
+# The timeline build (session 5, docs/MOE.md "Session 5: a timeline build (not yet run)"): the same source with
+# -DDDT_MOE_TIMELINE, one more kernel argument (an int64 buffer) into which lane 0 of each warp of the first
+# TL_BLOCKS blocks stores SM cycle stamps at fixed events (the layout: the .cu file's "Timeline build" comment,
+# bench/moe_timeline.py reads it). A profiling tool, never run by the engine: only ``timeline=`` in
+# moe_launch_plan / moe_forward selects it, and the production spec above is compiled without the macro (same PTX).
+# Compiled: the tables' blocks (decode and large T), which is what ``bench.moe --timeline`` runs.
+TL_STAGES = 128     # ring stages recorded per warp (a block's first TL_STAGES stages)
+TL_UNITS = 32       # units recorded per consumer warp
+TL_BLOCKS = 512     # blocks recorded (blockIdx.x < TL_BLOCKS); the H200's grids are <= 2 x 132
+TL_BLOCK_HEADER = 8
+TL_WARP_HEADER = 8
+
+
+def timeline_words(bt: BulkTile) -> int:
+    """int64 words of one block's timeline record for block ``bt`` (the .cu file's mtl::block_words)."""
+    nw = bt.wm * bt.wk + 1
+    return TL_BLOCK_HEADER + nw * TL_WARP_HEADER + nw * TL_STAGES * 3 + nw * TL_UNITS * 2
+
+
+def _timeline_compiled():
+    return {0: {"gu": (BULK_GATEUP, BULK_GATEUP_COMPACT), "dn": (BULK_DOWN,)},
+            1: {"gu": (BULK_GATEUP_LARGE,), "dn": (BULK_DOWN_LARGE,)}}
+
+
+def _all_timeline_names() -> Tuple[str, ...]:
+    names = []
+    for g, allowed in _timeline_compiled().items():
+        for mode, key in ((0, "gu"), (1, "dn")):
+            for t in allowed[key]:
+                if _bulk_name(mode, t, g) not in names:
+                    names.append(_bulk_name(mode, t, g))
+    return tuple(names)
+
+
+SPEC_BULK_TIMELINE = register(KernelSpec(
+    src="moe_bulk.cu",
+    names=_all_timeline_names(),
+    defines=(("DDT_MOE_TIMELINE", "1"), ("DDT_MOE_TL_STAGES", str(TL_STAGES)), ("DDT_MOE_TL_UNITS", str(TL_UNITS)),
+             ("DDT_MOE_TL_BLOCKS", str(TL_BLOCKS))),
+    hot=False,     # a profiling build: a few more registers than production, spills still reported
+    pdl=True,      # the same waits as the production kernels
+    doc="moe_gemm_bulk with per-warp cycle stamps at the barrier waits, releases, copy issues and epilogues"))
+
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
 # register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied; T = 8 80.0 -> 73.2,
 # T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md session 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
@@ -668,7 +711,7 @@ def _grid(units_max: int, tile: Tile) -> int:
 def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out=None, residual=None,
                 tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None, pf_steps: int = PF_STEPS,
                 fuse_route: Optional[bool] = None, pf_next: bool = True, bulk: Optional[bool] = None,
-                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
+                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, timeline=None):
     """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ residual[t]), bf16 [T, H].
 
     x uint16 (bf16) [T, H]; topk_ids int32 [T, k]; topk_weights float32 [T, k]; residual uint16 [T, H] or
@@ -679,7 +722,7 @@ def moe_forward(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace
         check_array("x", x, np.uint16, ("T", weights.hidden), d)
         out = cupy.empty((d["T"], weights.hidden), dtype=cupy.uint16)
     for _, launch in moe_launch_plan(x, topk_ids, topk_weights, weights, ws, out, residual, tiles, l2_prefetch,
-                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles):
+                                     pf_steps, fuse_route, pf_next, bulk, bulk_tiles, timeline):
         launch()
     return out
 
@@ -694,7 +737,8 @@ def fuse_route_default(T: int, top_k: int) -> bool:
 def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual=None,
                     tiles: Optional[MoETiles] = None, l2_prefetch: Optional[bool] = None,
                     pf_steps: int = PF_STEPS, fuse_route: Optional[bool] = None, pf_next: bool = True,
-                    bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None):
+                    bulk: Optional[bool] = None, bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None,
+                    timeline=None):
     """The launches of ``moe_forward`` as [(name, fn)] after checking every argument (the benchmark times
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
@@ -709,7 +753,11 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
     only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
     prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
-    unit."""
+    unit.
+    ``timeline``: None (production), or (gate/up buffer, down buffer), each a 1-D int64 cupy array of at least
+    TL_BLOCKS * timeline_words(block) words or None: that bulk GEMM runs the timeline build (SPEC_BULK_TIMELINE;
+    bulk=True only, the table's blocks of ``_timeline_compiled``) and writes its event record there (poison the
+    buffer with -1 first: unwritten words stay -1; bench/moe_timeline.py analyses it)."""
     if pf_steps < 0 or pf_steps % 4:
         raise ValueError(f"pf_steps: must be a non-negative multiple of 4, got {pf_steps}")
     from .compile import device_arch
@@ -744,7 +792,10 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
             raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
         if l2_prefetch and not glob:
             raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
-        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch)
+        return _bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles, glob, l2_prefetch,
+                          timeline)
+    if timeline is not None:
+        raise ValueError("timeline: only the bulk-copy GEMMs have a timeline build (bulk=True)")
     if bulk == "down":
         if fuse_route is False or l2_prefetch:
             raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
@@ -826,7 +877,7 @@ def _blocks_per_sm(bt: BulkTile, g: int = 0) -> int:
 
 def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
                bulk_tiles: Optional[Tuple[BulkTile, BulkTile]] = None, glob: bool = False,
-               l2_prefetch: Optional[bool] = None):
+               l2_prefetch: Optional[bool] = None, timeline=None):
     """[route,] gate/up and down through the bulk-copy GEMMs, then the combine (see moe_launch_plan). ``glob``:
     the routing kernel runs first (chunks of <= 8 tokens) and both GEMMs read its arrays (G = 1); else both sort
     in shared memory (G = 0, T*k <= FUSED_MAX_PAIRS)."""
@@ -844,6 +895,7 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     for bt in (gu_tile, dn_tile):
         if bt.smem_dyn(g) + bt.smem_static > SMEM_LIMIT:
             raise ValueError(f"bulk: {bt} needs {bt.smem_dyn(g) + bt.smem_static} B of shared memory > {SMEM_LIMIT}")
+    tl_bufs = _check_timeline(timeline, g, gu_tile, dn_tile)
     Ip = weights.inter_padded
     i32, i64 = np.int32, np.int64
     pairs = T * k
@@ -862,17 +914,39 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
         plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
     common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta, ws.h, i32(Ip), ws.y,
               i32(BULK_WHOLE))
-    for name, mode, bt, w, s, N, KS, act, act_stride in (
-            ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H),
-            ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip)):
+    for name, mode, bt, w, s, N, KS, act, act_stride, tl in (
+            ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H, tl_bufs[0]),
+            ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip, tl_bufs[1])):
         dyn = bt.smem_dyn(g)
-        fn = get_kernel(SPEC_BULK, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
+        fn = get_kernel(SPEC_BULK if tl is None else SPEC_BULK_TIMELINE, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
         # chunks of <= bt.xr tokens (the compact gate/up blocks cut more of them than the down's 8)
         chunks_max = min(pairs, min(pairs, E) + pairs // bt.xr)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
-        args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common
+        args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common + (() if tl is None else (tl,))
         plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args, dyn=dyn:
                      fn((grid,), (bt.threads,), args, shared_mem=dyn)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
+
+
+def _check_timeline(timeline, g: int, gu_tile: BulkTile, dn_tile: BulkTile):
+    """(gate/up buffer or None, down buffer or None) from ``timeline`` (see moe_launch_plan), checked."""
+    if timeline is None:
+        return None, None
+    if not isinstance(timeline, (tuple, list)) or len(timeline) != 2:
+        raise ValueError("timeline: must be None or (gate/up buffer, down buffer), each an int64 array or None")
+    comp = _timeline_compiled()[g]
+    for i, (key, bt, buf) in enumerate((("gu", gu_tile, timeline[0]), ("dn", dn_tile, timeline[1]))):
+        if buf is None:
+            continue
+        if bt not in comp[key]:
+            raise ValueError(f"timeline[{i}]: the timeline build has no block {bt} with routing source G = {g} "
+                             f"(compiled: {comp[key]})")
+        need = TL_BLOCKS * timeline_words(bt)
+        if getattr(buf, "dtype", None) != np.int64 or getattr(buf, "ndim", 0) != 1 or buf.size < need:
+            raise ValueError(f"timeline[{i}]: must be a 1-D int64 array of >= {need} words, got "
+                             f"{getattr(buf, 'dtype', type(buf))} {getattr(buf, 'shape', '')}")
+        if not getattr(buf, "flags", None) or not buf.flags.c_contiguous:
+            raise ValueError(f"timeline[{i}]: must be contiguous")
+    return timeline[0], timeline[1]
