@@ -8,6 +8,10 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
         # session 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
+    PYTHONPATH=$PWD python -m bench.moe --timeline 256 8 [--routing skewed] [--tl-out F.npz]
+        # session 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
+        # stage, docs/MOE.md "Session 5: a timeline build"): production vs timeline layer time and outputs in the
+        # same process, then bench/moe_timeline.py's analysis of the gate/up and the down; raw buffers to F.npz
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
@@ -372,6 +376,71 @@ def profile(I, T, mode="uniform", calls=1):
     print(f"profiled I={I} T={T} {mode}: {len(np.unique(ids))} experts, tiles {moe.select_tiles('sm_90', T, I)}")
 
 
+def timeline_run(I, T, mode="uniform", out_path="bench/results/moe_timeline.npz", read_gbs=None):
+    """The table's bulk-copy layer at (I, T) twice in one process: production and timeline build (graph time of
+    the layer and of its gate/up prefix, outputs compared bit for bit), then one eager timeline call with poisoned
+    buffers, analysed (bench/moe_timeline.py) and saved raw to ``out_path``."""
+    import cupy as cp
+    from bench import moe_timeline as mt
+    if moe.bulk_for(T, K_TOP) is not True:
+        print(f"note: the table does not run both bulk GEMMs at T = {T}; timing them anyway")
+    w = _make_layer(I)
+    rng = np.random.default_rng(I + 17 * T)
+    ids, wts = routing(rng, T, mode)
+    x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32)).view(cp.uint32)
+    x = (x >> 16).astype(cp.uint16)
+    d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
+    glob = T * K_TOP > moe.FUSED_MAX_PAIRS
+    gu, dn = moe._env_bulk_tiles(glob, None if glob else I)
+    bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))
+    ws = moe.MoEWorkspace(T, K_TOP, w)
+    outs = {k: cp.empty((T, H), cp.uint16) for k in ("prod", "timeline")}
+    plans = {"prod": moe.moe_launch_plan(x, d_ids, d_wts, w, ws, outs["prod"], bulk=True, bulk_tiles=(gu, dn)),
+             "timeline": moe.moe_launch_plan(x, d_ids, d_wts, w, ws, outs["timeline"], bulk=True,
+                                             bulk_tiles=(gu, dn), timeline=bufs)}
+    layer_us, gu_us = {}, {}
+    for key, plan in plans.items():       # gate/up = the prefix up to it (a route launch first at large T)
+        n_gu = [n for n, _ in plan].index("gate_up") + 1
+        pre = time_graph(lambda p=plan[:n_gu - 1]: [f() for _, f in p], iters=20, reps=5) if n_gu > 1 else 0.0
+        gu_us[key] = time_graph(lambda p=plan[:n_gu]: [f() for _, f in p], iters=20, reps=5) - pre
+        layer_us[key] = time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
+    for key in ("prod", "timeline"):
+        outs[key].fill(0xFFFF)
+        ws.h[:, :I] = 0xFFFF
+        for _, f in plans[key]:
+            f()
+    same = bool(cp.array_equal(outs["prod"], outs["timeline"])) and not bool((outs["prod"] == 0xFFFF).any())
+    for b in bufs:                        # the recorded call: warm (the graphs above ran it), buffers poisoned
+        b.fill(-1)
+    for _, f in plans["timeline"]:
+        f()
+    cp.cuda.Device().synchronize()
+    touched = np.unique(ids)
+    gu_bytes = len(touched) * (w.w13.nbytes + w.s13.nbytes) // E
+    ceil = f" of the {read_gbs:.0f} GB/s read ceiling" if read_gbs else ""
+    frac = (lambda us: f" ({gu_bytes / (us * 1e-6) / 1e9 / read_gbs * 100:.0f}%)") if read_gbs else (lambda us: "")
+    print(f"I={I} T={T} {mode}: {len(touched)} experts, gate/up {gu}, down {dn}, routing G = {int(glob)}")
+    print(f"  layer: production {layer_us['prod']:.1f} us, timeline build {layer_us['timeline']:.1f} us "
+          f"({100 * (layer_us['timeline'] / layer_us['prod'] - 1):+.1f}%); gate/up {gu_us['prod']:.1f}"
+          f"{frac(gu_us['prod'])} -> {gu_us['timeline']:.1f} us{frac(gu_us['timeline'])}{ceil}; "
+          f"outputs bit-identical: {same}")
+    save = dict(I=I, T=T, ids=ids, layer_us=np.array([layer_us["prod"], layer_us["timeline"]]),
+                gate_up_us=np.array([gu_us["prod"], gu_us["timeline"]]))
+    for name, bt, buf in (("gate_up", gu, bufs[0]), ("down", dn, bufs[1])):
+        lay = mt.Layout(bt.wm * bt.wk + 1, moe.TL_STAGES, moe.TL_UNITS, moe.TL_BLOCKS)
+        raw = buf.get()
+        save[f"buf_{name}"] = raw
+        save[f"layout_{name}"] = np.array([lay.nw, lay.stages, lay.units, lay.blocks])
+        rec = mt.parse(raw, lay)
+        bad = mt.check_invariants(rec)
+        print(f"== {name} {bt}: invariants {'all hold' if not bad else 'FAIL: ' + '; '.join(bad[:5])}")
+        print(mt.report(mt.analyse(rec)))
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    np.savez_compressed(out_path, **save)
+    print(f"raw buffers: {out_path} (python -m bench.moe_timeline {out_path})")
+    return same
+
+
 def markdown(res):
     lines = [f"Device: {res['device']}; read ceiling {res['read_ceiling_gbs']:.0f} GB/s, mma.sync bf16 "
              f"{res['mma_bf16_tflops']:.0f} TFLOP/s (same run).", "",
@@ -434,7 +503,18 @@ def main():
                     help="with --focus: only these variants besides 'now' (e.g. 'loop0'; '' for none)")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
+    ap.add_argument("--timeline", nargs=2, type=int, metavar=("I", "T"),
+                    help="only the timeline build of the table's bulk GEMMs at I, T, analysed (bench/moe_timeline.py)")
+    ap.add_argument("--routing", default="uniform", choices=("uniform", "skewed"), help="with --timeline")
+    ap.add_argument("--tl-out", default="bench/results/moe_timeline.npz", help="with --timeline: the raw buffers")
     args = ap.parse_args()
+    if args.timeline:
+        read_gbs = measure_read_bandwidth()
+        ok = timeline_run(*args.timeline, mode=args.routing, out_path=args.tl_out, read_gbs=read_gbs)
+        print(f"read ceiling {read_gbs:.0f} GB/s (same run)")
+        if not ok:
+            raise SystemExit("timeline build: outputs differ from the production build")
+        return
     if args.profile:
         vals = [int(v) for v in args.profile]
         for I, T in zip(vals[0::2], vals[1::2]):

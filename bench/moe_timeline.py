@@ -48,7 +48,7 @@ class Layout:
     nw: int
     stages: int = 128
     units: int = 32
-    blocks: int = 512
+    blocks: int = 1024
 
     @property
     def block_words(self) -> int:
@@ -226,8 +226,7 @@ def analyse(rec: Record, ghz: Optional[float] = None, wait_eps_ns: float = 20.0)
     prod_empty, prod_issue = [], []
     blocks = np.nonzero(rec.valid)[0]
     for b in blocks:
-        nstu, nst = int(rec.bh[b, B_NST_UNIT]), int(rec.bh[b, B_NST])
-        n_units = int(rec.bh[b, B_UNITS])
+        nstu, n_units = int(rec.bh[b, B_NST_UNIT]), int(rec.bh[b, B_UNITS])
         ns = min(n_units * nstu, L.stages)
         nu = min(n_units, L.units)
         se = tm.se[b, :, :ns]

@@ -67,7 +67,7 @@
 #define DDT_MOE_TL_UNITS 32
 #endif
 #ifndef DDT_MOE_TL_BLOCKS
-#define DDT_MOE_TL_BLOCKS 512
+#define DDT_MOE_TL_BLOCKS 1024
 #endif
 #define MB_TL(...) __VA_ARGS__
 namespace mtl {

@@ -382,7 +382,7 @@ SPEC_BULK = register(KernelSpec(
 # Compiled: the tables' blocks (decode and large T), which is what ``bench.moe --timeline`` runs.
 TL_STAGES = 128     # ring stages recorded per warp (a block's first TL_STAGES stages)
 TL_UNITS = 32       # units recorded per consumer warp
-TL_BLOCKS = 512     # blocks recorded (blockIdx.x < TL_BLOCKS); the H200's grids are <= 2 x 132
+TL_BLOCKS = 1024    # blocks recorded (blockIdx.x < TL_BLOCKS); the H200's bulk grids are <= 4 x 132
 TL_BLOCK_HEADER = 8
 TL_WARP_HEADER = 8
 

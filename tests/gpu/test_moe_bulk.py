@@ -515,3 +515,95 @@ def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
     with pytest.raises(ValueError, match="bulk_tiles"):        # G = 1 is not compiled with xr < 8
         moe.moe_forward(x, ids, wts, tiny256.w, ws, bulk=True, fuse_route=False,
                         bulk_tiles=(COMPACT[0], moe.BULK_DOWN))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Session 5: the timeline build (docs/MOE.md "Session 5: a timeline build (not yet run)"): the same kernels
+# with per-warp cycle stamps (-DDDT_MOE_TIMELINE, moe_launch_plan timeline=); bench/moe_timeline.py reads them.
+# ---------------------------------------------------------------------------------------------------------
+def _timeline_call(layer, x, ids, wts, tiles, glob, timeline):
+    """One bulk call, h / y / out poisoned, with the given (gate/up, down) blocks, routing source and timeline
+    buffers (None: the production build): (out, y bits, h bits)."""
+    import cupy as cp
+    T, k = ids.shape
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    ws.y.fill(np.nan)
+    ws.h[:, :layer.I] = 0xFFFF
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out, bulk=True,
+                    bulk_tiles=tiles, fuse_route=False if glob else None, timeline=timeline)
+    return out.get(), ws.y.get().view(np.uint32), ws.h.get()
+
+
+@pytest.mark.parametrize("layer_name,T,mode,which", [
+    ("narrow", 8, "uniform", "table"),         # the decode table: compact gate/up (xr 4, 3 stages), whole-K down
+    ("narrow", 8, "uniform", "xr8"),           # the 8-row gate/up block
+    ("narrow", 40, "uniform", "large"),        # T*k = 320: moe_route's chunk list (G = 1), the large-T blocks
+    ("tiny256", 32, "one_expert", "table"),    # H = 512: one partial 8-step stage per gate/up unit
+    ("wide", 9, "uniform", "table")])          # I = 2048: the down's 8 stages per unit, 128 gate/up m-groups
+def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mode, which, request):
+    import cupy as cp
+    from bench import moe_timeline as mt
+    layer = request.getfixturevalue(layer_name)
+    rng = np.random.default_rng(7700 + T)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, 8, mode)
+    glob = T * 8 > moe.FUSED_MAX_PAIRS
+    gu, dn = moe._env_bulk_tiles(glob, None if glob else layer.I)
+    if which == "xr8":
+        gu = moe.BULK_GATEUP
+    bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))
+    o0, y0, h0 = _timeline_call(layer, x, ids, wts, (gu, dn), glob, None)
+    o1, y1, h1 = _timeline_call(layer, x, ids, wts, (gu, dn), glob, bufs)
+    valid = ((ids >= 0) & (ids < layer.E)).reshape(-1)
+    np.testing.assert_array_equal(o1, o0)
+    np.testing.assert_array_equal(y1[valid], y0[valid])
+    if not glob:        # (G = 1: moe_route's atomic ranks may order the slots differently from run to run)
+        np.testing.assert_array_equal(h1[:int(valid.sum())], h0[:int(valid.sum())])
+    assert np.all(o1 != 0xFFFF)
+    ref = layer.reference(x, ids, wts)
+    got = bf16_bits_to_f32(o1).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    for bt, buf, N in ((gu, bufs[0], 2 * layer.I), (dn, bufs[1], layer.H)):
+        lay = mt.Layout(bt.wm * bt.wk + 1, moe.TL_STAGES, moe.TL_UNITS, moe.TL_BLOCKS)
+        rec = mt.parse(buf.get(), lay)
+        assert mt.check_invariants(rec) == [], bt
+        nb = int(rec.valid.sum())
+        assert nb > 0 and rec.valid[:nb].all() and not rec.valid[nb:].any(), bt      # blocks 0 .. grid - 1
+        # every unit of the kernel ran in exactly one recorded block (when the whole grid was recorded)
+        n_chunks = int(rec.bh[0, mt.B_CHUNKS])
+        n_units = n_chunks * -(-(N // 32) // bt.wm)
+        if nb < moe.TL_BLOCKS:
+            assert int(rec.bh[:nb, mt.B_UNITS].sum()) == n_units, bt
+        assert (rec.bh[:nb, mt.B_CHUNKS] == n_chunks).all() and (rec.bh[:nb, mt.B_NCW] == bt.wm * bt.wk).all()
+        assert (rec.bh[:nb, mt.B_NST] == bt.nst).all() and (rec.bh[:nb, mt.B_SS] == bt.steps).all()
+        ks = (layer.H if N == 2 * layer.I else layer.w.inter_padded) // 64
+        assert (rec.bh[:nb, mt.B_NST_UNIT] == -(-ks // bt.steps)).all()
+        # every warp of a block on the block's SM; the analysis runs and its fractions are finite
+        res = mt.analyse(rec)
+        assert res["blocks"] == nb and np.isfinite(res["roles"]["consumer"]["life"])
+        assert res["full_wait"]["n"] == sum(min(int(u) * int(s), moe.TL_STAGES) for u, s in
+                                            zip(rec.bh[:nb, mt.B_UNITS], rec.bh[:nb, mt.B_NST_UNIT])) * bt.wm * bt.wk
+        assert 0.5 < res["ghz"]["mean"] < 4.0
+        assert "copy latency" in mt.report(res)
+
+
+def test_timeline_argument_errors(narrow):
+    import cupy as cp
+    T = 8
+    rng = np.random.default_rng(7800)
+    x = cp.asarray(to_bf16_bits(rng.standard_normal((T, narrow.H))))
+    ids, wts = (cp.asarray(a) for a in _routing(rng, T, narrow.E, 8))
+    ws = moe.MoEWorkspace(T, 8, narrow.w)
+    gu = moe.BULK_GATEUP_COMPACT
+    ok = cp.full(moe.TL_BLOCKS * moe.timeline_words(gu), -1, dtype=cp.int64)
+    with pytest.raises(ValueError, match="timeline: only the bulk-copy"):
+        moe.moe_forward(x, ids, wts, narrow.w, ws, bulk=False, timeline=(ok, None))
+    with pytest.raises(ValueError, match=r"timeline\[0\]: must be a 1-D int64 array"):
+        moe.moe_forward(x, ids, wts, narrow.w, ws, bulk=True, timeline=(ok[:100], None))
+    with pytest.raises(ValueError, match=r"timeline\[0\]: the timeline build has no block"):
+        moe.moe_forward(x, ids, wts, narrow.w, ws, bulk=True, bulk_tiles=(moe.BULK_GATEUP_CANDIDATES[0], moe.BULK_DOWN),
+                        timeline=(ok, None))
+    # one kernel's timeline only: the other runs the production build
+    moe.moe_forward(x, ids, wts, narrow.w, ws, bulk=True, timeline=(ok, None))
+    assert int(ok[0].get()) == 0x544C424B
