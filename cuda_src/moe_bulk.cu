@@ -57,7 +57,9 @@
 //                              consumer: before the full wait, after it, before its empty arrive (stage released)
 //                              producer: before the empty wait, after it, after its lanes issued the copies
 //   then [NW][U][2]            per consumer warp and local unit: epilogue start (after the last stage), end
-// Stage / unit indices past S / U are not recorded (the counts in the warp header still are).
+// Stage / unit indices past S / U are not recorded (the counts in the warp header still are). The headers are
+// stored at each warp's end from registers (nothing global is written before the PDL wait); the block header
+// last of all by warp 0.
 // ---------------------------------------------------------------------------------------------------------
 #ifdef DDT_MOE_TIMELINE
 #ifndef DDT_MOE_TL_STAGES
@@ -105,6 +107,20 @@ struct Rec {
     }
     __device__ void unit(int lu, int e, long long v) const {
         if (on && lu < U) base[BH + nw * WH + nw * S * 3 + (warp * U + lu) * 2 + e] = v;
+    }
+    // The warp header, written at the warp's end from registers: nothing is stored before the kernel's PDL wait
+    // (docs/KERNELS.md "PDL": a kernel writes nothing global before it; the down kernel's consumers never wait,
+    // but their stage stamps follow the producer's wait through the full barriers).
+    __device__ void end(long long gt0, long long clk0, long long pdl, long long sort, int stages, int units) const {
+        const long long gt1 = gtime(), clk1 = clk();
+        hdr(W_GT0, gt0);
+        hdr(W_CLK0, clk0);
+        hdr(W_PDL, pdl);
+        hdr(W_SORT, sort);
+        hdr(W_GT1, gt1);
+        hdr(W_CLK1, clk1);
+        hdr(W_STAGES, stages);
+        hdr(W_UNITS, units);
     }
 };
 }  // namespace mtl
@@ -220,8 +236,9 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     const int npairs = T * k;
     MB_TL(const mtl::Rec rec{tl + (size_t)min((int)blockIdx.x, mtl::B - 1) * mtl::block_words(NCW + 1), warp, NCW + 1,
                              lane == 0 && (int)blockIdx.x < mtl::B};
-          rec.hdr(mtl::W_GT0, mtl::gtime());
-          rec.hdr(mtl::W_CLK0, mtl::clk());)
+          const long long tl_gt0 = mtl::gtime();
+          const long long tl_clk0 = mtl::clk();
+          long long tl_pdl = -1;)                   // -1: no PDL wait in this warp (the down's consumers)
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < NST; ++s) { mbar_init(full + s, 1); mbar_init(empty + s, NCW); }
@@ -229,7 +246,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     }
     if (MODE == 0) DDT_PDL_WAIT();                   // ids and x come from the router / the norm (G = 1: and
                                                      // the routing arrays from moe_route)
-    MB_TL(if (MODE == 0) rec.hdr(mtl::W_PDL, mtl::clk());)
+    MB_TL(if (MODE == 0) tl_pdl = mtl::clk();)
     int n_chunks;
     if constexpr (G == 0) {
         sort_pairs_block(ids, npairs, E, XR, so);    // ends with __syncthreads (the barrier inits are visible)
@@ -253,17 +270,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
     (void)npairs;
     const int n_units = n_chunks * n_mg;
     const int nst_unit = (KS + SS - 1) / SS;
-    MB_TL(rec.hdr(mtl::W_SORT, mtl::clk());
-          if (warp == 0) {
-              rec.blk(mtl::B_MAGIC, mtl::MAGIC);
-              rec.blk(mtl::B_SMID, mtl::smid());
-              rec.blk(mtl::B_UNITS, (int)blockIdx.x < n_units ? (n_units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0);
-              rec.blk(mtl::B_NST_UNIT, nst_unit);
-              rec.blk(mtl::B_NCW, NCW);
-              rec.blk(mtl::B_NST, NST);
-              rec.blk(mtl::B_SS, SS);
-              rec.blk(mtl::B_CHUNKS, n_chunks);
-          })
+    MB_TL(const long long tl_sort = mtl::clk();)
     // The chunk of unit u (units run m-group major: u = mg * n_chunks + chunk).
     auto chunk_of = [&](int u) -> int4 {
         const int c = u - (u / n_chunks) * n_chunks;
@@ -341,7 +348,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
                 }
             }
             DDT_PDL_WAIT();                          // h is the gate/up kernel's output
-            MB_TL(rec.hdr(mtl::W_PDL, mtl::clk());)
+            MB_TL(tl_pdl = mtl::clk();)
         }
         // Lookahead: at the start of unit u the chunk of u + grid is already here (loaded one unit ago) and
         // this lane's pair of it is requested now; the chunk of u + 2 grid is requested now. A unit's copies
@@ -376,7 +383,7 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
             pr = pr1;
         }
         DDT_PDL_LAUNCH_DEPENDENTS();                 // everything is requested; the next kernel may launch
-        MB_TL(rec.hdr(mtl::W_GT1, mtl::gtime()); rec.hdr(mtl::W_CLK1, mtl::clk()); rec.hdr(mtl::W_STAGES, it);)
+        MB_TL(rec.end(tl_gt0, tl_clk0, tl_pdl, tl_sort, it, -1);)
         return;
     }
 
@@ -538,6 +545,15 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
         }
         MB_TL(rec.unit(lu, 1, mtl::clk()); ++lu;)
     }
-    MB_TL(rec.hdr(mtl::W_GT1, mtl::gtime()); rec.hdr(mtl::W_CLK1, mtl::clk()); rec.hdr(mtl::W_STAGES, it);
-          rec.hdr(mtl::W_UNITS, lu);)
+    MB_TL(rec.end(tl_gt0, tl_clk0, tl_pdl, tl_sort, it, lu);
+          if (warp == 0) {                           // the block header (last: "magic" marks a written record)
+              rec.blk(mtl::B_SMID, mtl::smid());
+              rec.blk(mtl::B_UNITS, (int)blockIdx.x < n_units ? (n_units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0);
+              rec.blk(mtl::B_NST_UNIT, nst_unit);
+              rec.blk(mtl::B_NCW, NCW);
+              rec.blk(mtl::B_NST, NST);
+              rec.blk(mtl::B_SS, SS);
+              rec.blk(mtl::B_CHUNKS, n_chunks);
+              rec.blk(mtl::B_MAGIC, mtl::MAGIC);
+          })
 }
