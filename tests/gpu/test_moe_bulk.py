@@ -561,9 +561,10 @@ def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mod
     if not glob:        # (G = 1: moe_route's atomic ranks may order the slots differently from run to run)
         np.testing.assert_array_equal(h1[:int(valid.sum())], h0[:int(valid.sum())])
     assert np.all(o1 != 0xFFFF)
-    ref = layer.reference(x, ids, wts)
-    got = bf16_bits_to_f32(o1).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    if which == "table":     # (the other blocks' production builds are checked against the reference above)
+        ref = layer.reference(x, ids, wts)
+        got = bf16_bits_to_f32(o1).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
     for bt, buf, N in ((gu, bufs[0], 2 * layer.I), (dn, bufs[1], layer.H)):
         lay = mt.Layout(bt.wm * bt.wk + 1, moe.TL_STAGES, moe.TL_UNITS, moe.TL_BLOCKS)
         rec = mt.parse(buf.get(), lay)
