@@ -7,9 +7,9 @@ build" comment and in ``Layout`` below. This module turns such a buffer into
 * per warp role (consumer / producer) the time spent waiting on the full / empty barriers vs working;
 * per stage the copy latency (producer done issuing -> the full barrier completes as the first consumer sees it),
   measured where a consumer was already waiting (otherwise only a bound);
-* the split of the consumers' full-barrier waits into "producer not yet issued" (itself split into "producer in
-  its empty wait", i.e. behind the slowest consumer of the stage's previous use, and "producer elsewhere") and
-  "copies in flight";
+* the split of the consumers' full-barrier waits by cause (counterfactual: how much of a wait would vanish had the
+  producer armed the stage when this warp freed the slot): the producer sat in its empty wait behind slower
+  consumers, the producer was still busy with earlier stages, or the copy latency itself ("in flight");
 * the spread between the first and the last consumer warp to release a stage, and which K slice is last;
 * unit-boundary gaps (last release of a unit -> first full wait of the next: epilogue + K-split reduction) and
   the full-barrier wait of a unit's first stage against the others;
@@ -226,7 +226,7 @@ def analyse(rec: Record, ghz: Optional[float] = None, wait_eps_ns: float = 20.0)
     prod_empty, prod_issue = [], []
     blocks = np.nonzero(rec.valid)[0]
     for b in blocks:
-        nstu, n_units = int(rec.bh[b, B_NST_UNIT]), int(rec.bh[b, B_UNITS])
+        nstu, n_units, nst = int(rec.bh[b, B_NST_UNIT]), int(rec.bh[b, B_UNITS]), int(rec.bh[b, B_NST])
         ns = min(n_units * nstu, L.stages)
         nu = min(n_units, L.units)
         se = tm.se[b, :, :ns]
@@ -265,16 +265,26 @@ def analyse(rec: Record, ghz: Optional[float] = None, wait_eps_ns: float = 20.0)
             later_wait.extend((a1 - a0)[pos != 0])
             for q in range(min(nstu, ns)):
                 by_pos.setdefault(q, []).extend((a1 - a0)[pos == q])
-            # [a0, a1] against the producer's [E_BEFORE, E_AFTER] (its empty wait for this stage) and E_AFTER (it
-            # starts issuing): before p_before the producer was elsewhere (earlier stages, its own loop), during
-            # [p_before, p_after] behind the slowest consumer of the stage's previous use, after it in flight
-            pb, pa = p[:, E_BEFORE], p[:, E_AFTER]
-            elsewhere = np.clip(np.minimum(a1, pb) - a0, 0, None)
-            in_empty = np.clip(np.minimum(a1, pa) - np.maximum(a0, pb), 0, None)
-            flight = np.clip(a1 - np.maximum(a0, pa), 0, None)
-            split["producer_elsewhere"] += np.nansum(elsewhere)
-            split["producer_in_empty_wait"] += np.nansum(in_empty)
-            split["in_flight"] += np.nansum(flight)
+            # Counterfactual split of the wait W = a1 - a0. r = when this warp freed the slot (its release of the
+            # stage's previous use, it - nst; the first nst stages: a0). Had the producer armed the stage at r, the
+            # copies would have had a0 - r more time. Its lateness e1 - r is "in the empty wait" for the part
+            # after max(e0, r) (behind slower consumers of the previous use) and "elsewhere" before (still busy
+            # with earlier stages); the wait is explained by the empty-wait part first, then by the other, and
+            # the rest is copy latency the ring did not cover ("in flight"). (Measuring what the producer did
+            # *during* the wait instead would call a gated-late issue "in flight" whenever the gating ended
+            # before this warp started waiting.)
+            e0, e1 = p[:, E_BEFORE], p[:, E_AFTER]
+            idx = np.arange(ns)
+            r = np.where(idx >= nst, c[w, np.maximum(idx - nst, 0), E_DONE], a0)
+            e0r = np.maximum(e0, r)
+            gate = np.clip(e1 - e0r, 0, None)
+            late = np.clip(e0r - r, 0, None)
+            W = np.clip(a1 - a0, 0, None)
+            g = np.minimum(W, gate)
+            e = np.minimum(W - g, late)
+            split["producer_in_empty_wait"] += np.nansum(g)
+            split["producer_elsewhere"] += np.nansum(e)
+            split["in_flight"] += np.nansum(W - g - e)
             # unit boundary: last release of unit u -> first full wait of unit u + 1 (epilogue, reduction, loop)
             for u in range(nu):
                 s_last, s_next = (u + 1) * nstu - 1, (u + 1) * nstu
@@ -353,9 +363,10 @@ def report(res: Dict, block: Optional[int] = None, width: int = 100) -> str:
             f"   a unit's first stage: {f(res['full_wait_unit_first_stage'])}",
             f"   its other stages:     {f(res['full_wait_other_stages'])}",
             "   mean by stage position in the unit: " + " ".join(f"{v:.0f}" for v in res["full_wait_by_position"]),
-            f"   while the producer was in the stage's empty wait (behind the slowest consumer) "
-            f"{100 * sp['producer_in_empty_wait'] / tot:.0f}%, elsewhere (not yet at the stage) "
-            f"{100 * sp['producer_elsewhere'] / tot:.0f}%, copies in flight {100 * sp['in_flight'] / tot:.0f}%",
+            f"   explained by the producer arming the stage after this warp freed its slot: while in its empty "
+            f"wait (behind slower consumers) {100 * sp['producer_in_empty_wait'] / tot:.0f}%, while elsewhere "
+            f"(earlier stages) {100 * sp['producer_elsewhere'] / tot:.0f}%; the rest, copy latency the ring did not "
+            f"cover, {100 * sp['in_flight'] / tot:.0f}%",
             f"copy latency (issued -> first consumer through, it was waiting): {f(res['copy_latency'])}",
             f"   (upper bounds, no consumer waiting: {f(res['copy_latency_bound'])})",
             f"producer empty wait per stage: {f(res['producer_empty_wait'])}; issue: {f(res['producer_issue'])}",

@@ -102,6 +102,30 @@ def test_slow_consumer_regime():
     assert res["producer_empty_wait"]["p90"] > 1000
 
 
+def test_slow_consumer_behind_a_deep_ring_is_still_the_gate():
+    # 3 stages, one K slice 20% slower, copies ~ a stage: the producer's gated issue is over before the fast warps
+    # start waiting, yet it is what makes them wait (issued when they freed the slot, the copies would have landed
+    # in time): the split must name the gate, not the copy latency
+    res = _analyse(simulate(LAY, nst=3, nstu=7, n_units=4, copy=1800, work=[1400] * 7 + [1700]))
+    sp = res["full_wait_split"]
+    assert sp["producer_in_empty_wait"] > 0.7 * sum(sp.values())
+    # copy latency remains only at the pipeline fill: 8 warps wait on stage 0 (issue 50 + copy 1800 ns)
+    assert sp["in_flight"] == pytest.approx(8 * 1850) and sp["producer_elsewhere"] == pytest.approx(0)
+    assert res["copy_latency"]["p50"] == pytest.approx(1800)
+    # the same ring with equal warps does not wait at all after the first stages
+    res2 = _analyse(simulate(LAY, nst=3, nstu=7, n_units=4, copy=1800, work=1400))
+    assert res2["full_wait_other_stages"]["p50"] == pytest.approx(0)
+
+
+def test_slow_producer_regime():
+    # issuing a stage takes 2 us (5x a stage's work): the producer reaches each stage long after the slot was
+    # freed, so the waits are "elsewhere" (it is still busy with the earlier stages), not gate nor copies
+    res = _analyse(simulate(LAY, issue=2000, copy=200, work=400))
+    sp = res["full_wait_split"]
+    assert sp["producer_elsewhere"] > 0.5 * sum(sp.values()) and sp["producer_in_empty_wait"] == pytest.approx(0)
+    assert res["producer_issue"]["p50"] == pytest.approx(2000) and res["producer_empty_wait"]["p90"] == pytest.approx(0)
+
+
 def test_unit_boundary_regime():
     res = _analyse(simulate(LAY, copy=300, work=300, epi=2000, n_units=3))
     assert res["unit_boundary_gap"]["n"] == 2 * 8 and res["unit_boundary_gap"]["p50"] == pytest.approx(2000)
