@@ -250,3 +250,15 @@ def test_timeline_argument_errors():
         moe._check_timeline((None, np.zeros(4, np.int64)), 0, gu, moe.BULK_DOWN_CANDIDATES[0])
     big = np.zeros(moe.TL_BLOCKS * moe.timeline_words(gu), np.int64)
     assert moe._check_timeline((big, None), 0, gu, dn)[0] is big
+
+
+def test_saved_run_is_read_back(tmp_path, capsys):
+    # the .npz that bench.moe --timeline writes (buf_<kernel>, layout_<kernel>) through the module's CLI
+    lay = mt.Layout(nw=5, stages=16, units=4, blocks=2)
+    path = tmp_path / "tl.npz"
+    np.savez_compressed(path, buf_down=simulate(lay, blocks=2, nstu=2, n_units=3),
+                        layout_down=np.array([lay.nw, lay.stages, lay.units, lay.blocks]))
+    assert mt.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "== down" in out and "invariants: all hold" in out and "blocks recorded 2" in out
+    assert mt.main([]) == 2
