@@ -355,15 +355,19 @@ def _bulk_compiled(g: int):
             "dn": big["dn"] + tuple(t for t in (BULK_DOWN,) if t not in big["dn"])}
 
 
-def _all_bulk_names() -> Tuple[str, ...]:
+def _bulk_names(compiled) -> Tuple[str, ...]:
+    """The kernel names of {routing source g: {"gu": blocks, "dn": blocks}}, each once, in order."""
     names = []
-    for g in (0, 1):
-        allowed = _bulk_compiled(g)
+    for g, allowed in compiled.items():
         for mode, key in ((0, "gu"), (1, "dn")):
             for t in allowed[key]:
                 if _bulk_name(mode, t, g) not in names:
                     names.append(_bulk_name(mode, t, g))
     return tuple(names)
+
+
+def _all_bulk_names() -> Tuple[str, ...]:
+    return _bulk_names({g: _bulk_compiled(g) for g in (0, 1)})
 
 
 SPEC_BULK = register(KernelSpec(
@@ -399,13 +403,7 @@ def _timeline_compiled():
 
 
 def _all_timeline_names() -> Tuple[str, ...]:
-    names = []
-    for g, allowed in _timeline_compiled().items():
-        for mode, key in ((0, "gu"), (1, "dn")):
-            for t in allowed[key]:
-                if _bulk_name(mode, t, g) not in names:
-                    names.append(_bulk_name(mode, t, g))
-    return tuple(names)
+    return _bulk_names(_timeline_compiled())
 
 
 SPEC_BULK_TIMELINE = register(KernelSpec(
