@@ -195,7 +195,15 @@ using namespace mbulk;
 // 1 = moe_route's global arrays (chunks, slot_pair, meta[0] = chunks; any T), read through L2 one and two
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
 template <int MODE, int WM, int WK, int SPW, int NST, int G, int XR = 8>
-__global__ void __launch_bounds__((WM * WK + 1) * 32, 1) moe_gemm_bulk(
+// Timeline build: at least 2 blocks per SM for the gate/up (its production occupancy on the H200; measured in
+// session 6: with 99 registers the compact gate/up's timeline build fit 1 block per SM, the register file being
+// allocated per SM quadrant, so it ran in two waves and the record described another kernel).
+#ifdef DDT_MOE_TIMELINE
+#define MB_MIN_BLOCKS (MODE == 0 ? 2 : 1)
+#else
+#define MB_MIN_BLOCKS 1
+#endif
+__global__ void __launch_bounds__((WM * WK + 1) * 32, MB_MIN_BLOCKS) moe_gemm_bulk(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
         const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,

@@ -863,14 +863,16 @@ def _combine_launch(topk_ids, weights: MoEWeights, ws: MoEWorkspace, out, residu
     return ("combine", lambda: k_cb((-(-H // 1024), T), (256,), cb_args))
 
 
-def _blocks_per_sm(bt: BulkTile, g: int = 0) -> int:
+def _blocks_per_sm(fn, bt: BulkTile, dyn: int) -> int:
+    """Blocks of the compiled bulk kernel ``fn`` resident per SM, from the driver's occupancy calculator (its
+    registers, static and dynamic shared memory and threads). Counting shared memory alone is not enough: the
+    register file is allocated per SM quadrant, so a 9-warp block of 99 registers fits once per H200 SM although
+    two fit by shared memory (session 6: the compact gate/up's timeline build ran in two waves that way)."""
     import cupy
-    dev = cupy.cuda.Device().id
-    key = ("smem_sm", dev)
-    if key not in _SM:      # (Device().attributes queries every attribute: once per device)
-        _SM[key] = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"])
-    by_smem = _SM[key] // (bt.smem_dyn(g) + bt.smem_static + 1024)     # + the per-block reservation
-    return max(1, min(by_smem, 2048 // bt.threads))
+    key = ("occ", fn.kernel.ptr, bt.threads, dyn, cupy.cuda.Device().id)
+    if key not in _SM:
+        _SM[key] = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, bt.threads, dyn))
+    return max(1, _SM[key])
 
 
 def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace, out, residual, T: int,
@@ -920,7 +922,7 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
         # chunks of <= bt.xr tokens (the compact gate/up blocks cut more of them than the down's 8)
         chunks_max = min(pairs, min(pairs, E) + pairs // bt.xr)
         units = chunks_max * -(-(N // 32) // bt.wm)
-        grid = max(1, min(units, _sm_count() * _blocks_per_sm(bt, g)))
+        grid = max(1, min(units, _sm_count() * _blocks_per_sm(fn, bt, dyn)))
         args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common + (() if tl is None else (tl,))
         plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args, dyn=dyn:
                      fn((grid,), (bt.threads,), args, shared_mem=dyn)))

@@ -565,7 +565,7 @@ def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mod
         ref = layer.reference(x, ids, wts)
         got = bf16_bits_to_f32(o1).astype(np.float64)
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-    for bt, buf, N in ((gu, bufs[0], 2 * layer.I), (dn, bufs[1], layer.H)):
+    for bt, buf, N, K in ((gu, bufs[0], 2 * layer.I, layer.H), (dn, bufs[1], layer.H, layer.w.inter_padded)):
         lay = mt.Layout(bt.wm * bt.wk + 1, moe.TL_STAGES, moe.TL_UNITS, moe.TL_BLOCKS)
         rec = mt.parse(buf.get(), lay)
         assert mt.check_invariants(rec) == [], bt
@@ -578,7 +578,7 @@ def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mod
             assert int(rec.bh[:nb, mt.B_UNITS].sum()) == n_units, bt
         assert (rec.bh[:nb, mt.B_CHUNKS] == n_chunks).all() and (rec.bh[:nb, mt.B_NCW] == bt.wm * bt.wk).all()
         assert (rec.bh[:nb, mt.B_NST] == bt.nst).all() and (rec.bh[:nb, mt.B_SS] == bt.steps).all()
-        ks = (layer.H if N == 2 * layer.I else layer.w.inter_padded) // 64
+        ks = K // 64       # (by kernel, not by N: tiny256 has N = 512 for both)
         assert (rec.bh[:nb, mt.B_NST_UNIT] == -(-ks // bt.steps)).all()
         # every warp of a block on the block's SM; the analysis runs and its fractions are finite
         res = mt.analyse(rec)
