@@ -30,9 +30,11 @@ from typing import Dict, List, Optional
 import numpy as np
 
 MAGIC = 0x544C424B
-BLOCK_HEADER, WARP_HEADER = 8, 8
+BLOCK_HEADER, WARP_HEADER = 16, 8
 # block header fields
-B_MAGIC, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS = range(8)
+B_MAGIC, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS, B_SORT0 = range(9)
+# B_SORT0 .. B_SORT0 + 5: thread 0's clock at the shared-memory sort's phase ends (G = 0; -1 otherwise)
+SORT_PHASES = ("ids loaded", "counted", "scanned", "chunks cut", "ranked")
 # warp header fields
 W_GT0, W_CLK0, W_PDL, W_SORT, W_GT1, W_CLK1, W_STAGES, W_UNITS = range(8)
 # stage event indices: consumer (before full wait, after it, released) / producer (before empty wait, after it,
@@ -294,7 +296,16 @@ def analyse(rec: Record, ghz: Optional[float] = None, wait_eps_ns: float = 20.0)
     for r in roles.values():
         r["other"] = r["life"] - r["prologue"] - r["wait"] - r["work"] - r["epilogue"]
     kw_hist = np.bincount(np.asarray(last_kw, dtype=np.int64), minlength=nc).tolist() if last_kw else [0] * nc
-    return dict(blocks=int(blocks.size), ghz=_pct(tm.ghz[blocks]), roles=roles,
+    # the sort's phases (G = 0): kernel start -> sort entry, then each phase, ns per block
+    sort_phases = {}
+    marks = rec.bh[blocks, B_SORT0:B_SORT0 + 6].astype(np.float64)
+    if blocks.size and (marks >= 0).all():
+        clk0 = np.array([np.nanmin(rec.wh[b, :, W_CLK0]) for b in blocks], dtype=np.float64)
+        rate = tm.ghz[blocks]
+        sort_phases["start -> sort"] = _pct((marks[:, 0] - clk0) / rate)
+        for k, name in enumerate(SORT_PHASES):
+            sort_phases[name] = _pct((marks[:, k + 1] - marks[:, k]) / rate)
+    return dict(blocks=int(blocks.size), ghz=_pct(tm.ghz[blocks]), roles=roles, sort_phases=sort_phases,
                 copy_latency=_pct(copy_lat), copy_latency_bound=_pct(copy_bound),
                 release_spread=_pct(spread), last_release_warp=kw_hist,
                 full_wait=_pct(full_wait), full_wait_unit_first_stage=_pct(first_wait),
@@ -374,6 +385,9 @@ def report(res: Dict, block: Optional[int] = None, width: int = 100) -> str:
             f"(stages with a spread), by consumer warp: {res['last_release_warp']}",
             f"unit boundary (last release -> next unit's first wait): {f(res['unit_boundary_gap'])}; epilogue "
             f"{f(res['epilogue'])}"]
+    if res.get("sort_phases"):
+        out.append("sort phases, p50 / p90 ns per block: " + ", ".join(
+            f"{k} {d['p50']:.0f} / {d['p90']:.0f}" for k, d in res["sort_phases"].items()))
     tm = res["times"]
     if block is None:
         blocks = np.nonzero(tm.rec.valid)[0]

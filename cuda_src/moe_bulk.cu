@@ -35,6 +35,18 @@
 // routing array), and expert weights are constants; only h (the gate/up output) needs the wait, and its copies
 // are issued after it. The down's consumers never wait: what they read of earlier kernels is the routing (the
 // same argument) and h through the producer's copies.
+#ifdef DDT_MOE_TIMELINE
+// The shared-memory sort's phase ends (thread 0's clock), copied into the block header at the block's end.
+__shared__ long long mtl_sort_marks[6];
+#define MOE_SORT_MARK(k)                                                                                    \
+    do {                                                                                                    \
+        if (threadIdx.x == 0) {                                                                             \
+            long long c_;                                                                                   \
+            asm volatile("mov.u64 %0, %%clock64;" : "=l"(c_) :: "memory");                                 \
+            mtl_sort_marks[k] = c_;                                                                         \
+        }                                                                                                   \
+    } while (0)
+#endif
 #include "moe_common.cuh"
 
 // ---------------------------------------------------------------------------------------------------------
@@ -50,8 +62,10 @@
 // blocks on one time axis (bench/moe_timeline.py).
 // Layout of one block's record (int64 words; the buffer is poisoned with -1 by the caller, so -1 = "not
 // recorded"), NW = consumer warps + 1 (the producer is warp NW - 1), S = DDT_MOE_TL_STAGES, U = DDT_MOE_TL_UNITS:
-//   [0, 8)                     block header: magic, smid, units of this block, stages per unit, NCW, NST, SS, chunks
-//   [8, 8 + 8 NW)              per warp: gt_start, clk_start, clk_pdl (after its PDL wait, if it has one),
+//   [0, 16)                    block header: magic, smid, units of this block, stages per unit, NCW, NST, SS, chunks,
+//                              then (G = 0) thread 0's clock at the shared-memory sort's phase ends (MOE_SORT_MARK:
+//                              entry, ids loaded, counted, scanned, chunks cut, ranked), 2 words unused
+//   [16, 16 + 8 NW)            per warp: gt_start, clk_start, clk_pdl (after its PDL wait, if it has one),
 //                              clk_sort (routing ready), gt_end, clk_end, stages done, units done
 //   then [NW][S][3]            per warp and ring stage it (its running stage count, across units):
 //                              consumer: before the full wait, after it, before its empty arrive (stage released)
@@ -73,9 +87,9 @@
 #endif
 #define MB_TL(...) __VA_ARGS__
 namespace mtl {
-constexpr int S = DDT_MOE_TL_STAGES, U = DDT_MOE_TL_UNITS, B = DDT_MOE_TL_BLOCKS, BH = 8, WH = 8;
+constexpr int S = DDT_MOE_TL_STAGES, U = DDT_MOE_TL_UNITS, B = DDT_MOE_TL_BLOCKS, BH = 16, WH = 8;
 constexpr long long MAGIC = 0x544C424Bll;    // "TLBK": this block's record was written
-enum { B_MAGIC = 0, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS };
+enum { B_MAGIC = 0, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS, B_SORT0 };   // B_SORT0 .. + 5: sort phases
 enum { W_GT0 = 0, W_CLK0, W_PDL, W_SORT, W_GT1, W_CLK1, W_STAGES, W_UNITS };
 __host__ __device__ constexpr int block_words(int nw) { return BH + nw * WH + nw * S * 3 + nw * U * 2; }
 // The timer reads are volatile asm with a memory clobber so that the compiler keeps them where they are written
@@ -198,7 +212,8 @@ template <int MODE, int WM, int WK, int SPW, int NST, int G, int XR = 8>
 // Timeline build: at least 2 blocks per SM for the gate/up (its production occupancy on the H200; measured in
 // session 6: with 99 registers the compact gate/up's timeline build fit 1 block per SM, the register file being
 // allocated per SM quadrant, so it ran in two waves and the record described another kernel).
-#ifdef DDT_MOE_TIMELINE
+// (sm_90 only: sm_120's 99 KB fit one gate/up block per SM anyway, and a register cap there would spill.)
+#if defined(DDT_MOE_TIMELINE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 1000
 #define MB_MIN_BLOCKS (MODE == 0 ? 2 : 1)
 #else
 #define MB_MIN_BLOCKS 1
@@ -562,6 +577,8 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, MB_MIN_BLOCKS) moe_gemm_bu
               rec.blk(mtl::B_NST, NST);
               rec.blk(mtl::B_SS, SS);
               rec.blk(mtl::B_CHUNKS, n_chunks);
+              if constexpr (G == 0)
+                  for (int m = 0; m < 6; ++m) rec.blk(mtl::B_SORT0 + m, mtl_sort_marks[m]);
               rec.blk(mtl::B_MAGIC, mtl::MAGIC);
           })
 }

@@ -148,18 +148,25 @@ struct SortSmem {
 };
 
 // Unpadded runs (slots 0..valid pairs - 1): the gather through slot_pair means chunks need no 8-alignment.
+// MOE_SORT_MARK(k): the timeline build's phase stamps (moe_bulk.cu); nothing elsewhere.
+#ifndef MOE_SORT_MARK
+#define MOE_SORT_MARK(k)
+#endif
 __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int chunk, SortSmem& s) {
     const int tid = threadIdx.x, nth = blockDim.x;
+    MOE_SORT_MARK(0);
     for (int e = tid; e < E; e += nth) s.cnt[e] = 0;
     if (tid == 0) s.bad = 0;
     for (int i = tid; i < n; i += nth) s.ids[i] = ids[i];
     __syncthreads();
+    MOE_SORT_MARK(1);
     for (int i = tid; i < n; i += nth) {
         const int e = s.ids[i];
         if (e >= 0 && e < E) atomicAdd(&s.cnt[e], 1);     // counts do not depend on the order of the atomics
         else atomicAdd(&s.bad, 1);
     }
     __syncthreads();
+    MOE_SORT_MARK(2);
     const int per = (E + nth - 1) / nth;                   // experts owned by this thread: [e0, e0 + per)
     const int e0 = tid * per;
     int csum = 0, chsum = 0;
@@ -168,6 +175,7 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
         if (e < E) { const int c = s.cnt[e]; csum += c; chsum += (c + chunk - 1) / chunk; }
     }
     const int2 ex = block_exclusive_scan2(make_int2(csum, chsum), s.warp_tot, &s.total);
+    MOE_SORT_MARK(3);
     int off = ex.x, ci = ex.y;
     for (int q = 0; q < per; ++q) {
         const int e = e0 + q;
@@ -179,6 +187,7 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
         }
     }
     __syncthreads();
+    MOE_SORT_MARK(4);
     for (int i = tid; i < n; i += nth) {
         const int e = s.ids[i];
         if (e < 0 || e >= E) continue;
@@ -194,5 +203,6 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
         s.slot_pair[s.cnt[e] + r] = i;
     }
     __syncthreads();
+    MOE_SORT_MARK(5);
 }
 

@@ -51,7 +51,9 @@ def simulate(layout, blocks=1, nst=2, nstu=4, n_units=3, copy=300, work=400, iss
                     E[w, u] = (ct[w], ct[w] + epi)
                     ct[w] += epi
         bh = rec.bh[b]
-        bh[:] = (mt.MAGIC, 7 + b, n_units, nstu, nc, nst, 16, 42)
+        bh[:mt.B_SORT0] = (mt.MAGIC, 7 + b, n_units, nstu, nc, nst, 16, 42)
+        bh[mt.B_SORT0:mt.B_SORT0 + 6] = [cyc(off + 10 * (k + 1)) for k in range(6)]   # sort phases 10 ns each
+        bh[mt.B_SORT0 + 6:] = -1
         ends = list(ct) + [pt]
         for w in range(L.nw):
             h = rec.wh[b, w]
@@ -146,6 +148,11 @@ def test_role_fractions_add_up():
         assert parts == pytest.approx(r["life"]) and r["other"] >= -1e-6
     # the synthetic prologue is the sort time (500 ns) for every warp of both blocks
     assert res["roles"]["consumer"]["prologue"] == pytest.approx(2 * 8 * 500)
+    # the sort's phase marks (10 ns apart from the block's start) come back per phase, and in the report
+    sp = res["sort_phases"]
+    assert list(sp) == ["start -> sort", *mt.SORT_PHASES]
+    assert all(d["p50"] == pytest.approx(10, abs=1) and d["n"] == 2 for d in sp.values())
+    assert "sort phases" in mt.report(res)
 
 
 def test_clock_rate_and_block_offsets():
@@ -235,7 +242,8 @@ def test_layout_matches_the_wrapper_and_the_kernel_defines():
     src = (moe.SPEC_BULK.source())
     assert "constexpr long long MAGIC = 0x%Xll" % mt.MAGIC in src
     assert "enum { W_GT0 = 0, W_CLK0, W_PDL, W_SORT, W_GT1, W_CLK1, W_STAGES, W_UNITS };" in src
-    assert "enum { B_MAGIC = 0, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS };" in src
+    assert "enum { B_MAGIC = 0, B_SMID, B_UNITS, B_NST_UNIT, B_NCW, B_NST, B_SS, B_CHUNKS, B_SORT0 };" in src
+    assert "BH = %d, WH = %d;" % (mt.BLOCK_HEADER, mt.WARP_HEADER) in src
 
 
 def test_timeline_argument_errors():

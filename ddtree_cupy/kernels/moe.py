@@ -387,7 +387,7 @@ SPEC_BULK = register(KernelSpec(
 TL_STAGES = 128     # ring stages recorded per warp (a block's first TL_STAGES stages)
 TL_UNITS = 32       # units recorded per consumer warp
 TL_BLOCKS = 1024    # blocks recorded (blockIdx.x < TL_BLOCKS); the H200's bulk grids are <= 4 x 132
-TL_BLOCK_HEADER = 8
+TL_BLOCK_HEADER = 16
 TL_WARP_HEADER = 8
 
 
