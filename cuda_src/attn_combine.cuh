@@ -17,6 +17,12 @@
 // The NW partial sums meet in shared memory. Reads go through L2 (__ldcg): the partials were written by
 // other blocks of an earlier kernel. The order of the additions is fixed by (num_splits, NW, UNROLL) alone,
 // so the result is deterministic (graph replay == eager bit for bit; U = 1 and U = 4 add in different orders).
+//
+// Partial element type PT: float (the default; the drafter and the MLA default) or bf16_bits (MLA with
+// bf16 partials, kernels/attention.py PARTIAL_BF16: half the bytes written and read back). A lane always
+// loads 16 bytes per chunk (4 fp32 or 8 bf16 columns), so a bf16 row is half the chunks of an fp32 one; the
+// merge itself is fp32 either way (a bf16 value widens to fp32 exactly). For PT = float the operations and
+// their order are those of the fp32-only version (same column ownership, same fma sequence).
 #pragma once
 #include "common.cuh"
 
@@ -26,6 +32,37 @@
 
 #define ATTN_MAX_SPLITS 256      // kernels/attention.py MAX_SPLITS (the wrappers reject more)
 
+// One 16-byte chunk of a partial row: CW columns, loaded through L2 and widened to fp32.
+template <typename PT>
+struct AttnPartChunk;
+template <>
+struct AttnPartChunk<float> {
+    static constexpr int CW = 4;
+    typedef float4 raw_t;
+    // chunk i of the row at p (indexing in chunks, as the fp32-only version did: the same address arithmetic)
+    static __device__ __forceinline__ raw_t load(const float* p, int i) { return __ldcg(reinterpret_cast<const float4*>(p) + i); }
+    static __device__ __forceinline__ raw_t zero() { return make_float4(0.f, 0.f, 0.f, 0.f); }
+    static __device__ __forceinline__ void widen(const raw_t& r, float (&x)[4]) {
+        x[0] = r.x; x[1] = r.y; x[2] = r.z; x[3] = r.w;
+    }
+};
+template <>
+struct AttnPartChunk<bf16_bits> {
+    static constexpr int CW = 8;
+    typedef uint4 raw_t;
+    static __device__ __forceinline__ raw_t load(const bf16_bits* p, int i) { return __ldcg(reinterpret_cast<const uint4*>(p) + i); }
+    static __device__ __forceinline__ raw_t zero() { return make_uint4(0u, 0u, 0u, 0u); }
+    static __device__ __forceinline__ void widen(const raw_t& r, float (&x)[8]) {
+        // little endian: the lower 16 bits hold the even column (pack_bf16x2 / f32_to_bf16 order)
+        const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[2 * i] = __uint_as_float(w[i] << 16);
+            x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+};
+
 template <int D, int NW>
 struct AttnCombineSmem {
     float acc[NW][D];            // first: float4 stores need 16-byte alignment
@@ -33,13 +70,16 @@ struct AttnCombineSmem {
     float red[NW];
 };
 
-template <int D, int NW, int U>   // U: splits per warp whose loads are in flight together
-__device__ __forceinline__ void attn_combine_row(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+// U: splits per warp whose loads are in flight together; PT: partial element type (float or bf16_bits)
+template <int D, int NW, int U, typename PT = float>
+__device__ __forceinline__ void attn_combine_row(const PT* __restrict__ part_o, const float* __restrict__ part_lse,
                                                  size_t stride, size_t row, int num_splits,
                                                  bf16_bits* __restrict__ dst, AttnCombineSmem<D, NW>& sm) {
-    static_assert(D % 128 == 0, "lanes hold whole float4s of the row");
+    typedef AttnPartChunk<PT> Ch;
+    constexpr int CW = Ch::CW;          // columns per 16-byte chunk
+    static_assert(D % (32 * CW) == 0, "lanes hold whole 16-byte chunks of the row");
     static_assert(NW * 32 <= ATTN_MAX_SPLITS, "pass 1 keeps at most one lse per thread in a register");
-    constexpr int V4 = D / 128;  // float4s per lane
+    constexpr int NCH = D / (32 * CW);  // chunks per lane: lane owns columns CW * (lane + 32 k) .. + CW
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
     // ---- pass 1: weights ------------------------------------------------------------------------------
@@ -67,35 +107,43 @@ __device__ __forceinline__ void attn_combine_row(const float* __restrict__ part_
     __syncthreads();   // the weights are complete; sm.red is free again
 
     // ---- pass 2: weighted sum of the partials ---------------------------------------------------------
-    float4 acc[V4];
+    float acc[NCH][CW];
 #pragma unroll
-    for (int k = 0; k < V4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k = 0; k < NCH; ++k)
+#pragma unroll
+        for (int e = 0; e < CW; ++e) acc[k][e] = 0.f;
     float wsum = 0.f;
     for (int sp0 = warp; sp0 < num_splits; sp0 += U * NW) {
-        float4 v[U][V4];
+        typename Ch::raw_t v[U][NCH];
         float wu[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int sp = sp0 + u * NW;
             wu[u] = sp < num_splits ? sm.w[sp] : 0.f;
             // a zero weight skips the load: an empty split's partial is never read (it may be anything)
-            const float4* src = reinterpret_cast<const float4*>(part_o + ((size_t)sp * stride + row) * D);
+            const PT* src = part_o + ((size_t)sp * stride + row) * D;
 #pragma unroll
-            for (int k = 0; k < V4; ++k)
-                v[u][k] = wu[u] != 0.f ? __ldcg(src + lane + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int k = 0; k < NCH; ++k)
+                v[u][k] = wu[u] != 0.f ? Ch::load(src, lane + 32 * k) : Ch::zero();
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             wsum += wu[u];
 #pragma unroll
-            for (int k = 0; k < V4; ++k) {
-                acc[k].x += wu[u] * v[u][k].x; acc[k].y += wu[u] * v[u][k].y;
-                acc[k].z += wu[u] * v[u][k].z; acc[k].w += wu[u] * v[u][k].w;
+            for (int k = 0; k < NCH; ++k) {
+                float x[CW];
+                Ch::widen(v[u][k], x);
+#pragma unroll
+                for (int e = 0; e < CW; ++e) acc[k][e] += wu[u] * x[e];
             }
         }
     }
 #pragma unroll
-    for (int k = 0; k < V4; ++k) *reinterpret_cast<float4*>(&sm.acc[warp][4 * (lane + 32 * k)]) = acc[k];
+    for (int k = 0; k < NCH; ++k)
+#pragma unroll
+        for (int e = 0; e < CW; e += 4)
+            *reinterpret_cast<float4*>(&sm.acc[warp][CW * (lane + 32 * k) + e]) =
+                make_float4(acc[k][e], acc[k][e + 1], acc[k][e + 2], acc[k][e + 3]);
     if (lane == 0) sm.red[warp] = wsum;
     __syncthreads();
     float wt = 0.f;

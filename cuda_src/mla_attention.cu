@@ -11,9 +11,9 @@
 // The VG warps of one row group exchange row maxima, row sums and P through shared memory, so every warp
 // of the group keeps the same online-softmax state (m, l) for its rows.
 //
-// Split-KV: blockIdx.y = split; each split covers a contiguous run of KV tiles of the stream and writes an
-// fp32 partial (normalised O and log2-sum-exp) that mla_attn_combine merges. With one split the block
-// writes bf16 o_lat directly. Two kernels share this contract: mla_attn_fwd (below; rows x tokens split
+// Split-KV: blockIdx.y = split; each split covers a contiguous run of KV tiles of the stream and writes a
+// partial (normalised O, fp32 or -- built with MLA_PART_BF16=1 -- bf16, and an fp32 log2-sum-exp) that
+// mla_attn_combine merges. With one split the block writes bf16 o_lat directly. Two kernels share this contract: mla_attn_fwd (below; rows x tokens split
 // over the warps) and mla_attn_ksplit (Q in registers, S split over the reduction; used for decode).
 //
 // Visibility of KV position t for query row r of a stream with committed length s and n rows:
@@ -32,6 +32,29 @@
 // Shared-memory row stride (bf16 elements): 576 + 8 so that 8 consecutive rows start in 8 different
 // 16-byte bank groups (1168 B = 73 chunks, odd) and ldmatrix is conflict free.
 #define MLA_SROW (MLA_QK_DIM + 8)
+
+// Element type of the split partials O (kernels/attention.py PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16 pick the
+// build): fp32 by default; bf16 halves the bytes the main kernels write and the combine reads back. Each
+// partial row is a normalised (convex-combination) O row, so rounding it to bf16 costs at most 2^-8 relative
+// per element before the weighted merge (docs/ATTENTION.md, "Session 6"). The log2-sum-exp stays fp32.
+#ifndef MLA_PART_BF16
+#define MLA_PART_BF16 0
+#endif
+#if MLA_PART_BF16
+typedef bf16_bits mla_part_t;
+#else
+typedef float mla_part_t;
+#endif
+
+// Two adjacent columns (a, b) of a partial row: one 8-byte (fp32) or 4-byte (bf16, round to nearest even)
+// store, like the one-split path's bf16 o_lat store.
+__device__ __forceinline__ void mla_store_part2(mla_part_t* p, float a, float b) {
+#if MLA_PART_BF16
+    *reinterpret_cast<unsigned*>(p) = pack_bf16x2(a, b);
+#else
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+#endif
+}
 
 
 template <int MG, int VG, int BN, int STAGES>
@@ -63,7 +86,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     const int* __restrict__ row_start,         // [S] first row of the stream in q / out
     const unsigned* __restrict__ mask,         // [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal)
     bf16_bits* __restrict__ out,               // [total_rows, H, 512]            (num_splits == 1)
-    float* __restrict__ part_o,                // [num_splits, total_rows*H, 512] (num_splits > 1)
+    mla_part_t* __restrict__ part_o,           // [num_splits, total_rows*H, 512] (num_splits > 1)
     float* __restrict__ part_lse,              // [num_splits, total_rows*H]
     int max_pages, int mask_rows, int H, int total_packed, int num_splits,
     float scale_log2) {                        // softmax_scale * log2(e)
@@ -332,10 +355,9 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
                 *reinterpret_cast<unsigned*>(orow + j * 8) = pack_bf16x2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
         } else {
             const size_t prow = (size_t)split * total_packed + gm;
-            float* orow = part_o + prow * MLA_V_DIM + col0 + 2 * q4;
+            mla_part_t* orow = part_o + prow * MLA_V_DIM + col0 + 2 * q4;
 #pragma unroll
-            for (int j = 0; j < C::NT_O; ++j)
-                *reinterpret_cast<float2*>(orow + j * 8) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
+            for (int j = 0; j < C::NT_O; ++j) mla_store_part2(orow + j * 8, o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
             if (vg == 0 && q4 == 0)
                 part_lse[prow] = l_run[i] > 0.f ? m_run[i] + log2f(l_run[i]) : -INFINITY;
         }
@@ -386,7 +408,7 @@ template <int MT, int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,
     const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
-    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, float* __restrict__ part_o,
+    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, mla_part_t* __restrict__ part_o,
     float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
     float scale_log2) {   // same arguments as mla_attn_fwd
     using C = MlaKsCfg<MT, BN, STAGES>;
@@ -628,11 +650,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
                     *reinterpret_cast<unsigned*>(orow + j * 8) =
                         pack_bf16x2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
             } else {
-                float* orow = part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64 + 2 * q4;
+                mla_part_t* orow = part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64 + 2 * q4;
 #pragma unroll
                 for (int j = 0; j < C::NTO; ++j)
-                    *reinterpret_cast<float2*>(orow + j * 8) =
-                        make_float2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
+                    mla_store_part2(orow + j * 8, o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
             }
         }
 }
@@ -640,9 +661,19 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
 // Merge the splits (attn_combine.cuh): one block of 8 warps per packed row. grid (max_rows * H, S).
 // U = splits per warp in flight (4 or 1: kernels/attention.py combine_unroll picks by the grid size).
 #define MLA_COMBINE_THREADS 256
+// bf16 partials: without a minimum-blocks hint ptxas (NVRTC 12.9, sm_90 and sm_120) schedules the bf16
+// combine's loads one at a time, each followed by its widening and fmas (U = 4: 1 of a warp's 8 loads issued
+// before the first use), i.e. one L2 round trip per split, the serial pattern attn_combine.cuh exists to
+// avoid. With (256, 2) all 8 are issued first (SASS checked on both, 72 registers on sm_90). The fp32 build
+// keeps its bounds (its sm_90 code issues all 16 loads first; unchanged PTX).
+#if MLA_PART_BF16
+#define MLA_COMBINE_BOUNDS __launch_bounds__(MLA_COMBINE_THREADS, 2)
+#else
+#define MLA_COMBINE_BOUNDS __launch_bounds__(MLA_COMBINE_THREADS)
+#endif
 template <int U>
-__global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
-    const float* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
+__global__ void MLA_COMBINE_BOUNDS mla_attn_combine(
+    const mla_part_t* __restrict__ part_o, const float* __restrict__ part_lse, const int* __restrict__ n_rows,
     const int* __restrict__ row_start, int H, int total_packed, int num_splits, bf16_bits* __restrict__ out) {
     __shared__ __align__(16) AttnCombineSmem<MLA_V_DIM, MLA_COMBINE_THREADS / 32> sm;
     DDT_PDL_WAIT();
@@ -650,8 +681,8 @@ __global__ void __launch_bounds__(MLA_COMBINE_THREADS) mla_attn_combine(
     const int m = blockIdx.x;
     if (m >= n_rows[b] * H) return;
     const size_t gm = (size_t)row_start[b] * H + m;
-    attn_combine_row<MLA_V_DIM, MLA_COMBINE_THREADS / 32, U>(part_o, part_lse, (size_t)total_packed, gm, num_splits,
-                                                             out + gm * MLA_V_DIM, sm);
+    attn_combine_row<MLA_V_DIM, MLA_COMBINE_THREADS / 32, U, mla_part_t>(part_o, part_lse, (size_t)total_packed, gm,
+                                                                         num_splits, out + gm * MLA_V_DIM, sm);
 }
 
 // Instantiations are the compile.py name expressions (ddtree_cupy/kernels/attention.py MLA_CONFIGS):

@@ -87,12 +87,70 @@ MLA_CONFIGS = {
 }
 _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
+MLA_KERNEL_NAMES = tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>")
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
-    names=tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>"),
+    names=MLA_KERNEL_NAMES,
     hot=True,
     pdl=True,
-    doc="absorbed MLA attention over the paged latent KV cache + split-KV combine"))
+    doc="absorbed MLA attention over the paged latent KV cache + split-KV combine (fp32 split partials)"))
+# The same kernels with bf16 split partials (MLA_PART_BF16=1: the main kernels store the normalised partial O
+# rows as bf16, the combine reads them as bf16; lse stays fp32). A separate module with the same kernel
+# names, compiled only when a launch uses it; which one a launch uses: mla_partial_bf16() below.
+MLA_SPEC_BF16 = register(KernelSpec(
+    src="mla_attention.cu",
+    names=MLA_KERNEL_NAMES,
+    defines=(("MLA_PART_BF16", "1"),),
+    hot=True,
+    pdl=True,
+    doc="absorbed MLA attention + split-KV combine, bf16 split partials"))
+
+
+# ---- split-partial element type: one rule ----------------------------------------------------------------
+# PARTIAL_BF16 is the module default (False = fp32 partials, the behaviour every committed figure was measured
+# with); the environment variable DDT_MLA_PARTIAL_BF16=0/1 overrides it. mla_partial_bf16() is the rule
+# MlaWorkspace, plan_mla and mla_attention read when not told explicitly (docs/ATTENTION.md "Session 6":
+# the error analysis, the prediction and the decision rule for flipping the default).
+PARTIAL_BF16 = False
+PARTIAL_BF16_ENV = "DDT_MLA_PARTIAL_BF16"
+
+
+def parse_partial_bf16(value) -> Optional[bool]:
+    """The value of DDT_MLA_PARTIAL_BF16: "0" / "1" (also false / true, off / on, no / yes); unset or ""
+    -> None (the module default applies). Anything else raises ValueError naming the variable."""
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v == "":
+        return None
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{PARTIAL_BF16_ENV}: expected 0 or 1, got {value!r}")
+
+
+def mla_partial_bf16() -> bool:
+    """True when MLA split partials are stored as bf16: the environment override, else PARTIAL_BF16 (read at
+    call time, so the engine's workspace sizing and its launches agree as long as neither changes between
+    building the engine and capturing its graphs)."""
+    env = parse_partial_bf16(os.environ.get(PARTIAL_BF16_ENV))
+    return bool(PARTIAL_BF16) if env is None else env
+
+
+def mla_spec(part_bf16: bool) -> KernelSpec:
+    """The production build for fp32 (MLA_SPEC) or bf16 (MLA_SPEC_BF16) split partials."""
+    return MLA_SPEC_BF16 if part_bf16 else MLA_SPEC
+
+
+def spec_part_bf16(spec: KernelSpec) -> bool:
+    """Whether a build of mla_attention.cu stores bf16 partials (its MLA_PART_BF16 define)."""
+    return dict(spec.defines).get("MLA_PART_BF16", "0") not in ("0", "")
+
+
+# Bytes per (packed row, split) of the split partials: the 512-wide O row + its fp32 log2-sum-exp.
+def mla_partial_row_bytes(part_bf16: bool) -> int:
+    return LATENT_DIM * (2 if part_bf16 else 4) + 4
 
 DRAFTER_SPEC = register(KernelSpec(
     src="drafter_attention.cu",
@@ -208,10 +266,14 @@ MLA_TILE_US = {"ks16": 1.52, "ks16_2stage": 1.75, "ks32": 1.82, "ks32_2stage": 2
 MLA_BLOCK_US = 2.75
 MLA_COMBINE_US = 5.3
 MLA_COMBINE_US_PER_ROW_SPLIT = 0.98e-3    # 4 KB of fp32 partials written + read per (packed row, split)
+# bf16 partials: the per-(packed row, split) term scaled by the bytes, mla_partial_row_bytes(True) /
+# mla_partial_row_bytes(False) = 1028 / 2052 = 0.501 (the term was fitted on fp32 partials as bytes written by
+# the main kernel + read by the combine; it also holds per-split latency that does not shrink, so this is the
+# optimistic end: docs/ATTENTION.md "Session 6"). MLA_COMBINE_US (the combine's fixed cost) is unchanged.
 MLA_DRAM_GBPS = 2626.0                    # what the 2-3-stage tiles stream from DRAM with every SM busy
 MLA_MODEL_MARGIN = 0.8   # leave the "measured" plan only for a modelled gain > 20% (3x the fit's rms error):
                          # the loosest margin with no shape > 5% slower in the H200 policy run (0.9 had one)
-MLA_MAX_WORKSPACE = 256 << 20   # split partials (fp32 o + lse) of one shape bucket, bytes
+MLA_MAX_WORKSPACE = 256 << 20   # split partials (o, fp32 or bf16, + fp32 lse) of one shape bucket, bytes
 _MODEL_GROUPS = (("ks16_5stage", "ks16", "ks16_2stage"), ("ks32", "ks32_2stage"), ("large", "small"))
 
 
@@ -251,34 +313,39 @@ def _makespan_us(n_streams: int, m_tiles: int, splits: int, kv_tiles: int, tile_
 
 
 def mla_cost_us(config_key: str, splits: int, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
-                num_sms: int, blocks_per_sm: int) -> float:
-    """Modelled time of one call (forward + combine) in microseconds; see MLA_TILE_US."""
+                num_sms: int, blocks_per_sm: int, part_bf16: bool = False) -> float:
+    """Modelled time of one call (forward + combine) in microseconds; see MLA_TILE_US. ``part_bf16``: the
+    split partials are bf16 (the per-(row, split) combine term scaled by the bytes)."""
     cfg = MLA_CONFIGS[config_key]
     m_tiles = -(-max_rows * n_heads // cfg.bm)
     kv_tiles = -(-max_kv_len // cfg.bn)
     t = _makespan_us(n_streams, m_tiles, splits, kv_tiles, MLA_TILE_US[config_key], num_sms * blocks_per_sm)
     t = max(t, n_streams * max_kv_len * ROW_DIM * 2 / (MLA_DRAM_GBPS * 1e3) + MLA_BLOCK_US)
     if splits > 1:
-        t += MLA_COMBINE_US + splits * n_streams * max_rows * n_heads * MLA_COMBINE_US_PER_ROW_SPLIT
+        per = MLA_COMBINE_US_PER_ROW_SPLIT * mla_partial_row_bytes(part_bf16) / mla_partial_row_bytes(False)
+        t += MLA_COMBINE_US + splits * n_streams * max_rows * n_heads * per
     return t
 
 
-def mla_split_candidates(config: MlaTileConfig, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int):
+def mla_split_candidates(config: MlaTileConfig, n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
+                         part_bf16: bool = False):
     """Split counts the model policy considers: no empty split (k splits of ceil(tiles / k) tiles must all
     hold a tile: an empty one costs a block and a combine term for nothing), at most MAX_SPLITS, and the
-    workspace bound (fp32 partials of every packed row per split)."""
+    workspace bound (the partials, fp32 or bf16, and lse of every packed row per split)."""
     kv_tiles = -(-max_kv_len // config.bn)
-    per_split = n_streams * max_rows * n_heads * (LATENT_DIM + 1) * 4
+    per_split = n_streams * max_rows * n_heads * mla_partial_row_bytes(part_bf16)
     top = max(1, min(kv_tiles, MAX_SPLITS, MLA_MAX_WORKSPACE // per_split))
     return [k for k in range(1, top + 1) if (k - 1) * -(-kv_tiles // k) < kv_tiles]
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_mla_for(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, policy: str, num_sms: int,
-                 max_smem_per_block: int, smem_per_sm: int):
+                 max_smem_per_block: int, smem_per_sm: int, part_bf16: bool = False):
     """(config, num_splits) for a shape bucket on a device described by its SM count and shared memory
     (host only, no GPU needed: the CPU tests plan for the H200 and the RTX PRO 6000 with it). ``policy`` is
-    "measured" or "model" ("auto" depends on the architecture: resolve_policy)."""
+    "measured" or "model" ("auto" depends on the architecture: resolve_policy). ``part_bf16``: price the
+    combine for bf16 split partials (only the "model" policy has a cost to scale; "measured" ignores it)."""
+    part_bf16 = bool(part_bf16)
     if policy not in ("measured", "model"):
         raise ValueError(f"policy: expected 'measured' or 'model' (resolve 'auto' with resolve_policy), "
                          f"got {policy!r}")
@@ -291,8 +358,8 @@ def plan_mla_for(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, p
     for key in _model_candidates(max_rows * n_heads, max_smem_per_block):
         cfg = MLA_CONFIGS[key]
         bps = _blocks_per_sm(cfg, smem_per_sm)
-        for k in mla_split_candidates(cfg, n_streams, max_rows, n_heads, max_kv_len):
-            t = mla_cost_us(key, k, n_streams, max_rows, n_heads, max_kv_len, num_sms, bps)
+        for k in mla_split_candidates(cfg, n_streams, max_rows, n_heads, max_kv_len, part_bf16):
+            t = mla_cost_us(key, k, n_streams, max_rows, n_heads, max_kv_len, num_sms, bps, part_bf16)
             if best is None or t < best[0] * 0.999:   # near-ties: fewer splits, earlier (smaller) tile
                 best = (t, cfg, k)
     if best is None:
@@ -301,7 +368,7 @@ def plan_mla_for(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, p
     key = next(k for k, c in MLA_CONFIGS.items() if c == measured)
     if key in MLA_TILE_US:
         t_measured = mla_cost_us(key, splits, n_streams, max_rows, n_heads, max_kv_len, num_sms,
-                                 _blocks_per_sm(measured, smem_per_sm))
+                                 _blocks_per_sm(measured, smem_per_sm), part_bf16)
         if best[0] > MLA_MODEL_MARGIN * t_measured:
             return measured, splits
     return best[1], best[2]
@@ -316,11 +383,14 @@ def resolve_policy(policy: str, arch: str) -> str:
     return "model" if arch == "sm_90" else "measured"
 
 
-def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, policy: Optional[str] = None):
-    """(config, num_splits) for a shape bucket on the current device; policy None = MLA_POLICY."""
+def plan_mla(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int, policy: Optional[str] = None,
+             part_bf16: Optional[bool] = None):
+    """(config, num_splits) for a shape bucket on the current device; policy None = MLA_POLICY, part_bf16
+    None = mla_partial_bf16() (the partial dtype the launch will use)."""
     num_sms, smem_block = _device_attrs()
+    pb = mla_partial_bf16() if part_bf16 is None else bool(part_bf16)
     return plan_mla_for(n_streams, max_rows, n_heads, max_kv_len, resolve_policy(policy or MLA_POLICY, _device_arch()),
-                        num_sms, smem_block, _smem_per_sm())
+                        num_sms, smem_block, _smem_per_sm(), pb)
 
 
 def _device_arch() -> str:
@@ -341,21 +411,38 @@ def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int
 
 
 class MlaWorkspace:
-    """fp32 split partials for one shape bucket: allocate once (outside graph capture) and reuse."""
+    """Split partials for one shape bucket: allocate once (outside graph capture) and reuse.
 
-    def __init__(self, num_splits: int, total_rows: int, n_heads: int):
+    part_o   [splits, total_rows * H, 512]  float32, or uint16 (bf16 bits) with ``part_bf16``
+    part_lse [splits, total_rows * H]       float32 (log2-sum-exp, -inf for an empty split)
+    ``part_bf16`` None = mla_partial_bf16() (the module rule / DDT_MLA_PARTIAL_BF16); a launch with this
+    workspace uses the kernels of the workspace's dtype."""
+
+    def __init__(self, num_splits: int, total_rows: int, n_heads: int, part_bf16: Optional[bool] = None):
         import cupy
         self.num_splits = num_splits
         self.total_packed = total_rows * n_heads
+        self.part_bf16 = mla_partial_bf16() if part_bf16 is None else bool(part_bf16)
         n = max(num_splits, 1)
-        self.part_o = cupy.empty((n, self.total_packed, LATENT_DIM), dtype=cupy.float32)
+        self.part_o = cupy.empty((n, self.total_packed, LATENT_DIM),
+                                 dtype=cupy.uint16 if self.part_bf16 else cupy.float32)
         self.part_lse = cupy.empty((n, self.total_packed), dtype=cupy.float32)
+
+    @staticmethod
+    def nbytes_for(num_splits: int, total_rows: int, n_heads: int, part_bf16: bool) -> int:
+        """Device bytes of a workspace of this size (host only)."""
+        return max(num_splits, 1) * total_rows * n_heads * mla_partial_row_bytes(part_bf16)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.part_o.nbytes + self.part_lse.nbytes)
 
 
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
-                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None):
+                  stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None,
+                  part_bf16: Optional[bool] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -373,6 +460,8 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  (it must name the config's kernel and, when the plan splits, the combine).
     combine_unroll_override: 1 or 4 splits per combine warp in flight instead of combine_unroll's rule (tests,
                  benchmarks).
+    part_bf16:   split partials in bf16 (True) or fp32 (False); None = the workspace's dtype when one is
+                 given, else mla_partial_bf16(). Plans with one split write o_lat directly either way.
     """
     import cupy
     dims: dict = {}
@@ -397,7 +486,18 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         out = cupy.empty((T, H, LATENT_DIM), dtype=cupy.uint16)
     check_array("out", out, np.uint16, ("T", "H", LATENT_DIM), dims, device=dev)
     num_sms, smem_limit = _device_attrs()
-    plan_cfg, plan_splits = plan_mla(S, max_rows, H, max_kv_len)
+    # one partial dtype for the plan, the workspace and the kernels
+    if part_bf16 is None:
+        part_bf16 = workspace.part_bf16 if workspace is not None else mla_partial_bf16()
+    part_bf16 = bool(part_bf16)
+    if workspace is not None and workspace.part_bf16 != part_bf16:
+        raise ValueError(f"workspace: holds {'bf16' if workspace.part_bf16 else 'fp32'} partials, the launch "
+                         f"asks for {'bf16' if part_bf16 else 'fp32'} (part_bf16={part_bf16})")
+    if spec is not None and spec_part_bf16(spec) != part_bf16:
+        raise ValueError(f"spec: built for {'bf16' if spec_part_bf16(spec) else 'fp32'} partials "
+                         f"(MLA_PART_BF16), the launch uses {'bf16' if part_bf16 else 'fp32'}")
+    spec = spec or mla_spec(part_bf16)
+    plan_cfg, plan_splits = plan_mla(S, max_rows, H, max_kv_len, part_bf16=part_bf16)
     if config is None:
         config = plan_cfg
     elif config.smem > smem_limit:
@@ -412,14 +512,14 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     check_range("num_splits", num_splits, 1, MAX_SPLITS)
     if num_splits > 1:
         if workspace is None:
-            workspace = MlaWorkspace(num_splits, T, H)
+            workspace = MlaWorkspace(num_splits, T, H, part_bf16=part_bf16)
         if workspace.num_splits < num_splits or workspace.total_packed != T * H:
             raise ValueError(f"workspace: sized for {workspace.num_splits} splits x {workspace.total_packed} "
                              f"packed rows, launch needs {num_splits} x {T * H}")
         part_o, part_lse = workspace.part_o, workspace.part_lse
     else:
         part_o = part_lse = None
-    fwd = get_kernel(spec or MLA_SPEC, config.name, config.smem)
+    fwd = get_kernel(spec, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
     null = np.uintp(0)
     args = (q, pool, block_table, prefix_len, n_rows, row_start,
@@ -434,7 +534,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
             u = combine_unroll_override or combine_unroll(max_rows * H * S, num_sms)
             if u not in (1, COMBINE_UNROLL):
                 raise ValueError(f"combine_unroll_override: expected 1 or {COMBINE_UNROLL}, got {u}")
-            comb = get_kernel(spec or MLA_SPEC, f"mla_attn_combine<{u}>")
+            comb = get_kernel(spec, f"mla_attn_combine<{u}>")
             comb((max_rows * H, S), (256,),
                  (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
     return out
