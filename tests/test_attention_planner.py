@@ -42,13 +42,14 @@ def cost(cfg, k, S, n, H, ctx, arch):
     return A.mla_cost_us(name_of(cfg), k, S, n, H, ctx + n, num_sms, A._blocks_per_sm(cfg, smem_sm))
 
 
+@pytest.mark.parametrize("part_bf16", (False, True), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("policy", ("measured", "model"))
-def test_every_engine_shape_gets_a_valid_plan(policy, arch):
+def test_every_engine_shape_gets_a_valid_plan(policy, arch, part_bf16):
     limit = ARCHS[arch][1]
     seen = set()
     for S, n, H, c in GRID:
-        cfg, k = plan(S, n, H, c, policy, arch)
+        cfg, k = A.plan_mla_for(S, n, H, c + n, policy, *ARCHS[arch], part_bf16)
         key = name_of(cfg)
         seen.add(key)
         assert cfg.smem <= limit, (S, n, H, c, key)
@@ -59,7 +60,7 @@ def test_every_engine_shape_gets_a_valid_plan(policy, arch):
         if policy == "model" and k > 1 and (cfg, k) != plan(S, n, H, c, "measured", arch):
             per = -(-kv_tiles // k)
             assert (k - 1) * per < kv_tiles, f"{(S, n, H, c)}: split {k - 1} of {k} would be empty"
-            ws = k * S * n * H * (A.LATENT_DIM + 1) * 4
+            ws = k * S * n * H * (A.LATENT_DIM * (2 if part_bf16 else 4) + 4)
             assert ws <= A.MLA_MAX_WORKSPACE, (S, n, H, c, k)
         if cfg.bm == 16:   # a 16-row tile only where one m-tile holds a stream
             assert n * H <= 16, (S, n, H, c, key)
@@ -230,3 +231,130 @@ def test_every_sm120_candidate_and_the_drafter_fit_99_kb():
         assert A.MLA_CONFIGS[key].smem <= SM120_SMEM, key
     assert A.DRAFTER_SMEM <= SM120_SMEM
     assert A.MLA_CONFIGS["ks16_5stage"].smem <= H200[1]   # the H200-only deep tile still fits there
+
+
+# ---- bf16 split partials (PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16, docs/ATTENTION.md "Session 6") ----------------
+
+def test_partial_bf16_env_parsing_and_rule(monkeypatch):
+    for v in ("1", "true", "ON", " yes "):
+        assert A.parse_partial_bf16(v) is True, v
+    for v in ("0", "false", "Off", "no"):
+        assert A.parse_partial_bf16(v) is False, v
+    assert A.parse_partial_bf16(None) is None and A.parse_partial_bf16("") is None
+    for v in ("2", "bf16", "fp32", "-1"):
+        with pytest.raises(ValueError, match="DDT_MLA_PARTIAL_BF16"):
+            A.parse_partial_bf16(v)
+    assert A.PARTIAL_BF16 is False, "the default stays fp32 until the H200 run decides (decision rule)"
+    monkeypatch.delenv("DDT_MLA_PARTIAL_BF16", raising=False)
+    assert A.mla_partial_bf16() is False
+    monkeypatch.setattr(A, "PARTIAL_BF16", True)
+    assert A.mla_partial_bf16() is True              # the module constant without the environment
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "0")
+    assert A.mla_partial_bf16() is False             # the environment overrides it, both ways
+    monkeypatch.setattr(A, "PARTIAL_BF16", False)
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "1")
+    assert A.mla_partial_bf16() is True
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "maybe")
+    with pytest.raises(ValueError, match="DDT_MLA_PARTIAL_BF16"):
+        A.mla_partial_bf16()
+
+
+def test_partial_builds_and_bytes():
+    assert A.mla_spec(False) is A.MLA_SPEC and A.mla_spec(True) is A.MLA_SPEC_BF16
+    assert not A.spec_part_bf16(A.MLA_SPEC) and A.spec_part_bf16(A.MLA_SPEC_BF16)
+    assert A.MLA_SPEC_BF16.names == A.MLA_SPEC.names and A.MLA_SPEC_BF16.src == A.MLA_SPEC.src
+    assert dict(A.MLA_SPEC_BF16.defines) == {"MLA_PART_BF16": "1"} and A.MLA_SPEC_BF16.pdl and A.MLA_SPEC_BF16.hot
+    assert A.mla_partial_row_bytes(False) == 512 * 4 + 4 and A.mla_partial_row_bytes(True) == 512 * 2 + 4
+    # 1 stream x 8 rows x 8 heads at 65 splits (the H200 plan at 4K): 8.5 MB of fp32 partials, 4.3 MB bf16
+    assert A.MlaWorkspace.nbytes_for(65, 8, 8, False) == 65 * 64 * 2052
+    assert A.MlaWorkspace.nbytes_for(65, 8, 8, True) == 65 * 64 * 1028
+    assert A.MlaWorkspace.nbytes_for(0, 8, 8, True) == 64 * 1028   # one split's worth is always allocated
+
+
+@pytest.mark.parametrize("part_bf16", (False, True))
+def test_workspace_is_sized_for_the_dtype(monkeypatch, part_bf16):
+    """MlaWorkspace allocates through cupy.empty (here numpy's, no GPU): shapes, dtypes and bytes per dtype,
+    the default from the rule."""
+    import cupy
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: np.empty(shape, dtype))
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "1" if part_bf16 else "0")
+    for ws in (A.MlaWorkspace(33, 10, 8), A.MlaWorkspace(33, 10, 8, part_bf16=part_bf16)):
+        assert ws.part_bf16 is part_bf16 and ws.num_splits == 33 and ws.total_packed == 80
+        assert ws.part_o.shape == (33, 80, 512) and ws.part_o.dtype == (np.uint16 if part_bf16 else np.float32)
+        assert ws.part_lse.shape == (33, 80) and ws.part_lse.dtype == np.float32
+        assert ws.nbytes == A.MlaWorkspace.nbytes_for(33, 10, 8, part_bf16) == ws.part_o.nbytes + ws.part_lse.nbytes
+    other = A.MlaWorkspace(33, 10, 8, part_bf16=not part_bf16)
+    assert other.part_bf16 is (not part_bf16)
+
+
+def test_bf16_cost_model_scales_only_the_per_row_split_term():
+    """bf16 partials: the combine's per-(packed row, split) term x 1028 / 2052 (bytes written + read), the fixed
+    combine term and the forward kernel unchanged; one split (no partials) costs the same."""
+    ratio = A.mla_partial_row_bytes(True) / A.mla_partial_row_bytes(False)
+    for key, k, S, n, L in (("ks32", 65, 1, 8, 4104), ("large", 33, 4, 8, 4104), ("large", 3, 10, 32, 4128),
+                            ("ks16", 64, 1, 1, 4097)):
+        bps = A._blocks_per_sm(A.MLA_CONFIGS[key], H200[2])
+        t32 = A.mla_cost_us(key, k, S, n, 8, L, H200[0], bps)
+        t16 = A.mla_cost_us(key, k, S, n, 8, L, H200[0], bps, True)
+        term = k * S * n * 8 * A.MLA_COMBINE_US_PER_ROW_SPLIT
+        assert math.isclose(t32 - t16, term * (1 - ratio), rel_tol=1e-9), (key, k, S, n)
+        assert A.mla_cost_us(key, 1, S, n, 8, L, H200[0], bps, True) == A.mla_cost_us(key, 1, S, n, 8, L, H200[0], bps)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_bf16_planner(arch):
+    """The measured policy ignores the partial dtype; the model policy with bf16 partials picks the modelled
+    optimum under the bf16 costs (brute force), never a plan it models slower than the measured one, and is
+    never modelled slower than the fp32 plan; the workspace bound counts bf16 bytes."""
+    num_sms, smem_block, smem_sm = ARCHS[arch]
+    rng = np.random.default_rng(11)
+    replanned = 0
+    for i in rng.permutation(len(GRID))[:60]:
+        S, n, H, c = GRID[i]
+        L = c + n
+        assert A.plan_mla_for(S, n, H, L, "measured", *ARCHS[arch], True) == \
+            A.plan_mla_for(S, n, H, L, "measured", *ARCHS[arch], False)
+        cfg, k = A.plan_mla_for(S, n, H, L, "model", *ARCHS[arch], True)
+        cfg32, k32 = A.plan_mla_for(S, n, H, L, "model", *ARCHS[arch], False)
+        replanned += (cfg, k) != (cfg32, k32)
+        mcfg, mk = A.plan_mla_for(S, n, H, L, "measured", *ARCHS[arch], True)
+        c16 = lambda cf, kk: A.mla_cost_us(name_of(cf), kk, S, n, H, L, num_sms, A._blocks_per_sm(cf, smem_sm), True)
+        t = c16(cfg, k)
+        assert t <= c16(mcfg, mk) * (1 + 1e-9), (S, n, H, c)
+        assert t <= c16(cfg32, k32) * (1 + 1e-9), (S, n, H, c)
+        if (cfg, k) != (mcfg, mk):
+            best = min(c16(A.MLA_CONFIGS[key], kk) for key in A._model_candidates(n * H, smem_block)
+                       for kk in A.mla_split_candidates(A.MLA_CONFIGS[key], S, n, H, L, True))
+            assert t <= best * 1.001 + 1e-9, (S, n, H, c)
+            assert k * S * n * H * A.mla_partial_row_bytes(True) <= A.MLA_MAX_WORKSPACE
+    assert replanned < 30, "bf16 pricing should move few plans (it only halves one term)"
+    # the workspace bound: 10 streams x 65 rows x 64 heads (41,600 packed rows) allow 3 fp32 / 6 bf16 splits
+    cands = lambda pb: A.mla_split_candidates(A.MLA_CONFIGS["large"], 10, 65, 64, 262209, pb)
+    assert max(cands(False)) == A.MLA_MAX_WORKSPACE // (41600 * 2052)
+    assert max(cands(True)) == A.MLA_MAX_WORKSPACE // (41600 * 1028) > max(cands(False))
+
+
+def test_plan_mla_follows_the_partial_rule(monkeypatch):
+    """plan_mla without part_bf16 prices the dtype the launch will use (a shape the two dtypes plan
+    differently on the H200: 4 streams x 32 rows at 4K)."""
+    monkeypatch.setattr(A, "_device_attrs", lambda: H200[:2])
+    monkeypatch.setattr(A, "_smem_per_sm", lambda: H200[2])
+    monkeypatch.setattr(A, "_device_arch", lambda: "sm_90")
+    args = (4, 32, 8, 4128)
+    p32 = A.plan_mla_for(*args, "model", *H200, False)
+    p16 = A.plan_mla_for(*args, "model", *H200, True)
+    assert p32 != p16
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "0")
+    assert A.plan_mla(*args, policy="model") == p32 and A.plan_mla(*args, policy="model", part_bf16=True) == p16
+    monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "1")
+    assert A.plan_mla(*args, policy="model") == p16 and A.plan_mla(*args, policy="model", part_bf16=False) == p32
+
+
+def test_engine_decode_shapes_still_split_with_bf16():
+    """Every engine decode shape (1-10 streams x 8-32 rows @ 4K) plans > 1 split with either dtype on both
+    devices (the one-split path writes o_lat directly and is unchanged)."""
+    for arch, policy in (("h200", "model"), ("sm120", "measured")):
+        for S in (1, 4, 10):
+            for n in (8, 16, 32):
+                for pb in (False, True):
+                    assert A.plan_mla_for(S, n, 8, 4096 + n, policy, *ARCHS[arch], pb)[1] > 1, (arch, S, n, pb)
