@@ -142,6 +142,7 @@ struct SortSmem {
     int ids[FUSED_MAX_PAIRS];
     int slot_pair[FUSED_MAX_PAIRS];
     int4 chunks[FUSED_MAX_CHUNKS];
+    int2 warp_tot[32];
     int2 total;
     int bad;
 };
@@ -151,15 +152,8 @@ struct SortSmem {
 #ifndef MOE_SORT_MARK
 #define MOE_SORT_MARK(k)
 #endif
-// Phases (session 6, measured by the timeline build on the H200 at 64 / 256 pairs, 288 threads): load ids ~0.8 us
-// (one global round trip), count ~0.15-0.45 us (shared atomics), then the scan over E experts and the chunk cut,
-// and the ranks. The scan and the ranks were block-wide (two barriers in the scan, a per-pair loop over every
-// earlier pair: 0.7 + 0.3 + 0.6-0.9 us, 3.3 us with 160 threads at 256 pairs); both now run on warp 0 alone:
-// the scan as one warp scan over E / 32 experts per lane, the ranks one 32-pair group at a time (match_any
-// within the group, a running per-expert slot counter across groups). Same slots as before: rank of pair i =
-// number of earlier pairs of its expert.
 __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int chunk, SortSmem& s) {
-    const int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
+    const int tid = threadIdx.x, nth = blockDim.x;
     MOE_SORT_MARK(0);
     for (int e = tid; e < E; e += nth) s.cnt[e] = 0;
     if (tid == 0) s.bad = 0;
@@ -173,53 +167,40 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
     }
     __syncthreads();
     MOE_SORT_MARK(2);
-    if (tid < 32) {
-        // Warp 0: lane owns experts [lane * per, lane * per + per) (per <= MAX_E / 32).
-        const int per = (E + 31) >> 5, e0 = lane * per;
-        int csum = 0, chsum = 0;
-#pragma unroll 4
-        for (int q = 0; q < per; ++q) {
-            const int e = e0 + q;
-            const int c = e < E ? s.cnt[e] : 0;
-            csum += c;
-            chsum += (c + chunk - 1) / chunk;
+    const int per = (E + nth - 1) / nth;                   // experts owned by this thread: [e0, e0 + per)
+    const int e0 = tid * per;
+    int csum = 0, chsum = 0;
+    for (int q = 0; q < per; ++q) {
+        const int e = e0 + q;
+        if (e < E) { const int c = s.cnt[e]; csum += c; chsum += (c + chunk - 1) / chunk; }
+    }
+    const int2 ex = block_exclusive_scan2(make_int2(csum, chsum), s.warp_tot, &s.total);
+    MOE_SORT_MARK(3);
+    int off = ex.x, ci = ex.y;
+    for (int q = 0; q < per; ++q) {
+        const int e = e0 + q;
+        if (e < E) {
+            const int c = s.cnt[e];
+            for (int j = 0; j * chunk < c; ++j) s.chunks[ci++] = make_int4(e, off + j * chunk, min(chunk, c - j * chunk), 0);
+            s.cnt[e] = off;
+            off += c;
         }
-        int ic = csum, ich = chsum;                        // inclusive scan over the lanes
+    }
+    __syncthreads();
+    MOE_SORT_MARK(4);
+    for (int i = tid; i < n; i += nth) {
+        const int e = s.ids[i];
+        if (e < 0 || e >= E) continue;
+        // Deterministic rank: the earlier pairs of expert e. Eight independent loads per round (predicated, so
+        // the round may read past i but never past FUSED_MAX_PAIRS, a multiple of 8): the one-load-per-iteration
+        // loop was a chain of i shared-memory latencies, ~1 us at 64 pairs on the critical path of both bulk
+        // kernels' prologues (session 6 timeline). Same counts, so the same slots.
+        int r = 0;
+        for (int b = 0; b < i; b += 8) {
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int a = __shfl_up_sync(0xFFFFFFFFu, ic, o), b = __shfl_up_sync(0xFFFFFFFFu, ich, o);
-            if (lane >= o) { ic += a; ich += b; }
+            for (int q = 0; q < 8; ++q) r += (b + q < i) & (s.ids[b + q] == e);
         }
-        if (lane == 31) s.total = make_int2(ic, ich);
-        MOE_SORT_MARK(3);
-        int off = ic - csum, ci = ich - chsum;
-        for (int q = 0; q < per; ++q) {
-            const int e = e0 + q;
-            if (e < E) {
-                const int c = s.cnt[e];
-                for (int j = 0; j * chunk < c; ++j) s.chunks[ci++] = make_int4(e, off + j * chunk, min(chunk, c - j * chunk), 0);
-                s.cnt[e] = off;                            // the expert's next free slot (the ranks below)
-                off += c;
-            }
-        }
-        MOE_SORT_MARK(4);
-        __syncwarp();
-        // Ranks, 32 pairs at a time in pair order: a pair's slot = its expert's next free slot + the lanes of
-        // this group before it with the same expert; the group's last such lane advances the counter.
-        for (int g0 = 0; g0 < n; g0 += 32) {
-            const int i = g0 + lane;
-            const int e = i < n ? s.ids[i] : -1;
-            const bool ok = e >= 0 && e < E;
-            const unsigned same = __match_any_sync(0xFFFFFFFFu, ok ? e : -1 - lane);   // invalid lanes: alone
-            const int before = __popc(same & ((1u << lane) - 1u));
-            const int base = ok ? s.cnt[e] : 0;
-            __syncwarp();                                  // every lane has read the counter
-            if (ok) {
-                s.slot_pair[base + before] = i;
-                if ((same >> lane) == 1u) s.cnt[e] = base + __popc(same);   // the highest lane of its set
-            }
-            __syncwarp();
-        }
+        s.slot_pair[s.cnt[e] + r] = i;
     }
     __syncthreads();
     MOE_SORT_MARK(5);

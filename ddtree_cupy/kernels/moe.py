@@ -30,10 +30,10 @@ KSTEP = 64          # K elements per repacked block (one 16-byte word per lane)
 MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
 PF_STEPS = 8        # GEMM L2 prefetch distance in k64 steps (~1.1 KB each per warp)
 FUSED_MAX_PAIRS = 256   # T*k up to which the gate/up kernel sorts the routing itself (shared-memory arrays)
-# SortSmem in moe_common.cuh: counts [1024] + ids/slot_pair [2 x 256] + chunks [288] int4 + the totals and bad count
+# SortSmem in moe_int4.cu: counts [1024] + ids/slot_pair [2 x 256] + chunks [288] int4 + scan scratch
 # (rounded up to 16 B like sizeof(SortSmem), which holds int4)
 SORT_SMEM = -(-(4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8)
-                + 8 + 4) // 16) * 16
+                + 8 * 33 + 4) // 16) * 16
 RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
