@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
                                                [--compare] [--was OLD.json] [--policy auto|measured|model|both]
+                                               [--partial fp32|bf16|both]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
     python3 bench/attention.py --refit bench/results/attention_h200.json [more.json]   # CPU: refit the model
 
@@ -21,6 +22,9 @@ plan_mla picks an mla_attn_fwd tile, and the combine with one split per warp in 
 (now) plan of every shape in the same run (once where both policies plan the same), plus a few 64-head
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
 speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
+--partial both times fp32 against bf16 split partials (each with its own plan) at the engine's decode shapes in
+the same run, without and with PDL, and prints the decision of docs/ATTENTION.md "Session 6" (~15 s);
+--partial fp32 / bf16 runs every other mode with that dtype (default: the rule, DDT_MLA_PARTIAL_BF16).
 Prints tables; never asserts a speed.
 """
 from __future__ import annotations
@@ -136,6 +140,74 @@ def policy_both(one, cases, results, args, was):
         print(f"{S:>3} {n:>4} {heads:>3} {c:>7} | {cfg_s(r)} | {cfg_s(m) if m is not r else 'same plan':>24} | "
               f"{m['us'] / r['us']:>7.2f} {r['floor_us']:>7.1f} {r['ratio']:>6.2f} {m['ratio']:>6.2f} | "
               f"{pw} {pn}", flush=True)
+
+
+# --partial both: the engine's decode shapes (streams x tree rows @ context), 8 heads
+PARTIAL_SHAPES = ((1, 8, 4096), (1, 16, 4096), (1, 32, 4096), (4, 8, 4096), (4, 16, 4096), (4, 32, 4096),
+                  (10, 8, 4096), (10, 16, 4096), (10, 32, 4096), (1, 8, 32768))
+PARTIAL_KEY_SHAPES = ((1, 8, 4096), (4, 8, 4096))   # the decision rule's "must win by >= 2%" shapes
+
+
+def partial_both(one, results, args, bw):
+    """fp32 vs bf16 split partials, each with its own plan (what flipping the default does), in the same run:
+    per shape fp32, bf16, fp32, bf16 (the minimum of the two timings each, so drift hits both), without and
+    with PDL (the engine's launch mode at these sizes); where the bf16 pricing re-plans, also bf16 at the fp32
+    plan (the dtype alone)."""
+    from ddtree_cupy.kernels import attention as A
+    print(f"# split partials fp32 vs bf16 (each its own plan), min of 2 alternating timings, us per call; "
+          f"read ceiling {bw:.0f} GB/s (this run)")
+    print(f"{'S':>3} {'rows':>4} {'ctx':>6} | {'plan fp32':>21} {'plan bf16':>21} | {'MB fp32':>7} {'bf16':>5} | "
+          f"{'fp32':>7} {'bf16':>7} {'ratio':>6} | {'pdl fp32':>8} {'bf16':>7} {'ratio':>6} | {'floor':>6} | "
+          f"{'model fp32':>10} {'bf16':>6} | note")
+    short = lambda r: f"{r['config'][4:].replace('attn_', '')} x{r['splits']}"
+    for S, n, c in PARTIAL_SHAPES:
+        row = {}
+        for pdl in (False, True):
+            for rep in range(2):
+                for pb in (False, True):
+                    r = one(S, n, c, "tree", part=pb, pdl=pdl)
+                    k = (pb, pdl)
+                    if k not in row or r["us"] < row[k]["us"]:
+                        row[k] = dict(r, us_reps=row.get(k, {}).get("us_reps", []) + [r["us"]])
+                    else:
+                        row[k]["us_reps"].append(r["us"])
+        f32, b16, pf32, pb16 = row[(False, False)], row[(True, False)], row[(False, True)], row[(True, True)]
+        note = ""
+        rec = dict(streams=S, rows=n, ctx=c, heads=H, fp32=f32, bf16=b16, pdl_fp32=pf32, pdl_bf16=pb16,
+                   ratio=b16["us"] / f32["us"], pdl_ratio=pb16["us"] / pf32["us"], floor_us=f32["floor_us"],
+                   same_plan=(f32["config"], f32["splits"]) == (b16["config"], b16["splits"]))
+        if not rec["same_plan"]:   # the dtype alone, at the fp32 plan
+            cfg32 = A.MLA_CONFIGS[f32["config_key"]]
+            alone = min(one(S, n, c, "tree", part=True, pdl=True, config=cfg32, splits_override=f32["splits"])["us"]
+                        for _ in range(2))
+            rec["pdl_bf16_at_fp32_plan_us"] = alone
+            note = f"re-planned; bf16 at the fp32 plan (pdl) {alone:.1f} ({alone / pf32['us']:.3f})"
+        results.append(rec)
+        print(f"{S:>3} {n:>4} {c:>6} | {short(f32):>21} {short(b16):>21} | {f32['partial_mb']:>7.1f} "
+              f"{b16['partial_mb']:>5.1f} | {f32['us']:>7.2f} {b16['us']:>7.2f} {rec['ratio']:>6.3f} | "
+              f"{pf32['us']:>8.2f} {pb16['us']:>7.2f} {rec['pdl_ratio']:>6.3f} | {f32['floor_us']:>6.2f} | "
+              f"{f32['pred_us'] or float('nan'):>10.1f} {b16['pred_us'] or float('nan'):>6.1f} | {note}", flush=True)
+
+
+def partial_decision(results):
+    """docs/ATTENTION.md "Session 6" decision rule: flip PARTIAL_BF16 to True iff bf16 is >= 2% faster (ratio <=
+    0.98) at 1 x 8 and 4 x 8 @ 4K and no decode shape is > 1% slower (ratio > 1.01), in both columns (without
+    and with PDL)."""
+    rs = [r for r in results if "pdl_ratio" in r]
+    key = [r for r in rs if (r["streams"], r["rows"], r["ctx"]) in PARTIAL_KEY_SHAPES]
+    wins = all(r["ratio"] <= 0.98 and r["pdl_ratio"] <= 0.98 for r in key) and len(key) == len(PARTIAL_KEY_SHAPES)
+    worst = max(rs, key=lambda r: max(r["ratio"], r["pdl_ratio"]))
+    no_loss = max(worst["ratio"], worst["pdl_ratio"]) <= 1.01
+    out = dict(flip=bool(wins and no_loss), key_shapes_win=bool(wins), no_shape_slower=bool(no_loss),
+               worst_ratio=max(worst["ratio"], worst["pdl_ratio"]),
+               worst_shape=[worst["streams"], worst["rows"], worst["ctx"]],
+               median_ratio=float(np.median([r["ratio"] for r in rs])),
+               median_pdl_ratio=float(np.median([r["pdl_ratio"] for r in rs])))
+    print(f"\n# PARTIAL DECISION: {'FLIP PARTIAL_BF16 = True' if out['flip'] else 'keep fp32 (PARTIAL_BF16 = False)'}"
+          f" -- 1 x 8 and 4 x 8 >= 2% faster: {out['key_shapes_win']}; no shape > 1% slower: {out['no_shape_slower']}"
+          f" (worst {out['worst_ratio']:.3f} at {' x '.join(map(str, out['worst_shape']))}); median bf16/fp32 "
+          f"{out['median_ratio']:.3f} (pdl {out['median_pdl_ratio']:.3f})")
+    return out
 
 
 def policy_summary(results):
@@ -317,6 +389,10 @@ def main():
     ap.add_argument("--policy", choices=("auto", "measured", "model", "both"), default="auto",
                     help="planner policy (auto: the engine's default, kernels/attention.py resolve_policy); "
                          "both: time the measured and the model plan of every shape")
+    ap.add_argument("--partial", choices=("fp32", "bf16", "both"), default=None,
+                    help="split-partial dtype (default: the rule, kernels/attention.py mla_partial_bf16); both: time "
+                         "fp32 vs bf16 partials at the engine's decode shapes in the same run, with and without "
+                         "PDL, and apply the decision rule of docs/ATTENTION.md 'Session 6'")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
@@ -372,8 +448,13 @@ def main():
     rng = np.random.default_rng(1)
 
     results = []
+    # split-partial dtype of every timing except --partial both's pairs: --partial fp32 / bf16, else the rule
+    part_default = {"fp32": False, "bf16": True}.get(args.partial, A.mla_partial_bf16())
+    part_defines = (("MLA_PART_BF16", "1"),) if part_default else ()
 
-    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H, unroll=None):
+    def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H, unroll=None,
+            part=None, pdl=False):
+        pb = part_default if part is None else part   # split partials: bf16 (True) or fp32
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
         T = S * n
@@ -387,30 +468,38 @@ def main():
         if mode == "tree":
             bits, vis_rows = tree_mask(rng, n)
             mask = cp.asarray(np.broadcast_to(bits, (S, 129, 5)).copy())
-        cfg, splits = A.plan_mla(S, n, heads, ctx + n, policy=policy or args.policy.replace("both", "measured"))
+        cfg, splits = A.plan_mla(S, n, heads, ctx + n, policy=policy or args.policy.replace("both", "measured"),
+                                 part_bf16=pb)
         if config is not None and config != cfg:
             cfg, splits = config, A.mla_num_splits(S, n, heads, ctx + n, num_sms, config, A._blocks_per_sm(config))
         if splits_override is not None:
             splits = splits_override
-        ws = A.MlaWorkspace(splits, T, heads) if splits > 1 else None
+        ws = A.MlaWorkspace(splits, T, heads, part_bf16=pb) if splits > 1 else None
 
         def call():
             A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
                             max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec,
-                            num_splits=splits, combine_unroll_override=unroll)
+                            num_splits=splits, combine_unroll_override=unroll, part_bf16=pb)
         work = (ctx + n) * n * heads
         iters = 20 if work * S > 64 * 65536 * H else 50
-        us = time_graph(call, iters=iters, reps=5)
+        from ddtree_cupy.kernels import launch as kl
+        kl.set_pdl(pdl)   # as the engine (steps <= 320 rows): the combine launches early and waits
+        try:
+            us = time_graph(call, iters=iters, reps=5)
+        finally:
+            kl.set_pdl(False)
         nbytes = S * ((ctx + n) * 1152 + n * heads * (576 + 512) * 2)
         flops = S * 2 * 1088 * heads * (n * ctx + vis_rows)
         floor = max(nbytes / (bw * 1e3), flops / (tflops * 1e6))   # us
         lfloor = launch[1] if splits > 1 else launch[0]            # forward (+ combine) launches, us
         key = [k for k, v in A.MLA_CONFIGS.items() if v == cfg][0]
-        pred = A.mla_cost_us(key, splits, S, n, heads, ctx + n, num_sms, A._blocks_per_sm(cfg)) \
+        pred = A.mla_cost_us(key, splits, S, n, heads, ctx + n, num_sms, A._blocks_per_sm(cfg), pb) \
             if key in A.MLA_TILE_US else None
         return dict(mode=mode, streams=S, rows=n, ctx=ctx, heads=heads, us=us, pred_us=pred, bytes=nbytes,
                     flops=flops, floor_us=floor, launch_floor_us=lfloor, ratio_launch=us / max(floor, lfloor),
-                    config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6)
+                    config_key=[k for k, v in A.MLA_CONFIGS.items() if v == cfg][0], ratio=us / floor, splits=splits, config=cfg.name, gbps=nbytes / us / 1e3, tflops=flops / us / 1e6,
+                    part_bf16=pb, pdl=pdl, partial_mb=(splits * T * heads * A.mla_partial_row_bytes(pb) / 1e6
+                                                       if splits > 1 else 0.0))
 
     cases = [(S, n, c) for c in ctxs for S in streams for n in rows_list]
     if not args.quick:
@@ -418,7 +507,10 @@ def main():
     if args.set == "decode":
         cases = ([(S, n, 4096) for S in (1, 4, 10) for n in (1, 8, 16, 32)] +
                  [(1, n, c) for c in (32768, 65536, long_ctx) for n in (1, 4, 8)])
-    if args.policy == "both":
+    if args.partial == "both":
+        partial_both(one, results, args, bw)
+        cases = []
+    elif args.policy == "both":
         policy_both(one, cases, results, args, was)
         cases = []
     else:
@@ -476,7 +568,7 @@ def main():
                 for ph in ("S", "PV", "LOAD"):
                     spec = KernelSpec(src="mla_attention.cu", names=(cfg.name, "mla_attn_combine<4>",
                                                                      "mla_attn_combine<1>"),
-                                      defines=((f"MLA_PROBE_SKIP_{ph}", "1"),))
+                                      defines=((f"MLA_PROBE_SKIP_{ph}", "1"),) + part_defines)
                     row["skip_" + ph] = one(S, n, c, "tree", config=cfg, splits_override=planned, spec=spec)["us"]
             sweep.append(row)
             print(f"  {S} x {n} @ {c} {key} (plan {planned}): " +
@@ -492,7 +584,7 @@ def main():
                   (10, 64, 4096), (10, 16, 32768))
         used = tuple(sorted({A.plan_mla(S, n, H, c + n)[0].name for S, n, c in shapes}))  # compile only these
         variants = {k: KernelSpec(src="mla_attention.cu", names=used + ("mla_attn_combine<4>", "mla_attn_combine<1>"),
-                                  defines=((f"MLA_PROBE_SKIP_{k}", "1"),)) for k in ("S", "PV", "LOAD")}
+                                  defines=((f"MLA_PROBE_SKIP_{k}", "1"),) + part_defines) for k in ("S", "PV", "LOAD")}
         for S, n, c in shapes:
             row = dict(streams=S, rows=n, ctx=c)
             for key, pc in A.MLA_CONFIGS.items():
@@ -514,10 +606,10 @@ def main():
 
     # DFlash drafter attention, TP8 rank shape: 8 q heads / 1 kv head, block 8.
     drafter = []
-    if args.policy != "both":
+    if args.policy != "both" and args.partial != "both":
         print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
         print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'was':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} {'spl':>3}")
-    for S in ((1, 10) if args.policy != "both" else ()):
+    for S in ((1, 10) if args.policy != "both" and args.partial != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
             kb = random_bf16(cp, (S, 8, 1, 128))
@@ -549,6 +641,13 @@ def main():
                    drafter=drafter, seconds=time.time() - t_start)
     if args.policy == "both":
         summary["policy_summary"] = policy_summary(results)
+    if args.partial == "both":   # its own table and decision; the grid summary and plot do not apply
+        summary["partial_decision"] = partial_decision(results)
+        print(f"# bench took {summary['seconds']:.0f} s")
+        if args.out:
+            _save(args.out, summary)
+            print(f"# wrote {args.out}")
+        return
     print("\n# summary (tree verify, 8 heads): streams x rows @ context -> us (was; floor us, ratio, ratio to "
           "max(floor, launch floor), tree/chain; deeper twin)")
     for S, n, c in ((1, 1, 4096), (1, 8, 4096), (4, 8, 4096), (10, 8, 4096), (10, 32, 4096), (1, 16, 4096),
