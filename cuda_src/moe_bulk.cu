@@ -318,56 +318,71 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, MB_MIN_BLOCKS) moe_gemm_bu
             if constexpr (G == 0) return so.slot_pair[ch.y + j];
             else return __ldcg(slot_pair + ch.y + j);
         };
-        auto issue = [&](int u, int4 ch, int pr, int k0, int slot, bool weights, bool acts) {
+        // This lane's copy for a unit, worked out once per unit (session 6): the per-stage issue is then an add,
+        // a min and the copy. Measured with the timeline build (docs/MOE.md "Session 6"): the producer spent
+        // ~1.1 us per gate/up stage between its empty wait and its last copy, 70% of its life, with three integer
+        // divisions by runtime values and the 64-bit index products redone every stage while it shares its
+        // scheduler with busy consumer warps; the consumers' full waits were mostly "producer busy elsewhere".
+        // kind: 0 = no copy, 1 = weights or scales (tile r), 2 = a token row (gate/up: x of the pair's token;
+        // down: h of the slot). A stage at k0 copies src + k0 * step, ns * step bytes, to dst of the slot.
+        struct Copy {
+            const unsigned char* src;
+            uint32_t dst, step, stage_step;          // stage_step: the whole stage's bytes per k64 step
+            int kind;
+        };
+        auto plan = [&](int u, int4 ch, int pr) -> Copy {
             const int mg = u / n_chunks;
             const int tile0 = mg * WM * 2;
-            const int ns = min(SS, KS - k0);
-            unsigned char* st = ring + (size_t)slot * St::BYTES;
+            const int ntl = min(2 * WM, ntiles - tile0);
+            Copy c{nullptr, 0u, 0u, (uint32_t)(ntl * 576 + ch.z * 128), 0};
             if (whole) {
                 // The stage is the unit's whole K: its tiles' weights, their scales and the chunk's h rows are
                 // three contiguous runs, so three copies instead of one per tile and token row (the copy unit's
-                // cost is per request: docs/MOE.md).
-                const int ntl = min(2 * WM, ntiles - tile0);
+                // cost is per request: docs/MOE.md). k0 is always 0 here.
                 const size_t blk = ((size_t)ch.x * ntiles + tile0) * KS;
-                if (weights && lane == 0) bulk_g2s(st, wp + blk * 32, ntl * KS * 512, full + slot);
-                if (weights && lane == 1) bulk_g2s(st + St::W_BYTES, sp + blk * 8, ntl * KS * 64, full + slot);
-                if (acts && lane == 2)
-                    bulk_g2s(st + St::W_BYTES + St::S_BYTES, act + (size_t)ch.y * act_stride, ch.z * KS * 128, full + slot);
-                return;
+                if (lane == 0) c = Copy{(const unsigned char*)(wp + blk * 32), 0u, (uint32_t)(ntl * 512), c.stage_step, 1};
+                if (lane == 1) c = Copy{(const unsigned char*)(sp + blk * 8), (uint32_t)St::W_BYTES, (uint32_t)(ntl * 64), c.stage_step, 1};
+                if (lane == 2)
+                    c = Copy{(const unsigned char*)(act + (size_t)ch.y * act_stride), (uint32_t)(St::W_BYTES + St::S_BYTES),
+                             (uint32_t)(ch.z * 128), c.stage_step, 2};
+                return c;
             }
-            if (weights && lane < 4 * WM) {
+            if (lane < 4 * WM) {
                 const int r = lane < 2 * WM ? lane : lane - 2 * WM;
                 if (tile0 + r < ntiles) {
-                    const size_t blk = ((size_t)ch.x * ntiles + tile0 + r) * KS + k0;
-                    if (lane < 2 * WM) bulk_g2s(st + r * SS * 512, wp + blk * 32, ns * 512, full + slot);
-                    else bulk_g2s(st + St::W_BYTES + r * SS * 64, sp + blk * 8, ns * 64, full + slot);
+                    const size_t blk = ((size_t)ch.x * ntiles + tile0 + r) * KS;
+                    if (lane < 2 * WM) c = Copy{(const unsigned char*)(wp + blk * 32), (uint32_t)(r * SS * 512), 512u, c.stage_step, 1};
+                    else c = Copy{(const unsigned char*)(sp + blk * 8), (uint32_t)(St::W_BYTES + r * SS * 64), 64u, c.stage_step, 1};
                 }
-            }
-            if (acts && j >= 0 && j < ch.z) {
+            } else if (j < ch.z) {
                 const size_t row = MODE == 0 ? (size_t)(pr / k) : (size_t)(ch.y + j);
-                bulk_g2s(st + St::W_BYTES + St::S_BYTES + j * St::X_PITCH, act + row * act_stride + (size_t)k0 * 64,
-                         ns * 128, full + slot);
+                c = Copy{(const unsigned char*)(act + row * act_stride), (uint32_t)(St::W_BYTES + St::S_BYTES + j * St::X_PITCH),
+                         128u, c.stage_step, 2};
             }
+            return c;
         };
-        auto stage_bytes = [&](int u, int4 ch, int k0) {
-            const int mg = u / n_chunks;
-            const int ntl = min(2 * WM, ntiles - mg * WM * 2);
-            const int ns = min(SS, KS - k0);
-            return (uint32_t)(ntl * ns * 576 + ch.z * ns * 128);
+        // Lane 0 arms the stage's barrier with all its bytes, then every lane issues its copy (kinds in `kinds`).
+        auto arm = [&](const Copy& c, int k0, int slot) {
+            if (lane == 0) mbar_arrive_expect_tx(full + slot, (uint32_t)min(SS, KS - k0) * c.stage_step);
+            __syncwarp();
+        };
+        auto issue = [&](const Copy& c, int k0, int slot, int kinds) {
+            if ((c.kind & kinds) == 0) return;
+            const uint32_t ns = (uint32_t)min(SS, KS - k0);
+            bulk_g2s(ring + (size_t)slot * St::BYTES + c.dst, c.src + (size_t)k0 * c.step, ns * c.step, full + slot);
         };
         int pre = 0;                                 // stages whose weights went out before the PDL wait
         if constexpr (MODE == 1) {
             int u = blockIdx.x, k0 = 0;
-            int4 ch = u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0);
+            Copy c = plan(u, u < n_units ? chunk_of(u) : make_int4(0, 0, 0, 0), 0);
             for (; pre < NST && u < n_units; ++pre) {
-                if (lane == 0) mbar_arrive_expect_tx(full + pre, stage_bytes(u, ch, k0));
-                __syncwarp();
-                issue(u, ch, 0, k0, pre, true, false);
+                arm(c, k0, pre);
+                issue(c, k0, pre, 1);
                 k0 += SS;
                 if (k0 >= KS) {
                     k0 = 0;
                     u += gridDim.x;
-                    if (u < n_units) ch = chunk_of(u);
+                    if (u < n_units) c = plan(u, chunk_of(u), 0);
                 }
             }
             DDT_PDL_WAIT();                          // h is the gate/up kernel's output
@@ -385,20 +400,20 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, MB_MIN_BLOCKS) moe_gemm_bu
         for (; u < n_units; u += gs) {
             const int pr1 = u + gs < n_units ? pair_of(ch1) : 0;
             const int4 ch2 = u + 2 * gs < n_units ? chunk_of(u + 2 * gs) : ch1;
+            const Copy c = plan(u, ch, pr);
             for (int k0 = 0; k0 < KS; k0 += SS, ++it) {
                 const int slot = it % NST;
                 MB_TL(rec.stage(it, 0, mtl::clk());)
                 if (it < pre) {
                     MB_TL(rec.stage(it, 1, mtl::clk());)
-                    issue(u, ch, pr, k0, slot, false, true);
+                    issue(c, k0, slot, 2);
                     MB_TL(__syncwarp(); rec.stage(it, 2, mtl::clk());)
                     continue;
                 }
                 if (it >= NST) mbar_wait(empty + slot, ((it / NST) - 1) & 1);
                 MB_TL(rec.stage(it, 1, mtl::clk());)
-                if (lane == 0) mbar_arrive_expect_tx(full + slot, stage_bytes(u, ch, k0));
-                __syncwarp();
-                issue(u, ch, pr, k0, slot, true, true);
+                arm(c, k0, slot);
+                issue(c, k0, slot, 3);
                 MB_TL(__syncwarp(); rec.stage(it, 2, mtl::clk());)   // every lane's copy is issued
             }
             ch = ch1;
