@@ -291,6 +291,7 @@ def test_bf16_cost_model_scales_only_the_per_row_split_term():
     """bf16 partials: the combine's per-(packed row, split) term x 1028 / 2052 (bytes written + read), the fixed
     combine term and the forward kernel unchanged; one split (no partials) costs the same."""
     ratio = A.mla_partial_row_bytes(True) / A.mla_partial_row_bytes(False)
+    assert A.MLA_COMBINE_BF16_SCALE == ratio
     for key, k, S, n, L in (("ks32", 65, 1, 8, 4104), ("large", 33, 4, 8, 4104), ("large", 3, 10, 32, 4128),
                             ("ks16", 64, 1, 1, 4097)):
         bps = A._blocks_per_sm(A.MLA_CONFIGS[key], H200[2])

@@ -266,10 +266,12 @@ MLA_TILE_US = {"ks16": 1.52, "ks16_2stage": 1.75, "ks32": 1.82, "ks32_2stage": 2
 MLA_BLOCK_US = 2.75
 MLA_COMBINE_US = 5.3
 MLA_COMBINE_US_PER_ROW_SPLIT = 0.98e-3    # 4 KB of fp32 partials written + read per (packed row, split)
-# bf16 partials: the per-(packed row, split) term scaled by the bytes, mla_partial_row_bytes(True) /
-# mla_partial_row_bytes(False) = 1028 / 2052 = 0.501 (the term was fitted on fp32 partials as bytes written by
-# the main kernel + read by the combine; it also holds per-split latency that does not shrink, so this is the
-# optimistic end: docs/ATTENTION.md "Session 6"). MLA_COMBINE_US (the combine's fixed cost) is unchanged.
+# bf16 partials: the per-(packed row, split) term x MLA_COMBINE_BF16_SCALE, the bytes ratio
+# mla_partial_row_bytes(True) / mla_partial_row_bytes(False) = 1028 / 2052 = 0.501 (the term was fitted on fp32
+# partials as bytes written by the main kernel + read by the combine; it also holds per-split latency that does
+# not shrink, so this is the optimistic end: docs/ATTENTION.md "Session 6"). 1.0 prices bf16 like fp32 (same
+# plans for both dtypes). MLA_COMBINE_US (the combine's fixed cost) is unchanged.
+MLA_COMBINE_BF16_SCALE = (LATENT_DIM * 2 + 4) / (LATENT_DIM * 4 + 4)
 MLA_DRAM_GBPS = 2626.0                    # what the 2-3-stage tiles stream from DRAM with every SM busy
 MLA_MODEL_MARGIN = 0.8   # leave the "measured" plan only for a modelled gain > 20% (3x the fit's rms error):
                          # the loosest margin with no shape > 5% slower in the H200 policy run (0.9 had one)
@@ -322,7 +324,7 @@ def mla_cost_us(config_key: str, splits: int, n_streams: int, max_rows: int, n_h
     t = _makespan_us(n_streams, m_tiles, splits, kv_tiles, MLA_TILE_US[config_key], num_sms * blocks_per_sm)
     t = max(t, n_streams * max_kv_len * ROW_DIM * 2 / (MLA_DRAM_GBPS * 1e3) + MLA_BLOCK_US)
     if splits > 1:
-        per = MLA_COMBINE_US_PER_ROW_SPLIT * mla_partial_row_bytes(part_bf16) / mla_partial_row_bytes(False)
+        per = MLA_COMBINE_US_PER_ROW_SPLIT * (MLA_COMBINE_BF16_SCALE if part_bf16 else 1.0)
         t += MLA_COMBINE_US + splits * n_streams * max_rows * n_heads * per
     return t
 
