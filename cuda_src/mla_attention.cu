@@ -56,6 +56,30 @@ __device__ __forceinline__ void mla_store_part2(mla_part_t* p, float a, float b)
 #endif
 }
 
+#if MLA_PART_BF16
+// One row's bf16 partial columns held in the mma accumulator layout: lane q4 of the quad holds columns
+// j * 8 + 2 * q4 (+1) of n-tiles j = 0 .. NT-1 (o[j][2 * hi], o[j][2 * hi + 1]). Stored pairwise as 4-byte words
+// a warp instruction would write 8 rows x 16 B, half of each 32-byte sector: as many L2 write transactions as
+// the fp32 stores for half the bytes. One shuffle per tile pair instead: the even lane of a pair stores 4
+// columns of tile j, the odd lane 4 of tile j + 1, so every store is 8 bytes and fills whole sectors. The
+// values and their rounding are those of mla_store_part2 (o * inv, round to nearest even). Every lane of the
+// warp must call it (the shuffle); ``ok`` (same for both lanes of a pair: same row) gates the stores.
+template <int NT>
+__device__ __forceinline__ void mla_store_part_bf16_row(bf16_bits* row, const float (&o)[NT][4], int hi, float inv,
+                                                        int q4, bool ok) {
+    static_assert(NT % 2 == 0, "n-tiles are stored in pairs");
+    const bool odd = q4 & 1;
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+        const unsigned a = pack_bf16x2(o[j][2 * hi] * inv, o[j][2 * hi + 1] * inv);
+        const unsigned b = pack_bf16x2(o[j + 1][2 * hi] * inv, o[j + 1][2 * hi + 1] * inv);
+        const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);   // the partner's other tile
+        const int col = odd ? (j + 1) * 8 + 2 * (q4 - 1) : j * 8 + 2 * q4;
+        if (ok) *reinterpret_cast<uint2*>(row + col) = odd ? make_uint2(got, b) : make_uint2(a, got);
+    }
+}
+#endif
+
 
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
@@ -342,6 +366,20 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     // ---- epilogue -----------------------------------------------------------------------------------
     const int valid_m = n * H - m0;
     const int col0 = vg * C::COL_W;
+#if MLA_PART_BF16
+    if (num_splits > 1) {   // every lane takes part (shuffles); rows past the stream only skip the stores
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int ml = mg * 16 + g + 8 * i;
+            const bool ok = ml < valid_m;
+            const size_t prow = (size_t)split * total_packed + (size_t)rs * H + m0 + ml;
+            const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
+            mla_store_part_bf16_row<C::NT_O>(part_o + prow * MLA_V_DIM + col0, o, i, inv, q4, ok);
+            if (ok && vg == 0 && q4 == 0) part_lse[prow] = l_run[i] > 0.f ? m_run[i] + log2f(l_run[i]) : -INFINITY;
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int ml = mg * 16 + g + 8 * i;
@@ -635,6 +673,20 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
                 l_run > 0.f ? m_run + log2f(l_run) : -INFINITY;
     }
     __syncthreads();
+#if MLA_PART_BF16
+    if (num_splits > 1) {   // every lane takes part (shuffles); rows past the stream only skip the stores
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const int ml = mt * 16 + g + 8 * hi;
+                const size_t gm = (size_t)rs * H + m0 + ml;
+                mla_store_part_bf16_row<C::NTO>(part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64,
+                                                o[mt], hi, linv_s[ml], q4, ml < valid_m);
+            }
+        return;
+    }
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
