@@ -148,11 +148,13 @@ PARTIAL_SHAPES = ((1, 8, 4096), (1, 16, 4096), (1, 32, 4096), (4, 8, 4096), (4, 
 PARTIAL_KEY_SHAPES = ((1, 8, 4096), (4, 8, 4096))   # the decision rule's "must win by >= 2%" shapes
 
 
-def partial_both(one, results, args, bw):
+def partial_both(one, results, args, bw, num_sms):
     """fp32 vs bf16 split partials, each with its own plan (what flipping the default does), in the same run:
     per shape fp32, bf16, fp32, bf16 (the minimum of the two timings each, so drift hits both), without and
     with PDL (the engine's launch mode at these sizes); where the bf16 pricing re-plans, also bf16 at the fp32
-    plan (the dtype alone)."""
+    plan (the dtype alone); where the combine rule picks one split per warp in flight (U = 1, > 2 blocks per SM),
+    also bf16 with U = 4 (its bf16 build needs 72 registers, not fp32's 124: the rule may move for bf16; not part of
+    the decision)."""
     from ddtree_cupy.kernels import attention as A
     print(f"# split partials fp32 vs bf16 (each its own plan), min of 2 alternating timings, us per call; "
           f"read ceiling {bw:.0f} GB/s (this run)")
@@ -182,6 +184,12 @@ def partial_both(one, results, args, bw):
                         for _ in range(2))
             rec["pdl_bf16_at_fp32_plan_us"] = alone
             note = f"re-planned; bf16 at the fp32 plan (pdl) {alone:.1f} ({alone / pf32['us']:.3f})"
+        if b16["splits"] > 1 and A.combine_unroll(S * n * H, num_sms) == 1:
+            cfg16 = A.MLA_CONFIGS[b16["config_key"]]
+            u4 = min(one(S, n, c, "tree", part=True, pdl=True, config=cfg16, splits_override=b16["splits"],
+                         unroll=4)["us"] for _ in range(2))
+            rec["pdl_bf16_u4_us"] = u4
+            note += f"{'; ' if note else ''}bf16 U=4 (pdl) {u4:.1f} ({u4 / pb16['us']:.3f} of U=1)"
         results.append(rec)
         print(f"{S:>3} {n:>4} {c:>6} | {short(f32):>21} {short(b16):>21} | {f32['partial_mb']:>7.1f} "
               f"{b16['partial_mb']:>5.1f} | {f32['us']:>7.2f} {b16['us']:>7.2f} {rec['ratio']:>6.3f} | "
@@ -508,7 +516,7 @@ def main():
         cases = ([(S, n, 4096) for S in (1, 4, 10) for n in (1, 8, 16, 32)] +
                  [(1, n, c) for c in (32768, 65536, long_ctx) for n in (1, 4, 8)])
     if args.partial == "both":
-        partial_both(one, results, args, bw)
+        partial_both(one, results, args, bw, num_sms)
         cases = []
     elif args.policy == "both":
         policy_both(one, cases, results, args, was)
