@@ -103,10 +103,6 @@ using namespace moe;
 //    rank of pair i = number of earlier pairs with the same expert.
 // meta[0] = number of chunks, meta[1] = number of bad expert ids.
 // ---------------------------------------------------------------------------------------------------------
-// Exclusive block scan of v (two sums at once) with ONE barrier: each warp scans itself, then every thread adds
-// the totals of the warps before its own (<= 32 broadcast loads; measured in session 6, the second barrier and
-// warp 0's scan of the totals cost ~0.2 us of the MoE kernels' prologue). Thread 0 stores the block's total;
-// callers read it after their next barrier. Called once per kernel (warp_tot is not reused after it).
 __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, int2* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int2 inc = v;
@@ -117,14 +113,19 @@ __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, in
     }
     if (lane == 31) warp_tot[warp] = inc;
     __syncthreads();
-    int2 base = make_int2(0, 0), all = make_int2(0, 0);
-    for (int w = 0; w < nw; ++w) {
-        const int2 x = warp_tot[w];
-        if (w < warp) { base.x += x.x; base.y += x.y; }
-        all.x += x.x;
-        all.y += x.y;
+    if (warp == 0) {
+        int2 wv = lane < nw ? warp_tot[lane] : make_int2(0, 0);
+        int2 wi = wv;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xFFFFFFFFu, wi.x, o), b = __shfl_up_sync(0xFFFFFFFFu, wi.y, o);
+            if (lane >= o) { wi.x += a; wi.y += b; }
+        }
+        if (lane < nw) warp_tot[lane] = make_int2(wi.x - wv.x, wi.y - wv.y);
+        if (lane == 31) *total = wi;
     }
-    if (threadIdx.x == 0) *total = all;
+    __syncthreads();
+    const int2 base = warp_tot[warp];
     return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
 }
 
@@ -132,7 +133,6 @@ __device__ __forceinline__ int2 block_exclusive_scan2(int2 v, int2* warp_tot, in
 // Shared-memory sort of the gate/up prologue (small T). Sizes: FUSED_MAX_PAIRS pairs, MAX_E experts, and at
 // most min(pairs, E) + pairs / 8 chunks (every touched expert's last chunk may be partial).
 constexpr int FUSED_MAX_PAIRS = 256;
-static_assert(FUSED_MAX_PAIRS % 8 == 0, "sort_pairs_block ranks in rounds of 8");
 constexpr int MAX_E = 1024;
 constexpr int FUSED_MAX_CHUNKS = FUSED_MAX_PAIRS + FUSED_MAX_PAIRS / 8;
 
@@ -187,26 +187,12 @@ __device__ void sort_pairs_block(const int* __restrict__ ids, int n, int E, int 
     }
     __syncthreads();
     MOE_SORT_MARK(4);
-    // Deterministic rank: the earlier pairs of expert e. P adjacent threads per pair (P = 1, 2 or 4: as many as
-    // the block has for n pairs; 4 at 64 pairs on 288 threads), each counting every P-th round of 8 earlier pairs
-    // (eight independent loads per round, predicated: a round may read past i but, starting at a multiple of 8,
-    // never past FUSED_MAX_PAIRS), the P counts added through shuffles. The rounds of different parts are 8
-    // words apart (no bank conflict); threads of one part read the same words (broadcast). Same counts, so the
-    // same slots; measured (session 6 timeline) 0.63 us for this phase at 64 pairs with one thread per pair.
-    int P = 1;
-    while (P < 4 && 2 * P * n <= nth) P *= 2;
-    for (int base = 0; base < n * P; base += nth) {        // (a block-uniform trip count: the shuffles below)
-        const int vt = base + tid, i = vt / P, part = vt & (P - 1);
-        const int e = i < n ? s.ids[i] : -1;
-        int r = 0;
-        if (i < n) {
-            for (int b = 8 * part; b < i; b += 8 * P) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) r += (b + q < i) & (s.ids[b + q] == e);
-            }
-        }
-        for (int o = 1; o < P; o <<= 1) r += __shfl_xor_sync(0xFFFFFFFFu, r, o);
-        if (part == 0 && e >= 0 && e < E) s.slot_pair[s.cnt[e] + r] = i;
+    for (int i = tid; i < n; i += nth) {
+        const int e = s.ids[i];
+        if (e < 0 || e >= E) continue;
+        int r = 0;                                         // deterministic rank: earlier pairs of expert e
+        for (int i2 = 0; i2 < i; ++i2) r += s.ids[i2] == e;
+        s.slot_pair[s.cnt[e] + r] = i;
     }
     __syncthreads();
     MOE_SORT_MARK(5);

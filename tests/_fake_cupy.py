@@ -52,6 +52,7 @@ def launcher(call):
     ``run_or_record``, with the raw launch arguments exactly as the real wrapper passed them."""
     def launch(grid, block, args, shared_mem=0):
         run_or_record(lambda: call(grid, args))
+    launch.kernel = types.SimpleNamespace(ptr=id(call))     # what the occupancy query (driver, below) takes
     return launch
 
 
@@ -196,7 +197,10 @@ def _module(name, **attrs):
 _DEFAULT_STREAM = _Stream()
 runtime = _module("cupy.cuda.runtime", memcpyDeviceToDevice=3, memcpy2DAsync=_memcpy2d,
                   getDeviceCount=lambda: 1, memGetInfo=lambda: (8 << 30, 16 << 30))
-cuda = _module("cupy.cuda", Device=_Device, Stream=_Stream, Event=_Event, runtime=runtime,
+# the MoE wrapper sizes its bulk grids from the driver's occupancy calculator: two blocks per SM, the H200's
+# figure for the decode blocks
+driver = _module("cupy.cuda.driver", occupancyMaxActiveBlocksPerMultiprocessor=lambda func, threads, smem: 2)
+cuda = _module("cupy.cuda", Device=_Device, Stream=_Stream, Event=_Event, runtime=runtime, driver=driver,
                get_current_stream=lambda: (_tls("streams") or [_DEFAULT_STREAM])[-1],
                get_elapsed_time=lambda a, b: 0.01, alloc_pinned_memory=bytearray)
 random = _module("cupy.random", RandomState=_RandomState)
@@ -213,7 +217,8 @@ cp = _module(
     array_equal=lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
     get_default_memory_pool=lambda: types.SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0),
     **{n: getattr(np, n) for n in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32", "float64")})
-MODULES = {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.random": random}
+MODULES = {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.driver": driver,
+           "cupy.random": random}
 
 
 def install():
