@@ -649,6 +649,10 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
 // fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
+// Session 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
+// any is added (the loop over a runtime k issued one dependent ids -> y round trip per pair: 3.5 us at T = 8 on
+// the H200 for 1.8 MB); the sum keeps the pair order, so the output is the same bits.
+#define COMBINE_KU 8
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids, int k, int E,
                                        int H, const bf16_bits* __restrict__ residual, int has_res,
                                        bf16_bits* __restrict__ out) {
@@ -656,15 +660,28 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     const int t = blockIdx.y;
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (n >= H) return;
+    bool ok[COMBINE_KU];
+#pragma unroll
+    for (int j = 0; j < COMBINE_KU; ++j) {
+        const int e = j < k ? ids[t * k + j] : -1;
+        ok[j] = e >= 0 && e < E;
+    }
+    float4 v[COMBINE_KU];
+#pragma unroll
+    for (int j = 0; j < COMBINE_KU; ++j)
+        if (ok[j]) v[j] = *reinterpret_cast<const float4*>(y + (size_t)(t * k + j) * H + n);
+    const uint2 r = has_res ? *reinterpret_cast<const uint2*>(residual + (size_t)t * H + n) : make_uint2(0u, 0u);
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < k; ++j) {
+#pragma unroll
+    for (int j = 0; j < COMBINE_KU; ++j)
+        if (ok[j]) { s.x += v[j].x; s.y += v[j].y; s.z += v[j].z; s.w += v[j].w; }
+    for (int j = COMBINE_KU; j < k; ++j) {           // (top-k above COMBINE_KU: the rest one by one, in order)
         const int e = ids[t * k + j];
         if (e < 0 || e >= E) continue;
-        const float4 v = *reinterpret_cast<const float4*>(y + (size_t)(t * k + j) * H + n);
-        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        const float4 w = *reinterpret_cast<const float4*>(y + (size_t)(t * k + j) * H + n);
+        s.x += w.x; s.y += w.y; s.z += w.z; s.w += w.w;
     }
     if (has_res) {
-        const uint2 r = *reinterpret_cast<const uint2*>(residual + (size_t)t * H + n);
         s.x += bf_lo(r.x); s.y += bf_hi(r.x); s.z += bf_lo(r.y); s.w += bf_hi(r.y);
     }
     uint2 o;
