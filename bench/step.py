@@ -24,8 +24,8 @@ and drafter context filled with random rows) it reports:
   row and layer (``UniformRouting``), the spread of real routing (~60 unique experts per layer at 8 rows);
   ``model`` keeps the random model's router output, which collapses to ~8 experts for all rows and so
   understates the expert bytes and the MoE time of a real step;
-* projection to 8x RTX PRO 6000: memory-bound time x (read ceiling here / 1.79 TB/s) + all-reduces per step
-  x a per-call latency (the step's real collective count at TP = 8), tokens/s = tau x streams / step time.
+* projection to 8x RTX PRO 6000: the PDL step (what the engine's graphs run; else the plain one) x (read ceiling
+  here / 1.79 TB/s) + all-reduces per step x a per-call latency (the step's real collective count at TP = 8), tokens/s = tau x streams / step time.
   Every assumption is printed and stored with the results.
 
 Collectives: this process is rank 0 of 8 with no peers (``RankComm``): all-reduces are no-ops, all-gathers
@@ -371,8 +371,10 @@ def main(argv=None) -> int:
                 step.upload(ctrl)
             parts, per_expert = step_bytes(eng, tcfg, dcfg, uniq, S, R, a.ctx)
             floor_s = parts["total"] / bw
-            # projection: the memory-bound part scales with bandwidth, collectives add their latency
-            pro_s = step_s * (bw / PRO6000_BW) + n_reduce * a.allreduce_us * 1e-6
+            # projection: the memory-bound part scales with bandwidth, collectives add their latency; from the
+            # step the engine runs (its graphs launch with PDL where the device has it), else the plain step
+            eng_s = step_pdl_s if step_pdl_s is not None else step_s
+            pro_s = eng_s * (bw / PRO6000_BW) + n_reduce * a.allreduce_us * 1e-6
             rec = dict(streams=S, rows=R, budget=budget, ctx=a.ctx, step_ms=step_s * 1e3, wall_ms=wall_s * 1e3,
                        host_issue_us=host_s * 1e6, host_pct=100 * host_s / wall_s,
                        phases_ms={k: v * 1e3 for k, v in phases.items()}, real_rows=n_real,
@@ -407,7 +409,8 @@ def main(argv=None) -> int:
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),
         "collectives": "no-op here (one rank without peers); projection adds allreduces x latency",
-        "projection": "step_ms x (read ceiling here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
+        "projection": "step (the PDL step where measured, as the engine runs it, else step_ms) x (read ceiling "
+                      "here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
         "floor": "all rank weights once (embedding excluded: a lookup), routed experts actually touched x per-expert "
                  "shard bytes, lm_head twice (target + drafter), latent cache and drafter context, logits written "
                  "and read, over the read ceiling measured here",

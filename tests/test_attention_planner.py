@@ -244,8 +244,10 @@ def test_partial_bf16_env_parsing_and_rule(monkeypatch):
     for v in ("2", "bf16", "fp32", "-1"):
         with pytest.raises(ValueError, match="DDT_MLA_PARTIAL_BF16"):
             A.parse_partial_bf16(v)
-    assert A.PARTIAL_BF16 is False, "the default stays fp32 until the H200 run decides (decision rule)"
+    assert A.PARTIAL_BF16 is True, "bf16 partials by default since the session-6 H200 run (decision rule met)"
     monkeypatch.delenv("DDT_MLA_PARTIAL_BF16", raising=False)
+    assert A.mla_partial_bf16() is True
+    monkeypatch.setattr(A, "PARTIAL_BF16", False)
     assert A.mla_partial_bf16() is False
     monkeypatch.setattr(A, "PARTIAL_BF16", True)
     assert A.mla_partial_bf16() is True              # the module constant without the environment
