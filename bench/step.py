@@ -25,7 +25,8 @@ and drafter context filled with random rows) it reports:
   ``model`` keeps the random model's router output, which collapses to ~8 experts for all rows and so
   understates the expert bytes and the MoE time of a real step;
 * projection to 8x RTX PRO 6000: the PDL step (what the engine's graphs run; else the plain one) x (read ceiling
-  here / 1.79 TB/s) + all-reduces per step x a per-call latency (the step's real collective count at TP = 8), tokens/s = tau x streams / step time.
+  here / 1.79 TB/s) + all-reduces per step x a per-call latency (the step's real collective count at TP = 8),
+  tokens/s = tau x streams / step time.
   Every assumption is printed and stored with the results.
 
 Collectives: this process is rank 0 of 8 with no peers (``RankComm``): all-reduces are no-ops, all-gathers
