@@ -107,12 +107,14 @@ MLA_SPEC_BF16 = register(KernelSpec(
 
 
 # ---- split-partial element type: one rule ----------------------------------------------------------------
-# PARTIAL_BF16 is the module default: bf16 partials since the session-6 H200 run met the decision rule written
-# before it (docs/ATTENTION.md "Session 6": bf16 / fp32 0.91 median over the decode shapes, >= 2% faster at 1 x 8
-# and 4 x 8, no shape > 1% slower; PDL step 1 x 8 8.54 -> 8.33 ms); the environment variable
-# DDT_MLA_PARTIAL_BF16=0/1 overrides it. mla_partial_bf16() is the rule MlaWorkspace, plan_mla and
-# mla_attention read when not told explicitly (the error analysis is in the same section).
-PARTIAL_BF16 = True
+# PARTIAL_BF16 is the module default: fp32 partials. bf16 partials met the SPEED rule written before the session-6
+# H200 run (bf16 / fp32 0.91 median over the decode shapes; PDL step 1 x 8 8.54 -> 8.30 ms), but with them the
+# engine's GPU test test_oracle_drafter_long_acceptance failed on the tiny checkpoints: the outputs left the float64
+# reference's argmax path at near-ties within 1-10 tokens (fp32: the test passes), so the default stays fp32
+# until the error budget is settled on a real checkpoint (docs/ATTENTION.md "Session 6"). The environment
+# variable DDT_MLA_PARTIAL_BF16=0/1 overrides it. mla_partial_bf16() is the rule MlaWorkspace, plan_mla and
+# mla_attention read when not told explicitly.
+PARTIAL_BF16 = False
 PARTIAL_BF16_ENV = "DDT_MLA_PARTIAL_BF16"
 
 
