@@ -305,9 +305,6 @@ BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # gate/up block with 4 rows and 3 stages); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
 # one per tile and token row).
 BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
-# DDT_MOE_BULK_BALANCE=1 (session 6 measurement knob, default off): size each bulk grid to the fewest blocks that
-# need the same number of rounds of units (units 960 on 264 slots: 240 blocks of 4 instead of 168 x 4 + 96 x 3).
-BULK_BALANCE = os.environ.get("DDT_MOE_BULK_BALANCE", "0") == "1"
 
 
 def _bulk_allowed(large: bool):
@@ -926,8 +923,6 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
         chunks_max = min(pairs, min(pairs, E) + pairs // bt.xr)
         units = chunks_max * -(-(N // 32) // bt.wm)
         grid = max(1, min(units, _sm_count() * _blocks_per_sm(fn, bt, dyn)))
-        if BULK_BALANCE:     # as few blocks as give the same rounds of units: every block the same count
-            grid = -(-units // -(-units // grid))
         args = (w, s, i32(N), i32(KS), act, i32(act_stride)) + common + (() if tl is None else (tl,))
         plan.append((name, lambda fn=fn, grid=grid, bt=bt, args=args, dyn=dyn:
                      fn((grid,), (bt.threads,), args, shared_mem=dyn)))
