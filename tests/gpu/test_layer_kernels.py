@@ -19,9 +19,15 @@ KIMI_ROPE = RopeConfig(theta=50000.0, kind="yarn", factor=64.0, original_max_pos
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
+# Every RMSNorm test runs both builds: the default and the DDT_ROW_PRELOAD one (row loads first, session 6).
+PRELOAD = pytest.mark.parametrize("preload", ["0", "1"])
+
+
+@PRELOAD
 @pytest.mark.parametrize("T,H", [(1, 7168), (5, 1536), (33, 512), (160, 7168), (3, 8)])
-def test_rms_norm(T, H):
+def test_rms_norm(T, H, preload, monkeypatch):
     import cupy as cp
+    monkeypatch.setenv("DDT_ROW_PRELOAD", preload)
     from ddtree_cupy.kernels.layers import rms_norm as k_norm
     rng = np.random.default_rng(T + H)
     xb, x = rand_bf16(rng, (T, H), 3.0)
@@ -31,8 +37,10 @@ def test_rms_norm(T, H):
     assert rel_err(f64(out), rms_norm(x, w, 1e-6)) < BF16_TOL
 
 
-def test_rms_norm_residual_and_scatter():
+@PRELOAD
+def test_rms_norm_residual_and_scatter(preload, monkeypatch):
     import cupy as cp
+    monkeypatch.setenv("DDT_ROW_PRELOAD", preload)
     from ddtree_cupy.kernels.layers import rms_norm as k_norm
     rng = np.random.default_rng(11)
     T, H = 7, 7168
@@ -51,9 +59,11 @@ def test_rms_norm_residual_and_scatter():
     assert np.all(out.get()[untouched] == 0xFFFF)
 
 
-def test_rms_norm_strided_kv_latent():
+@PRELOAD
+def test_rms_norm_strided_kv_latent(preload, monkeypatch):
     """The kv_a norm: normalise kv[:, :512] of a [T, 576] row in place of a view."""
     import cupy as cp
+    monkeypatch.setenv("DDT_ROW_PRELOAD", preload)
     from ddtree_cupy.kernels.layers import rms_norm as k_norm
     rng = np.random.default_rng(12)
     kvb, kv = rand_bf16(rng, (9, 576))
@@ -63,6 +73,28 @@ def test_rms_norm_strided_kv_latent():
     k_norm(kv_dev[:, :512], cp.asarray(wb), 1e-6, out[:, :512])
     assert rel_err(f64(cp.ascontiguousarray(out[:, :512])), rms_norm(kv[:, :512], w, 1e-6)) < BF16_TOL
     assert np.all(out.get()[:, 512:] == 0xFFFF)
+
+
+@pytest.mark.parametrize("T,H", [(9, 7168), (4, 1536), (2, 5000)])
+def test_rms_norm_row_preload_build_is_bit_identical(T, H, monkeypatch):
+    """The DDT_ROW_PRELOAD build only moves loads: output and new residual equal the default build's bit for bit
+    (in-place residual, as the model calls it; H = 5000: a row whose last vectors leave threads idle)."""
+    import cupy as cp
+    from ddtree_cupy.kernels.layers import rms_norm as k_norm
+    rng = np.random.default_rng(100 + T + H)
+    xb, _ = rand_bf16(rng, (T, H), 2.0)
+    rb, _ = rand_bf16(rng, (T, H), 3.0)
+    wb, _ = rand_bf16(rng, (H,))
+    got = {}
+    for preload in ("0", "1"):
+        monkeypatch.setenv("DDT_ROW_PRELOAD", preload)
+        res = cp.asarray(rb)
+        out = poisoned(cp, (T, H))
+        k_norm(cp.asarray(xb), cp.asarray(wb), 1e-6, out, residual=res)
+        got[preload] = (out.get(), res.get())
+    assert not np.any(got["1"][0] == 0xFFFF)
+    np.testing.assert_array_equal(got["1"][0], got["0"][0])
+    np.testing.assert_array_equal(got["1"][1], got["0"][1])
 
 
 # ---------------------------------------------------------------------------------------------- RoPE
