@@ -716,9 +716,10 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
 // bf16 partials: without a minimum-blocks hint ptxas (NVRTC 12.9, sm_90 and sm_120) schedules the bf16
 // combine's loads one at a time, each followed by its widening and fmas (U = 4: 1 of a warp's 8 loads issued
 // before the first use), i.e. one L2 round trip per split, the serial pattern attn_combine.cuh exists to
-// avoid. With (256, 2) all 8 are issued first (SASS checked on both, 72 registers on sm_90). The fp32 build
-// keeps its bounds (its sm_90 code issues all 16 loads first; unchanged PTX).
-#if MLA_PART_BF16
+// avoid. With (256, 2) all 8 are issued first (SASS checked on both, 72 registers on sm_90). The fp32 build on
+// sm_90 keeps its bounds (its code issues all 16 loads first; unchanged PTX); on sm_120 the fp32 U = 4 issued 2 of
+// its 16 loads before the first fma and with (256, 2) all 16 (session 6, SASS only: no sm_120 device to time it).
+#if MLA_PART_BF16 || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000)
 #define MLA_COMBINE_BOUNDS __launch_bounds__(MLA_COMBINE_THREADS, 2)
 #else
 #define MLA_COMBINE_BOUNDS __launch_bounds__(MLA_COMBINE_THREADS)
