@@ -68,12 +68,12 @@ def test_switch_and_env(monkeypatch):
     finally:
         launch.set_pdl(before)
     monkeypatch.setenv("DDT_PDL", "1")
-    assert launch._env_flag("DDT_PDL", False) is True
+    assert launch.env_flag("DDT_PDL", False) is True
     monkeypatch.setenv("DDT_PDL", "0")
-    assert launch._env_flag("DDT_PDL", True) is False
+    assert launch.env_flag("DDT_PDL", True) is False
     monkeypatch.setenv("DDT_PDL", "yes")
     with pytest.raises(ValueError, match="DDT_PDL"):
-        launch._env_flag("DDT_PDL", False)
+        launch.env_flag("DDT_PDL", False)
 
 
 class _RecordingRaw:

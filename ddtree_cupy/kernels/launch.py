@@ -27,7 +27,8 @@ import numpy as np
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # cuda.h, CUlaunchAttributeID
 
 
-def _env_flag(name: str, default: bool) -> bool:
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment switch: "0" / "1", unset or empty -> ``default``; anything else raises, naming it."""
     v = os.environ.get(name)
     if v is None or v.strip() == "":
         return default
@@ -36,7 +37,7 @@ def _env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}: must be 0 or 1, got {v!r}")
 
 
-_enabled = _env_flag("DDT_PDL", False)
+_enabled = env_flag("DDT_PDL", False)
 
 
 def set_pdl(enabled: bool) -> None:

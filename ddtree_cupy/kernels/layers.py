@@ -42,13 +42,8 @@ ROW_PRELOAD_ENV = "DDT_ROW_PRELOAD"
 
 def row_preload() -> bool:
     """The rule: DDT_ROW_PRELOAD ("0" / "1") if set, else ROW_PRELOAD; any other value raises, naming it."""
-    import os
-    v = os.environ.get(ROW_PRELOAD_ENV, "").strip()
-    if v == "":
-        return ROW_PRELOAD
-    if v not in ("0", "1"):
-        raise ValueError(f"{ROW_PRELOAD_ENV}: expected 0 or 1, got {v!r}")
-    return v == "1"
+    from .launch import env_flag
+    return env_flag(ROW_PRELOAD_ENV, ROW_PRELOAD)
 
 
 def _ptr(a):
