@@ -78,6 +78,59 @@ class RankComm:
         pass
 
 
+class LiveRankComm(RankComm):
+    """``--comm nccl`` under ``mpirun -np N`` (N GPUs): every process still builds rank 0 of TP 8 (the shapes
+    and kernels of a real rank), but its collectives are real NCCL calls across the N processes, with the
+    payloads of TP 8 (all-reduce: the full [T, H] buffer; all-gather: N real parts, the other 8 - N slots
+    filled with this rank's own part, so the buffer has TP 8's shape). ``live = False`` makes every
+    collective the no-op of ``RankComm`` again, so one process can capture the same step both ways and
+    time the collectives' real cost on the critical path (latency, rank skew and all)."""
+    backend = "bench-nccl"
+
+    def __init__(self, real, rank=0, size=8):
+        super().__init__(rank, size)
+        if real.size > size:
+            raise ValueError(f"--comm nccl: {real.size} processes, but the rank shapes are TP {size}")
+        self.real, self.live = real, True
+
+    def all_reduce(self, x):
+        self.n_reduce += 1
+        return self.real.all_reduce(x) if self.live else x
+
+    def all_gather(self, x):
+        import cupy
+        if not self.live:
+            return super().all_gather(x)
+        self.n_gather += 1
+        key = (x.shape, x.dtype.str, x.data.ptr, "live")
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = cupy.empty((self.size,) + x.shape, x.dtype)
+        n = self.real.size
+        self.real.all_gather_into(x, buf[:n])
+        if n < self.size:
+            cupy.copyto(buf[n:], x[None])
+        return buf
+
+    def barrier(self):
+        self.real.barrier()
+
+
+def make_comm(kind: str):
+    """``none``: ``RankComm`` (collectives are no-ops, the single-GPU default). ``nccl``: ``LiveRankComm`` over
+    the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does)."""
+    if kind == "none":
+        return RankComm(0, 8)
+    from ddtree_cupy.dist import NcclComm, init_communicator, launched_with_mpi
+    if not launched_with_mpi():
+        raise SystemExit("--comm nccl needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
+                         "--comm nccl ... (N GPUs)")
+    real = init_communicator("cupy")
+    if not isinstance(real, NcclComm):
+        raise SystemExit(f"--comm nccl: expected an NCCL communicator, got {type(real).__name__}")
+    return LiveRankComm(real)
+
+
 def load_configs(layers: int, ctx: int):
     from ddtree_cupy.config import DrafterConfig, TargetConfig
     data = os.path.join(ROOT, "tests", "data")
@@ -246,8 +299,16 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "
                          "routing's spread); model: the random model's own router output (collapses to ~8 experts)")
+    ap.add_argument("--comm", choices=("none", "nccl"), default="none",
+                    help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
+                         "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     a = ap.parse_args(argv)
+    comm = make_comm(a.comm)            # first: under mpirun it picks this process's GPU
+    live = isinstance(comm, LiveRankComm)
+    if live and comm.real.rank != 0:    # every rank runs the same sequence; rank 0 alone reports
+        sys.stdout = open(os.devnull, "w")
+        a.json = None
 
     import cupy
     from bench.ceilings import measure_read_bandwidth, time_graph
@@ -262,7 +323,6 @@ def main(argv=None) -> int:
     bw = measure_read_bandwidth(2 << 30) * 1e9
     tcfg, dcfg = load_configs(a.layers, a.ctx)
     S_max, R_max = max(a.streams), max(a.rows)
-    comm = RankComm(0, 8)
     uniform = UniformRouting(tcfg.n_routed_experts, tcfg.num_experts_per_tok) if a.routing == "uniform" else None
     if uniform is not None:
         uniform.__enter__()         # for the whole run: every captured step reads the tables
@@ -285,6 +345,11 @@ def main(argv=None) -> int:
           f"{eng.target.w.nbytes() / 1e9:.1f} GB target + {eng.drafter.w.nbytes / 1e9:.2f} GB drafter, built in "
           f"{build_s:.0f} s; KV pool {eng.kv.nbytes() / 1e9:.2f} GB; GPU memory used "
           f"{(total - free) / 1e9:.0f} of {total / 1e9:.0f} GB")
+    if live:
+        print(f"collectives: real NCCL across {comm.real.size} GPUs (TP 8 payloads; every process is rank 0's "
+              f"shapes); NCCL_PROTO={os.environ.get('NCCL_PROTO', 'default')} "
+              f"NCCL_ALGO={os.environ.get('NCCL_ALGO', 'default')} NCCL_P2P_DISABLE="
+              f"{os.environ.get('NCCL_P2P_DISABLE', '0')}", flush=True)
     rng = np.random.default_rng(0)
     results = []
     for S in a.streams:
@@ -370,12 +435,42 @@ def main(argv=None) -> int:
                 st.synchronize()
                 step.capture()
                 step.upload(ctrl)
+            noop_s = noop_pdl_s = None
+            if live:
+                # the same graphs captured with the collectives off: the difference is what they cost here
+                comm.live = False
+                try:
+                    step.capture()
+                    step.upload(ctrl)
+                    noop_s = replay_s()
+                    if step_pdl_s is not None:
+                        eng.models.pdl = True
+                        try:
+                            step.capture()
+                            step.upload(ctrl)
+                            noop_pdl_s = replay_s()
+                        finally:
+                            eng.models.pdl = False
+                finally:
+                    comm.live = True
+                st.synchronize()
+                step.capture()
+                step.upload(ctrl)
             parts, per_expert = step_bytes(eng, tcfg, dcfg, uniq, S, R, a.ctx)
             floor_s = parts["total"] / bw
             # projection: the memory-bound part scales with bandwidth, collectives add their latency; from the
             # step the engine runs (its graphs launch with PDL where the device has it), else the plain step
             eng_s = step_pdl_s if step_pdl_s is not None else step_s
+            if live:        # the memory-bound part is the step without collectives; theirs is added below
+                eng_s = noop_pdl_s if noop_pdl_s is not None else noop_s
             pro_s = eng_s * (bw / PRO6000_BW) + n_reduce * a.allreduce_us * 1e-6
+            coll = None
+            if live:
+                with_c = step_pdl_s if noop_pdl_s is not None else step_s
+                coll = dict(ranks=comm.real.size, step_noop_ms=noop_s * 1e3,
+                            step_pdl_noop_ms=None if noop_pdl_s is None else noop_pdl_s * 1e3,
+                            collectives_ms=(with_c - eng_s) * 1e3,
+                            us_per_collective=(with_c - eng_s) * 1e6 / max(1, n_reduce + n_gather))
             rec = dict(streams=S, rows=R, budget=budget, ctx=a.ctx, step_ms=step_s * 1e3, wall_ms=wall_s * 1e3,
                        host_issue_us=host_s * 1e6, host_pct=100 * host_s / wall_s,
                        phases_ms={k: v * 1e3 for k, v in phases.items()}, real_rows=n_real,
@@ -388,7 +483,7 @@ def main(argv=None) -> int:
                        verify_us_per_layer=phases.get("verify", 0) * 1e6 / tcfg.num_hidden_layers,
                        layer_graph_us=layer_us, stage_us=stage_us,
                        step_pdl_ms=None if step_pdl_s is None else step_pdl_s * 1e3, pdl_check=pdl_check,
-                       leave_one_out=loo)
+                       leave_one_out=loo, collectives=coll)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
                   f" wall {wall_s * 1e3:7.2f} ms host {host_s * 1e6:5.0f} us; experts/layer "
@@ -397,6 +492,10 @@ def main(argv=None) -> int:
             print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
                   + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms "
                                                                   f"{pdl_check}" if step_pdl_s else ""), flush=True)
+            if coll:
+                print(f"    collectives on ({coll['ranks']} GPUs) {with_c * 1e3:.2f} ms, off {eng_s * 1e3:.2f} ms: "
+                      f"{coll['collectives_ms']:.2f} ms for {n_reduce} all-reduces + {n_gather} all-gathers = "
+                      f"{coll['us_per_collective']:.1f} us each on the step's critical path", flush=True)
             if loo:
                 print(f"    verify {loo['verify_us']:.0f} us; marginal us per layer (verify without the stage in every "
                       "layer): " + " ".join(f"{k} {v:.1f}" for k, v in loo["marginal_us_per_layer"].items()), flush=True)
@@ -409,7 +508,9 @@ def main(argv=None) -> int:
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),
-        "collectives": "no-op here (one rank without peers); projection adds allreduces x latency",
+        "collectives": (f"real NCCL across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
+                        "the step without them, adds allreduces x latency" if live else
+                        "no-op here (one rank without peers); projection adds allreduces x latency"),
         "projection": "step (the PDL step where measured, as the engine runs it, else step_ms) x (read ceiling "
                       "here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
         "floor": "all rank weights once (embedding excluded: a lookup), routed experts actually touched x per-expert "
@@ -417,6 +518,15 @@ def main(argv=None) -> int:
                  "and read, over the read ceiling measured here",
     }
     print("\nassumptions: " + "; ".join(f"{k}={v}" for k, v in assumptions.items()))
+    if live:
+        print(f"\nreal collectives across {comm.real.size} GPUs: | streams | rows | step ms (on) | step ms (off) | "
+              "collectives ms | us per collective |")
+        for r in results:
+            c, on = r["collectives"], (r["step_pdl_ms"] if r["collectives"]["step_pdl_noop_ms"] is not None
+                                       else r["step_ms"])
+            off = c["step_pdl_noop_ms"] if c["step_pdl_noop_ms"] is not None else c["step_noop_ms"]
+            print(f"| {r['streams']} | {r['rows']} | {on:.2f} | {off:.2f} | {c['collectives_ms']:.2f} | "
+                  f"{c['us_per_collective']:.1f} |")
     print(f"\n| streams | rows | step ms | floor ms | x floor | host % | draft | tree | verify | accept | experts/layer"
           f" | PRO 6000 tok/s (tau {a.tau}) | launches/MoE layer | verify us/layer | step ms PDL |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -180,7 +180,14 @@ class NcclComm(Communicator):
 
     def all_gather(self, x):
         x = self._cp.ascontiguousarray(x)
-        out = self._cp.empty((self.size,) + x.shape, dtype=x.dtype)
+        return self.all_gather_into(x, self._cp.empty((self.size,) + x.shape, dtype=x.dtype))
+
+    def all_gather_into(self, x, out):
+        """All-gather into a caller-owned contiguous ``out`` [size, *x.shape] (a buffer a captured graph keeps)."""
+        if not (x.flags.c_contiguous and out.flags.c_contiguous) or out.shape != (self.size,) + x.shape \
+                or out.dtype != x.dtype:
+            raise ValueError(f"NcclComm.all_gather_into: out must be a contiguous {(self.size,) + x.shape} "
+                             f"{x.dtype} array, got {out.shape} {out.dtype}")
         stream = self._cp.cuda.get_current_stream()
         self.comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dtype(x), stream.ptr)
         return out

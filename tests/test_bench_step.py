@@ -51,3 +51,47 @@ def test_uniform_table_refused_during_capture(routing):
                 moe_mod.moe_forward(None, ids, None, object(), None)
         finally:
             st.end_capture()
+
+
+class _FakeNccl:
+    """Stands in for ``dist.NcclComm`` of N ranks: all-reduce doubles (as if a peer held the same values),
+    all-gather writes rank r's part as x + r."""
+
+    def __init__(self, size):
+        self.size, self.rank, self.calls = size, 0, []
+
+    def all_reduce(self, x):
+        self.calls.append("reduce")
+        x *= 2
+        return x
+
+    def all_gather_into(self, x, out):
+        self.calls.append("gather")
+        assert out.shape == (self.size,) + x.shape
+        for r in range(self.size):
+            out[r] = x + r
+        return out
+
+
+def test_live_rank_comm_real_and_noop(monkeypatch):
+    for name, mod in fake.MODULES.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    from bench.step import LiveRankComm
+    real = _FakeNccl(2)
+    c = LiveRankComm(real)
+    assert (c.rank, c.size) == (0, 8)                     # shapes of rank 0 of TP 8
+    x = fake.cp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3) + 1)
+    np.testing.assert_array_equal(c.all_reduce(x), 2 * (np.arange(6).reshape(2, 3) + 1))
+    g = c.all_gather(x)
+    assert g.shape == (8, 2, 3)
+    np.testing.assert_array_equal(g[1], x + 1)            # a peer's part, from the real gather
+    for r in (0, 2, 7):                                   # this rank's part, and the absent ranks' slots
+        np.testing.assert_array_equal(g[r], x)
+    assert c.all_gather(x) is g                           # the same buffer on every call (graph-safe)
+    c.live = False                                        # off: no-ops, still counted
+    before = x.copy()
+    c.all_reduce(x)
+    np.testing.assert_array_equal(x, before)
+    assert real.calls == ["reduce", "gather", "gather"] and (c.n_reduce, c.n_gather) == (2, 2)
+    with pytest.raises(ValueError, match="rank shapes are TP 8"):
+        LiveRankComm(_FakeNccl(9))
