@@ -89,4 +89,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ddtree_cupy.dist import end_job
+    end_job(main())

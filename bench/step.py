@@ -24,14 +24,18 @@ and drafter context filled with random rows) it reports:
   row and layer (``UniformRouting``), the spread of real routing (~60 unique experts per layer at 8 rows);
   ``model`` keeps the random model's router output, which collapses to ~8 experts for all rows and so
   understates the expert bytes and the MoE time of a real step;
-* projection to 8x RTX PRO 6000: the PDL step (what the engine's graphs run; else the plain one) x (read ceiling
-  here / 1.79 TB/s) + all-reduces per step x a per-call latency (the step's real collective count at TP = 8),
-  tokens/s = tau x streams / step time.
-  Every assumption is printed and stored with the results.
+* projection to 8x RTX PRO 6000 (``project_pro6000``): the PDL step (what the engine's graphs run; else the
+  plain one) x (read ceiling here / 1.79 TB/s) + collectives per step x a per-call latency + the step's
+  all-reduce bytes x 2 x 7/8 (a ring at TP 8) / a bus bandwidth; the step's real collective count and payloads
+  at TP = 8. tokens/s = tau x streams / step time. Every assumption is printed and stored with the results.
 
-Collectives: this process is rank 0 of 8 with no peers (``RankComm``): all-reduces are no-ops, all-gathers
-copy this rank's part into every slot. The step's kernels are exactly those of a real rank; the
-collectives' cost enters only through the projection. Prints a table, writes JSON, asserts nothing.
+Collectives (``--comm none``, the default): this process is rank 0 of 8 with no peers (``RankComm``):
+all-reduces are no-ops, all-gathers copy this rank's part into every slot. The step's kernels are exactly
+those of a real rank; the collectives' cost enters only through the projection. ``--comm nccl`` under
+``mpirun -np N`` (``LiveRankComm``): the same rank-0 step on each of N GPUs with real NCCL collectives of TP 8's
+payloads between them, and every step also captured and timed with them off: the difference is their cost
+on the step's critical path (latency, rank skew and bandwidth together; docs/MULTI_GPU.md).
+Prints a table, writes JSON, asserts nothing.
 """
 from __future__ import annotations
 
@@ -57,11 +61,12 @@ class RankComm:
 
     def __init__(self, rank=0, size=8):
         self.rank, self.size = rank, size
-        self.n_reduce = self.n_gather = 0
+        self.n_reduce = self.n_gather = self.reduce_bytes = 0
         self._bufs = {}
 
     def all_reduce(self, x):
         self.n_reduce += 1
+        self.reduce_bytes += x.nbytes
         return x
 
     def all_gather(self, x):
@@ -95,6 +100,7 @@ class LiveRankComm(RankComm):
 
     def all_reduce(self, x):
         self.n_reduce += 1
+        self.reduce_bytes += x.nbytes
         return self.real.all_reduce(x) if self.live else x
 
     def all_gather(self, x):
@@ -129,6 +135,19 @@ def make_comm(kind: str):
     if not isinstance(real, NcclComm):
         raise SystemExit(f"--comm nccl: expected an NCCL communicator, got {type(real).__name__}")
     return LiveRankComm(real)
+
+
+def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, latency_us: float,
+                    bus_gbps: float, tp: int = 8) -> float:
+    """Seconds per step on 8x RTX PRO 6000: the step measured here without collectives (memory-bound: scaled by
+    read bandwidth here / 1.79 TB/s), plus each collective's latency, plus the all-reduces' bytes on the bus.
+    A ring all-reduce moves 2 (tp - 1) / tp of each payload through every GPU's link, so the bus term grows with
+    the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before session 7 had the
+    latency term only, which is flat in the payload; measured on 2 H200s, the per-call cost inside the step went
+    from 9.5 us at 8 rows to 30 us at 320 over NVLink, 23 -> 82 us at 8 -> 80 rows through host memory: it
+    is not.)"""
+    bus_bytes = 2 * (tp - 1) / tp * reduce_bytes
+    return mem_s * (bw / PRO6000_BW) + n_coll * latency_us * 1e-6 + bus_bytes / (bus_gbps * 1e9)
 
 
 def load_configs(layers: int, ctx: int):
@@ -289,7 +308,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=61, help="fewer layers for a quick harness check")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--allreduce-us", type=float, default=24.0, help="per-call all-reduce latency on the target box")
+    ap.add_argument("--allreduce-us", type=float, default=24.0,
+                    help="per-collective latency on the target box (the projection's fixed term)")
+    ap.add_argument("--allreduce-gbps", type=float, default=40.0,
+                    help="all-reduce bus bandwidth per GPU on the target box, GB/s (PCIe 5.0 x16 ring; the "
+                         "projection's payload term)")
     ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
     ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
@@ -365,9 +388,9 @@ def main(argv=None) -> int:
             step.upload(ctrl)
             st = eng.stream
             # collectives issued by one step (eager run, counted)
-            r0, g0 = comm.n_reduce, comm.n_gather
+            r0, g0, b0 = comm.n_reduce, comm.n_gather, comm.reduce_bytes
             uniq, n_real = count_experts(step, S, R, tcfg, uniform)
-            n_reduce, n_gather = comm.n_reduce - r0, comm.n_gather - g0
+            n_reduce, n_gather, reduce_bytes = comm.n_reduce - r0, comm.n_gather - g0, comm.reduce_bytes - b0
             def replay_s():             # seconds per step graph, a.reps replays back to back after a warm one
                 ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
                 step.graph.launch(st)
@@ -463,7 +486,7 @@ def main(argv=None) -> int:
             eng_s = step_pdl_s if step_pdl_s is not None else step_s
             if live:        # the memory-bound part is the step without collectives; theirs is added below
                 eng_s = noop_pdl_s if noop_pdl_s is not None else noop_s
-            pro_s = eng_s * (bw / PRO6000_BW) + n_reduce * a.allreduce_us * 1e-6
+            pro_s = project_pro6000(eng_s, bw, n_reduce + n_gather, reduce_bytes, a.allreduce_us, a.allreduce_gbps)
             coll = None
             if live:
                 with_c = step_pdl_s if noop_pdl_s is not None else step_s
@@ -476,7 +499,7 @@ def main(argv=None) -> int:
                        phases_ms={k: v * 1e3 for k, v in phases.items()}, real_rows=n_real,
                        unique_experts_per_layer=uniq, mean_unique_experts=float(np.mean(uniq)) if uniq else 0.0,
                        bytes=parts, floor_ms=floor_s * 1e3, ratio_to_floor=step_s / floor_s,
-                       allreduces_per_step=n_reduce, allgathers_per_step=n_gather,
+                       allreduces_per_step=n_reduce, allgathers_per_step=n_gather, allreduce_bytes=reduce_bytes,
                        pro6000_step_ms=pro_s * 1e3, pro6000_tok_s=a.tau * S / pro_s,
                        verify_launches=sum(lc_verify.counts.values()), verify_launch_counts=dict(lc_verify.counts),
                        layer_launches=sum(lc_layer.counts.values()), layer_launch_counts=dict(lc_layer.counts),
@@ -504,15 +527,16 @@ def main(argv=None) -> int:
                       "stages us: " + " ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
     assumptions = {
         "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,
-        "allreduce_us_per_call": a.allreduce_us, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
+        "allreduce_us_per_call": a.allreduce_us, "allreduce_bus_GBps": a.allreduce_gbps, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),
         "collectives": (f"real NCCL across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
-                        "the step without them, adds allreduces x latency" if live else
-                        "no-op here (one rank without peers); projection adds allreduces x latency"),
-        "projection": "step (the PDL step where measured, as the engine runs it, else step_ms) x (read ceiling "
-                      "here / 1.79 TB/s) + allreduces x latency; tok/s = tau x streams / that",
+                        "the step without them, adds the collectives model (see projection)" if live else
+                        "no-op here (one rank without peers); projection adds the collectives model"),
+        "projection": "step (the PDL step where measured, as the engine runs it, else step_ms; without collectives) x "
+                      "(read ceiling here / 1.79 TB/s) + (all-reduces + all-gathers) x latency + all-reduce bytes x "
+                      "2 x 7/8 / bus bandwidth; tok/s = tau x streams / that",
         "floor": "all rank weights once (embedding excluded: a lookup), routed experts actually touched x per-expert "
                  "shard bytes, lm_head twice (target + drafter), latent cache and drafter context, logits written "
                  "and read, over the read ceiling measured here",
@@ -547,4 +571,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ddtree_cupy.dist import end_job
+    end_job(main())

@@ -95,3 +95,14 @@ def test_live_rank_comm_real_and_noop(monkeypatch):
     assert real.calls == ["reduce", "gather", "gather"] and (c.n_reduce, c.n_gather) == (2, 2)
     with pytest.raises(ValueError, match="rank shapes are TP 8"):
         LiveRankComm(_FakeNccl(9))
+
+
+def test_projection_terms():
+    from bench.step import PRO6000_BW, project_pro6000
+    # memory-bound part scales with bandwidth; latency per collective; ring bus bytes 2 (tp-1)/tp
+    assert project_pro6000(1e-3, PRO6000_BW, 0, 0, 24.0, 40.0) == pytest.approx(1e-3)
+    assert project_pro6000(1e-3, 2 * PRO6000_BW, 0, 0, 24.0, 40.0) == pytest.approx(2e-3)
+    assert project_pro6000(0.0, PRO6000_BW, 100, 0, 24.0, 40.0) == pytest.approx(2.4e-3)
+    # 137 all-reduces of 8 rows x 7168 bf16: 7/4 x 15.7 MB over 40 GB/s on top of the latency
+    b = 137 * 8 * 7168 * 2
+    assert project_pro6000(0.0, PRO6000_BW, 137, b, 24.0, 40.0) == pytest.approx(137 * 24e-6 + 1.75 * b / 40e9)
