@@ -23,15 +23,17 @@ H = 7168
 
 
 def make_comm():
-    from ddtree_cupy.dist import NcclComm, init_communicator, launched_with_mpi
+    from ddtree_cupy.dist import NcclComm, hold_until_exit, init_communicator, launched_with_mpi
     # Under mpirun: the engine's own set-up (each rank on GPU local_rank % count, then NCCL bootstrapped over
     # MPI; creating NCCL first would put every rank on GPU 0). One process: a real single-rank NCCL
     # communicator, so the eager and graph paths are exercised (its latency is a copy, not a collective).
+    # Held until the process ends: freeing it before the graphs that captured its all-reduces hangs the process
+    # (dist.end_job).
     if launched_with_mpi():
         comm = init_communicator("cupy")
         if isinstance(comm, NcclComm):
-            return comm
-    return NcclComm()
+            return hold_until_exit(comm)
+    return hold_until_exit(NcclComm())
 
 
 def main(argv=None) -> int:

@@ -127,11 +127,11 @@ def make_comm(kind: str):
     the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does)."""
     if kind == "none":
         return RankComm(0, 8)
-    from ddtree_cupy.dist import NcclComm, init_communicator, launched_with_mpi
+    from ddtree_cupy.dist import NcclComm, hold_until_exit, init_communicator, launched_with_mpi
     if not launched_with_mpi():
         raise SystemExit("--comm nccl needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
                          "--comm nccl ... (N GPUs)")
-    real = init_communicator("cupy")
+    real = hold_until_exit(init_communicator("cupy"))    # outlives the step graphs (dist.end_job)
     if not isinstance(real, NcclComm):
         raise SystemExit(f"--comm nccl: expected an NCCL communicator, got {type(real).__name__}")
     return LiveRankComm(real)

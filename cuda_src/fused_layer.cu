@@ -16,9 +16,6 @@
 
 #define FL_THREADS 256
 #define FL_QMAXV 2          // c_q vectors of 8 per thread: q_lora <= 8 * 2 * 256 = 4096
-#ifndef DDT_ROW_PRELOAD
-#define DDT_ROW_PRELOAD 0
-#endif
 
 // One block per row t. qkv row: [q_a (ql) | kv_a (512) | k_pe (64)]. Threads: c_q vectors i, i + 256;
 // c_kv vector i (< 64); k_pe pair i - 64 (threads 64..95).
@@ -47,10 +44,9 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
     DDT_PDL_WAIT();
 
     const bf16_bits* row = qkv + t * qkv_stride;
-#if DDT_ROW_PRELOAD
-    // Every load of the row first (DDT_ROW_PRELOAD, session 6, opt-in until a GPU run measures it; docs/KERNELS.md
-    // "Session 6"): without it ptxas issued the second c_q vector, the kv vector and the cache slot's loads after
-    // the first vector's fmas (SASS), a chain of round trips. Same arithmetic, same bits.
+    // Every load of the row first (session 6, measured faster in session 7; docs/KERNELS.md "Session 6/7"): with
+    // the loads inside the loops ptxas issued the second c_q vector, the kv vector and the cache slot's loads
+    // after the first vector's fmas (SASS), a chain of round trips.
     uint4 qa[FL_QMAXV], kva = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < FL_QMAXV; ++j) {
@@ -85,34 +81,6 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
         const int page = block_table[(long long)sid * max_pages + p / KV_PAGE_SIZE];
         dst = pool + ((long long)page * KV_PAGE_SIZE + p % KV_PAGE_SIZE) * KV_ROW_DIM;
     }
-#else
-    float v[FL_QMAXV][8];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < FL_QMAXV; ++j) {
-        const int i = tid + j * FL_THREADS;
-        if (i < nvq) {
-            const uint4 a = ((const uint4*)row)[i];
-            const bf16_bits* ah = (const bf16_bits*)&a;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) { v[j][e] = bf16_to_f32(ah[e]); ss += v[j][e] * v[j][e]; }
-        }
-    }
-    float kv[8];
-    float ss_kv = 0.f;
-    if (tid < KV_LATENT_DIM / 8) {
-        const uint4 a = ((const uint4*)(row + ql))[tid];
-        const bf16_bits* ah = (const bf16_bits*)&a;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) { kv[e] = bf16_to_f32(ah[e]); ss_kv += kv[e] * kv[e]; }
-    }
-    const int p = kv_pos[t];
-    bf16_bits* dst = nullptr;      // this row's cache row, or none (padding)
-    if (p >= 0) {
-        const int page = block_table[(long long)stream_ids[t] * max_pages + p / KV_PAGE_SIZE];
-        dst = pool + ((long long)page * KV_PAGE_SIZE + p % KV_PAGE_SIZE) * KV_ROW_DIM;
-    }
-#endif
     const float rq = rsqrtf(block_sum<FL_THREADS>(ss, red_q) / (float)ql + eps);
     const float rkv = rsqrtf(block_sum<FL_THREADS>(ss_kv, red_kv) / (float)KV_LATENT_DIM + eps);
     uint4* cq = (uint4*)(c_q + t * cq_stride);
@@ -138,15 +106,8 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
     }
     // last: the angle reduction of large arguments (Payne-Hanek, a local array) runs with few live registers
     if (is_rope) {      // adjacent pair (2i, 2i+1), angle as rope_kernel<false, false>
-#if DDT_ROW_PRELOAD
         const float ang = (float)pos * freq;
-#else
-        const float ang = (float)positions[t] * freq;
-#endif
         const float c = cosf(ang) * amplitude, s = sinf(ang) * amplitude;
-#if !DDT_ROW_PRELOAD
-        const uint32_t ab = ((const uint32_t*)(row + ql + KV_LATENT_DIM))[pair];
-#endif
         const float a = bf16_to_f32((bf16_bits)(ab & 0xffffu)), b = bf16_to_f32((bf16_bits)(ab >> 16));
         const uint32_t o = (uint32_t)f32_to_bf16(a * c - b * s) | ((uint32_t)f32_to_bf16(b * c + a * s) << 16);
         if (dst) ((uint32_t*)(dst + KV_LATENT_DIM))[pair] = o;

@@ -232,15 +232,27 @@ def init_communicator(backend: str = "numpy") -> Communicator:
     return mpi
 
 
+# Objects that must outlive every CUDA graph of the process (see end_job): never freed before it ends.
+_HELD: list = []
+
+
+def hold_until_exit(obj):
+    """Keep ``obj`` (an NCCL communicator) alive until the process ends; returns it. See ``end_job``."""
+    _HELD.append(obj)
+    return obj
+
+
 def end_job(rc: int = 0) -> None:
     """End this process now, cleanly for the MPI job: flush, let every rank get here, finalize MPI, exit.
 
-    For programs that capture NCCL collectives in CUDA graphs and keep those graphs until the interpreter shuts
-    down (the benchmarks): measured on 2 H200s, such processes printed everything and then never ended under
-    mpirun, while ``ddtree_cupy.run`` (whose graphs die with its engine, before the communicator) ended. NCCL
-    keeps a communicator alive while graph-captured work references it, so a communicator torn down at
-    interpreter exit before its graphs can wait forever. Skipping the interpreter's teardown avoids the order
-    question; finalizing MPI first keeps mpirun from reporting a rank that exited without finalizing."""
+    For programs that capture NCCL collectives in CUDA graphs (the benchmarks). Measured on 2 H200s (NCCL
+    2.28.9, Open MPI 4.1.6): a process that frees its NCCL communicator while a CUDA graph holding one of its
+    collectives still exists never ends -- NCCL waits for the graph to release the communicator, and at
+    interpreter teardown (or when a function's locals die) nothing fixes the order; with the graph freed first,
+    or with no teardown at all, it ends. So the benchmarks keep the communicator with ``hold_until_exit`` (their
+    graphs die first, when ``main`` returns) and end through here, which skips the interpreter's teardown;
+    finalizing MPI first keeps mpirun from reporting a rank that exited without finalizing.
+    ``ddtree_cupy.run`` needs neither: its graphs belong to its engine and die with it, before the communicator."""
     sys.stdout.flush()
     sys.stderr.flush()
     if launched_with_mpi():

@@ -76,3 +76,11 @@ def test_mismatched_mpirun_is_refused():
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert "MPI sees a world of 1" in p.stderr and "mpirun" in p.stderr, p.stderr[-800:]
+
+
+@pytest.mark.mpi
+def test_end_job_flushes_finalizes_and_ends_every_rank():
+    p, dt = mpirun(2, "end_job.py", timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(re.findall(r"rank \d/2 before end_job", p.stdout)) == ["rank 0/2 before end_job", "rank 1/2 before end_job"]
+    assert p.stdout.count("unflushed tail") == 2 and "AFTER end_job" not in p.stdout

@@ -195,15 +195,3 @@ def test_choose_split_bounds():
         assert s == 1 or s * T * 4 <= K * 2 // 4                  # partials at most a quarter of the weight bytes
     for nt in NT_CHOICES:
         assert stages_for(nt) >= 3 and smem_bytes(nt) <= 99 * 1024
-
-
-def test_row_preload_rule(monkeypatch):
-    """DDT_ROW_PRELOAD picks the row-preload builds of rmsnorm / mla_qkv_a_post (kernels/layers.py)."""
-    from ddtree_cupy.kernels import layers
-    monkeypatch.delenv("DDT_ROW_PRELOAD", raising=False)
-    assert layers.row_preload() is layers.ROW_PRELOAD
-    monkeypatch.setenv("DDT_ROW_PRELOAD", "1")
-    assert layers.row_preload() is True
-    monkeypatch.setenv("DDT_ROW_PRELOAD", "yes")
-    with pytest.raises(ValueError, match="DDT_ROW_PRELOAD"):
-        layers.row_preload()

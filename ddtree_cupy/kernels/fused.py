@@ -27,10 +27,6 @@ HEAD_GEMM_KS = (2, 8)           # K = 64 * KS: W_UK^T (K 128) and W_UV (K 512)
 SPEC = register(KernelSpec(
     "fused_layer.cu", ("mla_qkv_a_post",) + tuple(f"mla_head_gemm<{ks}>" for ks in HEAD_GEMM_KS), hot=True,
     pdl=True, doc="MLA fusions: q_a/kv_a norms + k_pe rope + cache write; per-head GEMM (+ q_pe rope)"))
-# mla_qkv_a_post built with -DDDT_ROW_PRELOAD=1 (every load of the row first), picked by layers.row_preload()
-SPEC_PRELOAD = register(KernelSpec(
-    "fused_layer.cu", ("mla_qkv_a_post",), defines=(("DDT_ROW_PRELOAD", "1"),), hot=True, pdl=True,
-    doc="MLA q_a/kv_a norms + k_pe rope + cache write; row loads first"))
 QL_MAX = 8 * 2 * 256            # FL_QMAXV vectors of 8 per thread, 256 threads
 _SM = {}
 
@@ -73,8 +69,7 @@ def mla_qkv_a_post(qkv_a, q_a_norm, kv_a_norm, eps: float, c_q, positions, inv_f
     check_array("block_table", block_table, np.int32, (None, None), device=dev)
     if T == 0:
         return c_q
-    from .layers import row_preload
-    fn = get_kernel(SPEC_PRELOAD if row_preload() else SPEC, "mla_qkv_a_post")
+    fn = get_kernel(SPEC, "mla_qkv_a_post")
     fn((T,), (256,), (qkv_a, np.int64(qs[0]), np.int32(ql), q_a_norm, kv_a_norm, np.float32(eps), c_q,
                       np.int64(cs[0]), positions, inv_freq, np.float32(amplitude), stream_ids, kv_pos, pool,
                       block_table, np.int32(block_table.shape[1])))

@@ -19,9 +19,6 @@ from .compile import KernelSpec, get_kernel, register
 # pdl=True: every kernel below starts with DDT_PDL_WAIT() (cuda_src/common.cuh), so may be launched with PDL.
 NORM_SPEC = register(KernelSpec("norm.cu", ("rmsnorm_kernel",), hot=True, pdl=True,
                                 doc="RMSNorm, fused residual add"))
-# The same source built with -DDDT_ROW_PRELOAD=1 (session 6): every load of a row issued before any arithmetic.
-NORM_SPEC_PRELOAD = register(KernelSpec("norm.cu", ("rmsnorm_kernel",), defines=(("DDT_ROW_PRELOAD", "1"),),
-                                        hot=True, pdl=True, doc="RMSNorm, fused residual add; row loads first"))
 ROPE_NAMES = tuple(f"rope_kernel<{n}, {t}>" for n in ("false", "true") for t in ("false", "true"))
 ROPE_SPEC = register(KernelSpec("rope.cu", ROPE_NAMES + ("head_norm_rope_kernel",), hot=True, pdl=True,
                                 doc="YaRN RoPE, adjacent / NeoX pairs; per-head RMSNorm + NeoX RoPE"))
@@ -29,22 +26,6 @@ ACT_SPEC = register(KernelSpec("act.cu", ("silu_mul_kernel",), hot=True, pdl=Tru
 EMBED_SPEC = register(KernelSpec("embed.cu", ("embed_gather_kernel",), pdl=True, doc="vocab-parallel embedding"))
 
 NORM_MAX_H = 8 * 4 * 256
-
-# ---- row preload: one rule for the row-wise kernels that have a DDT_ROW_PRELOAD build ---------------------
-# (rmsnorm_kernel here, mla_qkv_a_post in fused.py). Their loops loaded vector j + 1 only after vector j's
-# arithmetic in the SASS ptxas produced (sm_90 and sm_120): one round trip per 16-byte vector of the row. The
-# preload builds issue every load of the row first; same arithmetic, same bits. Default False (the builds every
-# GPU figure so far was measured with) until a GPU run measures it: docs/KERNELS.md "Session 6", decision rule
-# there. Environment DDT_ROW_PRELOAD=0/1 overrides it.
-ROW_PRELOAD = False
-ROW_PRELOAD_ENV = "DDT_ROW_PRELOAD"
-
-
-def row_preload() -> bool:
-    """The rule: DDT_ROW_PRELOAD ("0" / "1") if set, else ROW_PRELOAD; any other value raises, naming it."""
-    from .launch import env_flag
-    return env_flag(ROW_PRELOAD_ENV, ROW_PRELOAD)
-
 
 def _ptr(a):
     """A pointer argument: the array, or a real NULL (CuPy turns None into 0xffffffff, cupy/cupy#9046)."""
@@ -88,7 +69,7 @@ def rms_norm(x, weight, eps: float, out=None, *, residual=None, residual_out=Non
         ros = check_rows("residual_out", residual_out, np.uint16, ("T", "H"), dims)
     elif residual_out is not None:
         raise ValueError("residual_out: given without residual")
-    k = get_kernel(NORM_SPEC_PRELOAD if row_preload() else NORM_SPEC, "rmsnorm_kernel")
+    k = get_kernel(NORM_SPEC, "rmsnorm_kernel")
     k((T,), (256,), (x, np.int64(xs[0]), _ptr(residual), np.int64(rs[0]), _ptr(residual_out), np.int64(ros[0]),
                      weight, out, np.int64(os_[0]), _ptr(out_rows), np.int32(H), np.float32(eps)))
     return out
