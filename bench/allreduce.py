@@ -36,6 +36,20 @@ def make_comm():
     return hold_until_exit(NcclComm())
 
 
+def fit_latency_bandwidth(rows, ranks: int) -> dict:
+    """Least-squares fit of the graph-captured time to ``latency + bus bytes / bandwidth`` over the measured
+    payloads, bus bytes = 2 (ranks - 1) / ranks x payload (what a ring moves through each GPU's link): the two
+    constants of ``bench.step``'s projection (``--allreduce-fit``). A single rank has no bus: latency only."""
+    t = np.array([r["graph_us"] for r in rows], np.float64)
+    if ranks < 2 or len(rows) < 2:
+        return {"ranks": ranks, "latency_us": float(t.mean()), "bus_GBps": None}
+    bus = np.array([r["bytes"] for r in rows], np.float64) * 2 * (ranks - 1) / ranks
+    A = np.stack([np.ones_like(bus), bus], axis=1)
+    (lat, per_byte), *_ = np.linalg.lstsq(A, t, rcond=None)
+    return {"ranks": ranks, "latency_us": float(lat),
+            "bus_GBps": float(1e-3 / per_byte) if per_byte > 0 else None}   # us per byte -> GB/s
+
+
 def main(argv=None) -> int:
     import cupy as cp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,9 +98,13 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['tokens']:7d} {r['bytes'] / 1024:8.1f} {r['eager_us']:9.2f} {r['graph_us']:9.2f} "
                   f"{123 * r['graph_us'] / 1000:14.2f}")
+        fit = fit_latency_bandwidth(rows, comm.size)
+        bw = f"{fit['bus_GBps']:.1f} GB/s" if fit["bus_GBps"] else "n/a"
+        print(f"fit (graph us = latency + 2 (n-1)/n x bytes / bus bandwidth): latency {fit['latency_us']:.1f} us, "
+              f"bus bandwidth {bw}  -> python -m bench.step --allreduce-fit {a.json or 'THIS.json'}")
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"ranks": comm.size, "device": name, "rows": rows}, f, indent=1)
+                json.dump({"ranks": comm.size, "device": name, "rows": rows, "fit": fit}, f, indent=1)
     return 0
 
 

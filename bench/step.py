@@ -150,6 +150,19 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     return mem_s * (bw / PRO6000_BW) + n_coll * latency_us * 1e-6 + bus_bytes / (bus_gbps * 1e9)
 
 
+def load_allreduce_fit(path: str, default_gbps: float):
+    """(latency us, bus GB/s, a note) from a ``bench/allreduce.py --json`` file (its ``fit``); a fit without a
+    bandwidth (one rank) keeps ``default_gbps``. A file without a fit is refused, naming the file."""
+    with open(path) as f:
+        d = json.load(f)
+    fit = d.get("fit")
+    if not fit or fit.get("latency_us") is None:
+        raise SystemExit(f"--allreduce-fit {path}: no 'fit' in it (write it with bench/allreduce.py --json)")
+    gbps = fit.get("bus_GBps") or default_gbps
+    return (float(fit["latency_us"]), float(gbps),
+            f"fitted by bench/allreduce.py on {d.get('ranks')} rank(s) of {d.get('device')} ({path})")
+
+
 def load_configs(layers: int, ctx: int):
     from ddtree_cupy.config import DrafterConfig, TargetConfig
     data = os.path.join(ROOT, "tests", "data")
@@ -322,11 +335,17 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", choices=("uniform", "model"), default="uniform",
                     help="uniform: the MoE reads 8 distinct uniformly random experts per row and layer (real "
                          "routing's spread); model: the random model's own router output (collapses to ~8 experts)")
+    ap.add_argument("--allreduce-fit", default=None,
+                    help="a bench/allreduce.py JSON from the target box: its fitted latency and bus bandwidth "
+                         "replace --allreduce-us / --allreduce-gbps")
     ap.add_argument("--comm", choices=("none", "nccl"), default="none",
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
                          "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     a = ap.parse_args(argv)
+    collectives_source = "assumed (command line / defaults)"
+    if a.allreduce_fit:
+        a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps)
     comm = make_comm(a.comm)            # first: under mpirun it picks this process's GPU
     live = isinstance(comm, LiveRankComm)
     if live and comm.real.rank != 0:    # every rank runs the same sequence; rank 0 alone reports
@@ -527,7 +546,8 @@ def main(argv=None) -> int:
                       "stages us: " + " ".join(f"{k} {v:.1f}" for k, v in stage_us.items()), flush=True)
     assumptions = {
         "device": name, "read_ceiling_GBps": bw / 1e9, "pro6000_read_GBps": PRO6000_BW / 1e9,
-        "allreduce_us_per_call": a.allreduce_us, "allreduce_bus_GBps": a.allreduce_gbps, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
+        "allreduce_us_per_call": a.allreduce_us, "allreduce_bus_GBps": a.allreduce_gbps,
+        "allreduce_constants": collectives_source, "tau": a.tau, "tp": 8, "rank": 0, "layers": tcfg.num_hidden_layers,
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),

@@ -106,3 +106,23 @@ def test_projection_terms():
     # 137 all-reduces of 8 rows x 7168 bf16: 7/4 x 15.7 MB over 40 GB/s on top of the latency
     b = 137 * 8 * 7168 * 2
     assert project_pro6000(0.0, PRO6000_BW, 137, b, 24.0, 40.0) == pytest.approx(137 * 24e-6 + 1.75 * b / 40e9)
+
+
+def test_allreduce_fit_recovers_latency_and_bandwidth(tmp_path):
+    import json
+    from bench.allreduce import H, fit_latency_bandwidth
+    from bench.step import load_allreduce_fit
+    lat, gbps, n = 21.0, 35.0, 8
+    rows = [{"tokens": T, "bytes": T * H * 2} for T in (1, 8, 32, 160)]
+    for r in rows:                                   # exact model: the fit must give the constants back
+        r["graph_us"] = lat + 2 * (n - 1) / n * r["bytes"] / (gbps * 1e3)
+    fit = fit_latency_bandwidth(rows, n)
+    assert fit["latency_us"] == pytest.approx(lat) and fit["bus_GBps"] == pytest.approx(gbps)
+    assert fit_latency_bandwidth(rows, 1)["bus_GBps"] is None      # one rank: no bus term
+    p = tmp_path / "ar.json"
+    p.write_text(json.dumps({"ranks": n, "device": "X", "rows": rows, "fit": fit}))
+    us, bw, note = load_allreduce_fit(str(p), 40.0)
+    assert us == pytest.approx(lat) and bw == pytest.approx(gbps) and "8 rank(s)" in note
+    p.write_text(json.dumps({"ranks": n, "rows": rows}))
+    with pytest.raises(SystemExit, match="no 'fit'"):
+        load_allreduce_fit(str(p), 40.0)
