@@ -144,7 +144,7 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     A ring all-reduce moves 2 (tp - 1) / tp of each payload through every GPU's link, so the bus term grows with
     the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before session 7 had the
     latency term only, which is flat in the payload; measured on 2 H200s, the per-call cost inside the step went
-    from 9.5 us at 8 rows to 30 us at 320 over NVLink, 23 -> 82 us at 8 -> 80 rows through host memory: it
+    from 9.5 us at 8 rows to 30-35 us at 320 over NVLink, 23 -> 82 us at 8 -> 80 rows through host memory: it
     is not.)"""
     bus_bytes = 2 * (tp - 1) / tp * reduce_bytes
     return mem_s * (bw / PRO6000_BW) + n_coll * latency_us * 1e-6 + bus_bytes / (bus_gbps * 1e9)
