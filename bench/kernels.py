@@ -2,7 +2,7 @@
 (max(bytes / read ceiling, FLOPs / mma.sync rate)), both measured in the same run.
 
     PYTHONPATH=. python -m bench.kernels [--quick] [--parts gemm,layers,chain,sweep,configs,wideconfigs]
-                                         [--pdl 0|1|both] [--variant oldnew|auto|old,splitk,decode,wide]
+                                         [--pdl 0|1|both] [--variant oldnew|auto|old,splitk,decode,wide,nocl]
                                          [--rows 1,8,16]
                                          [--shapes q_a,o_proj] [--json out.json]
 
@@ -16,14 +16,16 @@ Parts: 'gemm' every skinny GEMM at TP=8 rank shapes (T = 1, 8, 16, 32, 64, 160);
 kernels, top-K, sampling; 'chain' a model-like graph: one TP=8 rank's attention + shared-expert + router
 sequence (10 kernels, 6 of them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed
 cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode
-config (and split-K) forced at each shape and T, then the fastest per shape; 'wideconfigs' every compiled
-wide-token config (T > 16) with splits around its rule's pick forced at each shape and T, plus split-K and
-the rule's own pick, then the fastest per shape (docs/KERNELS.md "Session 5"). --pdl: programmatic dependent launch off
+config (and split-K) forced at each shape and T, then the fastest per shape; 'wideconfigs' the rule's wide
+block shape and the 64-row block (T > 16), each with workspace splits around its model pick and with cluster
+splits of 2, 4, 8, plus split-K and the rule's own pick, then the fastest per shape (docs/KERNELS.md
+"Session 8"). --pdl: programmatic dependent launch off
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]', '[wide]': the wide family above 16 rows; 'auto' is the rule). Session 5's
-comparison: --parts gemm --pdl 1 --variant splitk,wide --rows 32,64,160.
+gemm.set_variant ('[splitk]', '[dec]', '[wide]': the wide family above 16 rows; 'auto' is the rule), or
+'nocl' (the rule with gemm.WIDE_CLUSTER off: session 7's). Session 5's comparison: --parts gemm --pdl 1
+--variant splitk,wide --rows 32,64,160; session 8's: --parts gemm,chain --pdl 1 --variant nocl,auto.
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def _variants(T, variants):
     return [v for v in variants if (v != "decode" or T <= 16) and (v != "wide" or T > 16)]
 
 
-_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "wide": " [wide]"}
+_TAGS = {"auto": "", "splitk": " [splitk]", "decode": " [dec]", "old": " [old]", "wide": " [wide]",
+         "nocl": " [nocl]"}
 
 
 def _tag(v):
@@ -85,7 +88,9 @@ def _tag(v):
 def _cfg_str(c):
     if isinstance(c, tuple) and len(c) == 3:        # ("wide", WideConfig, split)
         w = c[1]
-        return f"wide bt{w.bt()} w{w.warps_m * w.warps_n} s{w.stages} k{c[2]}{' *rule*' if c[0] == 'wide-rule' else ''}"
+        split = f"cl{w.cs}" if w.cs > 1 else f"k{c[2]}"
+        bm = f"bm{w.bm()} " if w.bm() != 128 else ""
+        return f"wide {bm}bt{w.bt()} w{w.warps_m * w.warps_n} s{w.stages} {split}{' *rule*' if c[0] == 'wide-rule' else ''}"
     return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 
@@ -140,6 +145,16 @@ def _with_variant(v, fn, shape=None):
                 gemm.gemm_bf16 = real
         return run_old
 
+    if v == "nocl":         # the rule without cluster splits (the session-7 rule; DDT_GEMM_WIDE_CL=0)
+        def run_nocl():
+            old = gemm.WIDE_CLUSTER
+            gemm.WIDE_CLUSTER = False
+            try:
+                fn()
+            finally:
+                gemm.WIDE_CLUSTER = old
+        return run_nocl
+
     def run():
         wide = (v[1], v[2]) if isinstance(v, tuple) and isinstance(v[1], gemm.WideConfig) else None  # forced
         fam, cfg = ("decode", v) if isinstance(v, gemm.DecodeConfig) else ("wide", None) if wide else (v, None)
@@ -154,16 +169,18 @@ def _with_variant(v, fn, shape=None):
 
 
 def wide_candidates(T, N, K, B, sms, smem_per_sm):
-    """The wideconfigs sweep at one shape: every wide config with splits {1, its rule split / 2, x1, x2,
-    choose_split's} (distinct, <= K / 64), the rule's own (config, split) tagged, and split-K."""
+    """The wideconfigs sweep at one shape (session 8): the rule's own (config, split) tagged; the rule's block
+    shape and the 64-row block (``gemm.WIDE_BM64``) with workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s
+    pick for that shape) and with the K split over a cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and
+    split-K. (Session 5's sweep of every shape x split is in bench/results/gemm_s5_wideconfigs_h200.json.)"""
     from ddtree_cupy.kernels import gemm
     rule = gemm.choose_wide(T, N, K, B, sms, smem_per_sm)
-    out = []
-    for c in gemm.WIDE_CONFIGS:
+    out = [("wide-rule",) + tuple(rule)]
+    for c in dict.fromkeys((rule[0]._replace(cs=1), gemm.WIDE_BM64)):
         s0 = gemm.wide_split(c, T, N, K, B, sms, smem_per_sm)
-        for s in sorted({1, max(1, s0 // 2), s0, 2 * s0, gemm.choose_split(T, N, K, B, sms)}):
-            if s <= K // gemm.BK:
-                out.append(("wide-rule" if (c, s) == rule else "wide", c, s))
+        cands = [(c, s) for s in sorted({max(1, s0 // 2), s0, 2 * s0}) if s <= K // gemm.BK]
+        cands += [(c._replace(cs=cs), cs) for cs in gemm.WIDE_CL_CS if K // gemm.BK >= 2 * cs]
+        out += [("wide", cc, s) for cc, s in cands if (cc, s) != tuple(rule)]
     return out + ["splitk"]
 
 
@@ -400,7 +417,8 @@ def main(argv=None):
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
                     help="GEMM kernel: 'oldnew' (the previous session's rule [old] vs the current one, same run), "
-                         "'auto', or a comma list of auto, old, splitk, decode, wide")
+                         "'auto', or a comma list of auto, old, splitk, decode, wide, nocl (the rule without "
+                         "cluster splits of the wide family)")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")
     ap.add_argument("--shapes", help="comma list of substrings of GEMM names to keep (default: all)")
     args = ap.parse_args(argv)

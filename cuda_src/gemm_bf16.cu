@@ -418,6 +418,66 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
 }
 #endif
 
+// The cluster reduction of the wide family (CS > 1). Every block parks its fp32 tile in its drained ring as
+// [BT tokens][BM + 4 rows] (row stride = 4 mod 32 banks: the fragment stores of a warp hit 32 distinct banks,
+// and a token row is 16-byte aligned for the float4 reads), the cluster syncs, and block `rank` finishes the
+// float4 groups [rank, rank + 1) x BT BM / 4 / CS of the tile (token-major: consecutive threads -> consecutive
+// features, coalesced stores), summing ranks 0..CS-1 in order: deterministic, bit-identical run to run.
+__device__ __forceinline__ float4 ld_cluster_f32x4(const float* p, uint32_t rank) {
+#ifdef DDT_HAS_CLUSTERS
+    uint32_t remote;
+    float4 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+    return v;
+#else
+    return *reinterpret_cast<const float4*>(p);
+#endif
+}
+
+template <int WM, int WN, int WARPS_M, int WARPS_N, bool OUT_F32, int CS>
+__device__ __forceinline__ void wide_cluster_reduce(
+        const float (&acc)[WM][WN][4], uint4* smem, int rank, int t0, int n0, int b,
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N) {
+    constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    constexpr int BM = 16 * WM * WARPS_M, BT = 8 * WN * WARPS_N, RS = BM + 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+    float* red = reinterpret_cast<float*>(smem);
+    __syncthreads();                        // every warp is done reading the ring
+    // D fragment: c0,c1 = (row lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = row + 8. Idle warps store zeros.
+#pragma unroll
+    for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < WN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(wn * WN * 8 + j * 8 + 2 * (lane & 3) + (e & 1)) * RS + (wm * WM + i) * 16 + (lane >> 2) +
+                    (e >> 1) * 8] = acc[i][j][e];
+    cluster_sync_all();                     // every block's tile is written and visible cluster-wide
+    constexpr int Q = BT * BM / 4;
+    for (int q = rank * Q / CS + (int)threadIdx.x; q < (rank + 1) * Q / CS; q += THREADS) {
+        const int t = q / (BM / 4), r = (q % (BM / 4)) * 4;
+        if (t0 + t >= T || n0 + r >= N) continue;          // N % 16 == 0: the 4 features all exist or none
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int c = 0; c < CS; ++c) {
+            const float4 v = ld_cluster_f32x4(red + t * RS + r, (uint32_t)c);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+        const long long o = b * out_batch_stride + (long long)(t0 + t) * out_row_stride + n0 + r;
+        if (OUT_F32) {
+            float* d = (float*)out + o;
+            d[0] = s.x; d[1] = s.y; d[2] = s.z; d[3] = s.w;
+        } else {
+            bf16_bits* d = (bf16_bits*)out + o;
+            d[0] = f32_to_bf16(s.x); d[1] = f32_to_bf16(s.y); d[2] = f32_to_bf16(s.z); d[3] = f32_to_bf16(s.w);
+        }
+    }
+    cluster_sync_all();                     // no block leaves (freeing its shared memory) while read remotely
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Wide-token family (T = 17..160, issue #4, docs/KERNELS.md "Session 5: wide-token kernel"): a block owns a
 // tile of BM = 16 WM WARPS_M weight rows x BT = 8 WN WARPS_N tokens and one K range (split-K across blocks);
@@ -437,26 +497,33 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
 //  * PDL: the first STAGES-1 weight stages are issued before DDT_PDL_WAIT(), one cp.async group each; the
 //    token tiles of those stages are plain loads after the wait (no weight group queued behind a token
 //    group), as in the decode family.
+//  * CS > 1 (gemm_bf16_kernel_wide_cl): the K split is the CS blocks of a thread-block cluster along grid.x
+//    instead (blockIdx.x = token tile x CS + cluster rank); their fp32 tiles meet through distributed shared
+//    memory and each block sums its CS-th of the tile in rank order: no workspace, no reduce launch, and no
+//    partials through L2 (o_proj at T = 32, split 4: 7 MB written and read against a 15 MB weight).
 // Same argument list as gemm_bf16_kernel, the last int being the split count (the K range of split s is
 // k tiles [s kt / split, (s + 1) kt / split)), output type last (tests/_target_shim.py).
-template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool OUT_F32>
-__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2)
-gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
-                      const bf16_bits* __restrict__ w, long long w_batch_stride,
-                      void* __restrict__ out, long long out_batch_stride, int out_row_stride,
-                      float* __restrict__ ws, int T, int N, int K, int split) {
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool OUT_F32, int CS>
+__device__ __forceinline__ void gemm_wide_body(
+        const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+        const bf16_bits* __restrict__ w, long long w_batch_stride,
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+        float* __restrict__ ws, int T, int N, int K, int split) {
     constexpr int WIDE_THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int BM = 16 * WM * WARPS_M, BT = 8 * WN * WARPS_N;
     constexpr int WST = BM * 8, XST = BT * 8;           // uint4 per stage: rows x 8 chunks of 16 bytes
     static_assert(WST % WIDE_THREADS == 0, "weight stage: whole chunks per thread");
     static_assert(STAGES >= 2 && STAGES * (WST + XST) * 16 <= 99 * 1024, "ring fits 99 KB");
+    static_assert(CS == 1 || BT * (BM + 4) * 4 <= STAGES * (WST + XST) * 16, "cluster tile fits the ring");
     extern __shared__ uint4 smem[];
     uint4* w_s = smem;                                   // [STAGES][WST]
     uint4* x_s = smem + STAGES * WST;                    // [STAGES][XST]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = warp / WARPS_M;
     const int tiles = (T + BT - 1) / BT;
-    const int tt = blockIdx.x % tiles, sidx = blockIdx.x / tiles;
+    if (CS > 1) split = CS;
+    const int tt = CS > 1 ? (int)blockIdx.x / CS : (int)blockIdx.x % tiles;
+    const int sidx = CS > 1 ? (int)cluster_rank() : (int)blockIdx.x / tiles;
     const int t0 = tt * BT, n0 = blockIdx.y * BM, b = blockIdx.z;
     const int k_tiles = K / GEMM_BK;
     const int kt0 = sidx * k_tiles / split, nkt = (sidx + 1) * k_tiles / split - kt0;
@@ -564,6 +631,11 @@ gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride,
         }
     }
     cp_async_wait<0>();                     // only empty groups can remain; keep the count clean anyway
+    if (CS > 1) {
+        wide_cluster_reduce<WM, WN, WARPS_M, WARPS_N, OUT_F32, CS>(acc, smem, sidx, t0, n0, b, out,
+                                                                   out_batch_stride, out_row_stride, T, N);
+        return;
+    }
     if (!active) return;
 
     // D fragment: c0,c1 = (row lane/4, tokens 2*(lane%4)+{0,1}); c2,c3 = row + 8.
@@ -590,3 +662,29 @@ gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride,
         }
     }
 }
+
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool OUT_F32>
+__global__ void __launch_bounds__(32 * WARPS_M * WARPS_N, 2)
+gemm_bf16_kernel_wide(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                      const bf16_bits* __restrict__ w, long long w_batch_stride,
+                      void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                      float* __restrict__ ws, int T, int N, int K, int split) {
+    gemm_wide_body<WM, WN, WARPS_M, WARPS_N, STAGES, OUT_F32, 1>(x, x_batch_stride, x_row_stride, w, w_batch_stride,
+                                                                 out, out_batch_stride, out_row_stride, ws, T, N, K,
+                                                                 split);
+}
+
+#ifdef DDT_HAS_CLUSTERS
+// The K split over a cluster of CS blocks along grid.x (compile-time cluster shape: an ordinary or PDL launch
+// needs no cluster attribute); ws and the split argument are unused (the split is CS).
+template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, int CS, bool OUT_F32>
+__global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(32 * WARPS_M * WARPS_N, 2)
+gemm_bf16_kernel_wide_cl(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
+                         const bf16_bits* __restrict__ w, long long w_batch_stride,
+                         void* __restrict__ out, long long out_batch_stride, int out_row_stride,
+                         float* __restrict__ ws_unused, int T, int N, int K, int unused) {
+    gemm_wide_body<WM, WN, WARPS_M, WARPS_N, STAGES, OUT_F32, CS>(x, x_batch_stride, x_row_stride, w,
+                                                                  w_batch_stride, out, out_batch_stride,
+                                                                  out_row_stride, nullptr, T, N, K, CS);
+}
+#endif

@@ -153,6 +153,7 @@ class WideConfig(NamedTuple):
     warps_m: int   # warps along the weight rows
     warps_n: int   # warps along the tokens
     stages: int    # ring depth
+    cs: int = 1    # > 1: K split over a cluster of cs blocks, reduced in distributed shared memory (split = cs)
 
     def bm(self) -> int:
         return 16 * self.wm * self.warps_m
@@ -167,8 +168,11 @@ class WideConfig(NamedTuple):
         return self.stages * (self.bm() + self.bt()) * BK * 2
 
     def name(self, out_f32: bool) -> str:
-        return (f"gemm_bf16_kernel_wide<{self.wm}, {self.wn}, {self.warps_m}, {self.warps_n}, {self.stages}, "
-                f"{'true' if out_f32 else 'false'}>")
+        f = "true" if out_f32 else "false"
+        if self.cs == 1:
+            return f"gemm_bf16_kernel_wide<{self.wm}, {self.wn}, {self.warps_m}, {self.warps_n}, {self.stages}, {f}>"
+        return (f"gemm_bf16_kernel_wide_cl<{self.wm}, {self.wn}, {self.warps_m}, {self.warps_n}, {self.stages}, "
+                f"{self.cs}, {f}>")
 
 
 def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
@@ -182,12 +186,24 @@ def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
 # tokens, measured best at T = 160) and 80 (sweep only). Every compiled config; the tests run each one. (BT 160 with 8 warps,
 # WN 10, was built and dropped: 80 accumulators per thread spill on sm_90 under the 128-register cap.)
 WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _wide(4, 4, 2, 2))
-WIDE_CONFIGS = WIDE_RULE_CONFIGS + (_wide(4, 5, 2, 2),)
+# Session 8: every block shape also with its K split over a cluster of 2, 4 or 8 blocks (in-kernel reduction
+# through distributed shared memory instead of the workspace + reduce launch), and a 64-row x 32-token block of
+# 4 warps (2 x 2, 32 x 16 warp tiles, 48 KB) so narrow weights (q_a+kv_a 2112 rows: 33 row blocks) still fill
+# the GPU under the cluster's split cap of 8.
+WIDE_CL_CS = (2, 4, 8)
+WIDE_BM64 = _wide(2, 2, 2, 2)
+_WIDE_SHAPES = WIDE_RULE_CONFIGS + (_wide(4, 5, 2, 2), WIDE_BM64)
+WIDE_CONFIGS = _WIDE_SHAPES + tuple(c._replace(cs=cs) for cs in WIDE_CL_CS for c in _WIDE_SHAPES)
 WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
 WIDE_TILE_US = 1.1           # cost model (H200 fit): one k tile of one wave of resident blocks, us
 WIDE_REDUCE_LAUNCH_US = 2.0  # cost model: the split-K reduce launch, us
 WIDE_REDUCE_BPS = 3e12       # cost model: bytes/s of the partials' write + read
 WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
+WIDE_CL_TILE_FACTOR = 1.2    # cost model (H200 fit, session 8): a k tile of a cluster-split block, x the others'
+WIDE_CL_MIN_K_TILES = 2      # a cluster split keeps >= 2 k tiles per block (q_b, 24 k tiles: 8 x 3 won)
+# Whether choose_wide may pick a cluster split (session 8); DDT_GEMM_WIDE_CL=0 turns it off (the measuring
+# baseline: the session-7 rule). Read at every call, so the bench can flip it in one process.
+WIDE_CLUSTER = os.environ.get("DDT_GEMM_WIDE_CL", "1") == "1"
 
 
 def wide_config_for(T: int) -> WideConfig:
@@ -215,25 +231,43 @@ def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count
     version counted one block per SM and split half as far (up to 40% slower). Workspaces are sized with
     ``workspace_split``."""
     k_tiles = K // BK
+    cfg = cfg._replace(cs=1)
+    return min(range(1, max(1, k_tiles // WIDE_MIN_K_TILES) + 1),
+               key=lambda s: (_wide_cost_us(cfg, s, T, N, K, batch, sm_count, smem_per_sm), s))
+
+
+def _wide_cost_us(cfg: WideConfig, s: int, T: int, N: int, K: int, batch: int, sm_count: int,
+                  smem_per_sm: int) -> float:
+    """The split model of ``wide_split`` for split s of block shape cfg: waves of resident blocks x (k tiles
+    per block + fill) x WIDE_TILE_US, plus the reduce for a workspace split (cfg.cs == 1, s > 1); a cluster
+    split (cfg.cs == s) has no reduce but its k tiles cost WIDE_CL_TILE_FACTOR x (fitted to the session-8
+    sweep: its blocks are co-scheduled in cluster groups and end in the DSMEM exchange)."""
+    k_tiles = K // BK
     blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
     slots = sm_count * max(1, smem_per_sm // (cfg.smem() + 1024))
-
-    def cost_us(s: int) -> float:
-        c = math.ceil(blocks * s / slots) * (math.ceil(k_tiles / s) + WIDE_FILL_TILES) * WIDE_TILE_US
-        if s > 1:
-            c += WIDE_REDUCE_LAUNCH_US + 2 * s * batch * T * N * 4 / WIDE_REDUCE_BPS * 1e6
-        return c
-    return min(range(1, max(1, k_tiles // WIDE_MIN_K_TILES) + 1), key=lambda s: (cost_us(s), s))
+    per = math.ceil(k_tiles / s) * (WIDE_CL_TILE_FACTOR if cfg.cs > 1 else 1.0)
+    c = math.ceil(blocks * s / slots) * (per + WIDE_FILL_TILES) * WIDE_TILE_US
+    if s > 1 and cfg.cs == 1:
+        c += WIDE_REDUCE_LAUNCH_US + 2 * s * batch * T * N * 4 / WIDE_REDUCE_BPS * 1e6
+    return c
 
 
 def choose_wide(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
                 smem_per_sm: int = 228 * 1024):
     """(WideConfig, split) for a call, or None where the wide family does not serve it (T <= 16: the
-    decode family's range)."""
+    decode family's range). The block shape is ``wide_config_for(T)``; the K split is ``wide_split``'s
+    workspace split unless (WIDE_CLUSTER) a cluster of cs in WIDE_CL_CS blocks (>= WIDE_CL_MIN_K_TILES k tiles
+    each) costs less in the same model (docs/KERNELS.md "Session 8"): short-K weights (o_proj, dense down,
+    q_b) go to the cluster, long-K narrow ones (q_a+kv_a, gate+up, router, drafter qkv: best at 14-28
+    workspace splits, beyond the cluster's 8) stay on the workspace."""
     if T < WIDE_MIN_T or T > MAX_T:
         return None
     cfg = wide_config_for(T)
-    return cfg, wide_split(cfg, T, N, K, batch, sm_count, smem_per_sm)
+    best = (cfg, wide_split(cfg, T, N, K, batch, sm_count, smem_per_sm))
+    if WIDE_CLUSTER:
+        cands = [best] + [(cfg._replace(cs=cs), cs) for cs in WIDE_CL_CS if K // BK >= WIDE_CL_MIN_K_TILES * cs]
+        best = min(cands, key=lambda c: _wide_cost_us(c[0], c[1], T, N, K, batch, sm_count, smem_per_sm))
+    return best
 
 
 def workspace_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
@@ -241,8 +275,11 @@ def workspace_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
     """The largest split factor ``gemm_bf16`` may use for this shape with either kernel family (the workspace
     needs batch x this x T x N floats when it is > 1): model code sizes its shared workspace with it."""
     s = choose_split(T, N, K, batch, sm_count)
-    cw = choose_wide(T, N, K, batch, sm_count, smem_per_sm)
-    return max(s, cw[1]) if cw is not None else s
+    if T < WIDE_MIN_T or T > MAX_T:
+        return s
+    # the workspace split of the rule's block shape, whether or not the rule takes a cluster split now (it
+    # needs no workspace; DDT_GEMM_WIDE_CL=0 may turn it off after the models sized their workspaces)
+    return max(s, wide_split(wide_config_for(T), T, N, K, batch, sm_count, smem_per_sm))
 
 
 _SPLITK_NAMES = tuple(_name(nt, f) for f in (False, True) for nt in NT_CHOICES)
@@ -297,6 +334,9 @@ def set_wide_config(cfg) -> Optional[tuple]:
         if not (isinstance(cfg, tuple) and len(cfg) == 2 and cfg[0] in WIDE_CONFIGS
                 and isinstance(cfg[1], int) and cfg[1] >= 1):
             raise ValueError(f"cfg: (a WideConfig of WIDE_CONFIGS, split >= 1), got {cfg!r}")
+        if cfg[0].cs > 1 and cfg[1] != cfg[0].cs:
+            raise ValueError(f"cfg: a cluster config splits K over its cs = {cfg[0].cs} blocks; split must be "
+                             f"{cfg[0].cs}, got {cfg[1]}")
     old, _FORCED_WIDE[0] = _FORCED_WIDE[0], cfg
     return old
 
@@ -446,14 +486,16 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
         return out
     if split_k is None and use_wide(T, B):
         cfg, split = _FORCED_WIDE[0] or choose_wide(T, N, K, B, _sm_count(), _smem_per_sm())
-        split = min(split, K // BK)
+        # a cluster config splits K over its cs blocks (a block may get no k tile when K / 64 < cs: it then adds
+        # zeros); otherwise at most one split per k tile
+        split = cfg.cs if cfg.cs > 1 else min(split, K // BK)
         tiles = math.ceil(T / cfg.bt())
-        ws = _workspace(B * split * T * N * 4, workspace) if split > 1 else out
+        ws = _workspace(B * split * T * N * 4, workspace) if split > 1 and cfg.cs == 1 else out
         kern = get_kernel(SPEC, cfg.name(out_f32), max_dynamic_smem=cfg.smem())
         kern((tiles * split, math.ceil(N / cfg.bm()), B), (cfg.threads(),),
              (x, np.int64(xs[0]), np.int32(xs[1]), w, np.int64(w_bs), out, np.int64(os_[0]), np.int32(os_[1]),
               ws, np.int32(T), np.int32(N), np.int32(K), np.int32(split)), shared_mem=cfg.smem())
-        if split > 1:
+        if split > 1 and cfg.cs == 1:
             _reduce(ws, split, T, N, B, out, os_, out_f32)
         return out
     split = choose_split(T, N, K, B, _sm_count()) if split_k is None else check_range("split_k", split_k, 1, K // BK)

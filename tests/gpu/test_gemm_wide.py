@@ -4,7 +4,9 @@ a multiple of the 128-row block, K of 2 to 112 k tiles), bf16 and fp32 out, batc
 the engine uses them (x a column slice of wider rows, out a column slice of a buffer with spare rows after
 T that must stay poisoned); bit-identical repeats; the rule's pick at every engine shape (graph replay of the
 rule's picks and the PDL chain of engine shapes are in test_gemm.py, shared with the other families); the
-"auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the wide or the split-K family. Every output buffer is filled on the stream that launches the GEMM."""
+"auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the wide or the split-K family. The cluster
+configs (K split over cs = 2, 4, 8 blocks, reduced through distributed shared memory) run the same cases with
+split = cs, including K = 128 (2 k tiles) where some blocks of the cluster get no k tile. Every output buffer is filled on the stream that launches the GEMM."""
 import functools
 
 import numpy as np
@@ -103,6 +105,8 @@ def test_every_wide_config(launched, ci, T, N, K, B, split, f32, strided):
     x_dev, out, obuf, x = _views(cp, rng, T, N, K, B, dt, strided)
     if B == 1:
         x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
+    if cfg.cs > 1:
+        split = cfg.cs              # a cluster config splits K over its blocks (some get no k tile at K = 128)
     old_c, old_v = gemm.set_wide_config((cfg, split)), gemm.set_variant("wide")
     try:
         gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
@@ -112,7 +116,7 @@ def test_every_wide_config(launched, ci, T, N, K, B, split, f32, strided):
     finally:
         gemm.set_wide_config(old_c)
         gemm.set_variant(old_v)
-    eff = min(split, K // 64)
+    eff = min(split, K // 64) if cfg.cs == 1 else 1      # the cluster reduces in-kernel: no reduce launch
     red = f"gemm_splitk_reduce<{'true' if f32 else 'false'}>"
     assert launched == ([cfg.name(f32)] + ([red] if eff > 1 else [])) * 2, launched
     assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
@@ -147,7 +151,7 @@ def test_engine_shapes_rule_pick(launched, name, N, K, B, f32, T):
     finally:
         gemm.set_variant(old)
     cfg, split = gemm.choose_wide(T, N, K, B, gemm._sm_count(), gemm._smem_per_sm())
-    assert launched[0] == cfg.name(f32) and len(launched) == (2 if split > 1 else 1), launched
+    assert launched[0] == cfg.name(f32) and len(launched) == (2 if split > 1 and cfg.cs == 1 else 1), launched
     _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
 
 

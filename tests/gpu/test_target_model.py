@@ -340,7 +340,8 @@ def test_fused_launch_sequence(tiny, gpu_tp1, router_down, monkeypatch):
     assert not {"rope_kernel", "kv_write_latent"} & set(c), dict(c)
     # bf16 GEMMs (48 rows: one chunk): q_a|kv_a, q_b, o_proj per layer; dense gate_up + down; MoE ONE
     # router|shared gate_up GEMM + the shared down (unless fused into the route launch); the lm_head
-    gemms = c["gemm_bf16_kernel"] + c["gemm_bf16_kernel_decode"] + c["gemm_bf16_kernel_wide"]
+    gemms = sum(c[k] for k in ("gemm_bf16_kernel", "gemm_bf16_kernel_decode", "gemm_bf16_kernel_decode_cl",
+                               "gemm_bf16_kernel_wide", "gemm_bf16_kernel_wide_cl"))
     assert gemms == 3 * L + 2 * L - n_down + 1, dict(c)
     for i in range(L):
         if cfg.is_moe_layer(i):
