@@ -170,13 +170,14 @@ def _with_variant(v, fn, shape=None):
 
 def wide_candidates(T, N, K, B, sms, smem_per_sm):
     """The wideconfigs sweep at one shape (session 8): the rule's own (config, split) tagged; the rule's block
-    shape and the 64-row block (``gemm.WIDE_BM64``) with workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s
+    shape, the 64-row block (``gemm.WIDE_BM64``) and above 80 rows the 4-warp 80-token block with workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s
     pick for that shape) and with the K split over a cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and
     split-K. (Session 5's sweep of every shape x split is in bench/results/gemm_s5_wideconfigs_h200.json.)"""
     from ddtree_cupy.kernels import gemm
     rule = gemm.choose_wide(T, N, K, B, sms, smem_per_sm)
     out = [("wide-rule",) + tuple(rule)]
-    for c in dict.fromkeys((rule[0]._replace(cs=1), gemm.WIDE_BM64)):
+    shapes = (rule[0]._replace(cs=1), gemm.WIDE_BM64) + ((gemm.WIDE_BT80_W4,) if T > 80 else ())
+    for c in dict.fromkeys(shapes):
         s0 = gemm.wide_split(c, T, N, K, B, sms, smem_per_sm)
         cands = [(c, s) for s in sorted({max(1, s0 // 2), s0, 2 * s0}) if s <= K // gemm.BK]
         cands += [(c._replace(cs=cs), cs) for cs in gemm.WIDE_CL_CS if K // gemm.BK >= 2 * cs]

@@ -192,7 +192,8 @@ WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _w
 # the GPU under the cluster's split cap of 8.
 WIDE_CL_CS = (2, 4, 8)
 WIDE_BM64 = _wide(2, 2, 2, 2)
-_WIDE_SHAPES = WIDE_RULE_CONFIGS + (_wide(4, 5, 2, 2), WIDE_BM64)
+WIDE_BT80_W4 = _wide(4, 5, 2, 2)
+_WIDE_SHAPES = WIDE_RULE_CONFIGS + (WIDE_BT80_W4, WIDE_BM64)
 WIDE_CONFIGS = _WIDE_SHAPES + tuple(c._replace(cs=cs) for cs in WIDE_CL_CS for c in _WIDE_SHAPES)
 WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
 WIDE_TILE_US = 1.1           # cost model (H200 fit): one k tile of one wave of resident blocks, us
