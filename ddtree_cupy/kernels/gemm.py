@@ -182,18 +182,18 @@ def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
 
 
 # 8 warps (4 x 2, 32-row warp tiles): BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB); 4 warps
-# (2 x 2, 64-row warp tiles: 0.375 / 0.35 ldmatrix per mma instead of 0.5): BT 64 (the rule's pick above 80
-# tokens, measured best at T = 160) and 80 (sweep only). Every compiled config; the tests run each one. (BT 160 with 8 warps,
+# (2 x 2, 64-row warp tiles: 0.375 / 0.35 ldmatrix per mma instead of 0.5): BT 64 (the rule's pick for 81-128
+# tokens) and 80 (129-160, session 8). Every compiled config; the tests run each one. (BT 160 with 8 warps,
 # WN 10, was built and dropped: 80 accumulators per thread spill on sm_90 under the 128-register cap.)
-WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _wide(4, 4, 2, 2))
+WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _wide(4, 4, 2, 2), _wide(4, 5, 2, 2))
 # Session 8: every block shape also with its K split over a cluster of 2, 4 or 8 blocks (in-kernel reduction
 # through distributed shared memory instead of the workspace + reduce launch), and a 64-row x 32-token block of
-# 4 warps (2 x 2, 32 x 16 warp tiles, 48 KB) so narrow weights (q_a+kv_a 2112 rows: 33 row blocks) still fill
-# the GPU under the cluster's split cap of 8.
+# 4 warps (2 x 2, 32 x 16 warp tiles, 48 KB) for narrow weights (q_a+kv_a 2112 rows: 33 row blocks) under the
+# cluster's split cap of 8. The 64-row block won only q_b and drafter qkv at some T, by <= 20% (sweep only).
 WIDE_CL_CS = (2, 4, 8)
 WIDE_BM64 = _wide(2, 2, 2, 2)
-WIDE_BT80_W4 = _wide(4, 5, 2, 2)
-_WIDE_SHAPES = WIDE_RULE_CONFIGS + (WIDE_BT80_W4, WIDE_BM64)
+WIDE_BT80_W4 = WIDE_RULE_CONFIGS[4]
+_WIDE_SHAPES = WIDE_RULE_CONFIGS + (WIDE_BM64,)
 WIDE_CONFIGS = _WIDE_SHAPES + tuple(c._replace(cs=cs) for cs in WIDE_CL_CS for c in _WIDE_SHAPES)
 WIDE_FILL_TILES = 3          # cost model: a block's ring fill + epilogue, in k tiles
 WIDE_TILE_US = 1.1           # cost model (H200 fit): one k tile of one wave of resident blocks, us
@@ -208,16 +208,20 @@ WIDE_CLUSTER = os.environ.get("DDT_GEMM_WIDE_CL", "1") == "1"
 
 
 def wide_config_for(T: int) -> WideConfig:
-    """The block shape for T tokens, fitted to the session-5 H200 sweep (docs/KERNELS.md "Session 5: measured"):
-    one token tile of 32 / 64 / 80 (8 warps, 32-row warp tiles) up to T = 80, then 64-token tiles of the 4-warp
-    block (64-row warp tiles: fewer ldmatrix per mma), which won 5 of the 7 T = 160 shapes."""
+    """The block shape for T tokens, fitted to the session-5 H200 sweep (docs/KERNELS.md "Session 5: measured")
+    and, above 128 rows, the session-8 one: one token tile of 32 / 64 / 80 (8 warps, 32-row warp tiles) up to
+    T = 80, then two token tiles of the 4-warp block (64-row warp tiles: fewer ldmatrix per mma), 64 wide up
+    to 128 rows and 80 wide above (T = 144-160: three 64-token tiles measured 7-52% slower than two of 80,
+    6 of the 7 shapes; bench/results/gemm_s8_wide160_h200.json)."""
     if T <= 32:
         return WIDE_RULE_CONFIGS[0]
     if T <= 64:
         return WIDE_RULE_CONFIGS[1]
     if T <= 80:
         return WIDE_RULE_CONFIGS[2]
-    return WIDE_RULE_CONFIGS[3]
+    if T <= 128:
+        return WIDE_RULE_CONFIGS[3]
+    return WIDE_RULE_CONFIGS[4]
 
 
 def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
