@@ -11,7 +11,9 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
    shared memory: one launch, no workspace). ``choose_decode`` picks the config (``set_decode_config``
    forces one);
  * "wide": ``gemm_bf16_kernel_wide`` (T = 17..160: 2-D block tiles of 128 weight rows x 32-80 tokens,
-   split-K across blocks through the same workspace + reduce; ``choose_wide`` picks config and split).
+   split-K across blocks through the same workspace + reduce) and ``gemm_bf16_kernel_wide_cl`` (the K split
+   over a thread-block cluster, reduced through distributed shared memory: one launch, no workspace; session
+   8); ``choose_wide`` picks block shape and split.
    The default above 16 tokens since the session-5 H200 run (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1,
    ``set_variant("wide")``; docs/KERNELS.md "Session 5: wide-token kernel").
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
