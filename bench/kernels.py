@@ -17,9 +17,9 @@ kernels, top-K, sampling; 'chain' a model-like graph: one TP=8 rank's attention 
 sequence (10 kernels, 6 of them GEMMs) over 8 distinct layers' weights back to back, so each GEMM's fixed
 cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' every compiled decode
 config (and split-K) forced at each shape and T, then the fastest per shape; 'wideconfigs' the rule's wide
-block shape and the 64-row block (T > 16), each with workspace splits around its model pick and with cluster
-splits of 2, 4, 8, plus split-K and the rule's own pick, then the fastest per shape (docs/KERNELS.md
-"Session 8"). --pdl: programmatic dependent launch off
+block shape, the 64-row block and (above 80 rows) the 4-warp 80-token block (T > 16), each with workspace splits
+around its model pick and with cluster splits of 2, 4, 8, plus split-K and the rule's own pick, then the
+fastest per shape (docs/KERNELS.md "Session 8"). --pdl: programmatic dependent launch off
 (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
 GEMM and chain with the previous session's selection ('[old]': bench.kernels.old_choice) and with the
 current rule, same run, then a side-by-side table; or a comma list of families forced through
@@ -170,9 +170,10 @@ def _with_variant(v, fn, shape=None):
 
 def wide_candidates(T, N, K, B, sms, smem_per_sm):
     """The wideconfigs sweep at one shape (session 8): the rule's own (config, split) tagged; the rule's block
-    shape, the 64-row block (``gemm.WIDE_BM64``) and above 80 rows the 4-warp 80-token block with workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s
-    pick for that shape) and with the K split over a cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and
-    split-K. (Session 5's sweep of every shape x split is in bench/results/gemm_s5_wideconfigs_h200.json.)"""
+    shape, the 64-row block (``gemm.WIDE_BM64``) and, above 80 rows, the 4-warp 80-token block, each with
+    workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s pick for that shape) and with the K split over a
+    cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and split-K. (Session 5's sweep of every shape x split
+    is in bench/results/gemm_s5_wideconfigs_h200.json.)"""
     from ddtree_cupy.kernels import gemm
     rule = gemm.choose_wide(T, N, K, B, sms, smem_per_sm)
     out = [("wide-rule",) + tuple(rule)]
