@@ -14,6 +14,7 @@
 // once, so with programmatic dependent launch (kernels/launch.py) a kernel's launch and block scheduling
 // overlap its predecessor's tail (docs/KERNELS.md "PDL").
 #include "common.cuh"
+#include "cluster.cuh"
 
 #define GEMM_BN 64          // weight rows (output features) per block
 #define GEMM_BK 64          // k per pipeline stage: 128 bytes per row = 8 chunks of 16 bytes
@@ -196,39 +197,6 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 // Same argument list as gemm_bf16_kernel (ws and the last int unused), so all launch alike.
 #define DEC_WARPS 8
 #define DEC_THREADS (DEC_WARPS * 32)
-
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define DDT_HAS_CLUSTERS 1
-#endif
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-#ifdef DDT_HAS_CLUSTERS
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-#else
-    return 0;
-#endif
-}
-// Every thread of every block of the cluster arrives; release/acquire make the shared-memory writes before
-// the barrier visible to the other blocks' loads after it.
-__device__ __forceinline__ void cluster_sync_all() {
-#ifdef DDT_HAS_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// Load a float from the same shared-memory offset in cluster block `rank` (distributed shared memory).
-__device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
-#ifdef DDT_HAS_CLUSTERS
-    uint32_t remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-#else
-    return *p;
-#endif
-}
 
 // The light ring (NT = 1, 3 stages, 72 KB) exists so 3 blocks fit an H200 SM: cap registers at 80 for it.
 template <int NT, int STAGES>
@@ -423,19 +391,6 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
 // and a token row is 16-byte aligned for the float4 reads), the cluster syncs, and block `rank` finishes the
 // float4 groups [rank, rank + 1) x BT BM / 4 / CS of the tile (token-major: consecutive threads -> consecutive
 // features, coalesced stores), summing ranks 0..CS-1 in order: deterministic, bit-identical run to run.
-__device__ __forceinline__ float4 ld_cluster_f32x4(const float* p, uint32_t rank) {
-#ifdef DDT_HAS_CLUSTERS
-    uint32_t remote;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-    return v;
-#else
-    return *reinterpret_cast<const float4*>(p);
-#endif
-}
-
 template <int WM, int WN, int WARPS_M, int WARPS_N, bool OUT_F32, int CS>
 __device__ __forceinline__ void wide_cluster_reduce(
         const float (&acc)[WM][WN][4], uint4* smem, int rank, int t0, int n0, int b,
