@@ -1,7 +1,7 @@
 // Thread-block cluster helpers (sm_90+: Hopper and Blackwell, sm_120 included): the cluster rank, a
 // cluster-wide barrier, and loads from another block's shared memory (distributed shared memory). Used by the
-// GEMM's and the MLA attention's split reductions (cuda_src/gemm_bf16.cu, cuda_src/mla_attention.cu). Below
-// sm_90 the rank is 0, the barrier a no-op and the loads local, so a kernel without __cluster_dims__ still builds.
+// GEMM's K-split reductions (cuda_src/gemm_bf16.cu: decode and wide families). Below sm_90 the rank is 0, the
+// barrier a no-op and the loads local, so a kernel without __cluster_dims__ still builds.
 #pragma once
 #include "common.cuh"
 

@@ -21,7 +21,6 @@
 #include "common.cuh"
 #include "attn_combine.cuh"
 #include "attn_mma.cuh"
-#include "cluster.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -82,72 +81,6 @@ __device__ __forceinline__ void mla_store_part_bf16_row(bf16_bits* row, const fl
 #endif
 
 
-// ---- cluster pre-merge of the splits (CS > 1: mla_attn_fwd_cl / mla_attn_ksplit_cl) ----------------------
-// The CS consecutive splits of one (row tile, stream) form a thread-block cluster (__cluster_dims__(1, CS, 1),
-// blockIdx.y = split). Each block parks its normalised O rows (fp32) and their log2-sum-exps in its own shared
-// memory, the cluster syncs, and block `rank` merges its CS-th of the tile's float4 groups over ranks 0..CS-1
-// in order, exactly as mla_attn_combine merges splits (o = sum 2^(lse_r - max) o_r / sum 2^(lse_r - max)):
-// merged partial `split / CS` of num_splits / CS goes to the workspace (bf16 o_lat directly when that is 1),
-// so the combine reads CS x fewer partials and the main kernel writes CS x fewer. Deterministic.
-// red: [BM][MLA_RED_STR] fp32 (row stride = 8 mod 32 banks: a half warp's float2 fragment stores -- rows g,
-// columns 2 q4 -- hit 16 distinct bank pairs; rows stay 16-byte aligned for the float4 reads).
-#define MLA_RED_STR (MLA_V_DIM + 8)
-template <int BM, int THREADS, int CS>
-__device__ __forceinline__ void mla_cluster_merge(const float* red, const float* lse_s, int split, int num_splits,
-                                                  int valid_m, size_t gm0, int total_packed,
-                                                  bf16_bits* __restrict__ out, mla_part_t* __restrict__ part_o,
-                                                  float* __restrict__ part_lse) {
-    cluster_sync_all();                     // every block's rows and lse are written and visible cluster-wide
-    constexpr int G = MLA_V_DIM / 4;        // float4 groups per row
-    constexpr int QN = BM * G;
-    const int rank = split % CS;            // == the cluster rank: the cluster spans CS consecutive splits
-    const int merged = split / CS, n_merged = num_splits / CS;
-    for (int qi = rank * QN / CS + (int)threadIdx.x; qi < (rank + 1) * QN / CS; qi += THREADS) {
-        const int row = qi / G, c = (qi - row * G) * 4;
-        if (row >= valid_m) continue;
-        float lse[CS];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int r = 0; r < CS; ++r) {
-            lse[r] = ld_cluster_f32(lse_s + row, (uint32_t)r);
-            mx = fmaxf(mx, lse[r]);
-        }
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float wsum = 0.f;
-        if (mx != -INFINITY) {              // else every split was empty: o = 0, lse = -inf (weight 0 later)
-#pragma unroll
-            for (int r = 0; r < CS; ++r) {  // an empty split has lse -inf (weight 0) and o = 0 (finite)
-                const float w = exp2f(lse[r] - mx);
-                const float4 v = ld_cluster_f32x4(red + row * MLA_RED_STR + c, (uint32_t)r);
-                acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-                wsum += w;
-            }
-        }
-        const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-        const size_t gm = gm0 + row;
-        if (n_merged == 1) {
-            *reinterpret_cast<uint2*>(out + gm * MLA_V_DIM + c) =
-                make_uint2(pack_bf16x2(acc.x * inv, acc.y * inv), pack_bf16x2(acc.z * inv, acc.w * inv));
-        } else {
-            const size_t prow = (size_t)merged * total_packed + gm;
-            mla_store_part2(part_o + prow * MLA_V_DIM + c, acc.x * inv, acc.y * inv);
-            mla_store_part2(part_o + prow * MLA_V_DIM + c + 2, acc.z * inv, acc.w * inv);
-            if (c == 0) part_lse[prow] = wsum > 0.f ? mx + log2f(wsum) : -INFINITY;
-        }
-    }
-    cluster_sync_all();                     // no block leaves (freeing its shared memory) while read remotely
-}
-
-// The kernels' argument list (mla_attn_fwd, mla_attn_ksplit and their cluster twins take the same one).
-#define MLA_ATTN_PARAMS                                                                                         \
-    const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,   \
-    const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,  \
-    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, mla_part_t* __restrict__ part_o,           \
-    float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,        \
-    float scale_log2
-#define MLA_ATTN_ARGS q, pool, block_table, prefix_len, n_rows_arr, row_start, mask, out, part_o, part_lse, \
-    max_pages, mask_rows, H, total_packed, num_splits, scale_log2
-
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
     static constexpr int BM = MG * 16;
@@ -167,14 +100,20 @@ struct MlaCfg {
     static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
 };
 
-template <int MG, int VG, int BN, int STAGES, int CS>
-__device__ __forceinline__ void mla_attn_fwd_body(
-    // q [total_rows, H, 576]; pool [num_pages, 64, 576]; block_table [S, max_pages]; prefix_len [S] committed
-    // length s; n_rows_arr [S] query rows (tree rows, chunk rows, 1 for decode); row_start [S] first row of the
-    // stream in q / out; mask [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal); out [total_rows, H,
-    // 512] (num_splits == 1, or num_splits == CS); part_o [num_splits, total_rows*H, 512] and part_lse
-    // [num_splits, total_rows*H] (num_splits > 1); scale_log2 = softmax_scale * log2(e)
-    MLA_ATTN_PARAMS) {
+template <int MG, int VG, int BN, int STAGES>
+__global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
+    const bf16_bits* __restrict__ q,           // [total_rows, H, 576]
+    const bf16_bits* __restrict__ pool,        // [num_pages, 64, 576]
+    const int* __restrict__ block_table,       // [S, max_pages]
+    const int* __restrict__ prefix_len,        // [S] committed length s
+    const int* __restrict__ n_rows_arr,        // [S] query rows (tree rows, chunk rows, 1 for decode)
+    const int* __restrict__ row_start,         // [S] first row of the stream in q / out
+    const unsigned* __restrict__ mask,         // [S, mask_rows, DDT_MASK_WORDS] (tree) or nullptr (causal)
+    bf16_bits* __restrict__ out,               // [total_rows, H, 512]            (num_splits == 1)
+    mla_part_t* __restrict__ part_o,           // [num_splits, total_rows*H, 512] (num_splits > 1)
+    float* __restrict__ part_lse,              // [num_splits, total_rows*H]
+    int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {                        // softmax_scale * log2(e)
     using C = MlaCfg<MG, VG, BN, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Qs = reinterpret_cast<bf16_bits*>(smem_raw);
@@ -427,26 +366,6 @@ __device__ __forceinline__ void mla_attn_fwd_body(
     // ---- epilogue -----------------------------------------------------------------------------------
     const int valid_m = n * H - m0;
     const int col0 = vg * C::COL_W;
-    if (CS > 1) {
-        static_assert(CS == 1 || C::BM * MLA_RED_STR * 4 <= (C::Q_ELEMS + STAGES * C::K_ELEMS + C::P_ELEMS) * 2,
-                      "the merge rows fit the Q, K and P buffers");
-        __syncthreads();                    // every warp is past its last P V: Q, the K ring and P are free
-        float* red = reinterpret_cast<float*>(smem_raw);    // [BM][MLA_RED_STR]
-        float* lse_s = red_max;                             // [BM]: the row-max exchange is over
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int ml = mg * 16 + g + 8 * i;
-            const float inv = l_run[i] > 0.f ? 1.f / l_run[i] : 0.f;
-            float* rrow = red + ml * MLA_RED_STR + col0 + 2 * q4;
-#pragma unroll
-            for (int j = 0; j < C::NT_O; ++j)
-                *reinterpret_cast<float2*>(rrow + j * 8) = make_float2(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-            if (vg == 0 && q4 == 0) lse_s[ml] = l_run[i] > 0.f ? m_run[i] + log2f(l_run[i]) : -INFINITY;
-        }
-        mla_cluster_merge<C::BM, C::THREADS, CS>(red, lse_s, split, num_splits, valid_m, (size_t)rs * H + m0,
-                                                 total_packed, out, part_o, part_lse);
-        return;
-    }
 #if MLA_PART_BF16
     if (num_splits > 1) {   // every lane takes part (shuffles); rows past the stream only skip the stores
 #pragma unroll
@@ -523,8 +442,13 @@ struct MlaKsCfg {
     static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
 };
 
-template <int MT, int BN, int STAGES, int CS>
-__device__ __forceinline__ void mla_attn_ksplit_body(MLA_ATTN_PARAMS) {   // the arguments of mla_attn_fwd_body
+template <int MT, int BN, int STAGES>
+__global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
+    const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,
+    const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
+    const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, mla_part_t* __restrict__ part_o,
+    float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
+    float scale_log2) {   // same arguments as mla_attn_fwd
     using C = MlaKsCfg<MT, BN, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Ks = reinterpret_cast<bf16_bits*>(smem_raw);                        // [STAGES][BN][SROW]
@@ -741,34 +665,6 @@ __device__ __forceinline__ void mla_attn_ksplit_body(MLA_ATTN_PARAMS) {   // the
     cp_async_wait<0>();
     DDT_PDL_LAUNCH_DEPENDENTS();  // dependents still wait for this grid's writes below
 
-    if (CS > 1) {
-        static_assert(CS == 1 || C::BM * MLA_RED_STR * 4 <=
-                      STAGES * C::K_ELEMS * 2 + C::KQ * C::BM * C::SPSTR * 4 + C::BM * C::PSTR * 2,
-                      "the merge rows fit the K ring, the S partials and P");
-        __syncthreads();                    // every warp is past its last P V: K, S partials, P, alpha_s are free
-        float* red = reinterpret_cast<float*>(smem_raw);    // [BM][MLA_RED_STR]
-        if (spart == 0) {
-            linv_s[srow] = l_run > 0.f ? 1.f / l_run : 0.f;
-            alpha_s[srow] = l_run > 0.f ? m_run + log2f(l_run) : -INFINITY;    // the row's lse
-        }
-        __syncthreads();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int ml = mt * 16 + g + 8 * hi;
-                const float inv = linv_s[ml];
-                float* rrow = red + ml * MLA_RED_STR + warp * 64 + 2 * q4;
-#pragma unroll
-                for (int j = 0; j < C::NTO; ++j)
-                    *reinterpret_cast<float2*>(rrow + j * 8) =
-                        make_float2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
-            }
-        mla_cluster_merge<C::BM, C::THREADS, CS>(red, alpha_s, split, num_splits, valid_m, (size_t)rs * H + m0,
-                                                 total_packed, out, part_o, part_lse);
-        return;
-    }
-
     // ---- epilogue: the softmax threads publish 1/l (and the split's log2-sum-exp) ---------------------
     if (spart == 0) {
         linv_s[srow] = l_run > 0.f ? 1.f / l_run : 0.f;
@@ -813,28 +709,6 @@ __device__ __forceinline__ void mla_attn_ksplit_body(MLA_ATTN_PARAMS) {   // the
             }
         }
 }
-
-// The kernels: plain (one split per block, partials merged by mla_attn_combine) and, sm_90+, the cluster twins
-// (CS consecutive splits pre-merged through distributed shared memory; compile-time cluster shape, so an
-// ordinary or PDL launch needs no cluster attribute). grid (row tiles, num_splits, S); num_splits % CS == 0.
-template <int MG, int VG, int BN, int STAGES>
-__global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(MLA_ATTN_PARAMS) {
-    mla_attn_fwd_body<MG, VG, BN, STAGES, 1>(MLA_ATTN_ARGS);
-}
-template <int MT, int BN, int STAGES>
-__global__ void __launch_bounds__(256, 1) mla_attn_ksplit(MLA_ATTN_PARAMS) {
-    mla_attn_ksplit_body<MT, BN, STAGES, 1>(MLA_ATTN_ARGS);
-}
-#ifdef DDT_HAS_CLUSTERS
-template <int MG, int VG, int BN, int STAGES, int CS>
-__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd_cl(MLA_ATTN_PARAMS) {
-    mla_attn_fwd_body<MG, VG, BN, STAGES, CS>(MLA_ATTN_ARGS);
-}
-template <int MT, int BN, int STAGES, int CS>
-__global__ void __cluster_dims__(1, CS, 1) __launch_bounds__(256, 1) mla_attn_ksplit_cl(MLA_ATTN_PARAMS) {
-    mla_attn_ksplit_body<MT, BN, STAGES, CS>(MLA_ATTN_ARGS);
-}
-#endif
 
 // Merge the splits (attn_combine.cuh): one block of 8 warps per packed row. grid (max_rows * H, S).
 // U = splits per warp in flight (4 or 1: kernels/attention.py combine_unroll picks by the grid size).

@@ -359,27 +359,3 @@ def test_engine_decode_shapes_still_split_with_bf16():
             for n in (8, 16, 32):
                 for pb in (False, True):
                     assert A.plan_mla_for(S, n, 8, 4096 + n, policy, *ARCHS[arch], pb)[1] > 1, (arch, S, n, pb)
-
-
-def test_cluster_plan_rounding_and_switch(monkeypatch):
-    """mla_cluster_plan (docs/ATTENTION.md "Session 8"): a planned split count rounds down to a multiple of 8, 4
-    or 2 only where that drops at most 1/8 of the splits; an explicit one is kept (pre-merged only where a
-    cluster size divides it); disabled, nothing changes; DDT_MLA_CLUSTER=0 turns the switch off and a bad value
-    names the variable. Every cluster twin is compiled (MLA_KERNEL_NAMES)."""
-    plan = A.mla_cluster_plan
-    assert [plan(k) for k in (65, 33, 17, 9, 14, 12, 6, 5, 7, 1)] == [
-        (64, 8), (32, 8), (16, 8), (8, 8), (14, 2), (12, 4), (6, 2), (5, 1), (7, 1), (1, 1)]
-    assert [plan(k, planned=False) for k in (64, 65, 12, 6, 3)] == [(64, 8), (65, 1), (12, 4), (6, 2), (3, 1)]
-    assert plan(65, enabled=False) == (65, 1) and plan(64, planned=False, enabled=False) == (64, 1)
-    for k in range(1, A.MAX_SPLITS + 1):
-        r, cs = plan(k)
-        assert r % cs == 0 and r <= k and 8 * (k - r) <= k and (cs == 1 or r >= cs)
-    monkeypatch.setenv("DDT_MLA_CLUSTER", "0")
-    assert not A.mla_cluster_enabled()
-    monkeypatch.setenv("DDT_MLA_CLUSTER", "2")
-    with pytest.raises(ValueError, match="DDT_MLA_CLUSTER"):
-        A.mla_cluster_enabled()
-    names = set(A.MLA_KERNEL_NAMES)
-    for c in A.MLA_CONFIGS.values():
-        assert c.kernel_name(1) == c.name and all(c.kernel_name(cs) in names for cs in A.MLA_CL_CS)
-        assert ("_cl<" in c.kernel_name(8)) and c.kernel_name(8).rstrip(">").endswith(", 8")

@@ -48,15 +48,6 @@ class MlaTileConfig:
             return f"mla_attn_ksplit<{self.mg}, {self.bn}, {self.stages}>"
         return f"mla_attn_fwd<{self.mg}, {self.vg}, {self.bn}, {self.stages}>"
 
-    def kernel_name(self, cs: int = 1) -> str:
-        """The kernel for this tile; cs > 1: its cluster twin, which pre-merges each cs consecutive splits
-        through distributed shared memory (docs/ATTENTION.md "Session 8")."""
-        if cs == 1:
-            return self.name
-        if self.ksplit:
-            return f"mla_attn_ksplit_cl<{self.mg}, {self.bn}, {self.stages}, {cs}>"
-        return f"mla_attn_fwd_cl<{self.mg}, {self.vg}, {self.bn}, {self.stages}, {cs}>"
-
     @property
     def bm(self) -> int:
         return 16 * self.mg
@@ -96,11 +87,7 @@ MLA_CONFIGS = {
 }
 _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
-# Cluster sizes of the split pre-merge (mla_cluster_plan), largest first.
-MLA_CL_CS = (8, 4, 2)
-MLA_KERNEL_NAMES = (tuple(c.name for c in MLA_CONFIGS.values())
-                    + tuple(c.kernel_name(cs) for cs in MLA_CL_CS for c in MLA_CONFIGS.values())
-                    + ("mla_attn_combine<4>", "mla_attn_combine<1>"))
+MLA_KERNEL_NAMES = tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>")
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
     names=MLA_KERNEL_NAMES,
@@ -167,43 +154,6 @@ def spec_part_bf16(spec: KernelSpec) -> bool:
 # Bytes per (packed row, split) of the split partials: the 512-wide O row + its fp32 log2-sum-exp.
 def mla_partial_row_bytes(part_bf16: bool) -> int:
     return LATENT_DIM * (2 if part_bf16 else 4) + 4
-
-# ---- split pre-merge in thread-block clusters (session 8) ---------------------------------------------------
-# With MLA_CLUSTER on (environment DDT_MLA_CLUSTER=0/1 overrides; sm_90+ only: clusters), each cs consecutive
-# splits of a row tile run as one thread-block cluster and merge their partials through distributed shared
-# memory before anything reaches the workspace: the combine then reads num_splits / cs partials per row (none
-# when that is 1), and the main kernel writes cs x fewer. A planned split count is rounded down to a multiple
-# of cs where that drops at most 1/8 of the splits (65 -> 64: 8 clusters of 8), so the planner and its
-# workspace sizing are unchanged (fewer splits fit the same workspace).
-MLA_CLUSTER = True
-MLA_CLUSTER_ENV = "DDT_MLA_CLUSTER"
-
-
-def mla_cluster_enabled() -> bool:
-    """The split pre-merge switch: DDT_MLA_CLUSTER (0 / 1) if set, else MLA_CLUSTER; always off below sm_90."""
-    v = os.environ.get(MLA_CLUSTER_ENV, "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{MLA_CLUSTER_ENV}: expected 0 or 1, got {v!r}")
-    on = bool(MLA_CLUSTER) if v == "" else v == "1"
-    return on and _has_clusters()
-
-
-def _has_clusters() -> bool:
-    return int(_device_arch()[3:]) >= 90
-
-
-def mla_cluster_plan(num_splits: int, planned: bool = True, enabled: bool = True):
-    """(splits, cs) for a launch of ``num_splits`` splits: cs the largest of MLA_CL_CS that divides the split
-    count -- for a planned count (``planned``), after rounding it down to a multiple of cs, allowed where that
-    drops at most 1/8 of the splits; an explicit count is never changed. cs = 1: no pre-merge."""
-    if not enabled or num_splits < 2:
-        return num_splits, 1
-    for cs in MLA_CL_CS:
-        r = num_splits - num_splits % cs if planned else num_splits
-        if r >= cs and r % cs == 0 and 8 * (num_splits - r) <= num_splits:
-            return r, cs
-    return num_splits, 1
-
 
 DRAFTER_SPEC = register(KernelSpec(
     src="drafter_attention.cu",
@@ -497,7 +447,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
                   stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None,
-                  part_bf16: Optional[bool] = None, cluster: Optional[int] = None):
+                  part_bf16: Optional[bool] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -517,9 +467,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  benchmarks).
     part_bf16:   split partials in bf16 (True) or fp32 (False); None = the workspace's dtype when one is
                  given, else mla_partial_bf16(). Plans with one split write o_lat directly either way.
-    cluster:     the split pre-merge's cluster size: None = mla_cluster_plan under mla_cluster_enabled() (a
-                 planned split count may be rounded down for it; an explicit num_splits is kept); 1 = off;
-                 2, 4 or 8 = forced (it must divide the split count).
     """
     import cupy
     dims: dict = {}
@@ -560,7 +507,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         config = plan_cfg
     elif config.smem > smem_limit:
         raise ValueError(f"config: needs {config.smem} bytes of shared memory, the device allows {smem_limit}")
-    planned = num_splits is None
     if num_splits is None:
         if workspace is not None:
             num_splits = workspace.num_splits
@@ -569,14 +515,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         else:
             num_splits = mla_num_splits(S, max_rows, H, max_kv_len, num_sms, config, _blocks_per_sm(config))
     check_range("num_splits", num_splits, 1, MAX_SPLITS)
-    if cluster is None:
-        num_splits, cs = mla_cluster_plan(num_splits, planned, mla_cluster_enabled())
-    else:
-        if cluster not in (1,) + MLA_CL_CS or num_splits % cluster:
-            raise ValueError(f"cluster: 1 or one of {MLA_CL_CS} dividing num_splits = {num_splits}, got {cluster!r}")
-        if cluster > 1 and not _has_clusters():
-            raise ValueError(f"cluster: thread-block clusters need sm_90 or newer, this device is {_device_arch()}")
-        cs = cluster
     if num_splits > 1:
         if workspace is None:
             workspace = MlaWorkspace(num_splits, T, H, part_bf16=part_bf16)
@@ -586,7 +524,7 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         part_o, part_lse = workspace.part_o, workspace.part_lse
     else:
         part_o = part_lse = None
-    fwd = get_kernel(spec, config.kernel_name(cs), config.smem)
+    fwd = get_kernel(spec, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
     null = np.uintp(0)
     args = (q, pool, block_table, prefix_len, n_rows, row_start,
@@ -597,14 +535,13 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
-        merged = num_splits // cs          # partials per row left for the combine (the cluster pre-merged cs each)
-        if merged > 1:
+        if num_splits > 1:
             u = combine_unroll_override or combine_unroll(max_rows * H * S, num_sms)
             if u not in (1, COMBINE_UNROLL):
                 raise ValueError(f"combine_unroll_override: expected 1 or {COMBINE_UNROLL}, got {u}")
             comb = get_kernel(spec, f"mla_attn_combine<{u}>")
             comb((max_rows * H, S), (256,),
-                 (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(merged), out))
+                 (part_o, part_lse, n_rows, row_start, np.int32(H), np.int32(T * H), np.int32(num_splits), out))
     return out
 
 

@@ -89,7 +89,7 @@ def to_dev(c):
     return d
 
 
-def run(c, d=None, config=None, num_splits=None, out=None, unroll=None, cluster=None):
+def run(c, d=None, config=None, num_splits=None, out=None, unroll=None):
     x = cp()
     a = attn()
     d = d or to_dev(c)
@@ -102,7 +102,7 @@ def run(c, d=None, config=None, num_splits=None, out=None, unroll=None, cluster=
         cfg = a.MLA_CONFIGS[config] if config else None
     a.mla_attention(d["q"], d["pool"], d["table"], d["prefix"], d["n"], d["row_start"], mask=d["mask"],
                     softmax_scale=SCALE, max_rows=c["max_rows"], max_kv_len=c["max_kv"], out=out,
-                    config=cfg, num_splits=num_splits, combine_unroll_override=unroll, cluster=cluster)
+                    config=cfg, num_splits=num_splits, combine_unroll_override=unroll)
     x.cuda.get_current_stream().synchronize()
     return out.get()
 
@@ -257,43 +257,6 @@ def test_split_count_does_not_change_results_beyond_rounding(config):
     own = owned_rows(c)
     for o in outs[1:]:
         assert np.linalg.norm(o[own] - outs[0][own]) / np.linalg.norm(ref[own]) < TOL
-
-
-@pytest.mark.parametrize("cs", [2, 4, 8])
-@pytest.mark.parametrize("config", ALL_CONFIGS)
-def test_cluster_premerge_every_config(config, cs):
-    """The split pre-merge (mla_attn_*_cl, docs/ATTENTION.md "Session 8") forced at cluster size cs for every
-    tile: num_splits = cs (the cluster writes o_lat itself, no combine) and 3 cs (the combine merges 3), tree and
-    causal, streams whose short contexts leave whole clusters and single splits empty (lse -inf), H 8 and 64;
-    against float64, rows nobody owns stay poisoned, a repeat is bit-identical, and the result matches the same
-    split count without the pre-merge (cluster=1) to bf16 rounding."""
-    skip_unless_fits(config)
-    if int(cp().cuda.Device().compute_capability) < 90:
-        pytest.skip("thread-block clusters need sm_90+")
-    rng = np.random.default_rng(cs * 7 + len(config))
-    for H, mode in ((8, "tree"), (64, "causal")):
-        n_list = [int(rng.integers(1, 17 if H == 8 else 3)) for _ in range(3)]
-        c = make_case(rng, 3, H, n_list, [3000, 40, int(rng.integers(100, 700))], mode)
-        ref = reference(c)
-        for k in (cs, 3 * cs):
-            got = run(c, config=config, num_splits=k, cluster=cs)
-            check(c, got, f"{config} cs={cs} splits={k} H={H} {mode}", ref)
-            again = run(c, config=config, num_splits=k, cluster=cs)
-            assert (again == got).all(), "the pre-merge must be deterministic"
-            plain = bf16_bits_to_f32(run(c, config=config, num_splits=k, cluster=1)).astype(np.float64)
-            own = owned_rows(c)
-            g = bf16_bits_to_f32(got).astype(np.float64)
-            assert np.linalg.norm(g[own] - plain[own]) / np.linalg.norm(ref[own]) < TOL
-
-
-def test_bad_cluster_argument_names_itself():
-    """A cluster size that is not 1, 2, 4 or 8, or does not divide the split count, is refused by name (the
-    rounding rule itself is a CPU test: tests/test_attention_planner.py)."""
-    rng = np.random.default_rng(23)
-    c = make_case(rng, 2, 8, [4, 4], [500, 70], "tree")
-    for bad, k in ((3, 6), (8, 12), (4, 6)):
-        with pytest.raises(ValueError, match="cluster"):
-            run(c, num_splits=k, cluster=bad)
 
 
 @pytest.mark.parametrize("config", [None, "model"] + KSPLIT_CONFIGS)
