@@ -29,13 +29,19 @@ __device__ __forceinline__ void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
+// The address of the same shared-memory offset as p in cluster block `rank` (distributed shared memory).
+__device__ __forceinline__ uint32_t cluster_smem_addr(const void* p, uint32_t rank) {
+    uint32_t remote = ddt_smem_u32(p);
+#ifdef DDT_HAS_CLUSTERS
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(remote), "r"(rank));
+#endif
+    return remote;
+}
 // Load a float (a float4: 16-byte aligned) from the same shared-memory offset in cluster block `rank`.
 __device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
 #ifdef DDT_HAS_CLUSTERS
-    uint32_t remote;
     float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(ddt_smem_u32(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_smem_addr(p, rank)) : "memory");
     return v;
 #else
     return *p;
@@ -43,11 +49,9 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
 }
 __device__ __forceinline__ float4 ld_cluster_f32x4(const float* p, uint32_t rank) {
 #ifdef DDT_HAS_CLUSTERS
-    uint32_t remote;
     float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(ddt_smem_u32(p)), "r"(rank));
     asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(cluster_smem_addr(p, rank)) : "memory");
     return v;
 #else
     return *reinterpret_cast<const float4*>(p);
