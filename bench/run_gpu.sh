@@ -1,44 +1,89 @@
 #!/usr/bin/env bash
-# Every GPU check from the source tree, each part under its own time limit, logs into one directory and a
-# one-line summary per part at the end (what a lent GPU call or a user with a GPU runs).
+# Every GPU check from the source tree, each part under its own time limit, logs and one results JSON per
+# benchmark into one directory, and a short summary table at the end (bench/gpu_summary.py).
 #   bench/run_gpu.sh [LOGDIR] [PARTS...]     default LOGDIR: bench/results/<UTC timestamp>
-# PARTS (default: all, in this order): build tests engine demo step kernels moe attention tree allreduce
+# PARTS (default: all single-GPU parts, in this order):
+#   build tests engine demo step longctx prefill kernels moe attention tree allreduce
+# Groups, each sized for one run of <= 9 minutes on one H200 (expected durations below):
+#   call1 = build tests engine demo               call2 = step longctx allreduce prefill
+#   call3 = kernels moe tree, call4 = attention   (the kernel-level tables; not needed for the step's figures)
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
+# BUDGET_S (default 530): the whole run's wall-clock budget; a part whose expected duration no longer fits is
+# skipped (said so in the summary), and every part's limit is cut to the time left. Results JSON are named as
+# the figures of record (<bench>_<gpu>.json, e.g. step_h200.json); the summary prints the copies that replace
+# bench/results' files with them.
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="${1:-bench/results/$(date -u +%Y%m%dT%H%M%SZ)}"; shift || true
-parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(build tests engine demo step kernels moe attention tree allreduce)
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(build tests engine demo step longctx prefill kernels moe attention tree allreduce)
+expanded=()
+for p in "${parts[@]}"; do
+  case $p in
+    call1) expanded+=(build tests engine demo) ;;
+    call2) expanded+=(step longctx allreduce prefill) ;;
+    call3) expanded+=(kernels moe tree) ;;
+    call4) expanded+=(attention) ;;
+    *) expanded+=("$p") ;;
+  esac
+done
+parts=("${expanded[@]}")
 mkdir -p "$LOG"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$LOG/gpu.txt" 2>&1
-summary=(); rc=0
+BUDGET_S=${BUDGET_S:-530}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv > "$LOG/gpu.txt" 2>&1
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z' 'a-z')
+case $gpu in
+  *h200*) TAG=h200 ;; *"rtx pro 6000"*) TAG=pro6000 ;; *h100*) TAG=h100 ;;
+  *) TAG=$(echo "${gpu:-gpu}" | tr -c 'a-z0-9\n' '_' | cut -c1-24) ;;
+esac
+# Expected seconds per part on one H200 (from earlier runs' logs: the GPU suite ~4 min with 12 workers, the
+# engine tests 31 s, the step benchmark 21 s of its own + start-up and kernel compilation; the long-context
+# and prefill figures are estimates until their first run: 2 step processes of ~1 min; the prefill sweep takes
+# what is left of the budget, at least 120 s, and skips the configurations that would not fit in it).
+declare -A EXPECT=([build]=120 [tests]=240 [engine]=60 [demo]=40 [step]=120 [longctx]=150 [prefill]=120
+                   [kernels]=200 [moe]=150 [attention]=150 [tree]=60 [allreduce]=30 [tp]=300 [allreduce_tp]=60)
+: > "$LOG/parts.tsv"
+rc=0
 run_part() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
+  local left=$((BUDGET_S - SECONDS)) exp=${EXPECT[$name]:-60}
+  if [ "$exp" -gt "$left" ]; then
+    printf '%s\t%s\t%s\t%s\n' "$name" skip 0 "skipped: expects ${exp} s, ${left} s of BUDGET_S left" >> "$LOG/parts.tsv"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1; local r=$?
   [ $r -ne 0 ] && rc=1
-  summary+=("$(printf '%-10s rc=%-4s %4ss  %s' "$name" "$r" "$((SECONDS - t0))" \
-    "$(grep -E 'passed|failed|error|spec builds' "$LOG/$name.log" | tail -1 | cut -c1-90)")")
+  local line
+  line=$(grep -E 'passed|failed|error|spec builds|wrote ' "$LOG/$name.log" | tail -1 | cut -c1-100)
+  [ $r -eq 124 ] && line="timed out after ${limit} s; $line"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$r" "$((SECONDS - t0))" "$line" >> "$LOG/parts.tsv"
 }
 arch="sm_$(python3 -c 'import cupy; print(cupy.cuda.Device().compute_capability)')"
+xdist=()
+python3 -c 'import xdist' 2>/dev/null && xdist=(-n "${TEST_WORKERS:-12}")
 for p in "${parts[@]}"; do
   case $p in
     build)     run_part build 300 python3 -m ddtree_cupy.build --arch "$arch" ;;
-    tests)     run_part tests 400 python3 -m pytest -q -m gpu tests/gpu --ignore=tests/gpu/test_engine.py ;;
+    tests)     run_part tests 400 python3 -m pytest -q "${xdist[@]}" -m gpu tests/gpu --ignore=tests/gpu/test_engine.py ;;
     engine)    run_part engine 300 python3 -m pytest -q -m gpu tests/gpu/test_engine.py tests/test_teacher_forced.py ;;
     demo)      run_part demo 120 python3 -m ddtree_cupy.run --demo --backend cupy --json --max-new-tokens 64 ;;
-    step)      run_part step 300 python3 -m bench.step --reps 5 --json "$LOG/step.json" ;;
-    kernels)   run_part kernels 300 python3 -m bench.kernels --json "$LOG/kernels.json" ;;
-    moe)       run_part moe 300 python3 -m bench.moe --out "$LOG/moe.json" ;;
-    attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention.json" ;;
-    tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree.json" ;;
-    allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce.json" ;;
+    step)      run_part step 300 python3 -m bench.step --stages 0 --reps 5 --pdl 1 --loo 1 --json "$LOG/step_$TAG.json" ;;
+    longctx)   run_part longctx 300 python3 -m bench.longctx --json "$LOG/longctx_$TAG.json" ;;
+    prefill)   pb=$((BUDGET_S - SECONDS - 30)); [ "$pb" -gt "${PREFILL_BUDGET_S:-300}" ] && pb=${PREFILL_BUDGET_S:-300}
+               run_part prefill 360 python3 -m bench.prefill --budget-s "$pb" --json "$LOG/prefill_$TAG.json" ;;
+    kernels)   run_part kernels 300 python3 -m bench.kernels --json "$LOG/kernels_$TAG.json" ;;
+    moe)       run_part moe 300 python3 -m bench.moe --out "$LOG/moe_$TAG.json" ;;
+    attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention_$TAG.json" ;;
+    tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree_$TAG.json" ;;
+    allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;
     # several GPUs (TP_NP of them, default 2) and an MPI launcher (MPIRUN, default mpirun) on PATH:
     tp)        run_part tp 600 python3 bench/tp_check.py --np "${TP_NP:-2}" --mpirun "${MPIRUN:-mpirun}" --out "$LOG/tp" ;;
     allreduce_tp) run_part allreduce_tp 120 "${MPIRUN:-mpirun}" -np "${TP_NP:-2}" launcher/bind.sh \
-                    python3 bench/allreduce.py --json "$LOG/allreduce_tp.json" ;;
-    *) echo "unknown part $p" >&2; rc=2 ;;
+                    python3 bench/allreduce.py --json "$LOG/allreduce_tp${TP_NP:-2}_$TAG.json" ;;
+    *) echo "unknown part $p" >&2; printf '%s\t%s\t%s\t%s\n' "$p" 2 0 "unknown part" >> "$LOG/parts.tsv"; rc=2 ;;
   esac
 done
 echo "logs in $LOG"
-printf '%s\n' "${summary[@]}"
+python3 bench/gpu_summary.py "$LOG" || rc=1
 exit $rc
