@@ -263,3 +263,139 @@ def test_run_gpu_groups_expand(tmp_path):
     every = {"build", "tests", "engine", "demo", "step", "longctx", "prefill", "kernels", "moe", "attention", "tree",
              "allreduce"}
     assert set(sum(groups.values(), [])) == every
+
+
+# ---- the benchmarks' main loops, with the GPU parts replaced (control flow, records, refusals) -------------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    import sys
+    import _fake_cupy as fake
+    for name, mod in fake.MODULES.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(fake.runtime, "getDeviceProperties", lambda i: {"name": b"Fake H200"}, raising=False)
+    monkeypatch.setattr(fake.runtime, "memGetInfo", lambda: (100 << 30, 141 * 10**9))
+    import bench.ceilings
+    import bench.step
+    monkeypatch.setattr(bench.ceilings, "measure_read_bandwidth", lambda *a, **k: 4400.0)
+    monkeypatch.setattr(bench.ceilings, "measure_mma_bf16_tflops", lambda *a, **k: 640.0)
+    monkeypatch.setattr(bench.step, "fill_random", lambda *a, **k: None)
+    return fake
+
+
+class _FakePrefill:
+    calls = []
+    fail_chunk = None
+
+    def __init__(self, models, chunk, graphs=True):
+        self.chunk, self.graphs = int(chunk), graphs
+
+    def run(self, slot, prompt, request, use_drafter):
+        _FakePrefill.calls.append((self.chunk, len(prompt), use_drafter, list(request.prompt_ids) == list(prompt)))
+        if self.chunk == _FakePrefill.fail_chunk:
+            raise RuntimeError("out of shared memory")
+        return len(prompt) % 1000
+
+
+class _FakeEngine:
+    made = []
+
+    def __init__(self, tcfg, model_dir, dcfg, drafter_dir, **kw):
+        import types
+        self.kw, self.tcfg = kw, tcfg
+        self.num_pages = -(-kw["kv_tokens"] // 64)
+        self.max_pages_per_stream = -(-kw["max_context"] // 64)
+        self.prefill_runner = _FakePrefill(None, kw["prefill_chunk"])
+        self.models, self.stream = object(), types.SimpleNamespace(synchronize=lambda: None)
+        w = types.SimpleNamespace(fc=np.zeros((16, 8), np.uint16), ctx_kv=np.zeros((2, 4, 8), np.uint16))
+        self.drafter = types.SimpleNamespace(w=w, k_cache=[], v_cache=[])
+        self.kv = types.SimpleNamespace(set_block_table=lambda t: setattr(self, "table", t.copy()),
+                                        nbytes=lambda: self.num_pages * 61 * 64 * 1152)
+        _FakeEngine.made.append(self)
+
+
+@pytest.fixture
+def fake_prefill_main(fake_gpu, monkeypatch):
+    import ddtree_cupy.engine.gpu_engine as ge
+    import ddtree_cupy.engine.step as es
+    monkeypatch.setattr(ge, "GpuEngine", _FakeEngine)
+    monkeypatch.setattr(es, "Prefill", _FakePrefill)
+    _FakePrefill.calls, _FakePrefill.fail_chunk, _FakeEngine.made = [], None, []
+    return prefill.main
+
+
+def test_prefill_main_records_every_configuration(fake_prefill_main, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert fake_prefill_main(["--lengths", "300", "1024", "--chunks", "128", "512", "--reps", "2", "--layers", "3",
+                              "--routing", "model", "--json", str(out)]) == 0
+    eng = _FakeEngine.made[0]
+    # the engine holds the largest chunk and the longest prompt + a chunk + a tree; one slot's pages in the table
+    assert eng.kw["prefill_chunk"] == 512 and eng.kw["max_context"] == 1024 + 512 + 64 and eng.kw["max_streams"] == 1
+    assert (eng.table[0] >= 0).sum() == -(-(1024 + 1 + 8) // 64)
+    d = json.loads(out.read_text())
+    assert [(r["length"], r["chunk"]) for r in d["results"]] == [(300, 128), (300, 512), (1024, 128), (1024, 512)]
+    # per chunk one warm-up of one chunk, then reps timed runs of the whole prompt, the drafter appended
+    warm = [c for c in _FakePrefill.calls if c[1] == c[0]]
+    assert sorted(c[0] for c in warm) == [128, 512] and all(c[2] and c[3] for c in _FakePrefill.calls)
+    assert sum(1 for c in _FakePrefill.calls if c[1] == 1024) == 4
+    for r in d["results"]:
+        assert r["first_token"] == r["length"] % 1000 and len(r["ttft_all_ms"]) == 2
+        fl = prefill.prefill_floor(prefill.rank_costs(load_configs(3, 4096)[0], 8, 16 * 8 * 2 + 64 * 2, 16 * 8 + 64),
+                                   r["length"], r["chunk"], 4400e9, 640e12)
+        assert r["floor_ms"] == pytest.approx(fl["floor_s"] * 1e3)
+    a = d["assumptions"]
+    assert a["read_ceiling_GBps"] == 4400.0 and a["mma_bf16_TFLOPs"] == 640.0 and a["layers"] == 3
+    assert set(d["best"]) == {"300", "1024"} and "| prompt | chunk | TTFT ms" in capsys.readouterr().out
+
+
+def test_prefill_main_failure_and_budget(fake_prefill_main, tmp_path):
+    out = tmp_path / "p.json"
+    _FakePrefill.fail_chunk = 128
+    fake_prefill_main(["--lengths", "300", "--chunks", "128", "256", "--reps", "1", "--layers", "3", "--routing",
+                       "model", "--json", str(out)])
+    d = json.loads(out.read_text())
+    r128, r256 = d["results"]
+    assert r128["error"].startswith("warm-up: RuntimeError: out of shared memory") and "ttft_ms" in r256
+    _FakePrefill.fail_chunk = None
+    fake_prefill_main(["--lengths", "300", "4096", "--chunks", "128", "--reps", "1", "--layers", "3", "--routing",
+                       "model", "--budget-s", "0", "--json", str(out)])
+    d = json.loads(out.read_text())
+    assert "ttft_ms" in d["results"][0]                              # nothing measured yet: the first one runs
+    assert d["results"][1]["skipped"].startswith("skipped: estimated")
+
+
+def test_longctx_main_runs_groups_and_refuses_what_does_not_fit(fake_gpu, monkeypatch, tmp_path):
+    with open(os.path.join(ROOT, "bench", "results", "step_h200.json")) as f:
+        rec = json.load(f)
+    calls = []
+
+    def fake_call(cmd, cwd=None):
+        args = cmd[cmd.index("bench.step") + 1:]
+        ctx = int(args[args.index("--ctx") + 1])
+        streams = [int(s) for s in args[args.index("--streams") + 1:args.index("--rows")]]
+        calls.append((ctx, streams))
+        res = []
+        for S in streams:
+            r = copy.deepcopy(next(x for x in rec["results"] if (x["streams"], x["rows"]) == (S if S != 2 else 1, 8)))
+            r.update(ctx=ctx, streams=S, leave_one_out=dict(marginal_us_per_layer={"attention": 100.0}))
+            res.append(r)
+        with open(args[args.index("--json") + 1], "w") as f:
+            json.dump({"assumptions": dict(rec["assumptions"], ctx=ctx), "results": res}, f)
+        return 0
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    out = tmp_path / "l.json"
+    # 10 x 512K needs ~400 GB: refused with its numbers, the other groups run
+    rc = longctx.main(["--groups", "32768:1,4,10", "524288:10", "131072:1", "--json", str(out)])
+    assert rc == 1 and calls == [(32768, [1, 4, 10]), (131072, [1])]
+    d = json.loads(out.read_text())
+    assert [(r["ctx"], r["streams"]) for r in d["results"]] == [(32768, 1), (32768, 4), (32768, 10), (131072, 1)]
+    bad = d["runs"][1]
+    assert bad["ctx"] == 524288 and bad["error"].startswith("refused: needs ~") and "the GPU has 141 GB" in bad["error"]
+    for r in d["results"]:
+        s = r["attention_share"]
+        step = r["step_pdl_ms"]
+        assert s["measured_share"] == pytest.approx(61 * 0.1 / step)
+        assert s["model_us_per_layer"] == pytest.approx(longctx.attention_model_us(
+            r["streams"], 8, 8, r["ctx"] + 72, longctx.H200_ATTRS, "sm_90"))
+    assert d["runs"][0]["memory"]["kv_tokens"] == 10 * (-(-(32768 + 72) // 64)) * 64
+    with pytest.raises(SystemExit, match="--rows"):
+        longctx.main(["--rows", "1"])
