@@ -68,7 +68,8 @@ def longctx_lines(d: dict) -> List[str]:
         mo = "-" if s.get("model_share") is None else f"{100 * s['model_share']:.0f}%"
         out.append(f"long ctx {r['streams']} x {r['rows']} @ {r['ctx']}: {s['step_ms']:.2f} ms (floor "
                    f"{r['floor_ms']:.2f}, x{s['step_ms'] / r['floor_ms']:.2f}); attention {m} measured, {mo} model, "
-                   f"{100 * s['bytes_share']:.0f}% of the floor's bytes; PRO 6000 {r['pro6000_tok_s']:.0f} tok/s")
+                   f"{100 * s['bytes_share']:.0f}% of the floor's bytes; PRO 6000 {r['pro6000_tok_s']:.0f} tok/s"
+                   + ("" if r.get("pro6000_fits", True) else " (its cache does not fit a 96 GB rank)"))
     for run in d.get("runs", []):
         if run.get("error"):
             out.append(f"long ctx {run['ctx']} streams {run['streams']}: {run['error']}")

@@ -60,7 +60,8 @@ def drafter_shard_bytes(dcfg, tp: int = 8) -> int:
     H, hd, L = dcfg.hidden_size, dcfg.head_dim, dcfg.num_hidden_layers
     hq, hkv, F = dcfg.num_attention_heads // tp, max(1, dcfg.num_key_value_heads // tp), dcfg.intermediate_size // tp
     fc = H * dcfg.num_context_features * H // tp
-    per_layer = (hq + 2 * hkv) * hd * H + H * hq * hd + 2 * F * H + H * F + 2 * hkv * hd * H    # qkv o gate_up down ctx_kv
+    # qkv, o_proj, gate_up, down, and the context K/V projections (ctx_kv, a copy of k | v)
+    per_layer = (hq + 2 * hkv) * hd * H + H * hq * hd + 2 * F * H + H * F + 2 * hkv * hd * H
     return 2 * (fc + L * per_layer)
 
 
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8, help="verify rows per stream (budget + 1)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--loo", type=int, default=1, help="1: leave-one-out of every layer stage (attention's measured share)")
+    ap.add_argument("--loo", type=int, default=1,
+                    help="1: leave-one-out of every layer stage (attention's measured share)")
     ap.add_argument("--step-arg", action="append", default=[], help="passed on to bench/step.py (repeatable)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "longctx_h200.json"))
     a = ap.parse_args(argv)
@@ -183,8 +185,11 @@ def main(argv=None) -> int:
         heads = tcfg.num_attention_heads // 8
         for rec in d["results"]:
             kv_len = ctx + a.rows + 64          # what bench/step.py's engine plans for (max_context)
-            rec["attention_share"] = attention_share(
-                rec, tcfg.num_hidden_layers, attention_model_us(rec["streams"], rec["rows"], heads, kv_len, attrs, arch))
+            model_us = attention_model_us(rec["streams"], rec["rows"], heads, kv_len, attrs, arch)
+            rec["attention_share"] = attention_share(rec, tcfg.num_hidden_layers, model_us)
+            # the projection assumes the streams' cache fits one PRO 6000 rank: say where it does not
+            one = memory_plan(tcfg, dcfg, ctx, (rec["streams"],), a.rows, weights, attrs)
+            rec["pro6000_fits"] = one["fits_pro6000"]
             results.append(rec)
     print(f"\n{name}: the step at long context (PDL graph where measured; floor = bench/step.py's byte floor over the "
           "read ceiling of the same run; attention share of the step: bytes of the floor / planner model / "
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
         print(f"| {r['ctx']} | {r['streams']} | {r['rows']} | {s['step_ms']:.2f} | {r['floor_ms']:.2f} | "
               f"{s['step_ms'] / r['floor_ms']:.2f} | {pct(s['bytes_share'])} | {pct(s['model_share'])} | "
               f"{pct(s['measured_share'])} | {num(s['model_us_per_layer'])} / {num(s['measured_us_per_layer'])} | "
-              f"{r['pro6000_tok_s']:.0f} |")
+              f"{r['pro6000_tok_s']:.0f}{'' if r['pro6000_fits'] else ' (cache does not fit 96 GB)'} |")
     for run in runs:
         if run.get("error"):
             print(f"context {run['ctx']} streams {run['streams']}: {run['error']}")

@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     import cupy
     import numpy as np
     from bench.ceilings import measure_mma_bf16_tflops, measure_read_bandwidth
-    from bench.step import RankComm, UniformRouting, fill_random, load_configs
+    from bench.step import RankComm, UniformRouting, load_configs
     from ddtree_cupy.engine.gpu_engine import GpuEngine
     from ddtree_cupy.engine.kv_pool import KVPool
     from ddtree_cupy.engine.step import Prefill
@@ -206,7 +206,6 @@ def main(argv=None) -> int:
                     kv_tokens=-(-per_stream // 64) * 64, random_weights=1, prefill_chunk=C_max,
                     max_context=per_stream, buckets=(1,))
     build_s = time.perf_counter() - t0
-    fill_random(eng.drafter.k_cache + eng.drafter.v_cache, seed=2)
     pool = KVPool(eng.num_pages, 64, 1, eng.max_pages_per_stream, rows)
     slot = pool.admit(0, P_max, 1)
     eng.kv.set_block_table(pool.block_table)

@@ -255,8 +255,9 @@ def test_run_gpu_groups_expand(tmp_path):
     text = open(os.path.join(ROOT, "bench", "run_gpu.sh")).read()
     expect = dict(kv.split("]=") for kv in text.split("declare -A EXPECT=(")[1].split(")")[0].replace("[", "")
                   .split())
-    groups = {g: text.split(f"    {g}) expanded+=(")[1].split(")")[0].split() for g in ("call1", "call2", "call3", "call4")}
-    budget = int(text.split("BUDGET_S=${BUDGET_S:-")[1].split("}")[0])
+    groups = {g: text.split(f"    {g}) expanded+=(")[1].split(")")[0].split()
+              for g in ("call1", "call2", "call3", "call4")}
+    budget = int(text.split("then BUDGET_S=${BUDGET_S:-")[1].split("}")[0])
     assert budget <= 540
     for g, parts in groups.items():
         assert sum(int(expect[p]) for p in parts) <= budget, g
@@ -397,5 +398,6 @@ def test_longctx_main_runs_groups_and_refuses_what_does_not_fit(fake_gpu, monkey
         assert s["model_us_per_layer"] == pytest.approx(longctx.attention_model_us(
             r["streams"], 8, 8, r["ctx"] + 72, longctx.H200_ATTRS, "sm_90"))
     assert d["runs"][0]["memory"]["kv_tokens"] == 10 * (-(-(32768 + 72) // 64)) * 64
+    assert [r["pro6000_fits"] for r in d["results"]] == [True, True, False, True]     # 10 x 32K: 23 GB of cache
     with pytest.raises(SystemExit, match="--rows"):
         longctx.main(["--rows", "1"])
