@@ -4,6 +4,9 @@
 #   bench/run_gpu.sh [LOGDIR] [PARTS...]     default LOGDIR: bench/results/<UTC timestamp>
 # PARTS (default: all, in this order): build tests engine demo step kernels moe attention tree allreduce
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
+# Parts sized for a 16 GB card (bench/ci_gpu.sh runs them): step16 (bench.step, STEP_LAYERS layers, default 6),
+# kernels16, moe16 (the TP8 expert width only), attention16 (the quick grid).
+# Every part appends "name<TAB>rc<TAB>seconds<TAB>result" to LOGDIR/summary.tsv.
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="${1:-bench/results/$(date -u +%Y%m%dT%H%M%SZ)}"; shift || true
@@ -16,14 +19,15 @@ run_part() {  # name, time limit (s), command...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1; local r=$?
   [ $r -ne 0 ] && rc=1
-  summary+=("$(printf '%-10s rc=%-4s %4ss  %s' "$name" "$r" "$((SECONDS - t0))" \
-    "$(grep -E 'passed|failed|error|spec builds' "$LOG/$name.log" | tail -1 | cut -c1-90)")")
+  local res; res="$(grep -E 'passed|failed|error|spec builds' "$LOG/$name.log" | tail -1 | cut -c1-90)"
+  summary+=("$(printf '%-10s rc=%-4s %4ss  %s' "$name" "$r" "$((SECONDS - t0))" "$res")")
+  printf '%s\t%s\t%s\t%s\n' "$name" "$r" "$((SECONDS - t0))" "$res" >> "$LOG/summary.tsv"
 }
 arch="sm_$(python3 -c 'import cupy; print(cupy.cuda.Device().compute_capability)')"
 for p in "${parts[@]}"; do
   case $p in
     build)     run_part build 300 python3 -m ddtree_cupy.build --arch "$arch" ;;
-    tests)     run_part tests 400 python3 -m pytest -q -m gpu tests/gpu --ignore=tests/gpu/test_engine.py ;;
+    tests)     run_part tests 560 python3 -m pytest -q -m gpu tests/gpu --ignore=tests/gpu/test_engine.py ;;
     engine)    run_part engine 300 python3 -m pytest -q -m gpu tests/gpu/test_engine.py tests/test_teacher_forced.py ;;
     demo)      run_part demo 120 python3 -m ddtree_cupy.run --demo --backend cupy --json --max-new-tokens 64 ;;
     step)      run_part step 300 python3 -m bench.step --reps 5 --json "$LOG/step.json" ;;
@@ -32,6 +36,11 @@ for p in "${parts[@]}"; do
     attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention.json" ;;
     tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree.json" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce.json" ;;
+    step16)    run_part step16 300 python3 -m bench.step --layers "${STEP_LAYERS:-6}" --reps 5 --stages 0 \
+                 --json "$LOG/step16.json" ;;
+    kernels16) run_part kernels16 300 python3 -m bench.kernels --quick --json "$LOG/kernels16.json" ;;
+    moe16)     run_part moe16 300 python3 -m bench.moe --quick --widths 256 --out "$LOG/moe16.json" ;;
+    attention16) run_part attention16 300 python3 bench/attention.py --quick --out "$LOG/attention16.json" ;;
     # several GPUs (TP_NP of them, default 2) and an MPI launcher (MPIRUN, default mpirun) on PATH:
     tp)        run_part tp 600 python3 bench/tp_check.py --np "${TP_NP:-2}" --mpirun "${MPIRUN:-mpirun}" --out "$LOG/tp" ;;
     allreduce_tp) run_part allreduce_tp 120 "${MPIRUN:-mpirun}" -np "${TP_NP:-2}" launcher/bind.sh \

@@ -260,9 +260,8 @@ class ProfileSession:
         return opts
 
     def _ceiling_bytes(self) -> int:
-        import cupy
-        free = cupy.cuda.runtime.memGetInfo()[0]
-        return int(max(256 << 20, min(2 << 30, free // 4)))
+        from ..engine.gpu_engine import free_device_bytes
+        return int(max(256 << 20, min(2 << 30, free_device_bytes() // 4)))
 
     # ---- what the step is made of ------------------------------------------------------------------
     @property
