@@ -210,10 +210,24 @@ def test_session_timings_and_floors(emulated):
     assert kt.floor is None and "in tree" in kt.note
     launches = ps.kernels(1)
     assert launches["layer 1 moe"] == {"fake_moe": 1} and "ddt_build_tree" in launches["tree"]
+    # a stage without weights or cache has no floor, and says so
+    assert "no floor: it reads no weights or cache" in str(ps.stage(0, "silu"))
+    # the same engine profiled autoregressively (root-only trees, no draft phase)
+    from ddtree_cupy.profiling import ProfileSession
+    ar = ProfileSession(ps.eng, streams=2, rows=1, ctx=100, mode="ar")
+    assert ar.phase_names() == ["tree", "verify", "accept"] and ar.decode.R == 1
+    pa = ar.phases()
+    assert "no floor" in str(pa["tree"]) and pa["verify"].floor == ar.floors.verify()
+    assert ar.block_table[:2, :2].min() >= 0 and (ar.block_table[:2, 2:] == -1).all()
     # the state a replay reads is restored after every measurement
     from ddtree_cupy.kernels import engine_glue as g
-    assert (np.asarray(ps.decode.ctrl)[g.CTRL_PREFIX] == 200).all()
+    ps2 = _session()
+    assert (np.asarray(ps2.decode.ctrl)[g.CTRL_PREFIX] == 200).all()
+    ps2.kernel("fake_moe", iters=1, reps=1)
+    ps2.timeline()
+    assert (np.asarray(ps2.decode.ctrl)[g.CTRL_PREFIX] == 200).all()
     ps.close()
+    ps2.close()
 
 
 def test_timeline_table_and_trace(emulated, tmp_path):

@@ -53,7 +53,7 @@ def profile_run(a, engine, res, err, root: bool = True) -> Optional[dict]:
         print(f"  step graph {rep['step']['us']:.1f} us (floor {rep['step']['floor_us']:.1f} us, "
               f"x{rep['step']['x_floor']:.2f})", file=err)
         for k, v in rep["phases"].items():
-            fl = "" if v["floor_us"] is None else f" (floor {v['floor_us']:.1f} us, x{v['x_floor']:.2f})"
+            fl = "" if v["x_floor"] is None else f" (floor {v['floor_us']:.1f} us, x{v['x_floor']:.2f})"
             print(f"  phase {k}: {v['us']:.1f} us{fl}", file=err)
         from .session import Table
         print(str(Table(**rep["layers"])), file=err)

@@ -69,8 +69,9 @@ class Timing:
                     bound=None if self.floor is None else self.floor.bound(self.ceilings), note=self.note)
 
     def __str__(self) -> str:
-        if self.floor is None:
-            return f"{self.name}: {self.us:.1f} us (no floor: {self.note})"
+        if self.floor is None or not self.floor_us:
+            why = self.note if self.floor is None else "it reads no weights or cache"
+            return f"{self.name}: {self.us:.1f} us (no floor: {why})"
         return (f"{self.name}: {self.us:.1f} us, floor {self.floor_us:.1f} us ({self.floor.bound(self.ceilings)}: "
                 f"{self.floor.bytes / 1e6:.2f} MB, {self.floor.flops / 1e9:.2f} GFLOP) -> x{self.x_floor:.2f} floor"
                 + (f"; {self.note}" if self.note else ""))
@@ -454,15 +455,18 @@ class ProfileSession:
         cls = type(tgt)
         orig = cls.layer_stages
         marks: List[tuple] = []
+        open_range = [False]
 
         def mark(name, cat, layer):
-            if marks:
+            if open_range[0]:
                 nvtx_pop()
+                open_range[0] = False
             ev = cupy.cuda.Event()
             ev.record(st)
             marks.append((name, cat, layer, ev))
             if name is not None:
                 nvtx_push(name)
+                open_range[0] = True
 
         def stages(self_, i, batch, kv):
             def wrap(n, fn):
@@ -484,7 +488,8 @@ class ProfileSession:
             st.synchronize()
         finally:
             cls.layer_stages = orig
-            nvtx_pop()
+            if open_range[0]:
+                nvtx_pop()
         self.decode.upload(self.ctrl)
         t0 = marks[0][3]
         out = []

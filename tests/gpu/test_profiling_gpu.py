@@ -106,3 +106,18 @@ def test_session_next_to_bench_step(tmp_path, capsys):
         ps.close()
         del ps
         _free()
+
+
+def test_cli_profile_on_the_demo(tmp_path):
+    """``--profile --profile-trace`` on the tiny demo checkpoints: the report is in the JSON, the trace written."""
+    trace = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, "-m", "ddtree_cupy.run", "--demo", "--backend", "cupy", "--json",
+                        "--max-new-tokens", "32", "--profile", "--profile-trace", str(trace)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    print(r.stderr[-4000:])
+    prof = json.loads(r.stdout.strip().splitlines()[-1])["stats"]["profile"]
+    assert prof["step"]["us"] > 0 and set(prof["phases"]) == {"draft", "tree", "verify", "accept"}
+    assert len(prof["layers"]["rows"]) == prof["shape"]["layers"] and "| layer | kind |" in r.stderr
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert events and all(e["dur"] >= 0 for e in events)
