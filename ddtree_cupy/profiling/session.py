@@ -23,7 +23,6 @@ NVTX range and a CUDA event per layer stage (the Nsight Systems view, and a Chro
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -110,9 +109,10 @@ def load_configs(target, drafter=None, layers: Optional[int] = None, ctx: Option
         path = os.path.join(x, "config.json") if os.path.isdir(x) else x
         if not os.path.isfile(path):
             raise ValueError(f"profiling: no config at {x!r} (give a config JSON file or a checkpoint directory)")
-        with open(path) as f:
-            return cls.from_dict(json.load(f), path)
+        return cls.load(x)
     tcfg, dcfg = read(target, TargetConfig), read(drafter, DrafterConfig)
+    if dcfg is not None:
+        dcfg.check_matches(tcfg)
     if layers is not None:
         if not isinstance(layers, int) or not 1 <= layers <= tcfg.num_hidden_layers:
             raise ValueError(f"profiling: layers must be an integer in [1, {tcfg.num_hidden_layers}], got {layers!r}")
