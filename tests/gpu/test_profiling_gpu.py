@@ -121,3 +121,18 @@ def test_cli_profile_on_the_demo(tmp_path):
     assert len(prof["layers"]["rows"]) == prof["shape"]["layers"] and "| layer | kind |" in r.stderr
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert events and all(e["dur"] >= 0 for e in events)
+
+
+def test_memory_limit_emulation():
+    """Under CUPY_GPU_MEMORY_LIMIT (how bench/ci_gpu.sh --limit-gb emulates a small card): the engine's free
+    memory stays within the limit, an allocation past it fails, and a big_gpu test skips with its reason."""
+    env = dict(os.environ, PYTHONPATH=ROOT, CUPY_GPU_MEMORY_LIMIT=str(1 << 30))
+    code = ("import cupy\nfrom ddtree_cupy.engine.gpu_engine import free_device_bytes\n"
+            "assert 0 < free_device_bytes() <= 1 << 30, free_device_bytes()\n"
+            "try:\n    cupy.empty(3 << 29, cupy.uint8)\nexcept cupy.cuda.memory.OutOfMemoryError:\n    print('LIMIT OK')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "LIMIT OK" in r.stdout, (r.stdout + r.stderr)[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests/gpu/test_profiling_gpu.py::test_profiling_doc_example_on_gpu"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "1 skipped" in r.stdout and "needs about 9 GB" in r.stdout, r.stdout[-2000:]
