@@ -44,7 +44,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -56,6 +55,7 @@ PRO6000_BW = 1.79e12          # RTX PRO 6000 Blackwell GDDR7, datasheet bytes/s
 from ddtree_cupy.profiling.rank_comm import RankComm  # noqa: E402  (rank 0 of 8 without peers)
 from ddtree_cupy.profiling.routing import UniformRouting, count_experts  # noqa: E402,F401
 from ddtree_cupy.profiling.marginal import leave_one_out  # noqa: E402
+from ddtree_cupy.profiling.session import fill_random, load_configs as _load_configs  # noqa: E402
 
 
 class LiveRankComm(RankComm):
@@ -139,30 +139,10 @@ def load_allreduce_fit(path: str, default_gbps: float):
 
 
 def load_configs(layers: int, ctx: int):
-    from ddtree_cupy.config import DrafterConfig, TargetConfig
+    """Kimi K2.6 and its DFlash drafter (tests/data), the first ``layers`` layers, drafter window ``ctx``."""
     data = os.path.join(ROOT, "tests", "data")
-    with open(os.path.join(data, "kimi-k2.6-text.json")) as f:
-        tcfg = TargetConfig.from_dict(json.load(f), "kimi-k2.6-text.json")
-    with open(os.path.join(data, "kimi-k2.5-dflash-drafter.json")) as f:
-        dcfg = DrafterConfig.from_dict(json.load(f), "kimi-k2.5-dflash-drafter.json")
-    if layers != tcfg.num_hidden_layers:
-        tcfg = replace(tcfg, num_hidden_layers=layers)
-        keep = tuple(i for i in dcfg.target_layer_ids if i < layers) or (layers - 1,)
-        dcfg = replace(dcfg, target_layer_ids=keep)
-    return tcfg, dcfg.with_options(draft_window=ctx)
-
-
-def fill_random(arrays, std=0.5, seed=0):
-    """Finite random bf16 rows in every array of the same shape (one generated block, copied)."""
-    import cupy
-    from ddtree_cupy.models.drafter import f32_to_bf16_bits_gpu
-    rng = cupy.random.default_rng(seed)
-    by_shape = {}
-    for a in arrays:
-        blk = by_shape.get(a.shape)
-        if blk is None:
-            blk = by_shape[a.shape] = f32_to_bf16_bits_gpu(rng.standard_normal(a.shape, dtype=cupy.float32) * std)
-        a[...] = blk
+    return _load_configs(os.path.join(data, "kimi-k2.6-text.json"), os.path.join(data, "kimi-k2.5-dflash-drafter.json"),
+                         layers, ctx)
 
 
 def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):

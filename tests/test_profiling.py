@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 
-import _fake_cupy as fake
 import test_engine_cpu as emu
 from test_engine_cpu import fake_gpu  # noqa: F401  (the fixture)
 
