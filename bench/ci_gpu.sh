@@ -20,7 +20,7 @@ if [ "${1:-}" = "--limit-gb" ]; then
 fi
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(build tests engine demo step16 kernels16 moe16 attention16 tree)
 mkdir -p "$OUT"
-export DDT_GPU_MEM_LOG="$PWD/$OUT/gpu_mem.txt"
+export DDT_GPU_MEM_LOG="$(cd "$OUT" && pwd)/gpu_mem.txt"     # the tests run from other directories too
 t0=$SECONDS
 bash bench/run_gpu.sh "$OUT" "${parts[@]}"; rc=$?
 echo "$((SECONDS - t0)) ${parts[*]}" >> "$OUT/durations.txt"
