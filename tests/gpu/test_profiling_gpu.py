@@ -75,8 +75,9 @@ def test_session_next_to_bench_step(tmp_path, capsys):
         assert _ok(step) and all(_ok(t) for t in phases.values())
         with capsys.disabled():
             print(f"\n{ps.ceilings}")
+            pdl = "-" if bench["step_pdl_ms"] is None else f"{bench['step_pdl_ms']:.3f}"
             print(f"step: session {step.us / 1e3:.3f} ms ({'PDL' if ps.decode.pdl else 'plain'} graph) | bench.step "
-                  f"plain {bench['step_ms']:.3f} ms, PDL {bench['step_pdl_ms']:.3f} ms | floor: session "
+                  f"plain {bench['step_ms']:.3f} ms, PDL {pdl} ms | floor: session "
                   f"{step.floor_us / 1e3:.3f} ms, bench.step {bench['floor_ms']:.3f} ms")
             for k, t in phases.items():
                 print(f"phase {k}: session {t.us / 1e3:.3f} ms | bench.step {bench['phases_ms'][k]:.3f} ms | "
