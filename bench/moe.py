@@ -494,6 +494,9 @@ def main():
     ap.add_argument("--out", default="bench/results/moe_bench.json")
     ap.add_argument("--md", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--widths", default="256,2048", metavar="I,..",
+                    help="expert widths of the table (256: the TP8 shard, ~6 GB of GPU memory; 2048: TP1, ~45 GB "
+                         "with the cuBLAS fp16 comparison weights)")
     ap.add_argument("--focus", action="store_true", help="the table against its variants at the decode sizes")
     ap.add_argument("--prev", default=None, metavar="FILE.cu",
                     help="with --focus: also time the GEMMs of this kernel file (same arguments) in the same process")
@@ -556,7 +559,10 @@ def main():
                read_ceiling_after_gbs=None, mma_bf16_tflops=mma, E=E, top_k=K_TOP, H=H,
                repack_layer_s=repack, rows=rows)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    for I in (256, 2048):
+    widths = [int(v) for v in args.widths.split(",") if v]
+    if not widths or any(i not in (256, 2048) for i in widths):
+        raise SystemExit(f"--widths: choose from 256, 2048 (got {args.widths!r})")
+    for I in widths:
         repack[I] = bench_width(I, read_gbs, rows, args.quick)
         with open(args.out, "w") as f:          # after each width: a time limit still leaves the first
             json.dump(res, f, indent=1)

@@ -12,6 +12,9 @@
 # expected duration no longer fits is skipped (said so in the summary; exit status 3 unless a part failed: 1),
 # and every part's limit is cut to the time left. Results JSON are named as the figures of record
 # (<bench>_<gpu>.json, e.g. step_h200.json); the summary lists them: each replaces bench/results' file of that name.
+# Parts sized for a 16 GB card (bench/ci_gpu.sh runs them): step16 (bench.step, STEP_LAYERS layers, default 6),
+# kernels16, moe16 (the TP8 expert width only), attention16 (the quick grid).
+# Every part appends "name<TAB>rc<TAB>seconds<TAB>result" to LOGDIR/parts.tsv.
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="${1:-bench/results/$(date -u +%Y%m%dT%H%M%SZ)}"; shift || true
@@ -81,6 +84,11 @@ for p in "${parts[@]}"; do
     attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention_$TAG.json" ;;
     tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree_$TAG.json" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;
+    step16)    run_part step16 300 python3 -m bench.step --layers "${STEP_LAYERS:-6}" --reps 5 --stages 0 \
+                 --json "$LOG/step16.json" ;;
+    kernels16) run_part kernels16 300 python3 -m bench.kernels --quick --json "$LOG/kernels16.json" ;;
+    moe16)     run_part moe16 300 python3 -m bench.moe --quick --widths 256 --out "$LOG/moe16.json" ;;
+    attention16) run_part attention16 300 python3 bench/attention.py --quick --out "$LOG/attention16.json" ;;
     # several GPUs (TP_NP of them, default 2) and an MPI launcher (MPIRUN, default mpirun) on PATH:
     tp)        run_part tp 600 python3 bench/tp_check.py --np "${TP_NP:-2}" --mpirun "${MPIRUN:-mpirun}" --out "$LOG/tp" ;;
     allreduce_tp) run_part allreduce_tp 120 "${MPIRUN:-mpirun}" -np "${TP_NP:-2}" launcher/bind.sh \

@@ -44,7 +44,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -53,34 +52,10 @@ sys.path.insert(0, ROOT)
 
 PRO6000_BW = 1.79e12          # RTX PRO 6000 Blackwell GDDR7, datasheet bytes/s
 
-
-class RankComm:
-    """Rank ``rank`` of ``size`` without peers: counts collectives; all-reduce is the identity, all-gather
-    writes this rank's array into every part of a preallocated [size, ...] buffer (graph-capturable)."""
-    backend = "bench"
-
-    def __init__(self, rank=0, size=8):
-        self.rank, self.size = rank, size
-        self.n_reduce = self.n_gather = self.reduce_bytes = 0
-        self._bufs = {}
-
-    def all_reduce(self, x):
-        self.n_reduce += 1
-        self.reduce_bytes += x.nbytes
-        return x
-
-    def all_gather(self, x):
-        import cupy
-        self.n_gather += 1
-        key = (x.shape, x.dtype.str, x.data.ptr)
-        buf = self._bufs.get(key)
-        if buf is None:
-            buf = self._bufs[key] = cupy.empty((self.size,) + x.shape, x.dtype)
-        cupy.copyto(buf, x[None])
-        return buf
-
-    def barrier(self):
-        pass
+from ddtree_cupy.profiling.rank_comm import RankComm  # noqa: E402  (rank 0 of 8 without peers)
+from ddtree_cupy.profiling.routing import UniformRouting, count_experts  # noqa: E402,F401
+from ddtree_cupy.profiling.marginal import leave_one_out  # noqa: E402
+from ddtree_cupy.profiling.session import fill_random, load_configs as _load_configs  # noqa: E402
 
 
 class LiveRankComm(RankComm):
@@ -164,94 +139,10 @@ def load_allreduce_fit(path: str, default_gbps: float):
 
 
 def load_configs(layers: int, ctx: int):
-    from ddtree_cupy.config import DrafterConfig, TargetConfig
+    """Kimi K2.6 and its DFlash drafter (tests/data), the first ``layers`` layers, drafter window ``ctx``."""
     data = os.path.join(ROOT, "tests", "data")
-    with open(os.path.join(data, "kimi-k2.6-text.json")) as f:
-        tcfg = TargetConfig.from_dict(json.load(f), "kimi-k2.6-text.json")
-    with open(os.path.join(data, "kimi-k2.5-dflash-drafter.json")) as f:
-        dcfg = DrafterConfig.from_dict(json.load(f), "kimi-k2.5-dflash-drafter.json")
-    if layers != tcfg.num_hidden_layers:
-        tcfg = replace(tcfg, num_hidden_layers=layers)
-        keep = tuple(i for i in dcfg.target_layer_ids if i < layers) or (layers - 1,)
-        dcfg = replace(dcfg, target_layer_ids=keep)
-    return tcfg, dcfg.with_options(draft_window=ctx)
-
-
-def fill_random(arrays, std=0.5, seed=0):
-    """Finite random bf16 rows in every array of the same shape (one generated block, copied)."""
-    import cupy
-    from ddtree_cupy.models.drafter import f32_to_bf16_bits_gpu
-    rng = cupy.random.default_rng(seed)
-    by_shape = {}
-    for a in arrays:
-        blk = by_shape.get(a.shape)
-        if blk is None:
-            blk = by_shape[a.shape] = f32_to_bf16_bits_gpu(rng.standard_normal(a.shape, dtype=cupy.float32) * std)
-        a[...] = blk
-
-
-class UniformRouting:
-    """``--routing uniform``: the MoE kernels read, per layer, a fixed table of 8 distinct experts per row drawn
-    uniformly at random (PERFORMANCE.md's model of real routing), instead of the random model's router output.
-
-    Why: with random weights the residual stream of every row is dominated by the same attention/MLP outputs,
-    so all tree rows route to nearly the same experts (8.5 unique per layer at 8 rows, where uniform routing
-    touches ~60): the step would read far fewer expert bytes than a real model's. The router still runs (its
-    kernels and their cost stay in the step); only ``moe_forward``'s ``ids`` argument is replaced, so the
-    graph has no extra node. Tables are made on the first (eager) call of each (layer, rows) -- the capture's
-    warm-up -- and reused by the captured graph."""
-
-    def __init__(self, E: int, k: int, seed: int = 7):
-        from ddtree_cupy.kernels import moe as moe_mod
-        self.mod, self.orig = moe_mod, moe_mod.moe_forward
-        self.E, self.k, self.rng = E, k, np.random.default_rng(seed)
-        self.tables = {}            # (id(experts), T) -> (device table, host copy)
-        self.used = []              # host tables in call order (counted by count_experts)
-
-    def __enter__(self):
-        self.mod.moe_forward = self._forward
-        return self
-
-    def __exit__(self, *exc):
-        self.mod.moe_forward = self.orig
-
-    def _forward(self, x, ids, *a, **kw):
-        import cupy
-        experts = a[1] if len(a) > 1 else kw["experts"]
-        key = (id(experts), ids.shape[0])
-        tab = self.tables.get(key)
-        if tab is None:
-            if cupy.cuda.get_current_stream().is_capturing():
-                raise RuntimeError("UniformRouting: a routing table was first needed during capture")
-            host = np.stack([self.rng.choice(self.E, self.k, replace=False) for _ in range(ids.shape[0])])
-            host = host.astype(ids.dtype)
-            tab = self.tables[key] = (cupy.asarray(host), host)
-        self.used.append(tab[1])
-        return self.orig(x, tab[0], *a, **kw)
-
-
-def count_experts(step, S, R, cfg, uniform=None):
-    """Unique routed experts per MoE layer over the real rows of one eager step (router outputs recorded)."""
-    from ddtree_cupy.kernels import router as router_mod
-    seen = []
-    orig = router_mod.route_logits
-
-    def rec(*a, **k):
-        ids, w = orig(*a, **k)
-        seen.append(ids.get())
-        return ids, w
-    router_mod.route_logits = rec
-    try:
-        with step.m.stream:
-            step.enqueue()
-        step.m.stream.synchronize()
-    finally:
-        router_mod.route_logits = orig
-    n_rows = step.batch.n_rows.get()
-    rows = np.concatenate([np.arange(s * R, s * R + int(n_rows[s])) for s in range(S)])
-    if uniform is not None:         # what the MoE kernels read: the tables of the verify forward's layers
-        seen = uniform.used[-len(seen):]
-    return [int(np.unique(ids[rows]).size) for ids in seen], int(rows.size)
+    return _load_configs(os.path.join(data, "kimi-k2.6-text.json"), os.path.join(data, "kimi-k2.5-dflash-drafter.json"),
+                         layers, ctx)
 
 
 def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):
@@ -277,41 +168,6 @@ def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):
     }
     parts["total"] = sum(parts.values())
     return parts, per_expert
-
-
-def leave_one_out(eng, step, st, moe_layer: int, use_pdl: bool = True, reps: int = 3) -> dict:
-    """The verify phase (all layers) captured as one graph, PDL launches as the engine's graph when ``use_pdl``,
-    timed whole and once per layer stage with that stage dropped from EVERY layer. The drop of stage s gives
-    its marginal cost: the time it adds to the real critical path, overlap with its neighbours and its
-    weights' real DRAM traffic included -- which per-stage graphs (each replayed alone, small weights in L2)
-    cannot show. Buffers keep their previous values when a producer is dropped, so the kernels still read
-    valid memory; the numbers are timings only."""
-    from bench.ceilings import time_graph
-    from ddtree_cupy.kernels import launch
-    cls = type(eng.target)
-    orig = cls.layer_stages
-    verify = dict(step.phases())["verify"]
-    names = [n for n, _ in orig(eng.target, moe_layer, step.batch, eng.kv)]
-    n_layers = eng.target.cfg.num_hidden_layers
-    before = launch.pdl_enabled()
-    launch.set_pdl(use_pdl)
-    try:
-        with st:
-            full = time_graph(verify, iters=1, reps=reps)
-            marginal = {}
-            for drop in names:
-                def stages(self, i, batch, kv, _drop=drop):
-                    return [(n, fn) for n, fn in orig(self, i, batch, kv) if n != _drop]
-                cls.layer_stages = stages
-                try:
-                    t = time_graph(verify, iters=1, reps=reps)
-                finally:
-                    cls.layer_stages = orig
-                marginal[drop] = (full - t) / n_layers
-    finally:
-        launch.set_pdl(before)
-    return dict(verify_us=full, pdl=use_pdl, marginal_us_per_layer=marginal,
-                sum_marginal_us=sum(marginal.values()), verify_us_per_layer=full / n_layers)
 
 
 def main(argv=None) -> int:

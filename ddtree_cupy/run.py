@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     r.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="numpy backend precision")
     r.add_argument("--json", action="store_true", help="print one JSON object on the last line of stdout")
+    r.add_argument("--profile", action="store_true",
+                   help="cupy backend: after the run, time its step, phases and layers against their floors "
+                        "(printed to stderr; in the JSON under stats.profile); docs/PROFILING.md")
+    r.add_argument("--profile-trace", metavar="FILE", help="with --profile: the step's timeline as a Chrome trace")
     return ap
 
 
@@ -325,6 +329,9 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
     stats = res.stats_dict()
     stats.update({"mode": a.mode, "budget": a.budget if a.mode == "ddtree" else None, "backend": backend,
                   "dtype": a.dtype, "load_s": load_s, "tp": engine.comm.size})
+    if a.profile or a.profile_trace:
+        from .profiling.cli import profile_run
+        stats["profile"] = profile_run(a, engine, res, sys.stderr if root else _Quiet(), root)
     streams = [{"prompt_ids": [int(t) for t in s.request.prompt_ids], "output_ids": [int(t) for t in s.output_ids],
                 "text": _text(tok, s.output_ids, s.request.stop_ids), "finish_reason": s.finish_reason}
                for s in res.streams]

@@ -129,6 +129,9 @@ class _Graph:
         for op in self.ops:
             op()
 
+    def upload(self, stream=None):
+        pass
+
 
 class _Stream:
     def __init__(self, non_blocking=False):
@@ -212,7 +215,7 @@ cp = _module(
     full_like=lambda a, v: _alloc(np.full_like(np.asarray(a), v)),
     arange=lambda *a, **k: _alloc(np.arange(*a, **k)),
     asarray=lambda a, dtype=None: _alloc(np.array(a, dtype=dtype, copy=True)),
-    ascontiguousarray=lambda a: _alloc(np.array(np.asarray(a), order="C", copy=True)),
+    ascontiguousarray=lambda a, dtype=None: _alloc(np.array(np.asarray(a), dtype=dtype, order="C", copy=True)),
     copyto=lambda d, s: run_or_record(lambda: np.copyto(d, s)),
     array_equal=lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
     get_default_memory_pool=lambda: types.SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0),

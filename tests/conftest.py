@@ -46,11 +46,35 @@ def mpi_skip_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_memory_budget() -> float:
+    """Bytes of device memory the tests may use: the device's total, or CuPy's pool limit when set
+    (``CUPY_GPU_MEMORY_LIMIT``, how a large card emulates the 16 GB CI card)."""
+    import cupy
+    total = cupy.cuda.runtime.memGetInfo()[1]
+    limit = cupy.get_default_memory_pool().get_limit()
+    return float(min(total, limit) if limit else total)
+
+
+def big_gpu_skip_reason(item) -> str | None:
+    """``@pytest.mark.big_gpu(gb=N)``: the test needs about N GB of device memory (estimated from its shapes)."""
+    m = item.get_closest_marker("big_gpu")
+    if m is None or gpu_skip_reason():
+        return None
+    need = float(m.kwargs.get("gb", m.args[0] if m.args else 0))
+    have = gpu_memory_budget() / 1e9
+    if have < need:
+        return f"needs about {need:.0f} GB of GPU memory; this device (or CUPY_GPU_MEMORY_LIMIT) gives {have:.1f} GB"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     in_ci = os.environ.get("CI") == "true"
     for item in items:
         if "gpu" in item.keywords and gpu_skip_reason():
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {gpu_skip_reason()}"))
+        elif "big_gpu" in item.keywords and big_gpu_skip_reason(item):
+            item.add_marker(pytest.mark.skip(reason=big_gpu_skip_reason(item)))
         if "oracle" in item.keywords and oracle_skip_reason():
             # CI installs the dev extra: there a missing oracle must fail the test, never skip it.
             if not in_ci:

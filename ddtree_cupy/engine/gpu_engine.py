@@ -28,6 +28,18 @@ PAGE = 64
 ROW_BYTES = 576 * 2          # one token's latent row in one layer (bf16)
 
 
+def free_device_bytes() -> int:
+    """Bytes this process can still allocate: the device's free memory plus CuPy's cached free blocks, capped
+    by the pool's limit when one is set (``CUPY_GPU_MEMORY_LIMIT``: the 16 GB CI emulation on a larger card)."""
+    import cupy
+    mp = cupy.get_default_memory_pool()
+    free = cupy.cuda.runtime.memGetInfo()[0] + mp.free_bytes()
+    limit = getattr(mp, "get_limit", lambda: 0)()
+    if limit:
+        free = min(free, limit - mp.used_bytes())
+    return max(0, int(free))
+
+
 def kv_pages_for_memory(free_bytes: int, num_layers: int, reserve_bytes: int, fraction: float = 0.9) -> int:
     """Pages of 64 tokens x all layers that fit in ``fraction`` of (free - reserve) bytes."""
     usable = max(0, int(free_bytes) - int(reserve_bytes)) * fraction
@@ -109,8 +121,7 @@ class GpuEngine:
         if kv_tokens is not None:
             num_pages = -(-int(kv_tokens) // PAGE)
         else:
-            mp = cupy.get_default_memory_pool()
-            free = cupy.cuda.runtime.memGetInfo()[0] + mp.free_bytes()
+            free = free_device_bytes()
             if reserve_bytes is None:
                 step_bytes = max_tokens * (tcfg.vocab_size // size) * 4 * 2 + max_tokens * len(feats) * tcfg.hidden_size * 2
                 # step shapes (one per bucket) plus their attention split workspaces come after the pool
