@@ -188,6 +188,10 @@ def _text(tok, ids: Sequence[int], stop_ids) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:          # ``ddtree-cupy serve ...``: the HTTP server (docs/SERVING.md)
+        from .serve.main import main as serve_main
+        return serve_main(argv[1:])
     ap = build_parser()
     try:
         a = ap.parse_args(argv)
