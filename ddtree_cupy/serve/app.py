@@ -169,8 +169,9 @@ class _Job:
             raise ApiError(413, f"{prompt_param}: the prompt has {len(ids)} tokens; the context length is "
                                 f"{state.max_positions} and at least one token must remain for the answer",
                            prompt_param, code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(state.default_max_tokens, state.max_positions - len(ids))
+        if max_tokens is None:     # admission reserves KV for all of it: never more than one stream holds
+            room = state.loop.sched.pool.max_tokens_per_stream() - len(ids)
+            max_tokens = max(1, min(state.default_max_tokens, state.max_positions - len(ids), room))
         temp = 1.0 if req.temperature is None else float(req.temperature)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little")
         stop_ids = () if req.ignore_eos else state.tok.stop_ids
@@ -232,9 +233,8 @@ class _Job:
 
     def finish_reason(self) -> str:
         st = self.handle.stream
-        if st.finish_reason == "error":
-            raise ApiError(413 if "never" in (st.error or "") or "more than one stream" in (st.error or "") else 500,
-                           st.error or "engine error", self.prompt_param, type="server_error")
+        if st.finish_reason == "error":             # the engine failed (refusals happen before submission)
+            raise ApiError(500, st.error or "engine error", type="server_error")
         if self.stopped_by_string or st.finish_reason == "stop":
             return "tool_calls" if self.parser is not None and self.parser.calls else "stop"
         if st.finish_reason == "cancelled":
@@ -247,8 +247,12 @@ class _Job:
 
     def extension(self) -> dict:
         st = self.handle.stream
-        return {"mean_accept_len": st.mean_accept_len, "steps": st.steps, "backend": self.state.backend,
-                "mode": self.state.mode, "malformed_tool_calls": self.parser.malformed if self.parser else 0}
+        ext = {"mean_accept_len": st.mean_accept_len, "steps": st.steps, "backend": self.state.backend,
+               "mode": self.state.mode, "malformed_tool_calls": self.parser.malformed if self.parser else 0}
+        if self.req.return_token_ids:
+            ext["prompt_token_ids"] = list(self.ids)
+            ext["token_ids"] = list(st.output_ids)
+        return ext
 
     # ---- answers -----------------------------------------------------------------------------------------
     async def respond(self, request: HttpRequest):

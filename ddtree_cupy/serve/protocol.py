@@ -95,6 +95,7 @@ class _Sampling(_Body):
     presence_penalty: Optional[Num] = None
     frequency_penalty: Optional[Num] = None
     ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False        # extension: the generated ids in the response's "ddtree" field
 
 
 class ChatRequest(_Sampling):
