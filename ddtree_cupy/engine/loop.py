@@ -65,10 +65,10 @@ class Handle:
 
 @dataclass
 class LoopControl:
-    """What rank 0 broadcasts before each iteration: requests to queue (in arrival order), ids to cancel,
-    and whether the loop ends."""
+    """What rank 0 broadcasts before each iteration: requests to queue (in arrival order), (id, reason) of
+    streams to end, and whether the loop ends."""
     new: List[Tuple[int, Request]] = field(default_factory=list)
-    cancel: List[int] = field(default_factory=list)
+    cancel: List[Tuple[int, str]] = field(default_factory=list)
     stop: bool = False
 
 
@@ -96,7 +96,7 @@ class EngineLoop:
         self.observer = observer or LoopObserver()
         self._lock = threading.Condition()
         self._inbox: Deque[Tuple[int, Request]] = deque()
-        self._cancels: List[int] = []
+        self._cancels: List[Tuple[int, str]] = []
         self._stop = False
         self._next_id = 0
         self._in_system = 0                 # submitted and not finished (rank 0's admission count)
@@ -133,11 +133,14 @@ class EngineLoop:
         self._lock.notify_all()
         return h
 
-    def cancel(self, handle: Handle) -> None:
-        """Ask for ``handle``'s stream to end; its pages are released at the next step boundary."""
+    def cancel(self, handle: Handle, reason: str = "cancelled") -> None:
+        """Ask for ``handle``'s stream to end with ``reason`` ('cancelled': its client went away; 'stop': the
+        client matched a stop string); its pages are released at the next step boundary."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"cancel: reason must be 'cancelled' or 'stop', got {reason!r}")
         with self._lock:
             if not handle.finished.is_set():
-                self._cancels.append(handle.id)
+                self._cancels.append((handle.id, reason))
                 self._lock.notify_all()
 
     def stop(self) -> None:
@@ -222,10 +225,10 @@ class EngineLoop:
             self._by_stream[st.index] = h
             if self._record is not None:
                 self._record.append(h)
-        for hid in ctrl.cancel:
+        for hid, reason in ctrl.cancel:
             h = self._live.get(hid)
             if h is not None and h.stream is not None:
-                self.sched.cancel(h.stream)
+                self.sched.cancel(h.stream, reason)
 
     def _admit(self) -> None:
         ex, sched = self.executor, self.sched

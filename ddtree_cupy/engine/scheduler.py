@@ -106,12 +106,12 @@ class Scheduler:
         st = EngineStream(-1, request, None, None, committed=0, bonus=-1, prompt_len=len(list(request.prompt_ids)))
         return self._never_fits(st)
 
-    def cancel(self, st: EngineStream) -> bool:
-        """End ``st`` with 'cancelled' (queued: dropped; running: its slot and pages released now). Returns
+    def cancel(self, st: EngineStream, reason: str = "cancelled") -> bool:
+        """End ``st`` with ``reason`` (queued: dropped; running: its slot and pages released now). Returns
         False when it had already finished."""
         if st.done:
             return False
-        st.finish_reason = "cancelled"
+        st.finish_reason = reason
         if st in self.waiting:
             self.waiting.remove(st)
         else:

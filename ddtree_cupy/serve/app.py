@@ -213,7 +213,7 @@ class _Job:
                 d = self._parse(self.text.feed(toks))
                 if self.text.stopped:              # a stop string: end the stream now, drop the rest
                     self.stopped_by_string = True
-                    self.state.loop.cancel(self.handle)
+                    self.state.loop.cancel(self.handle, "stop")
                 if d:
                     yield d
             if fin is not None:
