@@ -104,7 +104,9 @@ class Scheduler:
         """Why ``request`` can never be admitted (its reservation exceeds a stream's or the pool's pages),
         or None. Depends only on the pool's fixed sizes, so any thread may ask."""
         st = EngineStream(-1, request, None, None, committed=0, bonus=-1, prompt_len=len(list(request.prompt_ids)))
-        return self._never_fits(st)
+        why = self._never_fits(st)
+        # the pool names the request by its probe id: a stream that does not exist yet means nothing to a client
+        return why.split(": ", 1)[1] if why is not None and why.startswith("request (") else why
 
     def cancel(self, st: EngineStream, reason: str = "cancelled") -> bool:
         """End ``st`` with ``reason`` (queued: dropped; running: its slot and pages released now). Returns
