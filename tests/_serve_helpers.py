@@ -3,7 +3,6 @@ backend), or over a scripted executor that emits given token ids through the rea
 parsers (fast, and able to produce reasoning and tool-call output a random tiny model never writes)."""
 from __future__ import annotations
 
-import argparse
 import re
 import time
 
@@ -88,5 +87,4 @@ def script_ids(tok, text: str, stop: bool = True):
     return ids + ([tok.token_id("<|im_end|>")] if stop else [])
 
 
-__all__ = ["MODEL", "LocalServer", "demo_state", "scripted_state", "script_ids", "ScriptedExecutor",
-           "argparse"]
+__all__ = ["MODEL", "LocalServer", "demo_state", "scripted_state", "script_ids", "ScriptedExecutor"]
