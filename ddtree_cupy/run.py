@@ -265,7 +265,7 @@ def _prepare(a, err, comm):
     import numpy as np
 
     from .backend import create_engine, select_backend
-    from .reference.loop import Request
+    from .api import Request
 
     _check_options(a)
     if a.demo:

@@ -148,3 +148,32 @@ def test_executor_failure_ends_every_stream_and_refuses_new_ones():
     with pytest.raises(Refused) as e:
         loop.submit(Request([0], 5))
     assert e.value.kind == "shutdown"
+
+
+def test_engines_and_server_take_their_types_from_api():
+    """One API module: the reference re-exports the same objects, and no product module outside the
+    reference imports the loop's types from it."""
+    import pathlib
+
+    from ddtree_cupy import api
+    from ddtree_cupy.reference import loop as ref_loop
+    for name in ("Request", "StreamState", "GenerationResult", "StepRecord", "emit_tokens", "MODES", "MAX_BUDGET"):
+        assert getattr(ref_loop, name) is getattr(api, name)
+    pkg = pathlib.Path(api.__file__).parent
+    for f in list((pkg / "engine").glob("*.py")) + list((pkg / "serve").glob("*.py")) + [pkg / "run.py"]:
+        assert "reference.loop import" not in f.read_text(), f
+
+
+def test_stop_ends_running_and_queued_streams_and_tells_their_clients():
+    loop, _ = make_loop(max_streams=1, step_sleep=0.01)
+    fins = {}
+    a = loop.submit(Request([0], 200), sink=lambda h, t, fin: fin and fins.setdefault("a", fin))
+    th = start(loop)
+    while not a.output_ids:
+        time.sleep(0.005)
+    b = loop.submit(Request([1], 5), sink=lambda h, t, fin: fin and fins.setdefault("b", fin))
+    loop.stop()
+    th.join(10)
+    assert not th.is_alive() and a.finished.is_set() and b.finished.is_set()
+    assert fins == {"a": "cancelled", "b": "cancelled"}
+    assert loop.sched.pool.free_pages == loop.sched.pool.num_pages

@@ -1,5 +1,5 @@
 """The GPU engine's host side without a GPU: admission, continuous batching, slot reuse, stop conditions,
-the KV pool back to empty, and the whole host loop (``run_generation``) driven by a numpy executor that
+the KV pool back to empty, and the whole host loop (``engine.loop.EngineLoop``) driven by the numpy executor that
 does exactly what the GPU step does per slot (reference target + drafter, packed outputs). With that
 executor the engine's host loop must reproduce ``reference.loop.DecodeLoop`` token for token in every
 mode, whatever the number of stream slots (streams joining and leaving never change a stream's tokens)."""

@@ -166,3 +166,48 @@ def test_continuous_batching_equals_solo_and_cancel_frees_pages(server):
     pool.check_invariants()
     m = httpx.get(server.url + "/metrics", timeout=T).text
     assert 'ddtree_requests_total{outcome="cancelled"} 1.0' in m
+
+
+def test_command_line_server_start_talk_stop(tmp_path):
+    """What a new user does: start ``python -m ddtree_cupy.serve --demo``, talk to it, Ctrl-C."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-m", "ddtree_cupy.serve", "--demo", "--backend", "numpy", "--port",
+                          str(port), "--budget", "8"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, p.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < t_end
+            time.sleep(0.3)
+        r = httpx.post(url + "/v1/chat/completions", timeout=T,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def test_bad_option_is_one_line_error(capsys):
+    assert run.main(["serve", "--demo", "--backend", "numpy", "--budget", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --budget must be in [1, 128]" in err and "Traceback" not in err

@@ -173,13 +173,13 @@ class EngineLoop:
         """One pass of the stages in the module docstring. Returns False when the loop has ended.
         ``until_idle``: end when nothing is running, queued or asked for (the batch client)."""
         ctrl = self._exchange(until_idle)                                   # 1. exchange
-        if ctrl.stop:
+        self._apply(ctrl)                                                   # 2. apply
+        if ctrl.stop:                   # every unfinished stream ends 'cancelled'; its client is told
             for h in list(self._live.values()):
                 if h.stream is not None:
                     self.sched.cancel(h.stream)
             self._settle()
             return False
-        self._apply(ctrl)                                                   # 2. apply
         self._admit()                                                       # 3. admit (+ prefill)
         self.sched.end_context()                                            # 4. context
         self._settle()
