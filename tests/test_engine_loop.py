@@ -169,7 +169,8 @@ def test_stop_ends_running_and_queued_streams_and_tells_their_clients():
     fins = {}
     a = loop.submit(Request([0], 200), sink=lambda h, t, fin: fin and fins.setdefault("a", fin))
     th = start(loop)
-    while not a.output_ids:
+    t_end = time.monotonic() + 10
+    while not a.output_ids and time.monotonic() < t_end:
         time.sleep(0.005)
     b = loop.submit(Request([1], 5), sink=lambda h, t, fin: fin and fins.setdefault("b", fin))
     loop.stop()
