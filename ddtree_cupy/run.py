@@ -189,9 +189,12 @@ def _text(tok, ids: Sequence[int], stop_ids) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:          # ``ddtree-cupy serve ...``: the HTTP server (docs/SERVING.md)
-        from .serve.main import main as serve_main
-        return serve_main(argv[1:])
+    # ``ddtree-cupy serve ...``: the HTTP server (docs/SERVING.md); the launcher scripts put
+    # ``--backend cupy`` first, so ``launcher/run_8gpu.sh serve ...`` lands here too.
+    for at in (0, 2):
+        if argv[at:at + 1] == ["serve"] and (at == 0 or argv[0] == "--backend"):
+            from .serve.main import main as serve_main
+            return serve_main(argv[:at] + argv[at + 1:])
     ap = build_parser()
     try:
         a = ap.parse_args(argv)
