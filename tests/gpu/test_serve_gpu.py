@@ -91,3 +91,61 @@ def test_gpu_chat_stream_with_usage(server):
         usage = ch.usage or usage
         n += 1
     assert usage is not None and 1 <= usage.completion_tokens <= 20 and n >= 2
+
+
+@pytest.mark.mpi
+def test_gpu_server_tp2_under_mpirun():
+    """``mpirun -np 2 python -m ddtree_cupy.serve --backend cupy``: rank 0 serves; concurrent streams equal
+    their solo runs on the same job (TP 2 may round a bf16 near-tie differently from TP 1, so the
+    comparison stays within the job); SIGINT ends both ranks."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cupy
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    launcher = os.environ.get("MPIRUN") or shutil.which("mpirun") or shutil.which("mpiexec")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(root))
+    p = subprocess.Popen([launcher, "-np", "2", str(root / "launcher" / "bind.sh"), sys.executable, "-m",
+                          "ddtree_cupy.serve", "--demo", *ARGS, "--port", str(port)],
+                         env=dict(env, DDTREE_NO_NUMA_BIND="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+
+    class Url:
+        url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + 600
+        while True:
+            assert p.poll() is None, p.stdout.read()[-4000:]
+            try:
+                if httpx.get(Url.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < t_end, "server did not come up"
+            time.sleep(1)
+        jobs = [([5, 6, 7], 40), ([11, 12], 25), ([9], 33)]
+        solo = [ask(Url, p_, n) for p_, n in jobs]
+        got = {}
+        th = [threading.Thread(target=lambda k=k: got.__setitem__(k, ask(Url, *jobs[k], stream=True)))
+              for k in range(len(jobs))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(4 * T)
+        assert [got.get(k) for k in range(len(jobs))] == solo
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
