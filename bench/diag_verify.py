@@ -125,7 +125,7 @@ def part_a(eng, ref, cfg, prompts, conts, use_drafter, report, tag_extra=""):
     from ddtree_cupy.engine.kv_pool import KVPool
     from ddtree_cupy.engine.step import DecodeStep
     from ddtree_cupy.kernels.engine_glue import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP
-    from ddtree_cupy.reference.loop import Request
+    from ddtree_cupy.api import Request
     from ddtree_cupy.models.kv import PAGE
     tag = f"A[{'drafter append' if use_drafter else 'no drafter append'}{tag_extra}]"
     print(f"\n===== {tag}: engine prefill + one ddtree verify (bucket 4, budget 16), known tree =====")
@@ -304,7 +304,7 @@ D_SHOW = 6
 def part_b(eng, ref, cfg, prompts, report):
     import _teacher_forced as tf
     from ddtree_cupy.bf16 import bf16_bits_to_f32
-    from ddtree_cupy.reference.loop import Request
+    from ddtree_cupy.api import Request
     print("\n===== B: full ddtree b16 generate (graphs, real drafter) =====")
     eng.eager = False
     snaps = {}

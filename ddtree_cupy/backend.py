@@ -2,8 +2,9 @@
 
 ``auto`` picks the GPU engine (CuPy, ``engine/gpu_engine.GpuEngine``) where a GPU is usable and the engine's
 modules import, else numpy with a one-line notice. ``--backend cupy`` without a usable GPU refuses with the
-reason. Every engine offers the same ``generate(requests, ...) -> GenerationResult`` (the reference decode
-loop's result type), so the CLI does not care which one runs.
+reason. Every engine offers the same ``make_loop(mode, budget, ...) -> engine.loop.EngineLoop`` (the online
+loop the server drives) and ``generate(requests, ...) -> api.GenerationResult`` (the batch CLI: a thin client
+of that loop), so neither the CLI nor the server cares which one runs.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def select_backend(name: str, notice: Callable[[str], None]) -> str:
 
 
 class NumpyEngine:
-    """The numpy reference target + DFlash drafter, run by ``reference.loop.DecodeLoop``."""
+    """The numpy reference target + DFlash drafter, run by the online loop over ``NumpyExecutor``."""
 
     name = "numpy"
 
@@ -93,10 +94,111 @@ class NumpyEngine:
             self.drafter = ReferenceDrafter(dcfg, dw, self.target.embed_tokens, self.target.lm_head,
                                             self.dtype, comm=self.comm)
 
+    def make_loop(self, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+                  include_chain: bool = False, max_streams: Optional[int] = None, max_queue: Optional[int] = None,
+                  kv_tokens: Optional[int] = None, keep_history: bool = False, observer=None):
+        """An online loop over this engine. The numpy caches grow with their streams, so the KV pool here is
+        bookkeeping that bounds them the way the GPU's pages do: ``kv_tokens`` cache tokens over all
+        streams (default: every slot at its longest context), pages of 64 tokens."""
+        from .engine.kv_pool import KVPool
+        from .engine.loop import EngineLoop
+        from .engine.scheduler import Scheduler, make_buckets
+        max_streams = 8 if max_streams is None else int(max_streams)
+        ex = NumpyExecutor(self.target, self.drafter, mode, budget, cap_k, include_chain, max_streams)
+        rows = ex.dev_budget + 1
+        per_stream = -(-(self.tcfg.max_position_embeddings + rows) // PAGE)
+        num_pages = max_streams * per_stream if kv_tokens is None else -(-int(kv_tokens) // PAGE)
+        if num_pages < 1:
+            raise ValueError(f"kv_tokens: must be >= 1, got {kv_tokens!r}")
+        pool = KVPool(num_pages, PAGE, max_streams, min(per_stream, num_pages), rows)
+        sched = Scheduler(pool, self.tcfg.vocab_size, self.tcfg.max_position_embeddings, ex.loop.depth,
+                          keep_history=keep_history, on_release=ex.release)
+        return EngineLoop(ex, sched, make_buckets(max_streams), self.comm, max_queue, observer)
+
     def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
                  include_chain: bool = False, on_tokens: Optional[Callable] = None):
+        """Every request at once (one slot each, as many as there are requests), run to completion."""
+        loop = self.make_loop(mode, budget, cap_k, include_chain, max_streams=max(1, len(requests)),
+                              keep_history=True)
+        return loop.generate(requests, on_tokens)
+
+
+PAGE = 64
+
+
+class NumpyExecutor:
+    """One decode round per running stream in numpy, returning the packed rows the GPU step returns
+    (``api.OUT_*``): the reference ``DecodeLoop``'s decisions (its tree rule and target choice) over caches
+    kept per slot, created at prefill and dropped when the stream leaves its slot."""
+
+    def __init__(self, target, drafter, mode: str, budget: int, cap_k=None, include_chain: bool = False,
+                 max_streams: int = 8):
         from .reference.loop import DecodeLoop
-        return DecodeLoop(self.target, self.drafter, mode, budget, cap_k, include_chain).run(requests, on_tokens)
+        self.loop = DecodeLoop(target, drafter if mode != "ar" else None, mode, budget, cap_k, include_chain)
+        self.target, self.drafter, self.mode = target, drafter, mode
+        self.dev_budget = 0 if mode == "ar" else (self.loop.depth if mode == "chain" else int(budget))
+        self.tc: list = [None] * max_streams
+        self.dc: list = [None] * max_streams
+        self.phase_s: dict = {}
+        self.A = self.loop.depth + 1
+
+    def write_block_table(self, table) -> None:
+        pass                        # the numpy caches are per slot, not paged
+
+    def release(self, st) -> None:
+        self.tc[st.slot] = self.dc[st.slot] = None
+
+    def prefill(self, st) -> int:
+        prompt = np.asarray(list(st.request.prompt_ids), np.int64)
+        P = len(prompt)
+        self.tc[st.slot] = self.target.new_cache()
+        logits, feats = self.target.forward(prompt, np.arange(P), self.tc[st.slot], capture_layers=self.loop.capture)
+        if self.mode != "ar":
+            self.dc[st.slot] = self.drafter.new_cache()
+            self.drafter.append_context(self.dc[st.slot], feats, np.arange(P), prompt)
+        return int(self.loop.choose(logits[-1:], st.request, 0)[0])
+
+    def _add(self, phase: str, t0: float) -> float:
+        import time
+        t = time.perf_counter()
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + t - t0
+        return t
+
+    def step(self, running, bucket: int, budgets) -> np.ndarray:
+        import time
+
+        from .api import OUT_NACC, OUT_NROWS, OUT_TOKENS
+        from .reference.ddtree import commit_plan, flatten, greedy_walk
+        out = np.full((bucket, OUT_TOKENS + self.A + 1), -1, np.int32)
+        out[:, OUT_NACC] = 0
+        for st, budget in zip(running, budgets):
+            k, s, bonus = st.slot, st.committed, st.bonus
+            t = time.perf_counter()
+            if self.mode == "ar":
+                tokens, parents, depths = np.array([bonus]), np.array([-1]), np.array([0])
+                positions, visible = np.array([s]), None
+            else:
+                dl = self.drafter.draft(self.dc[k], bonus, s)
+                t = self._add("draft", t)
+                flat = flatten(self.loop.tree_for(dl, budget), bonus, s)
+                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
+                positions, visible = flat.positions.astype(np.int64), flat.mask
+            t = self._add("tree", t)
+            logits, feats = self.target.forward(tokens.astype(np.int64), positions, self.tc[k], visible=visible,
+                                                capture_layers=self.loop.capture)
+            t = self._add("verify", t)
+            post = self.loop.choose(logits, st.request, st.steps + 1)
+            rows, nb = greedy_walk(tokens, parents, post)
+            plan = commit_plan(rows, depths, s)
+            self.tc[k].commit(s, plan.src_slots)
+            if self.mode != "ar":
+                self.drafter.append_context(self.dc[k], feats[plan.feature_rows], np.arange(s, plan.new_len),
+                                            tokens[plan.feature_rows])
+            out[k, OUT_NACC], out[k, OUT_NROWS] = len(rows), len(tokens)
+            toks = [int(tokens[r]) for r in rows] + [nb]
+            out[k, OUT_TOKENS:OUT_TOKENS + len(toks)] = toks
+            self._add("accept", t)
+        return out
 
 
 def create_engine(backend: str, tcfg: TargetConfig, model_dir: str, dcfg: Optional[DrafterConfig],

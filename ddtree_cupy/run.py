@@ -192,6 +192,13 @@ def _text(tok, ids: Sequence[int], stop_ids) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``ddtree-cupy serve ...``: the HTTP server (docs/SERVING.md); the launcher scripts put
+    # ``--backend cupy`` first, so ``launcher/run_8gpu.sh serve ...`` lands here too.
+    for at in (0, 2):
+        if argv[at:at + 1] == ["serve"] and (at == 0 or argv[0] == "--backend"):
+            from .serve.main import main as serve_main
+            return serve_main(argv[:at] + argv[at + 1:])
     ap = build_parser()
     try:
         a = ap.parse_args(argv)
@@ -265,7 +272,7 @@ def _prepare(a, err, comm):
     import numpy as np
 
     from .backend import create_engine, select_backend
-    from .reference.loop import Request
+    from .api import Request
 
     _check_options(a)
     if a.demo:

@@ -532,6 +532,17 @@ class ThreadComm:
     def all_reduce(self, x):
         raise AssertionError("the toy models issue no all-reduce")
 
+    def broadcast_obj(self, obj, root=0):
+        """Host objects (the engine loop's per-step control) from ``root``, at call time (never recorded)."""
+        sh = self.shared
+        sh["barrier"].wait()
+        if self.rank == root:
+            sh["obj"] = obj
+        sh["barrier"].wait()
+        got = sh["obj"]
+        sh["barrier"].wait()
+        return got
+
     def all_gather(self, x):
         key = (x.shape, x.dtype.str, x.__array_interface__["data"][0])
         buf = self._bufs.get(key)

@@ -1,5 +1,5 @@
 """The GPU engine's host side without a GPU: admission, continuous batching, slot reuse, stop conditions,
-the KV pool back to empty, and the whole host loop (``run_generation``) driven by a numpy executor that
+the KV pool back to empty, and the whole host loop (``engine.loop.EngineLoop``) driven by the numpy executor that
 does exactly what the GPU step does per slot (reference target + drafter, packed outputs). With that
 executor the engine's host loop must reproduce ``reference.loop.DecodeLoop`` token for token in every
 mode, whatever the number of stream slots (streams joining and leaving never change a stream's tokens)."""
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from ddtree_cupy.engine.kv_pool import KVPool
-from ddtree_cupy.engine.scheduler import (CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_PREFIX, CTRL_STEP,
-                                          OUT_NACC, OUT_NROWS, OUT_TOKENS, EngineStream, Scheduler, bucket_for,
-                                          emit_tokens, make_buckets, pack_control, run_generation)
-from ddtree_cupy.reference.ddtree import commit_plan, flatten, greedy_walk
+from ddtree_cupy.api import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_PREFIX, CTRL_STEP
+from ddtree_cupy.backend import NumpyExecutor as _ProductExecutor
+from ddtree_cupy.engine.loop import EngineLoop
+from ddtree_cupy.engine.scheduler import (EngineStream, Scheduler, bucket_for, emit_tokens, make_buckets,
+                                          pack_control)
 from ddtree_cupy.reference.loop import DecodeLoop, Request, StreamState
 
 from test_loop import SMALL, _models, prompts
@@ -125,61 +126,26 @@ def test_step_bookkeeping_stop_length_context_and_pool_empty():
 
 
 # ---------------- the host loop over a numpy executor ----------------------------------------------
-class NumpyExecutor:
-    """What the GPU step computes, per slot, in numpy: the same packed output rows. Caches live per slot
-    and are recreated at prefill (the GPU overwrites a reused slot's pages the same way)."""
+def run_generation(executor, sched, requests, buckets, on_tokens=None):
+    """The batch client of the online loop, over ``executor``."""
+    return EngineLoop(executor, sched, buckets).generate(requests, on_tokens)
 
-    def __init__(self, target, drafter, mode, budget, cap_k=None, include_chain=False, max_streams=4):
-        self.loop = DecodeLoop(target, drafter, mode, budget, cap_k, include_chain)
-        self.target, self.drafter, self.mode = target, drafter, mode
-        self.tc = [None] * max_streams
-        self.dc = [None] * max_streams
-        self.phase_s = {}
+
+class NumpyExecutor(_ProductExecutor):
+    """The numpy backend's executor (what the GPU step computes, per slot, in numpy: the same packed output
+    rows), counting block-table uploads and the largest bucket it was given."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
         self.tables = 0
-        self.A = self.loop.depth + 1
         self.max_bucket_seen = 0
 
     def write_block_table(self, table):
         self.tables += 1
 
-    def prefill(self, st: EngineStream) -> int:
-        prompt = np.asarray(list(st.request.prompt_ids), np.int64)
-        P = len(prompt)
-        self.tc[st.slot] = self.target.new_cache()
-        logits, feats = self.target.forward(prompt, np.arange(P), self.tc[st.slot], capture_layers=self.loop.capture)
-        if self.mode != "ar":
-            self.dc[st.slot] = self.drafter.new_cache()
-            self.drafter.append_context(self.dc[st.slot], feats, np.arange(P), prompt)
-        return int(self.loop.choose(logits[-1:], st.request, 0)[0])
-
-    def step(self, running, bucket):
+    def step(self, running, bucket, budgets):
         self.max_bucket_seen = max(self.max_bucket_seen, bucket)
-        ctrl = pack_control(running, bucket, self.loop.budget)
-        out = np.full((bucket, OUT_TOKENS + self.A + 1), -1, np.int32)
-        out[:, OUT_NACC] = 0
-        for st in running:
-            k = st.slot
-            s, bonus = int(ctrl[CTRL_PREFIX, k]), int(ctrl[CTRL_BONUS, k])
-            if self.mode == "ar":
-                tokens, parents, depths = np.array([bonus]), np.array([-1]), np.array([0])
-                positions, visible = np.array([s]), None
-            else:
-                flat = flatten(self.loop.tree_for(self.drafter.draft(self.dc[k], bonus, s)), bonus, s)
-                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
-                positions, visible = flat.positions.astype(np.int64), flat.mask
-            logits, feats = self.target.forward(tokens.astype(np.int64), positions, self.tc[k], visible=visible,
-                                                capture_layers=self.loop.capture)
-            post = self.loop.choose(logits, st.request, int(ctrl[CTRL_STEP, k]))
-            rows, nb = greedy_walk(tokens, parents, post)
-            plan = commit_plan(rows, depths, s)
-            self.tc[k].commit(s, plan.src_slots)
-            if self.mode != "ar":
-                self.drafter.append_context(self.dc[k], feats[plan.feature_rows], np.arange(s, plan.new_len),
-                                            tokens[plan.feature_rows])
-            out[k, OUT_NACC], out[k, OUT_NROWS] = len(rows), len(tokens)
-            toks = [int(tokens[r]) for r in rows] + [nb]
-            out[k, OUT_TOKENS:OUT_TOKENS + len(toks)] = toks
-        return out
+        return super().step(running, bucket, budgets)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
-"""``GpuEngine``: the CuPy backend behind the CLI (``--backend cupy``), same interface as
-``backend.NumpyEngine``: ``generate(requests, mode, budget, cap_k, include_chain, on_tokens) ->
-reference.loop.GenerationResult``, making the decisions of ``reference.loop.DecodeLoop``.
+"""``GpuEngine``: the CuPy backend behind the CLI and the server (``--backend cupy``), same interface as
+``backend.NumpyEngine``: ``make_loop(mode, budget, ...) -> engine.loop.EngineLoop`` and
+``generate(requests, mode, budget, cap_k, include_chain, on_tokens) -> api.GenerationResult``, making the
+decisions of ``reference.loop.DecodeLoop``.
 
 Construction loads this rank's weight shard, builds the GPU target and drafter, then sizes the paged
-latent KV pool from the free GPU memory that remains (or ``kv_tokens``). ``generate`` runs the host loop
-of ``engine/scheduler.py`` (admission, continuous batching, stop handling) over this module's executor:
+latent KV pool from the free GPU memory that remains (or ``kv_tokens``). The loop of ``engine/loop.py``
+(admission and stop handling in ``engine/scheduler.py``, continuous batching) drives this module's executor:
 chunked prefill (``step.Prefill``) and one CUDA graph per (stream bucket, mode, budget, sampled)
 (``step.DecodeStep``), captured on first use and replayed every step. ``eager=True`` runs the same stage
 sequence without graphs (debugging; identical results) and times the phases with CUDA events.
@@ -19,10 +20,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ..config import DrafterConfig, TargetConfig
-from ..reference.loop import MAX_BUDGET, MODES
+from ..api import MAX_BUDGET, MODES
 from .kv_pool import KVPool
+from .loop import EngineLoop
 from .profile import NullTimer, PhaseTimer, nvtx_pop, nvtx_push
-from .scheduler import Scheduler, make_buckets, pack_control, run_generation
+from .scheduler import Scheduler, make_buckets, pack_control
 
 PAGE = 64
 ROW_BYTES = 576 * 2          # one token's latent row in one layer (bf16)
@@ -167,8 +169,10 @@ class GpuEngine:
             st.capture()
         return st
 
-    def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
-                 include_chain: bool = False, on_tokens: Optional[Callable] = None):
+    def make_loop(self, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+                  include_chain: bool = False, max_queue: Optional[int] = None, keep_history: bool = False,
+                  observer=None) -> EngineLoop:
+        """An online loop over this engine's stream slots and KV pool (one loop at a time)."""
         if mode not in MODES:
             raise ValueError(f"mode: unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if mode != "ar" and self.drafter is None:
@@ -182,15 +186,20 @@ class GpuEngine:
         rows = 1 if mode == "ar" else (depth + 1 if mode == "chain" else int(budget) + 1)
         pool = KVPool(self.num_pages, PAGE, self.max_streams, self.max_pages_per_stream, rows)
         self.last_pool = pool
-        sched = Scheduler(pool, self.tcfg.vocab_size, self.tcfg.max_position_embeddings, depth)
-        ex = _Executor(self, mode, int(budget), cap_k, include_chain)
-        res = run_generation(ex, sched, requests, self.buckets, on_tokens)
-        self.last_phase_s = dict(ex.phase_s)
+        sched = Scheduler(pool, self.tcfg.vocab_size, self.tcfg.max_position_embeddings, depth,
+                          keep_history=keep_history)
+        self.last_executor = _Executor(self, mode, int(budget), cap_k, include_chain)
+        return EngineLoop(self.last_executor, sched, self.buckets, self.comm, max_queue, observer)
+
+    def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+                 include_chain: bool = False, on_tokens: Optional[Callable] = None):
+        res = self.make_loop(mode, budget, cap_k, include_chain, keep_history=True).generate(requests, on_tokens)
+        self.last_phase_s = dict(self.last_executor.phase_s)
         return res
 
 
 class _Executor:
-    """The engine seen by ``scheduler.run_generation``: block table upload, prefill, one step."""
+    """The engine seen by ``engine.loop.EngineLoop``: block table upload, prefill, one step."""
 
     def __init__(self, eng: GpuEngine, mode: str, budget: int, cap_k, include_chain: bool):
         self.eng, self.mode, self.budget, self.cap_k, self.include_chain = eng, mode, budget, cap_k, include_chain
@@ -210,11 +219,11 @@ class _Executor:
         finally:
             nvtx_pop()
 
-    def step(self, running, bucket: int) -> np.ndarray:
+    def step(self, running, bucket: int, budgets) -> np.ndarray:
         eng = self.eng
         sampled = any(s.request.temperature > 0 for s in running)
         step = eng.get_step(bucket, self.mode, self.budget, self.cap_k, self.include_chain, sampled)
-        ctrl = pack_control(running, bucket, self.dev_budget)
+        ctrl = pack_control(running, bucket, budgets)
         timer = PhaseTimer(eng.stream) if eng.profile else NullTimer()
         nvtx_push("step")
         t0 = time.perf_counter()

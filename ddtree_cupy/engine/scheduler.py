@@ -1,4 +1,4 @@
-"""Host-side scheduling for the GPU engine: admission, continuous batching, slots, stop handling.
+"""Host-side scheduling for both engines: admission, continuous batching, slots, stop handling, cancellation.
 
 Everything here is plain Python over numpy (no GPU), so it is tested on any machine
 (tests/test_scheduler.py). The GPU engine asks it, between decode steps:
@@ -10,6 +10,8 @@ Everything here is plain Python over numpy (no GPU), so it is tested on any mach
                      wait (pool or slots busy) stays queued, first come first served.
 * ``end_context()``  which running streams must stop because the next round's deepest verify row would
                      reach ``max_position_embeddings`` (the reference loop's 'context' rule).
+* ``cancel()``       end a stream whose client went away: out of the queue, or out of its slot (pages
+                     released; the loop calls it only at a step boundary).
 * ``running()``      the running streams, by slot; ``bucket_for`` the graph's stream bucket.
 * ``after_prefill`` / ``after_step``  record what the GPU produced: emit tokens (cut at a stop id or
                      ``max_new_tokens``, exactly like ``reference.loop.DecodeLoop``), advance the committed
@@ -28,8 +30,8 @@ from typing import Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..reference.loop import Request, StreamState, emit_tokens
-from ..kernels.engine_glue import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP
+from ..api import (CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP,  # noqa: F401
+                   OUT_NACC, OUT_NROWS, OUT_TOKENS, Request, StreamState, emit_tokens)
 from .kv_pool import KVPool, KVPoolFull
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 10)
@@ -40,7 +42,6 @@ class EngineStream(StreamState):
     """A reference ``StreamState`` plus where it lives on the GPU. ``target_cache``/``drafter_cache`` stay
     None (the caches are the engine's pools, indexed by ``slot``)."""
     slot: int = -1
-    error: Optional[str] = None
     prompt_len: int = 0
 
 
@@ -63,11 +64,18 @@ class Scheduler:
     """Admission and per-stream bookkeeping for one ``generate`` call.
 
     ``depth``: the draft depth D of the mode (0 for 'ar'): a round writes rows up to s + depth positions.
+    ``keep_history``: keep every stream and every accepted length (a batch run's result); a server runs with
+    False so that nothing grows with the number of requests served. ``on_release(stream)`` runs when a
+    stream leaves its slot (the numpy executor drops its caches there).
     """
 
-    def __init__(self, pool: KVPool, vocab_size: int, max_positions: int, depth: int):
+    def __init__(self, pool: KVPool, vocab_size: int, max_positions: int, depth: int, keep_history: bool = True,
+                 on_release=None):
         self.pool = pool
         self.vocab_size, self.max_positions, self.depth = vocab_size, max_positions, depth
+        self.keep_history = bool(keep_history)
+        self.on_release = on_release
+        self.n_submitted = 0
         self.streams: List[EngineStream] = []
         self.waiting: Deque[EngineStream] = deque()
         self.by_slot: Dict[int, EngineStream] = {}
@@ -83,12 +91,34 @@ class Scheduler:
             r.validate(self.vocab_size, self.max_positions)
         new = []
         for r in requests:
-            st = EngineStream(len(self.streams), r, None, None, committed=0, bonus=-1,
+            st = EngineStream(self.n_submitted, r, None, None, committed=0, bonus=-1,
                               prompt_len=len(list(r.prompt_ids)))
-            self.streams.append(st)
+            self.n_submitted += 1
+            if self.keep_history:
+                self.streams.append(st)
             self.waiting.append(st)
             new.append(st)
         return new
+
+    def never_fits(self, request: Request) -> Optional[str]:
+        """Why ``request`` can never be admitted (its reservation exceeds a stream's or the pool's pages),
+        or None. Depends only on the pool's fixed sizes, so any thread may ask."""
+        st = EngineStream(-1, request, None, None, committed=0, bonus=-1, prompt_len=len(list(request.prompt_ids)))
+        why = self._never_fits(st)
+        # the pool names the request by its probe id: a stream that does not exist yet means nothing to a client
+        return why.split(": ", 1)[1] if why is not None and why.startswith("request (") else why
+
+    def cancel(self, st: EngineStream, reason: str = "cancelled") -> bool:
+        """End ``st`` with ``reason`` (queued: dropped; running: its slot and pages released now). Returns
+        False when it had already finished."""
+        if st.done:
+            return False
+        st.finish_reason = reason
+        if st in self.waiting:
+            self.waiting.remove(st)
+        else:
+            self._release(st)
+        return True
 
     def reserve_new_tokens(self, st: EngineStream) -> int:
         """Tokens to reserve beyond the prompt: max_new_tokens, but never past the position limit (a stream
@@ -176,8 +206,9 @@ class Scheduler:
         st.bonus = int(tokens[n_acc])
         st.accept_lens.append(int(n_acc))
         st.tree_sizes.append(int(n_nodes))
-        self.accept_lens.append(int(n_acc))
-        self.tree_sizes.append(int(n_nodes))
+        if self.keep_history:
+            self.accept_lens.append(int(n_acc))
+            self.tree_sizes.append(int(n_nodes))
         em = emit_tokens(st, [int(t) for t in tokens[1:n_acc]] + [st.bonus])
         if st.done:
             self._release(st)
@@ -188,79 +219,29 @@ class Scheduler:
             del self.by_slot[st.slot]
             self.pool.release(st.slot)
             self.table_dirty = True
+            if self.on_release is not None:
+                self.on_release(st)
 
 
-def pack_control(running: Sequence[EngineStream], bucket: int, budget: int) -> np.ndarray:
+def pack_control(running: Sequence[EngineStream], bucket: int, budget) -> np.ndarray:
     """The per-step control block the host uploads before a replay: int32 [CTRL_FIELDS, bucket] rows
-    (prefix_len, bonus, active, budget, step). Idle slots: active 0, budget 0, prefix 0, bonus 0."""
+    (prefix_len, bonus, active, budget, step). ``budget``: one int for every stream, or one per stream of
+    ``running`` (the loop's per-step choice). Idle slots: active 0, budget 0, prefix 0, bonus 0."""
+    budgets = [int(budget)] * len(running) if np.ndim(budget) == 0 else [int(b) for b in budget]
+    if len(budgets) != len(running):
+        raise ValueError(f"pack_control: {len(budgets)} budgets for {len(running)} running streams")
     ctrl = np.zeros((CTRL_FIELDS, bucket), np.int32)
-    for st in running:
+    for st, b in zip(running, budgets):
         if st.slot >= bucket:
             raise ValueError(f"stream {st.index}: slot {st.slot} outside the bucket of {bucket}")
         ctrl[CTRL_PREFIX, st.slot] = st.committed
         ctrl[CTRL_BONUS, st.slot] = st.bonus
         ctrl[CTRL_ACTIVE, st.slot] = 1
-        ctrl[CTRL_BUDGET, st.slot] = budget
+        ctrl[CTRL_BUDGET, st.slot] = b
         ctrl[CTRL_STEP, st.slot] = st.steps + 1      # the round about to run (sampling counter)
     return ctrl
 
 
-
-# ---- the host loop ---------------------------------------------------------------------------------
 def unpack_row(row: np.ndarray):
-    """One slot's row of the step's packed output (``OUT_*`` layout): (n_acc, n_rows, out_tokens)."""
+    """One slot's row of the step's packed output (``api.OUT_*`` layout): (n_acc, n_rows, out_tokens)."""
     return int(row[OUT_NACC]), int(row[OUT_NROWS]), row[OUT_TOKENS:]
-
-
-OUT_NACC, OUT_NROWS, OUT_TOKENS = 0, 1, 2
-
-
-def run_generation(executor, sched: Scheduler, requests: Sequence[Request], buckets: Sequence[int],
-                   on_tokens=None):
-    """Drive ``executor`` (the GPU step, or a numpy stand-in in the CPU tests) until every request is done.
-
-    The executor provides ``write_block_table(table)``, ``prefill(stream) -> bonus`` and
-    ``step(running, bucket) -> int32 [bucket, 2 + A + 1]`` (per slot: n_acc, n_rows, out_tokens; idle slots
-    are ignored) and a ``phase_s`` dict. Between steps, finished streams leave, waiting ones join
-    (continuous batching) and the device block table is refreshed if the pool changed.
-    Returns a ``reference.loop.GenerationResult``."""
-    import time
-
-    from ..reference.loop import GenerationResult
-
-    sched.submit(requests)
-    t_start = time.perf_counter()
-    decode_s = 0.0
-    while sched.busy:
-        for st in sched.admit():
-            if sched.table_dirty:
-                executor.write_block_table(sched.pool.block_table)
-                sched.table_dirty = False
-            t0 = time.perf_counter()
-            bonus = executor.prefill(st)
-            executor.phase_s["prefill"] = executor.phase_s.get("prefill", 0.0) + time.perf_counter() - t0
-            em = sched.after_prefill(st, bonus)
-            if on_tokens:
-                on_tokens(st, em)
-        sched.end_context()
-        running = sched.running()
-        if not running:
-            if sched.waiting:
-                continue          # the pool is empty now: admit() takes or refuses the next request
-            break
-        if sched.table_dirty:
-            executor.write_block_table(sched.pool.block_table)
-            sched.table_dirty = False
-        bucket = bucket_for(running[-1].slot, buckets)
-        sched.begin_step()
-        t0 = time.perf_counter()
-        out = executor.step(running, bucket)
-        for st in running:
-            n_acc, n_rows, toks = unpack_row(out[st.slot])
-            em = sched.after_step(st, n_acc, toks, n_rows - 1)
-            if on_tokens and em:
-                on_tokens(st, em)
-        decode_s += time.perf_counter() - t0
-    t_end = time.perf_counter()
-    return GenerationResult(list(sched.streams), sched.steps, list(sched.accept_lens), list(sched.tree_sizes),
-                            dict(executor.phase_s), t_end - t_start, decode_s)

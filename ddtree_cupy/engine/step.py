@@ -32,7 +32,7 @@ from ..kernels import engine_glue as glue
 from ..kernels.kv_cache import kv_compact_latent
 from ..reference.ddtree import MAX_RANK
 from .profile import NullTimer
-from .scheduler import CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX
+from ..api import CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX
 
 
 def splitmix64(x: int) -> int:

@@ -2,8 +2,8 @@
 builder, the target batch, the walk and the drafter append (ddtree_cupy/engine/step.py). Every function
 has a numpy twin (``*_ref``) that states its exact semantics; tests/gpu/test_engine.py compares them.
 
-``ctrl`` is the per-step control block int32 [5, S] (engine/scheduler.py: prefix_len, bonus, active,
-budget, step rows). Launches allocate nothing and never synchronise: graph-capturable.
+``ctrl`` is the per-step control block int32 [5, S] (api.py's CTRL_* rows: prefix_len, bonus, active,
+budget, step; packed by engine/scheduler.py). Launches allocate nothing and never synchronise: graph-capturable.
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from .compile import KernelSpec, get_kernel, register
 
 MAX_TREE_ROWS = 129
 MASK_WORDS = 5
-CTRL_FIELDS = 5
-CTRL_PREFIX, CTRL_BONUS, CTRL_ACTIVE, CTRL_BUDGET, CTRL_STEP = range(5)
+from ..api import CTRL_ACTIVE, CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX, CTRL_STEP  # noqa: E402,F401
 
 SPEC = register(KernelSpec(
     src="engine_glue.cu",

@@ -30,7 +30,6 @@ prefix. Randomness is Philox4x32-10 keyed by the request's seed with counter (ro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,118 +37,10 @@ import numpy as np
 from .ddtree import (MAX_DEPTH, MAX_RANK, MAX_TREE_ROWS, argmax_lowest, build_tree, commit_plan, flatten, greedy_walk,
                      sample_tokens, topk_logprobs)
 
-MODES = ("ddtree", "chain", "ar")
-MAX_BUDGET = MAX_TREE_ROWS - 1          # 128 tree nodes + the root
-PHASES = ("prefill", "draft", "tree", "verify", "accept")
+from ..api import (MAX_BUDGET, MODES, PHASES, GenerationResult, Request, StepRecord,  # noqa: F401 (re-exported)
+                   StreamState, emit_tokens)
 
-
-@dataclass
-class Request:
-    """One generation request. ``temperature <= 0`` is greedy; ``top_k = 0`` and ``top_p = 1`` disable those
-    filters. ``sample_stream`` is the stream field of the Philox counter (distinct streams sharing a seed
-    draw independent numbers)."""
-    prompt_ids: Sequence[int]
-    max_new_tokens: int = 128
-    stop_ids: Tuple[int, ...] = ()
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    sample_stream: int = 0
-
-    def validate(self, vocab_size: int, max_positions: int) -> None:
-        ids = list(self.prompt_ids)
-        if not ids:
-            raise ValueError("request: prompt is empty (need at least one token)")
-        bad = [i for i in ids if not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size]
-        if bad:
-            raise ValueError(f"request: prompt token ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
-        if len(ids) >= max_positions:
-            raise ValueError(f"request: prompt has {len(ids)} tokens, the context limit is {max_positions} "
-                             f"(max_position_embeddings) and at least one must remain for generation")
-        if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
-            raise ValueError(f"request: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"request: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"request: top_k must be >= 0, got {self.top_k}")
-        if not np.isfinite(self.temperature):
-            raise ValueError(f"request: temperature must be finite, got {self.temperature}")
-        if not 0 <= int(self.seed) < 2 ** 64:
-            raise ValueError(f"request: seed must be in [0, 2^64), got {self.seed}")
-
-
-@dataclass
-class StreamState:
-    """A stream in flight: its caches, committed length s, pending bonus and output so far."""
-    index: int
-    request: Request
-    target_cache: object
-    drafter_cache: object
-    committed: int                      # s: tokens in the target cache (prompt + accepted)
-    bonus: int                          # pending: chosen by the target, not yet in its cache
-    output_ids: List[int] = field(default_factory=list)
-    accept_lens: List[int] = field(default_factory=list)
-    tree_sizes: List[int] = field(default_factory=list)
-    steps: int = 0
-    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'context'
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class StepRecord:
-    """What one step did: per active stream (index, accepted length, tree nodes, tokens emitted)."""
-    step: int
-    streams: List[Tuple[int, int, int, List[int]]]
-    phase_s: Dict[str, float]
-
-
-@dataclass
-class GenerationResult:
-    streams: List[StreamState]
-    steps: int
-    accept_lens: List[int]             # every (stream, step) accepted length, in step order
-    tree_sizes: List[int]
-    phase_s: Dict[str, float]          # seconds per phase, summed over the run
-    elapsed_s: float                   # wall time of the whole run, prefill included
-    decode_s: float                    # wall time of the decode steps (prefill excluded)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(s.output_ids) for s in self.streams)
-
-    @property
-    def mean_accept_len(self) -> float:
-        return float(np.mean(self.accept_lens)) if self.accept_lens else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def stats_dict(self) -> dict:
-        return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_accept_len": self.mean_accept_len,
-                "tokens_per_s": self.tokens_per_s, "elapsed_s": self.elapsed_s, "decode_s": self.decode_s,
-                "accept_lens": list(self.accept_lens), "tree_sizes": list(self.tree_sizes),
-                "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()}}
-
-
-def emit_tokens(st: StreamState, toks: Sequence[int]) -> List[int]:
-    """Append tokens to ``st.output_ids``, cutting at the first stop id (kept) or at max_new_tokens; sets
-    ``st.finish_reason``. Returns the tokens appended. The one stop rule of both engines."""
-    out: List[int] = []
-    for t in toks:
-        st.output_ids.append(int(t))
-        out.append(int(t))
-        if int(t) in st.request.stop_ids:
-            st.finish_reason = "stop"
-            break
-        if len(st.output_ids) >= st.request.max_new_tokens:
-            st.finish_reason = "length"
-            break
-    return out
+assert MAX_BUDGET == MAX_TREE_ROWS - 1          # 128 tree nodes + the root
 
 
 class DecodeLoop:
@@ -187,16 +78,18 @@ class DecodeLoop:
         self.records: List[StepRecord] = []
 
     # ---- decisions shared with the GPU engine -------------------------------------------------
-    def tree_for(self, draft_logits: np.ndarray):
-        """The draft tree of this mode from the drafter's logits [D, V]."""
+    def tree_for(self, draft_logits: np.ndarray, budget: Optional[int] = None):
+        """The draft tree of this mode from the drafter's logits [D, V]; ``budget`` (ddtree): this step's node
+        budget for the stream when it is not the loop's own."""
         if self.mode == "chain":
             lp, ids = topk_logprobs(draft_logits, 1)
             return build_tree(lp, ids, self.depth)
-        k = min(self.budget, self.vocab_size, MAX_RANK + 1)
+        budget = self.budget if budget is None else int(budget)
+        k = min(budget, self.vocab_size, MAX_RANK + 1)
         if self.cap_k is not None:
             k = min(k, self.cap_k)
         lp, ids = topk_logprobs(draft_logits, k)
-        return build_tree(lp, ids, self.budget, cap_k=self.cap_k, include_chain=self.include_chain)
+        return build_tree(lp, ids, budget, cap_k=self.cap_k, include_chain=self.include_chain)
 
     @staticmethod
     def choose(logits: np.ndarray, req: Request, step: int) -> np.ndarray:
