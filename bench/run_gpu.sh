@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check from the source tree, each part under its own time limit, logs into one directory and a
-# one-line summary per part at the end (what a lent GPU call or a user with a GPU runs).
+# one-line summary per part at the end (what a machine with a GPU runs).
 #   bench/run_gpu.sh [LOGDIR] [PARTS...]     default LOGDIR: bench/results/<UTC timestamp>
 # PARTS (default: all, in this order): build tests engine demo step kernels moe attention tree allreduce
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).

@@ -53,7 +53,7 @@
 #define DDT_OVERLAP (DDT_FAST == 11)    // per-row arrival counters: the merge overlaps stage 1 (row_cnt argument)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
 #if DDT_OVERLAP
-#define DDT_PARTIAL_MIN_BLOCKS 5   // 48 registers, no spill (session 3's variant 10: stage 1 at 10 x 64 9.6 -> 9.2 us)
+#define DDT_PARTIAL_MIN_BLOCKS 5   // 48 registers, no spill (revision 3's variant 10: stage 1 at 10 x 64 9.6 -> 9.2 us)
 #elif DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
@@ -1383,7 +1383,7 @@ __device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
 }
 #if DDT_CACHE
 // ---------------------------------------------------------------------------------------------------
-// Builder, sorted cache (variants 6, 7; docs/DDTREE.md "Builder: sorted cache"). The frontier is a list
+// Builder, sorted cache (variants 6, 7; docs/history/2026-11-29-ddtree.md "Builder: sorted cache"). The frontier is a list
 // sorted in pop order, entry j in lane j (every field in registers), the head (entry 0) also known to
 // every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
 // compares its entry with both (two ballots), and one shuffle round moves every entry to its new index.

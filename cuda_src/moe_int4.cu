@@ -224,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // from running pointers with immediate offsets, one predicated per-step L2 prefetch from a per-lane pointer
 // instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
 // and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
-// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, session 4.
+// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, revision 4.
 // Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
@@ -481,7 +481,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
                 // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
                 // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
-                // ahead like the LEAN = 0 loop (H200, session 4: LEAN 1 lost 1-17% from T = 8 up; this and the
+                // ahead like the LEAN = 0 loop (H200, revision 4: LEAN 1 lost 1-17% from T = 8 up; this and the
                 // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
                 auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
                     ra[r][0] = ld_stream_v4(qa0 + i * 32);
@@ -649,7 +649,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
 // fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
-// Session 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
+// Revision 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
 // any is added (the loop over a runtime k issued one dependent ids -> y round trip per pair: 3.5 us at T = 8 on
 // the H200 for 1.8 MB); the sum keeps the pair order, so the output is the same bits.
 #define COMBINE_KU 8

@@ -1,5 +1,5 @@
 """CPU checks of variant 11's stage 1 -> merge overlap (cuda_src/ddtree.cu DDT_OVERLAP, kernels/ddtree.py
-OVERLAP_VARIANTS; docs/DDTREE.md "Stage 1 -> merge overlap"): stage 1 counts its finished chunks per row,
+OVERLAP_VARIANTS; docs/history/2026-11-29-ddtree.md "Stage 1 -> merge overlap"): stage 1 counts its finished chunks per row,
 the merge waits for its own row's count (then resets it) instead of the whole stage-1 grid.
 
 1. The wrappers on the numpy CuPy stand-in (tests/_fake_cupy.py), with the kernels' counter protocol emulated

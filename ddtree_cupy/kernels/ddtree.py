@@ -49,8 +49,8 @@ _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "dd
 # reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access
 # (variant 11's merge waits for its row's stage-1 blocks instead, see OVERLAP_VARIANTS).
 # Variants 4 (scan: builder v3 + scan top-K), 5 (4 + rank-placed merge) and 6 (4 + sorted cache) were slower
-# than 7 and 8 on every H200 bench case (docs/DDTREE.md "Figures") and are deleted; so are 1, 2 (builders) and
-# 9, 10 (docs/DDTREE.md "Variants 9 and 10").
+# than 7 and 8 on every H200 bench case (docs/DDTREE.md "Figures of record") and are deleted; so are 1, 2 (builders) and
+# 9, 10 (docs/history/2026-11-29-ddtree.md "Variants 9 and 10").
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
@@ -78,7 +78,7 @@ DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
 # each merge block waits for its own row's count (and resets it) instead of the whole stage-1 grid, so the
 # rows of the earlier waves are merged while later rows still stream. The merge and the builder also trigger
 # their dependents early (those still wait for the whole grid); stage 1 runs at 5 blocks per SM (48 registers,
-# no spill; measured 9.6 -> 9.2 us at 10 x 64 in session 3's variant 10). ``DDTreeWorkspace.topk`` passes the
+# no spill; measured 9.6 -> 9.2 us at 10 x 64 in revision 3's variant 10). ``DDTreeWorkspace.topk`` passes the
 # counters only while PDL is enabled (launch.pdl_enabled()): without PDL the merge cannot start early, so both
 # launches get a null row_cnt and run variant 8's path (no counting, no early trigger, the merge waits for the
 # whole grid). Kernel signatures: the top-K kernels take ``row_cnt`` as one more argument. Same outputs as 8
@@ -97,12 +97,12 @@ MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge (8,
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 # The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
 # variant, or the fallback: DDT_TREE_VARIANT=7 is the previous H200-proven default).
-# 8: lead's integration run of session 3 (bench/results/tree_h200.json; every DDTree GPU test passed): 10 x 64
+# 8: the integration run of revision 3 (bench/results/tree_h200.json; every DDTree GPU test passed): 10 x 64
 # bf16 total 40.5 (7) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
-# 11 (session 4, lead's integration run, bench/results/tree_h200_ovl.json; all its GPU tests passed): 10 x 64 bf16
+# 11 (revision 4, the integration run, tree_h200_ovl.json (in git history); all its GPU tests passed): 10 x 64 bf16
 # total with PDL 35.0 (8) -> 34.6 us, 0.3-0.6 us elsewhere at bf16: the rule set before the run was met, but the
 # engine launches with PDL only at <= 64 rows, where 11 saves ~0.3 us of a ~9 ms step, and its protocol adds a
-# cross-kernel spin-wait; 8 stays the default (docs/DDTREE.md "Variant 11 measured"). DDT_TREE_VARIANT=11
+# cross-kernel spin-wait; 8 stays the default (docs/history/2026-11-29-ddtree.md "Variant 11 measured"). DDT_TREE_VARIANT=11
 # selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
 # extra row_cnt argument).
 DEFAULT_VARIANT = 8
