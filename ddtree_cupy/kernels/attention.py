@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_range, current_device
 from .compile import KernelSpec, get_kernel, register
 
@@ -137,7 +138,7 @@ def mla_partial_bf16() -> bool:
     """True when MLA split partials are stored as bf16: the environment override, else PARTIAL_BF16 (read at
     call time, so the engine's workspace sizing and its launches agree as long as neither changes between
     building the engine and capturing its graphs)."""
-    env = parse_partial_bf16(os.environ.get(PARTIAL_BF16_ENV))
+    env = knobs.get().mla_partial_bf16
     return bool(PARTIAL_BF16) if env is None else env
 
 
@@ -238,9 +239,8 @@ def mla_num_splits(n_streams: int, max_rows: int, n_heads: int, max_kv_len: int,
 # median 0.92x the measured plan's time, no shape > 5% slower at margin 0.8), and "measured" elsewhere: the
 # sm_120 tile costs are extrapolated, not measured on an RTX PRO 6000.
 MLA_POLICIES = ("auto", "measured", "model")
-MLA_POLICY = os.environ.get("DDT_MLA_POLICY", "auto")
-if MLA_POLICY not in MLA_POLICIES:
-    raise ValueError(f"DDT_MLA_POLICY: expected one of {MLA_POLICIES}, got {MLA_POLICY!r}")
+MLA_POLICY = knobs.get().mla_policy          # validated there against the same three names
+assert MLA_POLICY in MLA_POLICIES
 
 
 def set_mla_policy(policy: str) -> str:
@@ -253,7 +253,7 @@ def set_mla_policy(policy: str) -> str:
 
 
 # Cost model, microseconds, fitted (least squares on log time) to the 136 H200 points of
-# bench/results/attention_h200.json (every planned config, the opt-in ks32 tile and the split-count probes;
+# tests/data/attention_planner_fit_h200.json (every planned config, the opt-in ks32 tile and the split-count probes;
 # rms error 6.6%, worst 0.80x / 1.28x):
 #   one call = max(makespan, KV bytes / MLA_DRAM_GBPS + MLA_BLOCK_US)
 #              + (splits > 1) x (MLA_COMBINE_US + splits x packed rows x MLA_COMBINE_US_PER_ROW_SPLIT)

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_range, current_device
 from .compile import KernelSpec, get_kernel, register
 from .launch import pdl_enabled
@@ -106,8 +107,8 @@ CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries 
 # selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
 # extra row_cnt argument).
 DEFAULT_VARIANT = 8
-if os.environ.get("DDT_TREE_VARIANT"):
-    DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
+if knobs.get().tree_variant is not None:
+    DEFAULT_VARIANT = knobs.get().tree_variant
     if DEFAULT_VARIANT not in VARIANTS:
         raise ValueError(f"DDT_TREE_VARIANT: expected one of {sorted(VARIANTS)}, got {DEFAULT_VARIANT}")
 

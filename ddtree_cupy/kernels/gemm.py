@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_multiple, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 
@@ -205,8 +206,8 @@ WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
 WIDE_CL_TILE_FACTOR = 1.2    # cost model (H200 fit, revision 8): a k tile of a cluster-split block, x the others'
 WIDE_CL_MIN_K_TILES = 2      # a cluster split keeps >= 2 k tiles per block (q_b, 24 k tiles: 8 x 3 won)
 # Whether choose_wide may pick a cluster split (revision 8); DDT_GEMM_WIDE_CL=0 turns it off (the measuring
-# baseline: the revision 7 rule). Read at every call, so the bench can flip it in one process.
-WIDE_CLUSTER = os.environ.get("DDT_GEMM_WIDE_CL", "1") == "1"
+# baseline: the revision 7 rule). Read at import; the bench flips the attribute to compare in one process.
+WIDE_CLUSTER = knobs.get().gemm_wide_cl
 
 
 def wide_config_for(T: int) -> WideConfig:
@@ -310,13 +311,8 @@ _WIDE = [None]
 
 
 def _env_wide() -> bool:
-    import os
-    v = os.environ.get("DDT_GEMM_WIDE", "").strip()
-    if v == "":
-        return WIDE_DEFAULT
-    if v not in ("0", "1"):
-        raise ValueError(f"DDT_GEMM_WIDE: must be 0 or 1, got {v!r}")
-    return v == "1"
+    v = knobs.get().gemm_wide
+    return WIDE_DEFAULT if v is None else v
 
 
 def wide_enabled() -> bool:
@@ -520,7 +516,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     return out
 
 
-DEC_SPREAD = os.environ.get("DDT_GEMM_DEC_SPREAD", "1") == "1"     # 0: the measuring baseline
+DEC_SPREAD = knobs.get().gemm_dec_spread     # False: the measuring baseline
 
 
 def _reduce(ws, split, T, N, B, out, os_, out_f32):

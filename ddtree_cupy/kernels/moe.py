@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array
 from .compile import KernelSpec, get_kernel, register
 
@@ -91,7 +92,7 @@ def _u_for(nt: int) -> int:
 # (20.7 -> 19.4 us), loses 1-17% from T = 8 up; 2 wins from T = 2 up (I = 256, T = 8: 89.2 -> 82.8 us, T = 64:
 # 353 -> 332; I = 2048, T = 8: 524 -> 486) and ties 0 at I = 2048, T = 64 (2420 vs 2415), where 0 stays
 # reachable. Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
-LEAN_LOOP: Optional[int] = int(os.environ["DDT_MOE_LEAN"]) if os.environ.get("DDT_MOE_LEAN", "") != "" else None
+LEAN_LOOP: Optional[int] = knobs.get().moe_lean
 LEAN_T1 = 1         # the table's loop at T = 1
 LEAN_T_GE_2 = 2     # ... and from T = 2 up
 
@@ -112,8 +113,7 @@ def lean_for(T: int) -> int:
 # T = 64 with uniform and -3.8% with skewed routing; at T = 8 -3.5% uniform but +3.0% skewed; T <= 2 +12-26%.
 # Environment DDT_MOE_GU_2X4_MIN_T=N overrides (0 = never).
 GU_2X4_MIN_T: Optional[int] = 64
-GU_2X4_ENV: Optional[int] = (int(os.environ["DDT_MOE_GU_2X4_MIN_T"])
-                             if os.environ.get("DDT_MOE_GU_2X4_MIN_T", "") != "" else None)
+GU_2X4_ENV: Optional[int] = knobs.get().moe_gu_2x4_min_t
 
 
 def gu_wide_block_for(T: int) -> bool:
@@ -304,7 +304,7 @@ BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # syntax) above; an optional fifth number is the token rows per stage (xr, default 8: "gu=1,8,2,3,4" is the compact
 # gate/up block with 4 rows and 3 stages); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
 # one per tile and token row).
-BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
+BULK_WHOLE = knobs.get().moe_bulk_whole
 
 
 def _bulk_allowed(large: bool):
@@ -322,7 +322,7 @@ def _env_bulk_tiles(large: bool = False, inter: Optional[int] = None) -> Tuple[B
     gu, dn = allowed["gu"][0], allowed["dn"][0]
     if not large and inter is not None and inter <= BULK_COMPACT_MAX_I:
         gu = BULK_GATEUP_COMPACT
-    v = os.environ.get(var, "")
+    v = knobs.get().moe_bulk_large_tiles if large else knobs.get().moe_bulk_tiles     # read at every call
     for part in filter(None, v.split(";")):
         key, _, nums = part.partition("=")
         try:
@@ -421,13 +421,13 @@ SPEC_BULK_TIMELINE = register(KernelSpec(
 # wherever they apply (any T).
 BULK_DEFAULT = True
 BULK_MIN_T = 4
-BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
+BULK_ENV: Optional[str] = knobs.get().moe_bulk
 # Above FUSED_MAX_PAIRS (revision 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
 # register ring. On since the H200 run (docs/history/2026-11-29-moe.md "Revision 5: bulk GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256,
 # T = 48..320, -1 to -4% at I = 2048). Environment DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
 BULK_LARGE_DEFAULT = True
 BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the H200 run shows a crossover)
-BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
+BULK_LARGE_ENV: Optional[str] = knobs.get().moe_bulk_large
 
 
 def bulk_for(T: int, top_k: int):

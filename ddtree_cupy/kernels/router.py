@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 from .gemm import gemm_bf16
@@ -47,12 +48,10 @@ def shared_down_fused(T: int, I: int, H: int) -> bool:
     (``route_logits(down_w=)``) for T rows, shared intermediate I and hidden size H. Env DDT_ROUTER_DOWN:
     0 never (the previous variant: route + SwiGLU, then gemm_bf16), 1 whenever the shapes allow, unset
     the rule T <= DOWN_MAX_T (read at every call, so a process may flip it between graph captures)."""
-    mode = os.environ.get("DDT_ROUTER_DOWN", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"DDT_ROUTER_DOWN: expected 0, 1 or unset, got {mode!r}")
-    if mode == "0" or I % 64 or I // 64 not in DOWN_KS or H % 32:
+    mode = knobs.get().router_down
+    if mode is False or I % 64 or I // 64 not in DOWN_KS or H % 32:
         return False
-    return mode == "1" or T <= DOWN_MAX_T
+    return mode is True or T <= DOWN_MAX_T
 
 
 def _ptr(a):
