@@ -145,7 +145,7 @@ def _with_variant(v, fn, shape=None):
                 gemm.gemm_bf16 = real
         return run_old
 
-    if v == "nocl":         # the rule without cluster splits (the revision 7 rule; DDT_GEMM_WIDE_CL=0)
+    if v == "nocl":         # the rule without cluster splits (the revision 7 rule; gemm.WIDE_CLUSTER = False)
         def run_nocl():
             old = gemm.WIDE_CLUSTER
             gemm.WIDE_CLUSTER = False

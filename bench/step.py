@@ -314,6 +314,17 @@ def leave_one_out(eng, step, st, moe_layer: int, use_pdl: bool = True, reps: int
                 sum_marginal_us=sum(marginal.values()), verify_us_per_layer=full / n_layers)
 
 
+def apply_baselines(a) -> None:
+    """The --no-* measuring switches: module attributes the kernels read when the engine captures its graphs."""
+    from ddtree_cupy.kernels import gemm, moe
+    if a.no_wide_cluster:
+        gemm.WIDE_CLUSTER = False
+    if a.no_dec_spread:
+        gemm.DEC_SPREAD = False
+    if a.no_bulk_whole:
+        moe.BULK_WHOLE = False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
@@ -342,7 +353,15 @@ def main(argv=None) -> int:
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
                          "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
+    m = ap.add_argument_group("measuring baselines (each turns one default off, to time it against the default)")
+    m.add_argument("--no-wide-cluster", action="store_true",
+                   help="wide GEMMs without thread-block-cluster K splits (gemm.WIDE_CLUSTER = False)")
+    m.add_argument("--no-dec-spread", action="store_true",
+                   help="decode GEMM grids of <= one block per SM may share SMs (gemm.DEC_SPREAD = False)")
+    m.add_argument("--no-bulk-whole", action="store_true",
+                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.BULK_WHOLE = False)")
     a = ap.parse_args(argv)
+    apply_baselines(a)
     collectives_source = "assumed (command line / defaults)"
     if a.allreduce_fit:
         a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps)

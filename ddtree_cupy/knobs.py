@@ -5,7 +5,8 @@ values of these variables stay the same (a test or a benchmark that changes one 
 object on its next call). A bad value raises ``ValueError`` naming the variable and the accepted values.
 
 The defaults are what measured fastest on the H200 (each knob's document says where). Knobs marked
-"measuring" exist to time an alternative against the default in one process; the engine never needs them.
+"measuring" exist to time an alternative against the default; the engine never needs them. Baselines that
+only a benchmark turns off are arguments of the bench scripts instead (e.g. `bench.step --no-wide-cluster`).
 The README's table of switches is generated from ``KNOBS`` (``python -m ddtree_cupy.knobs``) and a CPU test
 (tests/test_knobs.py) checks that it matches and that every ``DDT_*`` name read anywhere is declared here.
 This module imports nothing of the package: every floor may read it.
@@ -98,9 +99,6 @@ KNOBS: tuple = (
     Knob("DDT_MOE_BULK_LARGE", "moe_bulk_large", _choice("0", "1"), None, "0/1",
          "above T*k = 256: the register-ring MoE GEMMs / the bulk-copy ones fed by the routing kernel's chunk list "
          "(unset: bulk-copy)", "docs/MOE.md"),
-    Knob("DDT_MOE_BULK_WHOLE", "moe_bulk_whole", _bit, True, "0/1",
-         "0: per-tile copies in the bulk-copy down GEMM instead of one whole-K copy per stage", "docs/MOE.md",
-         measuring=True),
     Knob("DDT_MOE_BULK_TILES", "moe_bulk_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
          "another compiled block of the bulk-copy MoE GEMMs at T*k <= 256", "docs/MOE.md", measuring=True),
     Knob("DDT_MOE_BULK_LARGE_TILES", "moe_bulk_large_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
@@ -110,12 +108,6 @@ KNOBS: tuple = (
          "docs/MOE.md"),
     Knob("DDT_GEMM_WIDE", "gemm_wide", _bit, None, "0/1",
          "bf16 GEMMs of 17-160 rows: split-K kernel / wide-token kernel (unset: wide)", "docs/KERNELS.md"),
-    Knob("DDT_GEMM_WIDE_CL", "gemm_wide_cl", _bit, True, "0/1",
-         "0: the wide GEMM rule without thread-block-cluster K splits (read at import)", "docs/KERNELS.md",
-         measuring=True),
-    Knob("DDT_GEMM_DEC_SPREAD", "gemm_dec_spread", _bit, True, "0/1",
-         "decode GEMM grids of <= one block per SM: 0 may share SMs / 1 one block per SM", "docs/KERNELS.md",
-         measuring=True),
     Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
          "the shared expert's down projection inside the route launch: never / wherever shapes allow "
          "(unset: up to 32 rows)", "docs/MODELS.md"),
@@ -135,13 +127,10 @@ class Knobs:
     moe_lean: Optional[int] = None
     moe_bulk: Optional[str] = None
     moe_bulk_large: Optional[str] = None
-    moe_bulk_whole: bool = True
     moe_bulk_tiles: str = ""
     moe_bulk_large_tiles: str = ""
     moe_gu_2x4_min_t: Optional[int] = None
     gemm_wide: Optional[bool] = None
-    gemm_wide_cl: bool = True
-    gemm_dec_spread: bool = True
     router_down: Optional[bool] = None
     cache_dir: str = ""
     traceback: bool = False

@@ -73,7 +73,7 @@ def test_only_knobs_reads_the_environment_for_switches():
 def test_defaults_and_parsing():
     k = knobs.from_env({})
     assert k == knobs.Knobs()
-    assert k.pdl is False and k.mla_policy == "auto" and k.tree_variant is None and k.gemm_wide_cl is True
+    assert k.pdl is False and k.mla_policy == "auto" and k.tree_variant is None and k.moe_bulk is None
     k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_VARIANT": "3", "DDT_MOE_BULK": "down", "DDT_MLA_PARTIAL_BF16": "on",
                         "DDT_GEMM_WIDE": " 0 ", "DDT_MOE_GU_2X4_MIN_T": "0", "DDT_ROUTER_DOWN": ""})
     assert (k.pdl, k.tree_variant, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.moe_gu_2x4_min_t, k.router_down) \

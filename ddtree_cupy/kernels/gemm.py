@@ -205,9 +205,9 @@ WIDE_REDUCE_BPS = 3e12       # cost model: bytes/s of the partials' write + read
 WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
 WIDE_CL_TILE_FACTOR = 1.2    # cost model (H200 fit, revision 8): a k tile of a cluster-split block, x the others'
 WIDE_CL_MIN_K_TILES = 2      # a cluster split keeps >= 2 k tiles per block (q_b, 24 k tiles: 8 x 3 won)
-# Whether choose_wide may pick a cluster split (revision 8); DDT_GEMM_WIDE_CL=0 turns it off (the measuring
-# baseline: the revision 7 rule). Read at import; the bench flips the attribute to compare in one process.
-WIDE_CLUSTER = knobs.get().gemm_wide_cl
+# Whether choose_wide may pick a cluster split (revision 8). False is the measuring baseline (the revision 7
+# rule): `bench.step --no-wide-cluster`, `bench.kernels --variant nocl` set it to compare in one process.
+WIDE_CLUSTER = True
 
 
 def wide_config_for(T: int) -> WideConfig:
@@ -286,7 +286,7 @@ def workspace_split(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
     if T < WIDE_MIN_T or T > MAX_T:
         return s
     # the workspace split of the rule's block shape, whether or not the rule takes a cluster split now (it
-    # needs no workspace; DDT_GEMM_WIDE_CL=0 may turn it off after the models sized their workspaces)
+    # needs no workspace; WIDE_CLUSTER = False may turn it off after the models sized their workspaces)
     return max(s, wide_split(wide_config_for(T), T, N, K, batch, sm_count, smem_per_sm))
 
 
@@ -516,7 +516,7 @@ def gemm_bf16(x, w, out=None, *, out_dtype=np.uint16, split_k: Optional[int] = N
     return out
 
 
-DEC_SPREAD = knobs.get().gemm_dec_spread     # False: the measuring baseline
+DEC_SPREAD = True     # False: the measuring baseline (`bench.step --no-dec-spread`)
 
 
 def _reduce(ws, split, T, N, B, out, os_, out_f32):

@@ -302,9 +302,9 @@ BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
 # picks compiled blocks (the table's or a candidate) for T*k <= FUSED_MAX_PAIRS, DDT_MOE_BULK_LARGE_TILES (same
 # syntax) above; an optional fifth number is the token rows per stage (xr, default 8: "gu=1,8,2,3,4" is the compact
-# gate/up block with 4 rows and 3 stages); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
-# one per tile and token row).
-BULK_WHOLE = knobs.get().moe_bulk_whole
+# gate/up block with 4 rows and 3 stages). BULK_WHOLE = False (`bench.step --no-bulk-whole`, a measuring
+# baseline) turns off the down GEMM's whole-K stage (three copies per stage instead of one per tile and token row).
+BULK_WHOLE = True
 
 
 def _bulk_allowed(large: bool):
