@@ -17,7 +17,7 @@ E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, rou
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
 one expert) + x and out (bf16). Time = CUDA-graph replay of the whole layer (the launches of the table:
 gate/up (+ routing sort) and down (+ combine) at small T; route, gate/up, down, combine above). A stage
-breakdown (graph time of launch prefixes) and variants (fusions off/on, prefetch settings, cp.async ring)
+breakdown (graph time of launch prefixes) and variants (fusions off/on, prefetch settings)
 are recorded at T in {1, 8, 64, 256}.
 """
 from __future__ import annotations
@@ -151,9 +151,6 @@ def bench_width(I, read_gbs, rows, quick):
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
                     variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)
-                ring8 = moe.with_stages(moe.select_tiles(arch, T, I), 8)
-                variants["cp_async_ring8"] = dict(tiles=ring8)
-                variants["cp_async_ring8_pf0"] = dict(tiles=ring8, pf_steps=0)   # fewest L2 requests
                 if T == 256:
                     variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
                 for name, kw in variants.items():
@@ -226,7 +223,7 @@ def _prev_plan(prev_src, *args, **kw):
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
     """The table ("now") against prefetch variants, the three k loops ("loop0"/"lean1"/"lean2": the table's
-    tiles with lean = 0/1/2), the cp.async ring at small T and, with ``prev_src``, the same launches through another kernel
+    tiles with lean = 0/1/2) and, with ``prev_src``, the same launches through another kernel
     file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"lean2". ``only_ts``: the T values to
     run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
@@ -255,8 +252,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                         "lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
                         "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
-            if T <= 4:
-                variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
             if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)

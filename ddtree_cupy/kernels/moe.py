@@ -35,7 +35,6 @@ FUSED_MAX_PAIRS = 256   # T*k up to which the gate/up kernel sorts the routing i
 # (rounded up to 16 B like sizeof(SortSmem), which holds int4)
 SORT_SMEM = -(-(4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8)
                 + 8 * 33 + 4) // 16) * 16
-RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
 
@@ -47,17 +46,12 @@ SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 class Tile:
     wm: int
     wk: int
-    u: int
-    stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
-    lean: int = 0       # register ring only: the k loop, 0 previous, 1/2 reduced-instruction (bit-identical results)
+    u: int              # depth of the register ring the weights stream through
+    lean: int = 0       # the k loop: 0 previous, 1/2 reduced-instruction (bit-identical results)
 
     @property
     def threads(self) -> int:
         return 32 * self.wm * self.wk
-
-    @property
-    def smem_dynamic(self) -> int:
-        return self.wm * self.wk * self.stages * RING_SLOT_BYTES
 
     def smem_static(self, nt: int) -> int:
         return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
@@ -172,32 +166,21 @@ def with_lean(t: MoETiles, lean: int) -> MoETiles:
     return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
-def with_stages(t: MoETiles, stages: int) -> MoETiles:
-    """The same tiles with the weights through an S-deep cp.async shared-memory ring (stages = S) or the
-    register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
-    measured 3-15% slower (moe_h200_variants.json (in git history)); it stays compiled and tested as the
-    candidate to re-measure on sm_120."""
-    def one(tl):   # the lean loop exists for the register ring only
-        return Tile(tl.wm, tl.wk, tl.u, stages, tl.lean if stages == 0 else 0)
-    return MoETiles(t.nt, one(t.gateup), one(t.down))
-
-
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
         for T in (1, 64, 300, 650):         # 64: the 2 x 4 gate/up block at I <= 512 (GU_2X4_MIN_T)
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
-                # every k loop of the register ring (the table's and the alternatives), and the cp.async ring
-                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2))
-                for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
+                # every k loop of the register ring (the table's and the alternatives)
+                for v in (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2)):
                     if v not in seen:
                         seen.append(v)
     return tuple(seen)
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
-    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}, {tile.lean}>"
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.lean}>"
 
 
 def _all_gemm_names() -> Tuple[str, ...]:
@@ -804,9 +787,9 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
     fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
-    # dynamic shared memory: the cp.async ring, then (gate/up) the fused sort's arrays
-    dyn_gu = tiles.gateup.smem_dynamic + (SORT_SMEM if fuse_route else 0)
-    dyn_dn = tiles.down.smem_dynamic
+    # dynamic shared memory: the gate/up's fused sort arrays
+    dyn_gu = SORT_SMEM if fuse_route else 0
+    dyn_dn = 0
     for tl, dyn in ((tiles.gateup, dyn_gu), (tiles.down, dyn_dn)):
         if dyn + tl.smem_static(tiles.nt) > SMEM_LIMIT:
             raise ValueError(f"tiles: {tl} needs {dyn + tl.smem_static(tiles.nt)} B of shared memory > {SMEM_LIMIT}")
@@ -840,14 +823,14 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=dyn_gu)))
     # down: N = H, K = Ip
     td = tiles.down
-    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
+    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt))
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     if bulk == "down":
         plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
     else:
-        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
+        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
 
