@@ -23,7 +23,7 @@ plan_mla picks an mla_attn_fwd tile, and the combine with one split per warp in 
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
 speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
 --partial both times fp32 against bf16 split partials (each with its own plan) at the engine's decode shapes in
-the same run, without and with PDL, and prints the decision of docs/ATTENTION.md "Session 6" (~15 s);
+the same run, without and with PDL, and prints the decision of docs/history/2026-11-29-attention.md "Revision 6" (~15 s);
 --partial fp32 / bf16 runs every other mode with that dtype (default: the rule, DDT_MLA_PARTIAL_BF16).
 Prints tables; never asserts a speed.
 """
@@ -198,7 +198,7 @@ def partial_both(one, results, args, bw, num_sms):
 
 
 def partial_decision(results):
-    """docs/ATTENTION.md "Session 6" decision rule: flip PARTIAL_BF16 to True iff bf16 is >= 2% faster (ratio <=
+    """docs/history/2026-11-29-attention.md "Revision 6" decision rule: flip PARTIAL_BF16 to True iff bf16 is >= 2% faster (ratio <=
     0.98) at 1 x 8 and 4 x 8 @ 4K and no decode shape is > 1% slower (ratio > 1.01), in both columns (without
     and with PDL)."""
     rs = [r for r in results if "pdl_ratio" in r]
@@ -332,7 +332,7 @@ def refit(paths):
 
 def refit_combine(paths):
     """Least squares on log time of the combine terms only (MLA_COMBINE_US, MLA_COMBINE_US_PER_ROW_SPLIT), the
-    tile / block / DRAM constants kept: for results whose plans all split (the session-3 runs), where a full
+    tile / block / DRAM constants kept: for results whose plans all split (the revision 3 runs), where a full
     refit trades the block and combine fixed costs against each other. Prints the constants, the fit error and
     the shapes of the benchmark grid whose "model" plan (H200) would change. Host only (needs scipy)."""
     from scipy.optimize import minimize
@@ -387,7 +387,7 @@ def main():
                     help="refit only the cost model's combine terms to results JSONs (CPU) and list re-planned shapes")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--set", choices=("grid", "decode"), default="grid",
-                    help="grid: issue #6's shapes; decode: the engine's decode-step shapes only")
+                    help="grid: the original shapes; decode: the engine's decode-step shapes only")
     ap.add_argument("--probe", action="store_true", help="also time every tile config and phase-less builds")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the planned tile of the engine's decode shapes at several split counts, and "
@@ -400,7 +400,7 @@ def main():
     ap.add_argument("--partial", choices=("fp32", "bf16", "both"), default=None,
                     help="split-partial dtype (default: the rule, kernels/attention.py mla_partial_bf16); both: time "
                          "fp32 vs bf16 partials at the engine's decode shapes in the same run, with and without "
-                         "PDL, and apply the decision rule of docs/ATTENTION.md 'Session 6'")
+                         "PDL, and apply the decision rule of docs/history/2026-11-29-attention.md 'Revision 6'")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")

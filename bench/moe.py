@@ -6,18 +6,18 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
                                                                   # and was -> now against another kernel file
         [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
     PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
-        # session 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
+        # revision 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
     PYTHONPATH=$PWD python -m bench.moe --timeline 256 8 [--routing skewed] [--tl-out F.npz]
-        # session 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
-        # stage, docs/MOE.md "Session 5: a timeline build"): production vs timeline layer time and outputs in the
+        # revision 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
+        # stage, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): production vs timeline layer time and outputs in the
         # same process, then bench/moe_timeline.py's analysis of the gate/up and the down; raw buffers to F.npz
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
 (16 hot experts carry half the routing mass). Bytes = unique experts touched x (packed weights + scales of
 one expert) + x and out (bf16). Time = CUDA-graph replay of the whole layer (the launches of the table:
 gate/up (+ routing sort) and down (+ combine) at small T; route, gate/up, down, combine above). A stage
-breakdown (graph time of launch prefixes) and variants (fusions off/on, prefetch settings, cp.async ring)
+breakdown (graph time of launch prefixes) and variants (fusions off/on, prefetch settings)
 are recorded at T in {1, 8, 64, 256}.
 """
 from __future__ import annotations
@@ -151,9 +151,6 @@ def bench_width(I, read_gbs, rows, quick):
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
                     variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)
-                ring8 = moe.with_stages(moe.select_tiles(arch, T, I), 8)
-                variants["cp_async_ring8"] = dict(tiles=ring8)
-                variants["cp_async_ring8_pf0"] = dict(tiles=ring8, pf_steps=0)   # fewest L2 requests
                 if T == 256:
                     variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
                 for name, kw in variants.items():
@@ -201,8 +198,8 @@ def _make_layer(I):
 def _prev_plan(prev_src, *args, **kw):
     """moe_launch_plan with the two GEMMs taken from another kernel file (``prev_src``, e.g. the previous
     commit's cuda_src/moe_int4.cu saved with ``git show``): the same argument list, layout and workspace are
-    required. Used to measure was -> now in ONE process: session 3 found that figures of two device runs
-    differ by up to 15% at the same code (bench/results/moe_h200_s3_run*.json)."""
+    required. Used to measure was -> now in ONE process: revision 3 found that figures of two device runs
+    differ by up to 15% at the same code (moe_h200_s3_run*.json (in git history))."""
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
     with open(prev_src) as f:
@@ -226,7 +223,7 @@ def _prev_plan(prev_src, *args, **kw):
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
     """The table ("now") against prefetch variants, the three k loops ("loop0"/"lean1"/"lean2": the table's
-    tiles with lean = 0/1/2), the cp.async ring at small T and, with ``prev_src``, the same launches through another kernel
+    tiles with lean = 0/1/2) and, with ``prev_src``, the same launches through another kernel
     file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"lean2". ``only_ts``: the T values to
     run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
@@ -255,14 +252,12 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                         "lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
                         "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
                         "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
-            if T <= 4:
-                variants["ring8_pf0"] = dict(tiles=moe.with_stages(tab, 8), pf_steps=0)
             if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
                 variants["bulk_down"] = dict(bulk="down")
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
-                    # session 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
+                    # revision 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
                     key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
                     variants[key] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
                 # the table's block named explicitly, whatever DDT_MOE_BULK_TILES says ("bulk" follows it)
@@ -271,7 +266,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
                 variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
             else:
-                # session 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
+                # revision 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
                 # ("now" is the ring unless DDT_MOE_BULK_LARGE=1); the route's L2 prefetch flipped from its rule
                 # (on from T = 64), and the large-T candidate blocks
                 variants["ring"] = dict(bulk=False)
@@ -319,7 +314,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 print(f"    stages {key:6s} " + " ".join(
                     f"{n}={b - a:.1f}" for n, a, b in zip(st, [0.0] + v[:-1], v)), flush=True)
             if "bulk_xr8" in stage_sets:
-                # the decision line (docs/MOE.md "Session 5: compact token rows"): layer and gate/up time of the
+                # the decision line (docs/MOE.md "Compact token rows"): layer and gate/up time of the
                 # compact blocks against the table's block (xr8), same process, same inputs
                 def gu_us(key):
                     st = stage_sets[key]

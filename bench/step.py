@@ -117,7 +117,7 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     """Seconds per step on 8x RTX PRO 6000: the step measured here without collectives (memory-bound: scaled by
     read bandwidth here / 1.79 TB/s), plus each collective's latency, plus the all-reduces' bytes on the bus.
     A ring all-reduce moves 2 (tp - 1) / tp of each payload through every GPU's link, so the bus term grows with
-    the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before session 7 had the
+    the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before revision 7 had the
     latency term only, which is flat in the payload; measured on 2 H200s, the per-call cost inside the step went
     from 9.5 us at 8 rows to 30-35 us at 320 over NVLink, 23 -> 82 us at 8 -> 80 rows through host memory: it
     is not.)"""
@@ -170,6 +170,17 @@ def step_bytes(eng, cfg, dcfg, uniq, S, R, ctx):
     return parts, per_expert
 
 
+def apply_baselines(a) -> None:
+    """The --no-* measuring switches: module attributes the kernels read when the engine captures its graphs."""
+    from ddtree_cupy.kernels import gemm, moe
+    if a.no_wide_cluster:
+        gemm.WIDE_CLUSTER = False
+    if a.no_dec_spread:
+        gemm.DEC_SPREAD = False
+    if a.no_bulk_whole:
+        moe.BULK_WHOLE = False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
@@ -198,7 +209,15 @@ def main(argv=None) -> int:
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
                          "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
+    m = ap.add_argument_group("measuring baselines (each turns one default off, to time it against the default)")
+    m.add_argument("--no-wide-cluster", action="store_true",
+                   help="wide GEMMs without thread-block-cluster K splits (gemm.WIDE_CLUSTER = False)")
+    m.add_argument("--no-dec-spread", action="store_true",
+                   help="decode GEMM grids of <= one block per SM may share SMs (gemm.DEC_SPREAD = False)")
+    m.add_argument("--no-bulk-whole", action="store_true",
+                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.BULK_WHOLE = False)")
     a = ap.parse_args(argv)
+    apply_baselines(a)
     collectives_source = "assumed (command line / defaults)"
     if a.allreduce_fit:
         a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps)

@@ -8,11 +8,10 @@ last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available; "top-K PDL":
 the top-K's two launches alone with PDL, in the comparison lines). The kernel variants of kernels/ddtree.py
-given by --variants (VARIANTS: 0 verified, the plain twin / 3 v3 / 7 scan-rank-cache / 8 scan-rank-cache-regs
-/ 11 scan-rank-cache-regs-ovl; default: 8 11: the default and its candidate, whose merge overlaps stage 1
-under PDL) run on the same inputs;
+given by --variants (VARIANTS: 3 v3 / 8 scan-rank-cache-regs, the engine's; default: 3 8) run on the same
+inputs;
 "same" says a variant's outputs equal the reference
-variant's bit for bit (all but the stage-1 buffers; the reference is 0 when it runs, else the lowest given).
+variant's bit for bit (all but the stage-1 buffers; the reference is the lowest variant given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
 (--was); for a variant that file lacks, the figures of the variant it replaces (--was-variant, default
@@ -98,7 +97,7 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
         launch.set_pdl(True)
         try:
             t_pdl = time_graph(step)
-            t_topk_pdl = time_graph(lambda: ws.topk(logits))   # variant 11's merge overlaps stage 1 only with PDL
+            t_topk_pdl = time_graph(lambda: ws.topk(logits))
         finally:
             launch.set_pdl(False)
     ws.walk_commit(post, prefix, row_off)
@@ -154,10 +153,9 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[8, 11],
-                    help="kernel variants to time (0 = verified, 3 = v3, 7 = scan-rank-cache, 8 = "
-                         "scan-rank-cache-regs, 11 = scan-rank-cache-regs-ovl); the reference of the "
-                         "'same' column is 0 when given, else the lowest")
+    ap.add_argument("--variants", type=int, nargs="+", default=[3, 8], choices=sorted(VARIANTS),
+                    help="kernel variants to time (3 = v3, 8 = scan-rank-cache-regs); the reference of the "
+                         "'same' column is the lowest")
     ap.add_argument("--was-variant", default="scan-rank-cache-regs",
                     help="the --was file's variant whose figures stand for a variant that file lacks")
     args = ap.parse_args(argv)
@@ -191,7 +189,7 @@ def main(argv=None):
     for i, (S, B, dt) in enumerate(cases):
         ref_snap = None
         for v in variants:
-            snap, r, top = bench_case(S, B, dt, i, bw, fast=v, pdl=args.pdl and v > 0)
+            snap, r, top = bench_case(S, B, dt, i, bw, fast=v, pdl=args.pdl)
             if ref_snap is None:
                 ref_snap, t_cpu = snap, cpu_heap_builder_us(*top, B)
             # every variant must give the reference variant's outputs (trees, top-K, walk) bit for bit

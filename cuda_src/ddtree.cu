@@ -14,47 +14,33 @@
 #define DDT_TOPK_VECS 4        // 8-logit vectors per thread: a chunk of <= 256 * 8 * 4 = 8192 in registers
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
-// DDT_FAST selects the builder: 0 = the first version verified on the H200 (frontier in shared memory,
-// butterfly argmax; kept as the plain, obviously-correct twin), 3 = builder v3: only the frontier's
-// ordered scores in registers (position p = slot p / 32 of lane p % 32), the rest of each entry in shared
-// memory, the popped position warp-uniform (every lane reads the entry: no divergent winner, no
-// shuffles), entries carrying their successors' log-probs. Variant 3 also sizes the merge's final sort to
-// k; the walk is the same in all. Two intermediate builders (1:
-// frontier in registers with one warp reduction per pop; 2: variant 3 without the warp-uniform pop) were
-// measured slower (docs/DDTREE.md) and removed. Same results by construction (the GPU tests run every
-// variant against the reference).
+// Two builds (DDT_FAST), both reproducing the reference bit for bit:
+// 8 ("scan-rank-cache-regs", the engine's): a streaming top-K (stage 1 only reads: per thread max, exp-sum,
+//   its largest key; the merge finds the bound from those maxima and re-reads the few 32-logit groups that
+//   can hold the row's top-k, "Stage 2, scan variant" below) whose merge keeps each thread's group keys in
+//   registers and places selected groups and candidates by block scans (merge_scan_regs; rows of more than
+//   DDT_MREG chunks take merge_scan), the output placed by rank; a builder that pops from a sorted 32-entry
+//   cache for budgets <= DDT_CACHE_BUDGET ("Builder, sorted cache"; larger budgets run builder v3's loop)
+//   storing one info word per pop; a walk that reads the tree and post tokens from registers.
+// 3 ("v3"): the candidate-list top-K (per-chunk candidate lists, a merge whose final sort is sized to k),
+//   which the engine launches for small shapes (kernels/ddtree.py topk_variant: <= 7 rows, k <= 8), with
+//   builder v3 (only the frontier's ordered scores in registers, the popped position warp-uniform) and the
+//   plain walk.
+// The designs measured and removed (variants 0-2, 4-7 and 9-12) are in docs/history/2026-11-29-ddtree.md.
 #ifndef DDT_FAST
-#define DDT_FAST 0
+#define DDT_FAST 8
 #endif
-// DDT_FAST=7 ("scan-rank-cache") is variant 3's walk with a streaming top-K (stage 1 only reads: per thread
-// max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads the few 32-logit
-// groups that can hold the row's top-k, see "Stage 2, scan variant" below), the merge's output placed by
-// rank (rank_out) and a builder that pops from a sorted 32-entry cache for budgets <= 64 ("Builder,
-// sorted cache"). The variants 4 (scan), 5 (scan-rank) and 6 (scan-cache) that led to it were slower
-// than 7 and 8 on every measured case and are no longer built (docs/DDTREE.md "Variants").
-// DDT_FAST=8 ("scan-rank-cache-regs", the default) is variant 7 whose merge keeps each thread's group keys
-// in registers and places selected groups and candidates by block scans instead of per-warp atomics
-// (merge_scan_regs), whose cache loop stores one info word per pop, and whose walk reads the tree from
-// registers.
-// DDT_FAST=11 ("scan-rank-cache-regs-ovl") is variant 8 whose merge overlaps stage 1 (DDT_OVERLAP): stage 1
-// lets the merge launch early (PDL trigger after its own wait) and counts its finished chunks per row; a
-// merge block waits for its row's count instead of the whole stage-1 grid, so the rows finished in stage
-// 1's earlier waves are merged while the later ones still stream ("Stage 1 -> merge overlap" below); its
-// stage 1 runs at 5 blocks per SM (48 registers).
-#if DDT_FAST != 0 && DDT_FAST != 3 && DDT_FAST != 7 && DDT_FAST != 8 && DDT_FAST != 11
-#error "DDT_FAST: variants are 0 (verified), 3 (v3), 7 (scan-rank-cache), 8 (scan-rank-cache-regs), 11 (scan-rank-cache-regs-ovl)"
+#if DDT_FAST != 3 && DDT_FAST != 8
+#error "DDT_FAST: the builds are 3 (v3: list top-K, builder v3) and 8 (scan-rank-cache-regs)"
 #endif
-#define DDT_SCAN (DDT_FAST >= 7)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST >= 7)    // the merge's output placed by rank
-#define DDT_CACHE (DDT_FAST >= 7)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
-#define DDT_MERGE_REGS (DDT_FAST >= 8)  // the scan merge with group keys in registers (merge_scan_regs)
-#define DDT_CACHE_LEAN (DDT_FAST >= 8)  // the cache loop stores one info word per row (decoded after the loop)
-#define DDT_WALK_REGS (DDT_FAST >= 8)   // the walk reads the tree and post tokens from registers (one load batch)
-#define DDT_OVERLAP (DDT_FAST == 11)    // per-row arrival counters: the merge overlaps stage 1 (row_cnt argument)
+#define DDT_SCAN (DDT_FAST == 8)        // stage 1 writes group keys, the merge re-reads groups
+#define DDT_RANK_OUT (DDT_FAST == 8)    // the merge's output placed by rank
+#define DDT_CACHE (DDT_FAST == 8)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
+#define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
+#define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
+#define DDT_WALK_REGS (DDT_FAST == 8)   // the walk reads the tree and post tokens from registers (one load batch)
 // the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_OVERLAP
-#define DDT_PARTIAL_MIN_BLOCKS 5   // 48 registers, no spill (session 3's variant 10: stage 1 at 10 x 64 9.6 -> 9.2 us)
-#elif DDT_SCAN
+#if DDT_SCAN
 #define DDT_PARTIAL_MIN_BLOCKS 4
 #else
 #define DDT_PARTIAL_MIN_BLOCKS 2
@@ -65,54 +51,11 @@ typedef unsigned long long u64;
 #define FULL_MASK 0xffffffffu
 
 // ---------------------------------------------------------------------------------------------------
-// Stage 1 -> merge overlap (DDT_OVERLAP, variant 11). With PDL the merge grid launches as soon as every
-// stage-1 block has started (stage 1 triggers right after its own DDT_PDL_WAIT, so by then every kernel
-// before stage 1 has finished), i.e. during stage 1's last wave, and all stage-1 blocks are already
-// resident: a merge block that waits can never keep a stage-1 block from running. Each stage-1 block,
-// once its outputs are stored, counts itself in row_cnt[row] (barrier, then thread 0: fence + atomic add:
-// the release pattern of a grid barrier); a merge block waits until its row's count reaches P (thread 0:
-// acquire loads), resets it to 0 for the next launch (nothing else touches it before the next stage 1,
-// which starts only after this grid and every kernel between have finished) and then reads the row.
-// Reads of data written while the merge runs must not come from the incoherent L1 / read-only caches:
-// they go through L2 (ld_s1, ChunkRegs::load_l2). Without PDL the merge starts after stage 1 as before
-// and finds the counts complete. Bound: a wait longer than ~35 s traps (a broken protocol fails a test
-// instead of hanging the GPU).
-// ---------------------------------------------------------------------------------------------------
+// a read of stage 1's output by the merge (a plain load: the merge starts after the whole stage-1 grid)
 template <typename T>
 __device__ __forceinline__ T ld_s1(const T* p) {
-#if DDT_OVERLAP
-    return __ldcg(p);
-#else
     return *p;
-#endif
 }
-#if DDT_OVERLAP
-// stage-1 block's end: its global stores are done by every thread before the call (the barrier orders
-// them before thread 0's fence, which makes them visible GPU-wide before the count)
-__device__ __forceinline__ void row_arrive(unsigned* row_cnt, int r, int tid) {
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        atomicAdd(row_cnt + r, 1u);
-    }
-}
-// merge block's start: returns once the row's P stage-1 blocks have arrived (visible to the whole block)
-__device__ __forceinline__ void row_wait(unsigned* row_cnt, int r, int P, int tid) {
-    if (tid == 0) {
-        const long long t0 = clock64();
-        unsigned c;
-        for (;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(row_cnt + r) : "memory");
-            if (c >= (unsigned)P) break;
-            if (clock64() - t0 > (1ll << 36)) __trap();   // ~35 s at 2 GHz (other contexts may time-slice)
-            __nanosleep(64);
-        }
-        row_cnt[r] = 0u;   // ready for the next launch
-        __threadfence();
-    }
-    __syncthreads();
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------------
 // Sort keys. A candidate (value, id) becomes one 64-bit key whose unsigned order is the reference order:
@@ -139,7 +82,7 @@ __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint3
 // kernels/ddtree.py (cand_cap, part_width) mirrors these two functions.
 __device__ __forceinline__ int cand_cap(int k) { return k <= 32 ? 64 : (k <= 64 ? 128 : 256); }
 __device__ __forceinline__ int part_width(int k) { return k == 1 ? 1 : 2 + cand_cap(k); }
-// Scan variants (DDT_FAST=4, 5), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
+// Scan build (DDT_FAST=8), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
 // V_local | id_offset << 32, chunk, then the 256 threads' largest keys (group g = thread g's 32 logits:
 // its 4 vectors of 8 at (u * 256 + g) * 8; 0 = a group with no logit in range)]. The header lets the merge
 // re-read logits without new launch arguments (the merge's signature is shared with the engine's CPU
@@ -216,10 +159,6 @@ template <> struct ChunkRegs<float> {
         a[u][0] = *reinterpret_cast<const float4*>(p);
         a[u][1] = *reinterpret_cast<const float4*>(p + 4);
     }
-    __device__ __forceinline__ void load_l2(const float* p, int u) {   // through L2 only (see ld_s1)
-        a[u][0] = __ldcg(reinterpret_cast<const float4*>(p));
-        a[u][1] = __ldcg(reinterpret_cast<const float4*>(p + 4));
-    }
     __device__ __forceinline__ void clear(int u) {
         a[u][0] = a[u][1] = make_float4(DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF, DDT_NEG_INF);
     }
@@ -232,7 +171,6 @@ template <> struct ChunkRegs<float> {
 template <> struct ChunkRegs<bf16_bits> {
     uint4 a[DDT_TOPK_VECS];
     __device__ __forceinline__ void load(const bf16_bits* p, int u) { a[u] = *reinterpret_cast<const uint4*>(p); }
-    __device__ __forceinline__ void load_l2(const bf16_bits* p, int u) { a[u] = __ldcg(reinterpret_cast<const uint4*>(p)); }
     __device__ __forceinline__ void clear(int u) { a[u] = make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u); }
     __device__ __forceinline__ float at(int u, int i) const {
         const int j = i >> 1;
@@ -279,7 +217,7 @@ __device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remain
 template <typename T>
 __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int rows, int V_local, int id_offset,
                                              int k, int chunk, u64* __restrict__ part_keys,
-                                             float2* __restrict__ part_ms, unsigned* row_cnt) {
+                                             float2* __restrict__ part_ms) {
     __shared__ u64 s_top[DDT_TOPK_THREADS / 32][32];
     __shared__ u64 s_cand[DDT_SORT_CAP];
     __shared__ unsigned s_hist[256];
@@ -295,9 +233,6 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     const uint32_t id0 = (uint32_t)(id_offset + beg);
     const T* x = logits + (size_t)r * V_local + beg;
     DDT_PDL_WAIT();   // the logits come from the previous kernel
-#if DDT_OVERLAP
-    if (row_cnt) DDT_PDL_LAUNCH_DEPENDENTS();   // the merge may launch now (see "Stage 1 -> merge overlap")
-#endif
 
     // every load is issued before any use: 16-32 KB per block in flight
     ChunkRegs<T> v;
@@ -384,9 +319,6 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
             part_keys[slot] = b;
             part_ms[slot] = make_float2(m, s);
         }
-#if DDT_OVERLAP
-        if (row_cnt) row_arrive(row_cnt, r, tid);   // uniform
-#endif
         return;
     }
 #if DDT_SCAN
@@ -404,9 +336,6 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
             for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
             part_ms[slot] = make_float2(m, s);
         }
-#if DDT_OVERLAP
-        if (row_cnt) row_arrive(row_cnt, r, tid);   // uniform
-#endif
         return;
     }
 #else
@@ -496,30 +425,21 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
 #endif
 }
 
-// Variant 11 takes one more argument: row_cnt [rows] (uint32, zero between launches; null: no counting and
-// no early trigger, the merge then waits for the whole grid as in the other variants).
-#if DDT_OVERLAP
-#define DDT_ROW_CNT_PARAM , unsigned* row_cnt
-#define DDT_ROW_CNT row_cnt
-#else
-#define DDT_ROW_CNT_PARAM
-#define DDT_ROW_CNT nullptr
-#endif
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                     u64* part_keys, float2* part_ms DDT_ROW_CNT_PARAM) {
-    topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms, DDT_ROW_CNT);
+                     u64* part_keys, float2* part_ms) {
+    topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
 ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                      u64* part_keys, float2* part_ms DDT_ROW_CNT_PARAM) {
-    topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms, DDT_ROW_CNT);
+                      u64* part_keys, float2* part_ms) {
+    topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 2: the row's top-k, one block per row. Three input layouts:
-//   candidate lists (parts_major = 0, k >= 2, variants 0 / 3): keys [rows, P, part_width(k)], stage 1's
-//   output; group keys (parts_major = 0, k >= 2, variant 4): keys [rows, P, scan_width(k)] (see the scan
+//   candidate lists (parts_major = 0, k >= 2, build 3): keys [rows, P, part_width(k)], stage 1's
+//   output; group keys (parts_major = 0, k >= 2, build 8): keys [rows, P, scan_width(k)] (see the scan
 //   section below); exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards'
 //   merged top-k, sorted, zero-padded) or [rows, P, 1]; there L = the list's k-th key (0 if it has fewer).
 // ms [rows, P] / [P, rows] (float2). A list holds every key of its part >= its L, so the row's k-th largest
@@ -593,15 +513,13 @@ __device__ __forceinline__ void rank_out(const u64* sel, int ns, int k, int r, i
 __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, int r, int tid, int lane, int warp,
                                              MergeShared& sh, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                                              float* __restrict__ out_lp, int* __restrict__ out_id) {
-    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Variants 3
-    // and 4 narrow to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
+    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Build 3
+    // narrows to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
     // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
 #if DDT_RANK_OUT
     const unsigned scap = DDT_SORT_CAP;   // placed by rank (below): the selection's size costs little
-#elif DDT_FAST >= 2
-    const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
 #else
-    const unsigned scap = DDT_SORT_CAP;
+    const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
 #endif
     u64 thr = 0ull;
     if ((unsigned)N > scap) {
@@ -714,11 +632,7 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
             const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
             if (i < V_local) { ok[t] = true; base[t] = i; }
         }
-#if DDT_OVERLAP
-        if (ok[t]) v.load_l2(xrow + base[t], t);   // the merge did not wait for the grid (ld_s1)
-#else
         if (ok[t]) v.load(xrow + base[t], t);
-#endif
         else v.clear(t);
     }
 #pragma unroll
@@ -918,11 +832,7 @@ __device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint
             const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
             if (i < V_local) { ok[t] = true; base[t] = i; }
         }
-#if DDT_OVERLAP
-        if (ok[t]) v.load_l2(xrow + base[t], t);   // the merge did not wait for the grid (ld_s1)
-#else
         if (ok[t]) v.load(xrow + base[t], t);
-#endif
         else v.clear(t);
     }
     int cnt = 0;
@@ -1134,18 +1044,12 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
 extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
-               float* __restrict__ out_lp, int* __restrict__ out_id DDT_ROW_CNT_PARAM) {
+               float* __restrict__ out_lp, int* __restrict__ out_id) {
     extern __shared__ u64 s_keys[];   // [P * lcap] gathered keys, then int [P] list lengths
     __shared__ MergeShared sh;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = blockIdx.x;
     const bool cand = !parts_major && k > 1;
-#if DDT_OVERLAP
-    if (row_cnt) {   // uniform: wait for this row's P stage-1 blocks, not the whole stage-1 grid
-        DDT_PDL_LAUNCH_DEPENDENTS();   // the builder's blocks may launch (they wait for this whole grid)
-        row_wait(row_cnt, r, P, tid);
-    } else
-#endif
     DDT_PDL_WAIT();
 #if DDT_SCAN
     if (cand) {
@@ -1269,102 +1173,7 @@ __device__ __forceinline__ void write_tree(int st, int n, int pre, int lane, con
     if (lane == 0) n_rows[st] = n + 1;
 }
 
-#if DDT_FAST == 0
-// Frontier in shared memory; each pop is a butterfly argmax over it; every lane computes the same
-// updates (warp-uniform control flow); lane 0 writes them.
-extern "C" __global__ void __launch_bounds__(32)
-ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
-               const int* __restrict__ budgets, const int* __restrict__ prefix_len,
-               const int* __restrict__ bonus, int cap_k, int include_chain,
-               int* __restrict__ tokens, int* __restrict__ parents, int* __restrict__ depths,
-               int* __restrict__ positions, int* __restrict__ n_rows, uint32_t* __restrict__ mask) {
-    __shared__ float s_lp[DDT_MAX_DEPTH * DDT_MAX_K];
-    __shared__ float f_score[DDT_FRONTIER], f_pscore[DDT_FRONTIER];
-    __shared__ u64 f_tup[DDT_FRONTIER];
-    __shared__ int f_info[DDT_FRONTIER];
-    __shared__ int t_tok[DDT_MAX_TREE_ROWS], t_par[DDT_MAX_TREE_ROWS], t_dep[DDT_MAX_TREE_ROWS];
-
-    const int lane = threadIdx.x, st = blockIdx.x;
-    const int R = DDT_MAX_TREE_ROWS;
-    DDT_PDL_WAIT();
-    const int budget = min(max(budgets[st], 0), R - 1);
-    const int kf = cap_k > 0 ? min(K, cap_k) : K;
-    const float* lp = top_lp + (size_t)st * D * K;
-    const int* ids = top_id + (size_t)st * D * K;
-    for (int i = lane; i < D * K; i += 32) s_lp[i] = ftz_in(lp[i]);
-    if (lane == 0) { t_tok[0] = bonus[st]; t_par[0] = -1; t_dep[0] = 0; }
-    __syncwarp();
-
-    // forced top-1 chain: rows 1..nc, row d = depth d
-    const int nc = include_chain ? min(D, budget) : 0;
-    for (int d = 1; d <= nc; ++d) {
-        if (lane == 0) { t_tok[d] = ids[(d - 1) * K]; t_par[d] = d - 1; t_dep[d] = d; }
-    }
-
-    int nodes = nc, fsize = 0;
-    if (budget > 0) {
-        if (lane == 0) {
-            f_score[0] = score_add(0.f, s_lp[0]); f_pscore[0] = 0.f;
-            f_tup[0] = tuple_digit(1, 0); f_info[0] = pack_info(1, 0, 0, nc >= 1);
-        }
-        fsize = 1;
-    }
-    __syncwarp();
-    while (fsize > 0 && nodes < budget) {
-        int bi = -1; float bs = 0.f; u64 bt = 0ull;
-        for (int i = lane; i < fsize; i += 32) {
-            float sc = f_score[i]; u64 tp = f_tup[i];
-            if (bi < 0 || sc > bs || (sc == bs && tp < bt)) { bi = i; bs = sc; bt = tp; }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            float os = __shfl_xor_sync(FULL_MASK, bs, off);
-            u64 ot = __shfl_xor_sync(FULL_MASK, bt, off);
-            if (oi >= 0 && (bi < 0 || os > bs || (os == bs && ot < bt))) { bi = oi; bs = os; bt = ot; }
-        }
-        const float psc = f_pscore[bi];
-        const int info = f_info[bi];
-        const int depth = info & 15, rank = (info >> 4) & 255, prow = (info >> 12) & 255;
-        const int chain = (info >> 20) & 1;
-        int row;
-        if (chain) {
-            row = depth;                          // already emitted by the chain prologue
-        } else {
-            row = ++nodes;
-            if (lane == 0) { t_tok[row] = ids[(depth - 1) * K + rank]; t_par[row] = prow; t_dep[row] = depth; }
-        }
-        __syncwarp();   // every lane has read entry bi before lane 0 overwrites it
-        if (rank + 1 < kf) {   // next sibling takes the popped slot
-            if (lane == 0) {
-                f_score[bi] = score_add(psc, s_lp[(depth - 1) * K + rank + 1]);
-                f_pscore[bi] = psc;
-                f_tup[bi] = bt + tuple_digit(depth, 0);   // rank digit + 1
-                f_info[bi] = pack_info(depth, rank + 1, prow, 0);
-            }
-        } else {               // no sibling: the last entry fills the hole
-            --fsize;
-            if (lane == 0 && bi != fsize) {
-                f_score[bi] = f_score[fsize]; f_pscore[bi] = f_pscore[fsize];
-                f_tup[bi] = f_tup[fsize]; f_info[bi] = f_info[fsize];
-            }
-        }
-        if (depth < D) {       // first child
-            if (lane == 0) {
-                f_score[fsize] = score_add(bs, s_lp[depth * K]);
-                f_pscore[fsize] = bs;
-                f_tup[fsize] = bt + tuple_digit(depth + 1, 0);
-                f_info[fsize] = pack_info(depth + 1, 0, row, chain && depth + 1 <= nc);
-            }
-            ++fsize;
-        }
-        __syncwarp();
-    }
-    __syncwarp();
-    write_tree(st, nodes, prefix_len[st], lane, t_tok, t_par, t_dep, tokens, parents, depths, positions,
-               n_rows, mask);
-}
-#else   // DDT_FAST == 3, 4, 5 (the default 4): builder v3 (6, 7: for budgets above DDT_CACHE_BUDGET)
+// Builder v3 (variant 3; variant 8 for budgets above DDT_CACHE_BUDGET).
 // Position p = slot p / 32 of lane p % 32; only the ordered scores are in registers (the removed variant 2
 // kept the rest of an entry for the winning lane alone). Here the popped
 // position is made known to every lane (one ballot per slot: in the usual case of a single holder
@@ -1383,7 +1192,7 @@ __device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
 }
 #if DDT_CACHE
 // ---------------------------------------------------------------------------------------------------
-// Builder, sorted cache (variants 6, 7; docs/DDTREE.md "Builder: sorted cache"). The frontier is a list
+// Builder, sorted cache (build 8; docs/history/2026-11-29-ddtree.md "Builder: sorted cache"). The frontier is a list
 // sorted in pop order, entry j in lane j (every field in registers), the head (entry 0) also known to
 // every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
 // compares its entry with both (two ballots), and one shuffle round moves every entry to its new index.
@@ -1507,9 +1316,6 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     const int lane = threadIdx.x, st = blockIdx.x;
     const int R = DDT_MAX_TREE_ROWS;
     DDT_PDL_WAIT();
-#if DDT_OVERLAP
-    DDT_PDL_LAUNCH_DEPENDENTS();   // the next kernel's blocks may launch and wait (for this whole grid)
-#endif
     const int budget = min(max(budgets[st], 0), R - 1);
     const int kf = cap_k > 0 ? min(K, cap_k) : K;
     const int nkd = D * K;
@@ -1547,7 +1353,7 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
         nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);
     } else
 #endif
-    {   // v3's pop loop (every budget in variants 3-5; budgets > DDT_CACHE_BUDGET in 6 and 7)
+    {   // v3's pop loop (every budget in build 3; budgets > DDT_CACHE_BUDGET in 8)
     uint32_t os[DDT_SLOTS];
 #pragma unroll
     for (int s = 0; s < DDT_SLOTS; ++s) os[s] = 0u;
@@ -1640,7 +1446,6 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     __syncwarp();
     write_tree(st, nodes, pre, lane, t_tok, t_par, t_dep, tokens, parents, depths, positions, n_rows, mask);
 }
-#endif
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 4: walk + commit, one warp per stream. post [S, R]: the target's token at every tree row

@@ -176,7 +176,7 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Decode family (T <= 16, issue #4): parallel over output rows, K split inside the block and, optionally,
+// Decode family (T <= 16): parallel over output rows, K split inside the block and, optionally,
 // across the CS blocks of a thread-block cluster.
 //  * a block = RT m16 tiles of weight rows (16 RT output features) x its K range x all tokens (NT <= 2 n8
 //    tiles); its DEC_WARPS warps are RT row tiles x KS = DEC_WARPS / RT contiguous K slices (sizes differ
@@ -434,7 +434,7 @@ __device__ __forceinline__ void wide_cluster_reduce(
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Wide-token family (T = 17..160, issue #4, docs/KERNELS.md "Session 5: wide-token kernel"): a block owns a
+// Wide-token family (T = 17..160, docs/KERNELS.md "Wide-token kernel"): a block owns a
 // tile of BM = 16 WM WARPS_M weight rows x BT = 8 WN WARPS_N tokens and one K range (split-K across blocks);
 // its WARPS_M x WARPS_N warps (8: 4 x 2 with 32 x BT/2 warp tiles, or 4: 2 x 2 with 64 x BT/2 warp tiles,
 // fewer ldmatrix per mma and fewer warps to hide latency).

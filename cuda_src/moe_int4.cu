@@ -214,22 +214,23 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
 //   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
 // MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32.
-// Weights stream global -> registers through a U-stage register ring (S = 0) or an S-deep per-warp cp.async
-// ring in dynamic shared memory (S >= 2, power of two: no register cost); partials over K meet in shared
+// Weights stream global -> registers through a U-stage register ring; partials over K meet in shared
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
-// LEAN (register ring only, S = 0): 0 = the previous k loop; 1, 2 = the same arithmetic in the same order
+// LEAN: 0 = the previous k loop; 1, 2 = the same arithmetic in the same order
 // (bit-identical results) with ~30% fewer instructions per k64 step -- no zeroing of absent token columns, loads
 // from running pointers with immediate offsets, one predicated per-step L2 prefetch from a per-lane pointer
 // instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
 // and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
-// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, session 4.
-// Dynamic shared memory: [cp.async ring (S > 0)][SortSmem (gate/up with fuse_route)].
+// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, revision 4.
+// Dynamic shared memory: the SortSmem of the gate/up kernel with fuse_route (none otherwise). (An S-deep
+// per-warp cp.async ring for the weights measured 3-15% slower on the H200 and was removed:
+// docs/history/2026-11-29-moe.md.)
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
 // ---------------------------------------------------------------------------------------------------------
 
-template <int MODE, int WM, int WK, int NT, int U, int S, int LEAN>
+template <int MODE, int WM, int WK, int NT, int U, int LEAN>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
     int n_chunks;
     if constexpr (MODE == 0) {
         if (fuse_route) {
-            SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn + (size_t)(S > 0 ? WM * WK * S * 72 : 0));
+            SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn);
             sort_pairs_block(ids, T * k, E, 8 * NT, so);
             n_chunks = so.total.y;
             if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
@@ -344,8 +345,8 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
                 }
             };
-            if (!(S == 0 && LEAN)) for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
-            if (!(S == 0 && LEAN) && pf_steps > 0) {
+            if (!LEAN) for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
+            if (!LEAN && pf_steps > 0) {
                 // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
                 const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
                 next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
@@ -390,12 +391,12 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 }
             };
             uint4 rb[U][NT][2];
-            if (!(S == 0 && LEAN)) {
+            if (!LEAN) {
 #pragma unroll
                 for (int i = 0; i < U; ++i)
                     if (i < nsteps) load_b(rb[i], i);
             }
-            if constexpr (S == 0 && LEAN) {
+            if constexpr (LEAN != 0) {
                 // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
                 // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
                 auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
@@ -481,7 +482,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
                 // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
                 // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
-                // ahead like the LEAN = 0 loop (H200, session 4: LEAN 1 lost 1-17% from T = 8 up; this and the
+                // ahead like the LEAN = 0 loop (H200, revision 4: LEAN 1 lost 1-17% from T = 8 up; this and the
                 // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
                 auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
                     ra[r][0] = ld_stream_v4(qa0 + i * 32);
@@ -525,7 +526,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     }
                     advance();
                 }
-            } else if constexpr (S == 0) {
+            } else {
                 uint4 ra[U][2];
                 uint2 rs[U][2];
                 auto load_a = [&](int r, int i) {
@@ -548,45 +549,6 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                         }
                     }
                 }
-            } else {
-                // slot = 64 uint4 of weights (tile 0 lanes, tile 1 lanes) + 8 uint4 of scales (4 per tile)
-                uint4* ring = moe_dyn + (size_t)warp * S * 72;
-                auto issue = [&](int j) {
-                    uint4* slot = ring + (j & (S - 1)) * 72;
-                    cp_async16(slot + lane, pa0 + (size_t)j * 32);
-                    cp_async16(slot + 32 + lane, pa1 + (size_t)j * 32);
-                    if (lane < 8) {
-                        const uint2* src = (lane < 4 ? st0 : st0 + (size_t)KS * 8) + (size_t)j * 8 + 2 * (lane & 3);
-                        cp_async16(slot + 64 + lane, src);
-                    }
-                };
-#pragma unroll
-                for (int j = 0; j < S - 1; ++j) {
-                    if (j < nsteps) issue(j);
-                    cp_async_commit();
-                }
-                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                for (int base = 0; base < nsteps; base += U) {
-#pragma unroll
-                    for (int i = 0; i < U; ++i) {
-                        const int idx = base + i;
-                        if (idx < nsteps) {
-                            if (idx + S - 1 < nsteps) issue(idx + S - 1);
-                            cp_async_commit();
-                            cp_async_wait<S - 1>();
-                            __syncwarp();
-                            const uint4* slot = ring + (idx & (S - 1)) * 72;
-                            const uint4 a[2] = {slot[lane], slot[32 + lane]};
-                            const uint2 sc[2] = {reinterpret_cast<const uint2*>(slot + 64)[g],
-                                                 reinterpret_cast<const uint2*>(slot + 68)[g]};
-                            compute(a, sc, rb[i]);
-                            __syncwarp();   // every lane has read the slot before it is refilled
-                            if (idx + U < nsteps) load_b(rb[i], idx + U);
-                            if (pf_steps > 0 && (idx & 3) == 0) prefetch_group(idx + pf_steps);
-                        }
-                    }
-                }
-                cp_async_wait<0>();
             }
         }
         pf_done = next_done;
@@ -649,7 +611,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
 // fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
-// Session 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
+// Revision 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
 // any is added (the loop over a runtime k issued one dependent ids -> y round trip per pair: 3.5 us at T = 8 on
 // the H200 for 1.8 MB); the sum keeps the pair order, so the output is the same bits.
 #define COMBINE_KU 8

@@ -8,6 +8,8 @@ of that loop), so neither the CLI nor the server cares which one runs.
 """
 from __future__ import annotations
 
+import glob
+import sys
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,10 +32,24 @@ def gpu_status() -> Tuple[bool, str]:
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:           # no driver / no device
-        return False, f"no usable CUDA device ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        return False, no_device_reason(e)
     if n < 1:
-        return False, "no CUDA device"
+        return False, "no CUDA GPU found"
     return True, f"{n} CUDA device(s)"
+
+
+def no_device_reason(e: Exception) -> str:
+    """Why getDeviceCount failed, in words. Without a GPU the CUDA runtime reports a missing driver as
+    cudaErrorInsufficientDriver ("driver version is insufficient"), which misleads: say there is no GPU."""
+    msg = str(e).strip()
+    no_nodes = not glob.glob("/dev/nvidia[0-9]*") and sys.platform.startswith("linux")
+    if "cudaErrorNoDevice" in msg or no_nodes:
+        return "no CUDA GPU found" + (" (no /dev/nvidia* device on this machine)" if no_nodes else "")
+    if "cudaErrorInsufficientDriver" in msg:
+        return ("the NVIDIA driver is older than the CUDA runtime this CuPy build needs "
+                "(cudaErrorInsufficientDriver): update the driver, or install the cupy-cuda12x / cupy-cuda13x "
+                "wheel that matches it")
+    return f"no usable CUDA GPU ({type(e).__name__}: {msg})"
 
 
 def gpu_engine_available() -> bool:

@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ddtree_cupy.kernels import compile as kc
 
@@ -151,14 +151,34 @@ def import_kernel_modules() -> List[str]:
     return names
 
 
-def build(archs: Sequence[str], hot_only: bool = False, srcs: Optional[Sequence[str]] = None) -> List[SpecReport]:
+def build(archs: Sequence[str], hot_only: bool = False, srcs: Optional[Sequence[str]] = None,
+          progress: Optional[Callable[[int, int, SpecReport], None]] = None) -> List[SpecReport]:
+    """Compile every selected spec for every arch; ``progress(i, n, report)`` after each (a full build takes
+    minutes on a small machine, so the command line shows each spec as it finishes)."""
     import_kernel_modules()
     specs = [s for s in kc.registered_specs() if (s.hot or not hot_only) and (not srcs or s.src in srcs)]
     if srcs:
         unknown = sorted(set(srcs) - {s.src for s in kc.registered_specs()})
         if unknown:
             raise SystemExit(f"--src: no registered spec compiles {', '.join(unknown)}")
-    return [compile_spec(s, a) for a in archs for s in specs]
+    jobs = [(s, a) for a in archs for s in specs]
+    out = []
+    for i, (s, a) in enumerate(jobs, 1):
+        out.append(compile_spec(s, a))
+        if progress is not None:
+            progress(i, len(jobs), out[-1])
+    return out
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _print_progress(i: int, n: int, r: SpecReport) -> None:
+    defs = ",".join(f"{k}={v}" for k, v in sorted(r.defines.items()))
+    print(f"[{i}/{n}] {r.arch} {r.src}{' ' + defs if defs else ''}: "
+          f"{_n(len(r.kernels), 'kernel') if r.ok else 'COMPILE ERROR'} in {r.seconds:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -168,11 +188,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--src", nargs="+", metavar="FILE.cu",
                     help="only the specs of these cuda_src files (a quick check of one kernel family)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no per-spec progress lines on stderr")
     args = ap.parse_args(argv)
     if not kc.cuda_include_dirs():
         print("warning: no CUDA runtime headers found (pip install nvidia-cuda-runtime-cu12, or set "
               "CUDA_PATH); kernels including <cuda_bf16.h> will fail", file=sys.stderr)
-    reports = build(args.arch, args.hot_only, args.src)
+    reports = build(args.arch, args.hot_only, args.src, progress=None if args.quiet else _print_progress)
     problems = [p for r in reports for p in r.problems()]
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1))
@@ -188,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{r.arch:7} {r.src:18} {name:64} {k.registers:4d} {spill:>7} {k.smem_static:6d} "
                       f"{k.stack:5d}{'  HOT' if r.hot else ''}")
         n_k = sum(len(r.kernels) for r in reports)
-        print(f"{len(reports)} spec builds, {n_k} kernels, {sum(r.seconds for r in reports):.1f} s")
+        print(f"{_n(len(reports), 'spec build')}, {_n(n_k, 'kernel')}, {sum(r.seconds for r in reports):.1f} s")
     for p in problems:
         print("ERROR:", p, file=sys.stderr)
     return 1 if problems else 0

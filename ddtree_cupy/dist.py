@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import knobs
+
 # Launchers set one of these in every rank's environment (Open MPI, MPICH/Hydra, Intel MPI, Slurm PMI).
 _WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
@@ -272,8 +274,7 @@ def guarded(fn: Callable[[], int], comm: Optional[Communicator] = None) -> int:
         raise
     except BaseException as e:  # noqa: BLE001 - the whole point is to catch everything
         c = comm if comm is not None else (SingleRank() if not launched_with_mpi() else MPIComm())
-        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)) if os.environ.get(
-            "DDTREE_CUPY_TRACEBACK") else ""
+        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)) if knobs.get().traceback else ""
         c.abort(f"{detail}error on rank {c.rank}/{c.size}: {type(e).__name__}: {e}", 1)
         return 1
 

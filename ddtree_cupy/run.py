@@ -28,8 +28,19 @@ class UsageError(ValueError):
     """Bad input from the command line; the message names the option or file."""
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each option's default where it has one (not for unset options and flags)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if (action.option_strings and action.nargs != 0 and "default" not in h
+                and action.default is not None and action.default != [] and action.default is not argparse.SUPPRESS):
+            h += " (default: %(default)s)"
+        return h
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run",
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run", formatter_class=_HelpWithDefaults,
                                  description="Generate text with DDTree speculative decoding (Kimi K2.6 + DFlash drafter).")
     m = ap.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="target checkpoint directory (config.json, safetensors, tokenizer)")
@@ -46,22 +57,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: open a <think> block (default)")
     p.add_argument("--no-thinking", dest="thinking", action="store_false", help="chat: empty <think></think>")
     g = ap.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    g.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "ar"))
-    g.add_argument("--budget", type=int, default=32, metavar="N", help=f"DDTree node budget, 1..{MAX_BUDGET} (default 32)")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per stream")
+    g.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "ar"),
+                   help="ddtree: tree speculation; chain: the drafter's top-1 path; ar: no speculation")
+    g.add_argument("--budget", type=int, default=32, metavar="N", help=f"DDTree node budget, 1..{MAX_BUDGET}")
     g.add_argument("--cap-k", type=int, default=None, metavar="K", help="use only the K best tokens per depth")
     g.add_argument("--include-chain", action="store_true", help="always put the drafter's top-1 chain in the tree")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    g.add_argument("--seed", type=int, default=0, metavar="S")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (needs --temperature > 0)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest tokens, 0 = off (needs --temperature > 0)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop on <|im_end|> / [EOS]")
     d = ap.add_argument_group("drafter options")
     d.add_argument("--draft-window", type=int, default=None, metavar="W", help="drafter sees only the last W context tokens")
     d.add_argument("--rope-amplitude", type=float, default=None, metavar="A",
                    help="drafter RoPE cos/sin amplitude (default: from its config; 1.4159 = 1 + 0.1 ln 64)")
     r = ap.add_argument_group("runtime")
-    r.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
+    r.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"),
+                   help="auto: the GPU engine where a CUDA GPU is usable, else the numpy reference")
     r.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="numpy backend precision")
     r.add_argument("--json", action="store_true", help="print one JSON object on the last line of stdout")
     r.add_argument("--profile", action="store_true",
@@ -84,6 +97,10 @@ def _check_options(a) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
     if a.top_k < 0:
         raise UsageError(f"--top-k must be >= 0, got {a.top_k}")
+    if a.temperature == 0.0 and (a.top_p != 1.0 or a.top_k != 0):
+        # greedy decoding ignores both; refusing beats a silently greedy run the user thought was sampled
+        raise UsageError("--top-p / --top-k filter sampling, but --temperature is 0 (greedy, the default): "
+                         "add --temperature T > 0 to sample, or drop them")
     if a.cap_k is not None and a.cap_k < 1:
         raise UsageError(f"--cap-k must be >= 1, got {a.cap_k}")
     if a.draft_window is not None and a.draft_window < 1:
@@ -94,29 +111,34 @@ def _check_options(a) -> None:
         raise UsageError(f"--seed must be in [0, 2^64), got {a.seed}")
 
 
-def _parse_ids(text: str, i: int) -> List[int]:
+def _parse_ids(text: str, stream: int) -> List[int]:
     parts = [t.strip() for t in text.split(",")]
     if parts == [""]:
-        raise UsageError(f"--prompt-ids #{i + 1}: prompt is empty")
+        raise UsageError(f"stream {stream} (--prompt-ids): prompt is empty")
     try:
         return [int(t) for t in parts]
     except ValueError:
-        raise UsageError(f"--prompt-ids #{i + 1}: expected comma-separated integers, got {text!r}") from None
+        raise UsageError(f"stream {stream} (--prompt-ids): expected comma-separated integers, got {text!r}") from None
+
+
+def _check_dir(option: str, path: str) -> None:
+    if os.path.isfile(path):
+        raise UsageError(f"{option} {path}: is a file, not a directory (give the checkpoint's directory)")
+    if not os.path.isdir(path):
+        raise UsageError(f"{option} {path}: directory does not exist")
 
 
 def _load_configs(a):
     from .config import DrafterConfig, TargetConfig
     if not a.model:
         raise UsageError("--model DIR is required (or --demo)")
-    if not os.path.isdir(a.model):
-        raise UsageError(f"--model {a.model}: directory does not exist")
+    _check_dir("--model", a.model)
     tcfg = TargetConfig.load(a.model)
     dcfg = None
     if a.mode != "ar":
         if not a.drafter:
             raise UsageError(f"--drafter DIR is required for --mode {a.mode}")
-        if not os.path.isdir(a.drafter):
-            raise UsageError(f"--drafter {a.drafter}: directory does not exist")
+        _check_dir("--drafter", a.drafter)
         dcfg = DrafterConfig.load(a.drafter).with_options(rope_amplitude=a.rope_amplitude,
                                                           draft_window=a.draft_window)
         dcfg.check_matches(tcfg)
@@ -142,14 +164,18 @@ def _load_tokenizer(a, tcfg, needed: bool):
 
 
 def _prompts(a, tok) -> List[List[int]]:
+    """One prompt per stream, numbered from 0: every --prompt, then every --prompt-ids, then every --chat
+    (the numbers of the output's '[i]' / '--- stream i' lines and of every message)."""
     out: List[List[int]] = []
-    for i, text in enumerate(a.prompt):
+    for text in a.prompt:
         if not text:
-            raise UsageError(f"--prompt #{i + 1}: prompt is empty")
+            raise UsageError(f"stream {len(out)} (--prompt): prompt is empty")
         out.append(tok.encode(text))
-    for i, text in enumerate(a.prompt_ids):
-        out.append(_parse_ids(text, i))
-    for i, text in enumerate(a.chat):
+    for text in a.prompt_ids:
+        out.append(_parse_ids(text, len(out)))
+    for text in a.chat:
+        if not text:
+            raise UsageError(f"stream {len(out)} (--chat): message is empty")
         msgs = ([("system", a.system)] if a.system else []) + [("user", text)]
         out.append(tok.encode_chat(msgs, thinking=a.thinking))
     if a.system and not a.chat:
@@ -353,7 +379,7 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
             out.write(f"--- stream {i} ({s['finish_reason']}): {s['text']!r}\n")
     ph = ", ".join(f"{k} {v:.0f} ms" for k, v in stats["phase_ms"].items())
     out.write(f"--- {stats['new_tokens']} tokens in {stats['elapsed_s']:.2f} s ({stats['tokens_per_s']:.1f} tok/s), "
-              f"{stats['steps']} steps, mean acceptance length {stats['mean_accept_len']:.2f}; {ph}\n")
+              f"{stats['steps']} step{'' if stats['steps'] == 1 else 's'}, mean acceptance length {stats['mean_accept_len']:.2f}; {ph}\n")
     out.flush()
     return 0
 

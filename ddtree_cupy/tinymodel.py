@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import knobs
 from .bf16 import to_bf16_bits
 from .checkpoint import INDEX_FILE, SINGLE_FILE, WRAPPER_PREFIX, save_safetensors
 from .config import DrafterConfig, QuantConfig, RopeConfig, TargetConfig
@@ -313,7 +314,7 @@ def _spec_key(seed: int, spec: TinySpec) -> str:
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("DDTREE_CUPY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ddtree_cupy")
+    base = knobs.get().cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ddtree_cupy")
     return os.path.join(base, "tiny")
 
 

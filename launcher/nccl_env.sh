@@ -1,5 +1,5 @@
 # NCCL settings for one box of PCIe GPUs without NVLink (source this file before mpirun).
-# Each line says why; measure before changing (bench/allreduce.py, issue 10).
+# Each line says why; measure before changing (bench/allreduce.py).
 export NCCL_IB_DISABLE=1          # single node: never probe InfiniBand/RoCE
 export NCCL_P2P_LEVEL=SYS         # allow PCIe peer-to-peer even across the CPU interconnect (GPUs 0-3 <-> 4-7)
 export NCCL_NVLS_ENABLE=0         # no NVLink SHARP (multicast) on PCIe boxes; also required on the H200 test hosts

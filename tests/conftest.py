@@ -23,9 +23,10 @@ def gpu_skip_reason() -> str | None:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, no device
-        return f"no usable CUDA GPU ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+        from ddtree_cupy.backend import no_device_reason
+        return no_device_reason(e)
     if n < 1:
-        return "no CUDA GPU"
+        return "no CUDA GPU found"
     return None
 
 

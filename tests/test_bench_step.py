@@ -126,3 +126,18 @@ def test_allreduce_fit_recovers_latency_and_bandwidth(tmp_path):
     p.write_text(json.dumps({"ranks": n, "rows": rows}))
     with pytest.raises(SystemExit, match="no 'fit'"):
         load_allreduce_fit(str(p), 40.0)
+
+
+def test_measuring_baselines_are_bench_arguments(monkeypatch):
+    """The baselines only a benchmark turns off are bench.step arguments that set the kernels' module switches
+    (not environment knobs of the product)."""
+    import argparse
+
+    from bench import step as bench_step
+    from ddtree_cupy.kernels import gemm, moe
+    for mod, attr in ((gemm, "WIDE_CLUSTER"), (gemm, "DEC_SPREAD"), (moe, "BULK_WHOLE")):
+        monkeypatch.setattr(mod, attr, True)
+    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=False, no_dec_spread=True, no_bulk_whole=False))
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (True, False, True)
+    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=True, no_dec_spread=True, no_bulk_whole=True))
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (False, False, False)

@@ -113,3 +113,18 @@ def test_source_text_changes_with_shared_headers(tmp_path, monkeypatch):
     second = spec.source()
     assert second != first
     assert second.endswith((tmp_path / "k.cu").read_text())
+
+
+def test_build_shows_progress_as_it_goes():
+    """One stderr line per spec build as it finishes ('[i/n] arch file: k kernels in s'), the report on stdout."""
+    p = subprocess.run([sys.executable, "-m", "ddtree_cupy.build", "--arch", "sm_120", "sm_90", "--src", "norm.cu"],
+                       capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.startswith("[")]
+    n = len(lines)
+    assert n >= 2 and [l.split("]")[0] for l in lines] == [f"[{i}/{n}" for i in range(1, n + 1)], p.stderr
+    assert all("norm.cu" in l and " kernel" in l for l in lines), lines
+    assert "rmsnorm_kernel" in p.stdout and "spec builds" in p.stdout
+    q = subprocess.run([sys.executable, "-m", "ddtree_cupy.build", "--arch", "sm_120", "--src", "norm.cu", "--quiet"],
+                       capture_output=True, text=True, timeout=170)
+    assert q.returncode == 0 and not [l for l in q.stderr.splitlines() if l.startswith("[")], q.stderr

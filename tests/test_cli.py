@@ -174,8 +174,8 @@ def test_bad_input_errors(dirs, capsys, tmp_path):
         (ok, "no prompt"),
     ]
     if not _gpu_usable():      # without a GPU, --backend cupy is refused with the reason
-        cases.append((ok[:-2] + ["--backend", "cupy", "--prompt-ids", "1"], "--backend cupy: (no usable CUDA device|"
-                      "cupy not importable|no CUDA device)"))
+        cases.append((ok[:-2] + ["--backend", "cupy", "--prompt-ids", "1"], "--backend cupy: (no CUDA GPU found|"
+                      "no usable CUDA GPU|cupy not importable|the NVIDIA driver is older)"))
     for args, msg in cases:
         rc, out, err = call(capsys, *args)
         assert rc == 2, (args, err)
@@ -220,3 +220,55 @@ def test_subprocess_demo_json(tmp_path):
     assert js["streams"][0]["prompt_ids"] and js["stats"]["steps"] >= 1
     assert os.path.isdir(tmp_path / "cache" / "tiny")
     assert ("backend auto -> numpy" in p.stderr) != _gpu_usable()
+
+
+def test_newcomer_messages(dirs, capsys, tmp_path):
+    """Empty chat refused like an empty prompt, sampling filters without sampling refused, a file given as a
+    directory named as such, stream numbers from 0 in every message (the order: --prompt, --prompt-ids, --chat)."""
+    t, d = dirs
+    ok = ["--model", t, "--drafter", d, "--backend", "numpy"]
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    cases = [
+        (ok + ["--chat", ""], r"stream 0 \(--chat\): message is empty"),
+        (ok + ["--prompt", "hi", "--chat", ""], r"stream 1 \(--chat\): message is empty"),
+        (ok + ["--prompt-ids", "1", "--prompt-ids", ""], r"stream 1 \(--prompt-ids\): prompt is empty"),
+        (ok + ["--prompt", "x", "--prompt-ids", "1,y"], r"stream 1 \(--prompt-ids\): expected comma-separated"),
+        (ok + ["--prompt-ids", "1", "--top-p", 0.9], r"--top-p / --top-k filter sampling, but --temperature is 0"),
+        (ok + ["--prompt-ids", "1", "--top-k", 5], r"--top-p / --top-k filter sampling, but --temperature is 0"),
+        (["--model", a_file, "--drafter", d, "--prompt-ids", "1"], r"config\.json: is a file, not a directory"),
+        (["--model", t, "--drafter", a_file, "--prompt-ids", "1"], r"config\.json: is a file, not a directory"),
+        (ok + ["--prompt-ids", "1", "--prompt-ids", ",".join(["1"] * 128)], r"stream 1: .*context limit is 128"),
+    ]
+    for args, msg in cases:
+        rc, out, err = call(capsys, *args)
+        assert rc == 2, (args, err)
+        assert re.search(msg, err), (msg, err)
+    # with a temperature the same filters are accepted
+    rc, out, err = call(capsys, *ok, "--prompt-ids", "1,2", "--temperature", 0.8, "--top-k", 5, "--top-p", 0.9,
+                        "--max-new-tokens", 2, "--mode", "ar", "--ignore-eos")
+    assert rc == 0, err
+
+
+def test_one_step_is_singular(dirs, capsys):
+    t, d = dirs
+    rc, out, err = call(capsys, "--model", t, "--prompt-ids", "1,2,3", "--mode", "ar", "--max-new-tokens", 1,
+                        "--backend", "numpy", "--ignore-eos")
+    assert rc == 0, err
+    summary = out.strip().splitlines()[-1]
+    m = re.search(r"(\d+) steps?\b", summary)
+    assert m, summary
+    assert (m.group(0) == "1 step") == (m.group(1) == "1"), summary
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        from ddtree_cupy.run import build_parser
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    out = out[out.index("options:"):]                   # the option list, not the usage line
+    for opt, default in (("--max-new-tokens", "64"), ("--budget", "32"), ("--temperature", "0.0"),
+                         ("--top-p", "1.0"), ("--backend", "auto"), ("--dtype", "float32"), ("--mode", "ddtree")):
+        seg = out[out.index("  " + opt + " "):]
+        seg = seg[:seg.find("\n  --", 2) if seg.find("\n  --", 2) > 0 else len(seg)]
+        assert f"(default: {default})" in " ".join(seg.split()), (opt, seg)

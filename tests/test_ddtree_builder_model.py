@@ -20,7 +20,7 @@ import pytest
 from ddtree_cupy.reference import ddtree as dd
 
 SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
-V3 = SRC[SRC.index("#else   // DDT_FAST == 3"):]
+V3 = SRC[SRC.index("// Builder v3 (variant 3; variant 8"):]
 SLOTS = int(re.search(r"#define DDT_SLOTS (\d+)", V3).group(1))
 MAX_ROWS = dd.MAX_TREE_ROWS
 MASK32 = 0xFFFFFFFF

@@ -4,6 +4,7 @@ must fit the target GPU for the engine's shapes (Kimi K2.6: V = 163840, TP 1..8,
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ddtree_cupy.kernels import ddtree as ddt
@@ -40,7 +41,6 @@ def test_candidate_layout_matches_the_kernel(k):
     for v in ddt.SCAN_VARIANTS:
         assert ddt.stage1_width(k, v) == ddt.scan_width(k)
     assert ddt.stage1_width(k, 3) == ddt.part_width(k)
-    assert ddt.stage1_width(k, 0) == ddt.part_width(k)
     assert ddt.cand_cap(k) >= max(k, 2) and ddt.cand_cap(k) <= 256   # s_cand holds DDT_SORT_CAP keys
 
 
@@ -69,8 +69,16 @@ def test_topk_variant_rule():
     for v in ddt.SCAN_VARIANTS:
         assert ddt.topk_variant(7, 8, v) == 3 and ddt.topk_variant(7, 1, v) == 3
         assert ddt.topk_variant(7, 16, v) == v and ddt.topk_variant(8, 8, v) == v and ddt.topk_variant(70, 64, v) == v
-    assert ddt.topk_variant(7, 8, 0) == 0 and ddt.topk_variant(70, 64, 3) == 3
-    assert ddt.topk_variant(70, 64, True) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS
+    assert ddt.topk_variant(7, 8, 3) == 3 and ddt.topk_variant(70, 64, 3) == 3
+    assert ddt.topk_variant(70, 64) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS
+
+
+def test_variant_is_a_number():
+    """``fast`` is one type: a variant number in VARIANTS; a bool or an unknown number is refused by name."""
+    assert ddt.variant(8) == 8 and ddt.variant(np.int32(3)) == 3
+    for bad in (True, False, 0, 7, 11, "8", None):
+        with pytest.raises(ValueError, match="fast"):
+            ddt.variant(bad)
 
 
 def test_variant_constants_match_the_kernel():

@@ -161,17 +161,15 @@ def test_reference_moe_matches_per_token_loop():
 def test_tile_table_fits_sm120_shared_memory():
     for tiles in moe.all_table_tiles():
         for tile in (tiles.gateup, tiles.down):
-            assert tile.smem_dynamic + tile.smem_static(tiles.nt) <= 99 * 1024
+            assert moe.SORT_SMEM + tile.smem_static(tiles.nt) <= 99 * 1024      # the gate/up's fused sort
             assert tile.threads <= 1024
-            assert tile.stages == 0 or (tile.stages & (tile.stages - 1)) == 0   # ring index uses & (S-1)
     assert moe.select_tiles("sm_90", 1, 256).nt == 1
     assert moe.select_tiles("sm_120", 650, 2048).nt == 4
 
 
 def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
     # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above, DDT_MOE_LEAN overrides);
-    # all three loops of every register-ring table entry are compiled (registry names), the cp.async ring has
-    # only the previous loop
+    # all three loops of every register-ring table entry are compiled (registry names)
     monkeypatch.setattr(moe, "LEAN_LOOP", None)
     names = moe._all_gemm_names()
     for T, inter in ((1, 256), (1, 2048), (8, 256), (64, 2048), (300, 256), (650, 2048)):
@@ -185,15 +183,11 @@ def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
                 assert (v.gateup.wm, v.gateup.wk, v.gateup.u) == (t.gateup.wm, t.gateup.wk, t.gateup.u)
                 for mode, tile in ((0, v.gateup), (1, v.down)):
                     assert moe._gemm_name(mode, tile, v.nt) in names
-            if t.nt == 1:
-                r = moe.with_stages(t, 8)
-                assert r.gateup.lean == r.down.lean == 0 and r.gateup.stages == 8
-                assert moe._gemm_name(0, r.gateup, 1) in names
     monkeypatch.setattr(moe, "LEAN_T_GE_2", 2)
     assert moe.select_tiles("sm_90", 8, 256).down.lean == 2
     monkeypatch.setattr(moe, "LEAN_LOOP", 0)
     assert moe.select_tiles("sm_90", 1, 256).gateup.lean == 0
-    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0, 0>"
+    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0>"
     monkeypatch.setattr(moe, "LEAN_LOOP", 3)
     with pytest.raises(ValueError, match="DDT_MOE_LEAN"):
         moe.select_tiles("sm_90", 8, 256)
@@ -351,7 +345,7 @@ def test_bulk_tiles_env_override(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Session 5: compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
+# Revision 5: compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
 # ---------------------------------------------------------------------------------------------------------
 def test_compact_gateup_blocks_fit_and_are_named_apart():
     compact = [bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8]

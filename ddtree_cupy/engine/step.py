@@ -50,7 +50,7 @@ def slot_seed(seed: int, sample_stream: int) -> int:
 
 # Programmatic dependent launch (kernels/launch.py) for captured decode steps of at most this many verify
 # rows: measured on the H200 (bench/step.py, docs/ENGINE.md) 3-8% faster at 8-64 rows, where the step is
-# launch-latency bound; at 80-320 rows 0-3.5% slower in session 4, 1.5-2.1% faster since session 5 (wide-token
+# launch-latency bound; at 80-320 rows 0-3.5% slower in revision 4, 1.5-2.1% faster since revision 5 (wide-token
 # GEMMs and bulk-copy MoE GEMMs there); outputs bit-identical with and without. Larger steps: unmeasured.
 PDL_MAX_ROWS = 320
 

@@ -18,14 +18,13 @@ format between ``topk_partial`` and ``topk_merge``; see cuda_src/ddtree.cu).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_range, current_device
 from .compile import KernelSpec, get_kernel, register
-from .launch import pdl_enabled
 
 MAX_TREE_ROWS = 129
 MASK_WORDS = 5
@@ -38,76 +37,37 @@ MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (
 
 _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
           "ddt_walk_commit")
-# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` in every call below: 0 / False = the
-# frontier in shared memory and the candidate-list top-K (verified first: the plain twin); 3 = builder v3
-# (only the frontier's ordered scores in registers, the popped position known to every lane) with the
-# candidate-list top-K and the merge's final sort sized to k (kept for the top-K of small shapes,
-# ``topk_variant``); 7 = the streaming ("scan") top-K with the merge's output placed by rank and the
-# sorted-cache builder; 8 (DEFAULT_VARIANT) = 7 with the register merge, the lean cache loop and the register
-# walk; 11 = 8 with the merge overlapping stage 1 (per-row arrival counters, below). Same results by
-# construction; the GPU tests run every variant against the reference. fast_math stays off: tree scores
-# reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global access
-# (variant 11's merge waits for its row's stage-1 blocks instead, see OVERLAP_VARIANTS).
-# Variants 4 (scan: builder v3 + scan top-K), 5 (4 + rank-placed merge) and 6 (4 + sorted cache) were slower
-# than 7 and 8 on every H200 bench case (docs/DDTREE.md "Figures") and are deleted; so are 1, 2 (builders) and
-# 9, 10 (docs/DDTREE.md "Variants 9 and 10").
-DDTREE_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "0"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree per-depth top-K (candidate lists + merge), best-first builder, acceptance walk + commit"))
+# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` (a variant number) in every call below:
+# 8 (DEFAULT_VARIANT, "scan-rank-cache-regs") = the engine's: the streaming ("scan") top-K whose merge keeps
+# each thread's group keys in registers and places its output by rank, the sorted-cache builder (budgets <=
+# 64; larger ones run builder v3's loop in the same kernel) and the register walk; 3 ("v3") = the
+# candidate-list top-K with the merge's final sort sized to k, builder v3 and the plain walk: the engine
+# launches its top-K for small shapes (``topk_variant``). Same results by construction; the GPU tests run
+# both against the reference. fast_math stays off: tree scores reproduce the reference bit for bit. pdl:
+# every kernel waits (DDT_PDL_WAIT) before its first global access. The designs measured and removed
+# (variants 0-2, 4-7, 9-12) are in docs/history/2026-11-29-ddtree.md.
 DDTREE_V3_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels, builder v3 (scores in registers, warp-uniform pop), merge sort sized to k"))
-# Variant 7 ("scan-rank-cache"): the streaming top-K (stage 1 writes each thread's largest key, the merge
-# narrows those and re-reads the few 32-logit groups that can hold the top-k) with the merge's output placed
-# by rank, and a builder that pops from a sorted 32-entry cache held one entry per lane for budgets <= 64
-# (CACHE_MAX_BUDGET; larger budgets run v3's loop in the same kernel). H200: 1.2 us faster than 8 on f32
-# logits only.
-DDTREE_SCAN_RANK_CACHE_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "7"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, scan top-K with the merge output placed by rank, sorted-cache builder (budgets <= 64)"))
-# Variant 8 ("scan-rank-cache-regs"): 7 whose scan merge keeps each thread's group keys in registers (one
-# batch of loads) and places the selected groups and candidates by block scans of per-thread counts, rows of
-# <= 20 chunks (MERGE_REGS_MAX_P: V_local <= 163840; larger rows take variant 7's merge); its cache loop
+# Variant 8: the scan merge keeps each thread's group keys in registers (one batch of loads) and places the
+# selected groups and candidates by block scans of per-thread counts, rows of <= 20 chunks
+# (MERGE_REGS_MAX_P: V_local <= 163840; larger rows take the shared-memory scan merge); its cache loop
 # stores one info word per pop and its walk reads the tree from registers (one batch of loads).
-DDTREE_SCAN_RANK_CACHE_REGS_SPEC = register(KernelSpec(
+DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 7 with the scan merge's group keys in registers and scan-placed selections"))
-# Variant 11 ("scan-rank-cache-regs-ovl"): 8 whose merge overlaps stage 1. Stage 1 triggers its dependents
-# right after its own PDL wait and counts its finished chunks per row (``row_cnt`` [rows] uint32, owned by the
-# workspace, zero between launches); with PDL the merge grid then launches during stage 1's last wave and
-# each merge block waits for its own row's count (and resets it) instead of the whole stage-1 grid, so the
-# rows of the earlier waves are merged while later rows still stream. The merge and the builder also trigger
-# their dependents early (those still wait for the whole grid); stage 1 runs at 5 blocks per SM (48 registers,
-# no spill; measured 9.6 -> 9.2 us at 10 x 64 in session 3's variant 10). ``DDTreeWorkspace.topk`` passes the
-# counters only while PDL is enabled (launch.pdl_enabled()): without PDL the merge cannot start early, so both
-# launches get a null row_cnt and run variant 8's path (no counting, no early trigger, the merge waits for the
-# whole grid). Kernel signatures: the top-K kernels take ``row_cnt`` as one more argument. Same outputs as 8
-# bit for bit.
-DDTREE_OVERLAP_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "11"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, variant 8 with the merge overlapping stage 1 (per-row arrival counters, early PDL triggers)"))
-_SPECS = {0: DDTREE_SPEC, 3: DDTREE_V3_SPEC, 7: DDTREE_SCAN_RANK_CACHE_SPEC, 8: DDTREE_SCAN_RANK_CACHE_REGS_SPEC,
-          11: DDTREE_OVERLAP_SPEC}
-VARIANTS = {0: "verified", 3: "v3", 7: "scan-rank-cache", 8: "scan-rank-cache-regs",
-            11: "scan-rank-cache-regs-ovl"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (7, 8, 11)       # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (7, 8, 11)      # variants with the sorted-cache builder
-OVERLAP_VARIANTS = (11,)         # variants whose top-K kernels take row_cnt (DDT_OVERLAP in ddtree.cu)
-MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge (8, 11) for <= 20 chunks per row
+    doc="DDTree kernels: scan top-K (register merge, rank-placed output), sorted-cache builder, register walk"))
+_SPECS = {3: DDTREE_V3_SPEC, 8: DDTREE_SPEC}
+VARIANTS = {3: "v3", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
+SCAN_VARIANTS = (8,)             # variants whose stage 1 writes group keys (scan_width), not candidate lists
+CACHE_VARIANTS = (8,)            # variants with the sorted-cache builder
+MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
-# The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of a
-# variant, or the fallback: DDT_TREE_VARIANT=7 is the previous H200-proven default).
-# 8: lead's integration run of session 3 (bench/results/tree_h200.json; every DDTree GPU test passed): 10 x 64
-# bf16 total 40.5 (7) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
-# 11 (session 4, lead's integration run, bench/results/tree_h200_ovl.json; all its GPU tests passed): 10 x 64 bf16
-# total with PDL 35.0 (8) -> 34.6 us, 0.3-0.6 us elsewhere at bf16: the rule set before the run was met, but the
-# engine launches with PDL only at <= 64 rows, where 11 saves ~0.3 us of a ~9 ms step, and its protocol adds a
-# cross-kernel spin-wait; 8 stays the default (docs/DDTREE.md "Variant 11 measured"). DDT_TREE_VARIANT=11
-# selects it (the engine's CPU emulation, tests/test_engine_cpu.py KERNELS, would then need the top-K kernels'
-# extra row_cnt argument).
+# The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of the
+# other build). 8: the integration run of 2026-11-29 (every DDTree GPU test passed): 10 x 64 bf16 total
+# 40.5 (the previous default) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
 DEFAULT_VARIANT = 8
-if os.environ.get("DDT_TREE_VARIANT"):
-    DEFAULT_VARIANT = int(os.environ["DDT_TREE_VARIANT"])
+if knobs.get().tree_variant is not None:
+    DEFAULT_VARIANT = knobs.get().tree_variant
     if DEFAULT_VARIANT not in VARIANTS:
         raise ValueError(f"DDT_TREE_VARIANT: expected one of {sorted(VARIANTS)}, got {DEFAULT_VARIANT}")
 
@@ -120,7 +80,7 @@ LIST_TOPK_MAX_ROWS = 7
 LIST_TOPK_MAX_K = 8
 
 
-def topk_variant(rows: int, k: int, fast=True) -> int:
+def topk_variant(rows: int, k: int, fast: int = DEFAULT_VARIANT) -> int:
     """The kernel variant whose top-K a workspace of variant ``fast`` launches for ``rows`` rows of top-``k``
     (rule above; every variant's top-K gives the same outputs bit for bit)."""
     v = variant(fast)
@@ -129,15 +89,14 @@ def topk_variant(rows: int, k: int, fast=True) -> int:
     return v
 
 
-def variant(fast) -> int:
-    """``fast`` (False -> 0, True -> DEFAULT_VARIANT, or a variant number) -> the DDT_FAST variant."""
-    v = (DEFAULT_VARIANT if fast else 0) if isinstance(fast, (bool, np.bool_)) else int(fast)
-    if v not in VARIANTS:
-        raise ValueError(f"fast: expected False/True or a variant in {sorted(VARIANTS)}, got {fast!r}")
-    return v
+def variant(fast: int) -> int:
+    """``fast``, a variant number (a key of VARIANTS), checked."""
+    if isinstance(fast, (bool, np.bool_)) or not isinstance(fast, (int, np.integer)) or int(fast) not in VARIANTS:
+        raise ValueError(f"fast: expected a variant number in {sorted(VARIANTS)}, got {fast!r}")
+    return int(fast)
 
 
-def _fn(name, fast=True, max_dynamic_smem: int = 0):
+def _fn(name, fast: int, max_dynamic_smem: int = 0):
     return get_kernel(_SPECS[variant(fast)], name, max_dynamic_smem=max_dynamic_smem)
 
 
@@ -164,12 +123,12 @@ def scan_width(k: int) -> int:
     return 1 if k == 1 else 3 + TOPK_THREADS
 
 
-def stage1_width(k: int, fast=True) -> int:
+def stage1_width(k: int, fast: int = DEFAULT_VARIANT) -> int:
     """Slots per chunk of ``part_keys`` for kernel variant ``fast``."""
     return scan_width(k) if variant(fast) in SCAN_VARIANTS else part_width(k)
 
 
-def merge_smem(P: int, k: int, parts_major: bool, fast=False) -> int:
+def merge_smem(P: int, k: int, parts_major: bool, fast: int = DEFAULT_VARIANT) -> int:
     """Dynamic shared memory of ``ddt_topk_merge``: every list's keys (capacity) plus P lengths; the scan
     variant (k >= 2): max(256 P group keys, 32 cand_cap(k) candidates) plus cand_cap(k) group indices."""
     if not parts_major and k > 1 and variant(fast) in SCAN_VARIANTS:
@@ -181,29 +140,13 @@ def merge_smem(P: int, k: int, parts_major: bool, fast=False) -> int:
 # ----------------------------------------------------------------------------------------------------
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
-def _row_cnt_arg(row_cnt, rows: int, fast, dims: dict, dev):
-    """The top-K kernels' extra argument in OVERLAP_VARIANTS (a null pointer when ``row_cnt`` is None); other
-    variants take none and refuse a counter buffer."""
-    if variant(fast) not in OVERLAP_VARIANTS:
-        if row_cnt is not None:
-            raise ValueError(f"row_cnt: only the overlap variants {OVERLAP_VARIANTS} count stage-1 arrivals, "
-                             f"got variant {variant(fast)}")
-        return ()
-    if row_cnt is None:
-        return (np.uint64(0),)
-    return (check_array("row_cnt", row_cnt, np.uint32, (rows,), dims, device=dev),)
-
-
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
-                 fast=True, row_cnt=None):
+                 fast: int = DEFAULT_VARIANT):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
     [rows, P, stage1_width(k, fast)] (the scan variant: its group keys and a header with the logits'
     address, so ``logits`` must stay unchanged until the merge) and its log-sum-exp partial
-    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk).
-    ``row_cnt`` (OVERLAP_VARIANTS only; uint32 [rows], zero): every finished chunk adds 1 to its row's count,
-    and the merge launched next with the same buffer waits on it and resets it to zero, so a launch with
-    ``row_cnt`` must be followed by exactly one such ``topk_merge`` (``DDTreeWorkspace.topk`` does both)."""
+    (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
     dims: dict = {}
     dev = current_device()
     if logits.dtype == np.float32:
@@ -227,19 +170,16 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     check_array("part_ms", part_ms, np.float32, ("rows", P, 2), dims, device=dev)
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
-    cnt = _row_cnt_arg(row_cnt, rows, fast, dims, dev)
     _fn(name, fast)((P, rows), (TOPK_THREADS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
-                                          np.int32(k), np.int32(chunk), part_keys, part_ms) + cnt)
+                                          np.int32(k), np.int32(chunk), part_keys, part_ms))
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
-               fast=True, row_cnt=None):
+               fast: int = DEFAULT_VARIANT):
     """Merge P partial lists per row. ``keys`` uint64 [rows, P, stage1_width(k, fast)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
-    float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]. ``row_cnt``: the
-    buffer the stage-1 launch just before counted into (``topk_partial``); each row waits for its own P
-    stage-1 blocks instead of the whole stage-1 grid, then resets its count."""
+    float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]."""
     dims: dict = {}
     dev = current_device()
     if parts_major:
@@ -254,20 +194,17 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
-    if parts_major and row_cnt is not None:
-        raise ValueError("row_cnt: a merge of shards' lists (parts_major) has no stage-1 launch to wait for")
-    cnt = _row_cnt_arg(row_cnt, rows, fast, dims, dev)
     smem = merge_smem(P, k, parts_major, fast)
     if smem > MAX_MERGE_SMEM:
         raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
                          f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
     _fn("ddt_topk_merge", fast, smem)((rows,), (TOPK_THREADS,), (
         keys, ms, np.int32(rows), np.int32(P), np.int32(k), np.int32(1 if parts_major else 0), out_keys, out_ms,
-        out_lp, out_id) + cnt, shared_mem=smem)
+        out_lp, out_id), shared_mem=smem)
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
-               mask, cap_k: int = 0, include_chain: bool = False, fast=True):
+               mask, cap_k: int = 0, include_chain: bool = False, fast: int = DEFAULT_VARIANT):
     """The best-first tree of every stream: ``top_lp`` float32 / ``top_id`` int32 [S, D, K] (sorted
     descending per depth), ``budgets``/``prefix_len``/``bonus`` int32 [S] (read on the device; budgets
     clamp to [0, 128]). Outputs int32 [S, 129] tokens/parents/depths/positions, n_rows int32 [S] (= nodes
@@ -290,7 +227,8 @@ def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, dept
 
 
 def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows, n_acc, kv_src, kv_dst,
-                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None, fast=True):
+                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None,
+                fast: int = DEFAULT_VARIANT):
     """Accept a path per stream and plan its commit. ``post`` int32 [S, 129]: the target's token at each
     tree row (argmax, or a sample). Outputs [S, A] int32 (A = max accepted, D + 1), padded with -1:
     acc_rows, kv_src (= prefix + row), kv_dst (= prefix + j), feat_rows (= row_offset + row); out_tokens
@@ -324,12 +262,12 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 # ----------------------------------------------------------------------------------------------------
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
-    top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (False /
-    True or a number in VARIANTS). Every method launches on the current
+    top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (a key of
+    VARIANTS). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
-                 fast=DEFAULT_VARIANT):
+                 fast: int = DEFAULT_VARIANT):
         import cupy
         self.fast = variant(fast)   # a key of VARIANTS; passed to every launch
         check_range("streams", streams, 1, 1 << 16)
@@ -348,8 +286,6 @@ class DDTreeWorkspace:
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)
-        # per-row stage-1 arrival counts of the overlap variants (zero between topk() calls; not an output)
-        self.row_cnt = cupy.zeros(rows, cupy.uint32) if self.topk_fast in OVERLAP_VARIANTS else None
         self.top_lp = cupy.empty((streams, depth, k), cupy.float32)
         self.top_id = i32(streams, depth, k)
         self.tokens, self.parents, self.depths, self.positions = (i32(streams, R) for _ in range(4))
@@ -364,16 +300,10 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        # The counters only pay when the merge can start before stage 1 ends, i.e. with PDL (decided per launch
-        # by kernels/launch.py, so also at graph capture): without it both launches get a null row_cnt and run
-        # as variant 8. Every argument is checked by topk_partial before its launch and the merge's are this
-        # workspace's own buffers: a stage-1 launch that counts is always followed by the merge that resets.
-        cnt = self.row_cnt if (self.row_cnt is not None and pdl_enabled()) else None
-        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast,
-                     row_cnt=cnt)
+        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
                    self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
-                   fast=self.topk_fast, row_cnt=cnt)
+                   fast=self.topk_fast)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,

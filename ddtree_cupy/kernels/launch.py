@@ -7,8 +7,9 @@ any global write. ``compile.get_kernel`` hands out a ``PdlKernel`` for specs mar
 called exactly like CuPy's ``RawKernel`` (``k(grid, block, args, shared_mem=...)``) and launches with
 PDL only while PDL is enabled here, the device is sm_90 or newer and the driver has cuLaunchKernelEx.
 
-Switch: ``set_pdl(True/False)`` or the environment variable ``DDT_PDL=1/0`` (read once, at import).
-Default off until measured on the GPU (docs/KERNELS.md "PDL").
+Switch for launches outside the engine: ``set_pdl(True/False)`` or ``DDT_PDL=1/0`` (``knobs.get().pdl``, read
+at import; default off). The engine does not depend on it: it captures every decode-step graph of <= 320
+rows with PDL (``GpuEngine(pdl="auto")``), measured faster on the H200 (docs/KERNELS.md "PDL").
 
 Arguments are marshalled as CuPy marshals them: a ``cupy.ndarray`` (or any object with
 ``__cuda_array_interface__``) becomes its device pointer (8 bytes), a NumPy scalar its bytes in its own
@@ -24,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import knobs
+
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # cuda.h, CUlaunchAttributeID
 
 
@@ -32,12 +35,10 @@ def env_flag(name: str, default: bool) -> bool:
     v = os.environ.get(name)
     if v is None or v.strip() == "":
         return default
-    if v.strip() in ("0", "1"):
-        return v.strip() == "1"
-    raise ValueError(f"{name}: must be 0 or 1, got {v!r}")
+    return knobs._bit(name, v)
 
 
-_enabled = env_flag("DDT_PDL", False)
+_enabled = knobs.get().pdl
 
 
 def set_pdl(enabled: bool) -> None:

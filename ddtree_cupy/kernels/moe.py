@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array
 from .compile import KernelSpec, get_kernel, register
 
@@ -34,7 +35,6 @@ FUSED_MAX_PAIRS = 256   # T*k up to which the gate/up kernel sorts the routing i
 # (rounded up to 16 B like sizeof(SortSmem), which holds int4)
 SORT_SMEM = -(-(4 * MAX_EXPERTS + 2 * 4 * FUSED_MAX_PAIRS + 16 * (FUSED_MAX_PAIRS + FUSED_MAX_PAIRS // 8)
                 + 8 * 33 + 4) // 16) * 16
-RING_SLOT_BYTES = 72 * 16   # one k64 step of two m16 tiles: 1024 B weights + 128 B scales
 SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 
 
@@ -46,17 +46,12 @@ SMEM_LIMIT = 99 * 1024      # sm_120 per-block shared memory
 class Tile:
     wm: int
     wk: int
-    u: int
-    stages: int = 0     # 0: weights through the u-deep register ring; >= 2: an S-deep cp.async smem ring
-    lean: int = 0       # register ring only: the k loop, 0 previous, 1/2 reduced-instruction (bit-identical results)
+    u: int              # depth of the register ring the weights stream through
+    lean: int = 0       # the k loop: 0 previous, 1/2 reduced-instruction (bit-identical results)
 
     @property
     def threads(self) -> int:
         return 32 * self.wm * self.wk
-
-    @property
-    def smem_dynamic(self) -> int:
-        return self.wm * self.wk * self.stages * RING_SLOT_BYTES
 
     def smem_static(self, nt: int) -> int:
         return self.wm * self.wk * 2 * nt * 4 * 32 * 4 if self.wk > 1 else 4
@@ -84,14 +79,14 @@ def _u_for(nt: int) -> int:
 
 
 # The k loop of the register-ring GEMMs (moe_gemm's LEAN parameter; the arithmetic and its order are the same
-# in all three, so outputs are bit-identical): 0 = the previous loop; 1 = the reduced-instruction loop (session 4:
+# in all three, so outputs are bit-identical): 0 = the previous loop; 1 = the reduced-instruction loop (revision 4:
 # -28..-31% SASS instructions per k64 step; activations one step ahead, the next unit prefetched at the unit
 # start); 2 = loop 1 with the previous memory pattern (activations U steps ahead, rolling prefetch across the unit
-# boundary). Measured on the H200 (docs/MOE.md, "Session 4" and the integration run): 1 wins at T = 1 at I = 256
+# boundary). Measured on the H200 (docs/history/2026-11-29-moe.md, "Revision 4" and the integration run): 1 wins at T = 1 at I = 256
 # (20.7 -> 19.4 us), loses 1-17% from T = 8 up; 2 wins from T = 2 up (I = 256, T = 8: 89.2 -> 82.8 us, T = 64:
 # 353 -> 332; I = 2048, T = 8: 524 -> 486) and ties 0 at I = 2048, T = 64 (2420 vs 2415), where 0 stays
 # reachable. Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
-LEAN_LOOP: Optional[int] = int(os.environ["DDT_MOE_LEAN"]) if os.environ.get("DDT_MOE_LEAN", "") != "" else None
+LEAN_LOOP: Optional[int] = knobs.get().moe_lean
 LEAN_T1 = 1         # the table's loop at T = 1
 LEAN_T_GE_2 = 2     # ... and from T = 2 up
 
@@ -108,12 +103,11 @@ def lean_for(T: int) -> int:
 # The gate/up block at I <= 512: 1 x 8 (16 units per chunk, K in 8 slices) or, from T = GU_2X4_MIN_T up, the
 # 2 x 4 block of the I = 2048 entry (8 units per chunk, 4 slices: half the unit boundaries -- empty ring, K
 # reduction, epilogue -- per byte). Another K split, so not bit-identical to 1 x 8 (bf16 tolerance of the
-# float64 reference). Measured on the H200 (docs/MOE.md, session 3, third engineer's table): layer -3.7% at
+# float64 reference). Measured on the H200 (docs/MOE.md, revision 3, the unit-boundary table): layer -3.7% at
 # T = 64 with uniform and -3.8% with skewed routing; at T = 8 -3.5% uniform but +3.0% skewed; T <= 2 +12-26%.
 # Environment DDT_MOE_GU_2X4_MIN_T=N overrides (0 = never).
 GU_2X4_MIN_T: Optional[int] = 64
-GU_2X4_ENV: Optional[int] = (int(os.environ["DDT_MOE_GU_2X4_MIN_T"])
-                             if os.environ.get("DDT_MOE_GU_2X4_MIN_T", "") != "" else None)
+GU_2X4_ENV: Optional[int] = knobs.get().moe_gu_2x4_min_t
 
 
 def gu_wide_block_for(T: int) -> bool:
@@ -172,32 +166,21 @@ def with_lean(t: MoETiles, lean: int) -> MoETiles:
     return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
-def with_stages(t: MoETiles, stages: int) -> MoETiles:
-    """The same tiles with the weights through an S-deep cp.async shared-memory ring (stages = S) or the
-    register ring (stages = 0). The table uses the register ring: on the H200 the 8-deep cp.async ring
-    measured 3-15% slower (bench/results/moe_h200_variants.json); it stays compiled and tested as the
-    candidate to re-measure on sm_120."""
-    def one(tl):   # the lean loop exists for the register ring only
-        return Tile(tl.wm, tl.wk, tl.u, stages, tl.lean if stages == 0 else 0)
-    return MoETiles(t.nt, one(t.gateup), one(t.down))
-
-
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
         for T in (1, 64, 300, 650):         # 64: the 2 x 4 gate/up block at I <= 512 (GU_2X4_MIN_T)
             for inter in (256, 2048):
                 t = select_tiles(arch, T, inter)
-                # every k loop of the register ring (the table's and the alternatives), and the cp.async ring
-                vs = (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2))
-                for v in vs + (with_stages(t, 8),) if t.nt == 1 else vs:
+                # every k loop of the register ring (the table's and the alternatives)
+                for v in (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2)):
                     if v not in seen:
                         seen.append(v)
     return tuple(seen)
 
 
 def _gemm_name(mode: int, tile: Tile, nt: int) -> str:
-    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.stages}, {tile.lean}>"
+    return f"moe_gemm<{mode}, {tile.wm}, {tile.wk}, {nt}, {tile.u}, {tile.lean}>"
 
 
 def _all_gemm_names() -> Tuple[str, ...]:
@@ -265,7 +248,7 @@ class BulkTile:
 # gate/up: 1 x 8 warps: one tile pair per unit, K split eight ways with two k64 steps per warp in each 16-step
 # stage, reduced at the unit's end; down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over
 # the whole stage (no reduction; at I <= 256 the stage is the whole K: three copies). Measured on the H200
-# (docs/MOE.md, session 4): the consumers' per-stage chain, not the bytes in flight, bounds these kernels: more
+# (docs/MOE.md, revision 4): the consumers' per-stage chain, not the bytes in flight, bounds these kernels: more
 # k64 steps per warp and stage won (1 x 8 warps, 1 step, 4 stages: I = 256 T = 8 layer 95.2 us; 2 steps, 2 stages:
 # 73.2); the 2 x 4 gate/up block ties it alone (73.6; 112.7 vs 119.8 at T = 16) but costs the PDL step 1 x 8
 # 9.10 -> 9.74 ms (3 blocks per SM leave the down kernel no room to start early); the down's 2 stages beat 3.
@@ -273,20 +256,20 @@ BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
 BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2)) + (
-    # session 5, docs/MOE.md "Session 5: compact token rows": the table's block with stages of 4 (2) token rows
+    # revision 5, docs/MOE.md "Compact token rows": the table's block with stages of 4 (2) token rows
     # instead of 8 and a third stage in the space freed (two blocks per H200 SM, one fits sm_120's 99 KB);
     # bit-identical to BULK_GATEUP. The routing chunk becomes 4 (2) tokens: an expert with more tokens has its
     # weights streamed once per chunk.
     BulkTile(1, 8, 2, 3, 4), BulkTile(1, 8, 2, 3, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # The table's gate/up at expert widths <= BULK_COMPACT_MAX_I (a TP >= 4 shard of Kimi's 2048; the TP = 8 rank's is
-# 256): the compact block (docs/MOE.md "Session 5: compact token rows -- measured"): -1.1 to -4.5% per MoE layer at
+# 256): the compact block (docs/history/2026-11-29-moe.md "Revision 5: compact token rows -- measured"): -1.1 to -4.5% per MoE layer at
 # I = 256, T = 4..32, uniform and skewed; PDL step 1 x 8 9.03 -> 8.91 ms; at I = 2048 it lost (+1%, skewed +13.6%).
 BULK_GATEUP_COMPACT = BulkTile(1, 8, 2, 3, 4)
 BULK_COMPACT_MAX_I = 512
 
 
-# Large T (T*k > FUSED_MAX_PAIRS, session 5; docs/MOE.md "Session 5: bulk GEMMs at large T"): the same kernels fed
+# Large T (T*k > FUSED_MAX_PAIRS, revision 5; docs/MOE.md "Bulk-copy GEMMs at large T"): the same kernels fed
 # by moe_route's global chunk list (template G = 1: no sort arrays in shared memory). Units are plentiful there
 # (~300-384 experts x chunks of <= 8 tokens x 16-56 m-groups), so the table starts from the decode blocks and the
 # benchmark times the candidates against them ("bulkL_gu*" / "bulkL_dn*").
@@ -302,9 +285,9 @@ BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
 # picks compiled blocks (the table's or a candidate) for T*k <= FUSED_MAX_PAIRS, DDT_MOE_BULK_LARGE_TILES (same
 # syntax) above; an optional fifth number is the token rows per stage (xr, default 8: "gu=1,8,2,3,4" is the compact
-# gate/up block with 4 rows and 3 stages); DDT_MOE_BULK_WHOLE=0 turns off the down GEMM's whole-K stage (three copies per stage instead of
-# one per tile and token row).
-BULK_WHOLE = os.environ.get("DDT_MOE_BULK_WHOLE", "1") != "0"
+# gate/up block with 4 rows and 3 stages). BULK_WHOLE = False (`bench.step --no-bulk-whole`, a measuring
+# baseline) turns off the down GEMM's whole-K stage (three copies per stage instead of one per tile and token row).
+BULK_WHOLE = True
 
 
 def _bulk_allowed(large: bool):
@@ -322,7 +305,7 @@ def _env_bulk_tiles(large: bool = False, inter: Optional[int] = None) -> Tuple[B
     gu, dn = allowed["gu"][0], allowed["dn"][0]
     if not large and inter is not None and inter <= BULK_COMPACT_MAX_I:
         gu = BULK_GATEUP_COMPACT
-    v = os.environ.get(var, "")
+    v = knobs.get().moe_bulk_large_tiles if large else knobs.get().moe_bulk_tiles     # read at every call
     for part in filter(None, v.split(";")):
         key, _, nums = part.partition("=")
         try:
@@ -378,7 +361,7 @@ SPEC_BULK = register(KernelSpec(
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (routing sorted in the block or "
         "from moe_route)"))
 
-# The timeline build (session 5, docs/MOE.md "Session 5: a timeline build (not yet run)"): the same source with
+# The timeline build (revision 5, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): the same source with
 # -DDDT_MOE_TIMELINE, one more kernel argument (an int64 buffer) into which lane 0 of each warp of the first
 # TL_BLOCKS blocks stores SM cycle stamps at fixed events (the layout: the .cu file's "Timeline build" comment,
 # bench/moe_timeline.py reads it). A profiling tool, never run by the engine: only ``timeline=`` in
@@ -417,17 +400,17 @@ SPEC_BULK_TIMELINE = register(KernelSpec(
 
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
 # register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied; T = 8 80.0 -> 73.2,
-# T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md session 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
+# T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md revision 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
 # wherever they apply (any T).
 BULK_DEFAULT = True
 BULK_MIN_T = 4
-BULK_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK", "") or None
-# Above FUSED_MAX_PAIRS (session 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
-# register ring. On since the H200 run (docs/MOE.md "Session 5: measured": -7 to -33% per MoE layer at I = 256,
+BULK_ENV: Optional[str] = knobs.get().moe_bulk
+# Above FUSED_MAX_PAIRS (revision 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
+# register ring. On since the H200 run (docs/history/2026-11-29-moe.md "Revision 5: bulk GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256,
 # T = 48..320, -1 to -4% at I = 2048). Environment DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
 BULK_LARGE_DEFAULT = True
-BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the lead's run shows a crossover)
-BULK_LARGE_ENV: Optional[str] = os.environ.get("DDT_MOE_BULK_LARGE", "") or None
+BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the H200 run shows a crossover)
+BULK_LARGE_ENV: Optional[str] = knobs.get().moe_bulk_large
 
 
 def bulk_for(T: int, top_k: int):
@@ -804,9 +787,9 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
     fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
-    # dynamic shared memory: the cp.async ring, then (gate/up) the fused sort's arrays
-    dyn_gu = tiles.gateup.smem_dynamic + (SORT_SMEM if fuse_route else 0)
-    dyn_dn = tiles.down.smem_dynamic
+    # dynamic shared memory: the gate/up's fused sort arrays
+    dyn_gu = SORT_SMEM if fuse_route else 0
+    dyn_dn = 0
     for tl, dyn in ((tiles.gateup, dyn_gu), (tiles.down, dyn_dn)):
         if dyn + tl.smem_static(tiles.nt) > SMEM_LIMIT:
             raise ValueError(f"tiles: {tl} needs {dyn + tl.smem_static(tiles.nt)} B of shared memory > {SMEM_LIMIT}")
@@ -840,14 +823,14 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     plan.append(("gate_up", lambda: k_gu((grid_gu,), (tg.threads,), gu_args, shared_mem=dyn_gu)))
     # down: N = H, K = Ip
     td = tiles.down
-    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt), max_dynamic_smem=td.smem_dynamic)
+    k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt))
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
     if bulk == "down":
         plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
     else:
-        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args, shared_mem=td.smem_dynamic)))
+        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
 
@@ -867,7 +850,7 @@ def _blocks_per_sm(fn, bt: BulkTile, dyn: int) -> int:
     """Blocks of the compiled bulk kernel ``fn`` resident per SM, from the driver's occupancy calculator (its
     registers, static and dynamic shared memory and threads). Counting shared memory alone is not enough: the
     register file is allocated per SM quadrant, so a 9-warp block of 99 registers fits once per H200 SM although
-    two fit by shared memory (session 6: the compact gate/up's timeline build ran in two waves that way)."""
+    two fit by shared memory (revision 6: the compact gate/up's timeline build ran in two waves that way)."""
     import cupy
     key = ("occ", fn.kernel.ptr, bt.threads, dyn, cupy.cuda.Device().id)
     if key not in _SM:

@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from .. import knobs
 from .checks import check_array, check_range, check_rows
 from .compile import KernelSpec, get_kernel, register
 from .gemm import gemm_bf16
@@ -38,7 +39,7 @@ MAX_E = 512
 WARPS = 4          # tokens per block (one warp each)
 DOWN_MAX_T = 32    # the rule's limit (each column block recomputes its tile's SwiGLU, see router.cu): on the
                    # H200 the fused launch beat route + SwiGLU then gemm_bf16 at T = 1 / 8 / 32 by 2.1 / 2.1 / 0.4 us
-                   # per layer and lost at 64 by ~1.7 us (session 3 integration run, docs/MODELS.md)
+                   # per layer and lost at 64 by ~1.7 us (revision 3 integration run, docs/MODELS.md)
 DOWN_TILE = 16
 
 
@@ -47,12 +48,10 @@ def shared_down_fused(T: int, I: int, H: int) -> bool:
     (``route_logits(down_w=)``) for T rows, shared intermediate I and hidden size H. Env DDT_ROUTER_DOWN:
     0 never (the previous variant: route + SwiGLU, then gemm_bf16), 1 whenever the shapes allow, unset
     the rule T <= DOWN_MAX_T (read at every call, so a process may flip it between graph captures)."""
-    mode = os.environ.get("DDT_ROUTER_DOWN", "")
-    if mode not in ("", "0", "1"):
-        raise ValueError(f"DDT_ROUTER_DOWN: expected 0, 1 or unset, got {mode!r}")
-    if mode == "0" or I % 64 or I // 64 not in DOWN_KS or H % 32:
+    mode = knobs.get().router_down
+    if mode is False or I % 64 or I // 64 not in DOWN_KS or H % 32:
         return False
-    return mode == "1" or T <= DOWN_MAX_T
+    return mode is True or T <= DOWN_MAX_T
 
 
 def _ptr(a):

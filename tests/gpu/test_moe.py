@@ -161,13 +161,6 @@ def test_prefetch_settings_do_not_change_results(narrow, l2_prefetch, pf_steps):
     assert _run(narrow, 48, 8, seed=800, l2_prefetch=l2_prefetch, pf_steps=pf_steps) < TOL
 
 
-@pytest.mark.parametrize("T", [1, 33])
-def test_cp_async_ring_variant_h7168(narrow, T):
-    # K = 7168 gives each warp more k64 steps than the 8-deep ring holds: the ring wraps
-    tiles = moe.with_stages(moe.select_tiles("sm_90", T, narrow.I), 8)
-    assert _run(narrow, T, 8, seed=900 + T, tiles=tiles) < TOL
-
-
 @pytest.mark.parametrize("fuse_route", [True, False])
 def test_route_paths(narrow, fuse_route):
     # T = 20 with every token on expert 3: a 20-pair expert is 3 chunks, so the per-block shared-memory sort
@@ -222,8 +215,6 @@ def test_prefetch_variants(narrow, wide):
     assert _run(narrow, 16, 8, seed=1400, pf_next=False) < TOL
     assert _run(narrow, 16, 8, seed=1401, pf_steps=16) < TOL
     assert _run(wide, 5, 8, seed=1403, pf_steps=4) < TOL
-    tiles = moe.with_stages(moe.select_tiles("sm_90", 1, narrow.I), 8)
-    assert _run(narrow, 1, 8, seed=1404, pf_steps=0, tiles=tiles) < TOL     # the T = 1 candidate (MOE.md)
 
 
 def _out_and_y(layer, T, k, seed, mode="uniform", **kw):

@@ -1,0 +1,175 @@
+"""Every ``DDT_*`` / ``DDTREE_CUPY_*`` environment switch of the package, in one frozen, validated object.
+
+``get()`` returns the ``Knobs`` built from the environment: built once and reused while the environment's
+values of these variables stay the same (a test or a benchmark that changes one gets a new, validated
+object on its next call). A bad value raises ``ValueError`` naming the variable and the accepted values.
+
+The defaults are what measured fastest on the H200 (each knob's document says where). Knobs marked
+"measuring" exist to time an alternative against the default; the engine never needs them. Baselines that
+only a benchmark turns off are arguments of the bench scripts instead (e.g. `bench.step --no-wide-cluster`).
+The README's table of switches is generated from ``KNOBS`` (``python -m ddtree_cupy.knobs``) and a CPU test
+(tests/test_knobs.py) checks that it matches and that every ``DDT_*`` name read anywhere is declared here.
+This module imports nothing of the package: every floor may read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Mapping, Optional
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _bit(env: str, v: str) -> bool:
+    """A strict on/off switch: "0" or "1"."""
+    s = v.strip()
+    if s in ("0", "1"):
+        return s == "1"
+    raise ValueError(f"{env}: must be 0 or 1, got {v!r}")
+
+
+def _flag(env: str, v: str) -> bool:
+    """An on/off switch that also takes false/true, off/on, no/yes."""
+    s = v.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"{env}: expected 0 or 1, got {v!r}")
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(env: str, v: str) -> str:
+        s = v.strip()
+        if s not in allowed:
+            raise ValueError(f"{env}: expected one of {', '.join(allowed)}, got {v!r}")
+        return s
+    return parse
+
+
+def _int_in(lo: int, hi: Optional[int] = None) -> Callable[[str, str], int]:
+    def parse(env: str, v: str) -> int:
+        try:
+            n = int(v.strip())
+        except ValueError:
+            raise ValueError(f"{env}: expected an integer, got {v!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise ValueError(f"{env}: expected {lo}..{hi if hi is not None else ''}, got {n}")
+        return n
+    return parse
+
+
+def _text(env: str, v: str) -> str:
+    return v.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One switch: its variable, the field of ``Knobs`` it fills, parser, default (None = the module's rule
+    decides), accepted values as shown to users, one line of documentation, and where the design is."""
+    env: str
+    field: str
+    parse: Callable[[str, str], object]
+    default: object
+    values: str
+    doc: str
+    document: str
+    measuring: bool = False
+
+
+KNOBS: tuple = (
+    Knob("DDT_PDL", "pdl", _bit, False, "0/1",
+         "programmatic dependent launch for kernels launched outside the engine's graphs (the engine decides per "
+         "step graph: PDL for every captured step of <= 320 rows)", "docs/KERNELS.md"),
+    Knob("DDT_MLA_POLICY", "mla_policy", _choice("auto", "measured", "model"), "auto", "auto/measured/model",
+         "how the MLA planner picks tile and split count", "docs/ATTENTION.md"),
+    Knob("DDT_MLA_PARTIAL_BF16", "mla_partial_bf16", _flag, None, "0/1",
+         "MLA split-KV partials in fp32 (default) / bf16 (0.86-0.99x the attention time; opt-in until its accuracy "
+         "is settled on a real checkpoint)", "docs/ATTENTION.md"),
+    Knob("DDT_TREE_VARIANT", "tree_variant", _int_in(0), None, "3/8",
+         "the DDTree kernels' build (unset: 8; 3 = the list top-K with builder v3)",
+         "docs/DDTREE.md"),
+    Knob("DDT_MOE_LEAN", "moe_lean", _int_in(0, 2), None, "0/1/2",
+         "force one k loop of the register-ring INT4 MoE GEMMs everywhere (unset: the tile table's per-T choice)",
+         "docs/MOE.md", measuring=True),
+    Knob("DDT_MOE_BULK", "moe_bulk", _choice("0", "1", "down"), None, "0/1/down",
+         "the INT4 MoE GEMMs streamed by the bulk copy engine at T*k <= 256: none / both / the down only "
+         "(unset: both from 4 tokens up)", "docs/MOE.md"),
+    Knob("DDT_MOE_BULK_LARGE", "moe_bulk_large", _choice("0", "1"), None, "0/1",
+         "above T*k = 256: the register-ring MoE GEMMs / the bulk-copy ones fed by the routing kernel's chunk list "
+         "(unset: bulk-copy)", "docs/MOE.md"),
+    Knob("DDT_MOE_BULK_TILES", "moe_bulk_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
+         "another compiled block of the bulk-copy MoE GEMMs at T*k <= 256", "docs/MOE.md", measuring=True),
+    Knob("DDT_MOE_BULK_LARGE_TILES", "moe_bulk_large_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
+         "another compiled block of the bulk-copy MoE GEMMs above T*k = 256", "docs/MOE.md", measuring=True),
+    Knob("DDT_MOE_GU_2X4_MIN_T", "moe_gu_2x4_min_t", _int_in(0), None, "N",
+         "the 2 x 4 gate/up block at narrow expert widths from N routed tokens up (0 = never; unset: 64)",
+         "docs/MOE.md"),
+    Knob("DDT_GEMM_WIDE", "gemm_wide", _bit, None, "0/1",
+         "bf16 GEMMs of 17-160 rows: split-K kernel / wide-token kernel (unset: wide)", "docs/KERNELS.md"),
+    Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
+         "the shared expert's down projection inside the route launch: never / wherever shapes allow "
+         "(unset: up to 32 rows)", "docs/MODELS.md"),
+    Knob("DDTREE_CUPY_CACHE", "cache_dir", _text, "", "DIR",
+         "where the tiny demo checkpoints are generated (unset: ~/.cache/ddtree_cupy)", "docs/CHECKPOINTS.md"),
+    Knob("DDTREE_CUPY_TRACEBACK", "traceback", _bit, False, "0/1",
+         "1: a rank's fatal error prints its full traceback before the job is aborted", "launcher/README.md"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    pdl: bool = False
+    mla_policy: str = "auto"
+    mla_partial_bf16: Optional[bool] = None
+    tree_variant: Optional[int] = None
+    moe_lean: Optional[int] = None
+    moe_bulk: Optional[str] = None
+    moe_bulk_large: Optional[str] = None
+    moe_bulk_tiles: str = ""
+    moe_bulk_large_tiles: str = ""
+    moe_gu_2x4_min_t: Optional[int] = None
+    gemm_wide: Optional[bool] = None
+    router_down: Optional[bool] = None
+    cache_dir: str = ""
+    traceback: bool = False
+
+
+assert [k.field for k in KNOBS] == [f.name for f in dataclasses.fields(Knobs)], "KNOBS and Knobs disagree"
+ENV_NAMES = tuple(k.env for k in KNOBS)
+
+
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Knobs:
+    """Knobs from ``environ`` (default ``os.environ``): unset or empty -> the default; else parsed, or a
+    ValueError naming the variable."""
+    env = os.environ if environ is None else environ
+    vals = {}
+    for k in KNOBS:
+        v = env.get(k.env)
+        vals[k.field] = k.default if v is None or v.strip() == "" else k.parse(k.env, v)
+    return Knobs(**vals)
+
+
+_cache: list = [None, None]       # (the environment's values of ENV_NAMES, the Knobs built from them)
+
+
+def get() -> Knobs:
+    """The process's knobs, built from the environment once and again only when one of its variables changed."""
+    key = tuple(os.environ.get(n) for n in ENV_NAMES)
+    if _cache[0] != key:
+        _cache[1] = from_env()
+        _cache[0] = key
+    return _cache[1]
+
+
+def readme_table() -> str:
+    """The README's table of switches (tests/test_knobs.py checks the README carries exactly this)."""
+    rows = ["| variable | values | effect | document |", "|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.env}` | `{k.values}` | {'(measuring) ' if k.measuring else ''}{k.doc} | {k.document} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(readme_table())
