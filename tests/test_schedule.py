@@ -146,7 +146,8 @@ def test_encode_matches_the_schedule():
         seg_items = [sc.items[i] for b in sc.segment_blocks(seg) for i in b]
         assert len(seg_items) == len(items)
         for row, it in zip(items, seg_items):
-            assert row[0] == S.KIND[it.kind] and row[7] == it.signal
+            assert row[0] == S.KIND[it.kind] and row[7] == it.signal and sc.ops[row[1]] == it.op
+            assert list(row[2:2 + len(it.args)]) == list(it.args)
             own = [(c, t) for c, t in it.waits if seg_of[c] == seg]
             assert [tuple(w) for w in waits[row[5]:row[5] + row[6]]] == own
         seen += len(items)
@@ -170,3 +171,16 @@ def test_grid_size_changes_tiles_not_results():
     ref = S.build_layer(small_shape("moe", 1, 3, kv_splits=2), 1).buffers
     for nb in (2, 7, 64, 200):
         assert S.build_layer(small_shape("moe", 1, 3, kv_splits=2), nb).buffers == ref
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "drafter"])
+@pytest.mark.parametrize("allreduce", ["segment", "item"])
+def test_mlp_half(kind, allreduce):
+    for nb in (1, 5, 64):
+        sc = S.build_layer(small_shape(kind, 1, 8), nb, allreduce=allreduce, parts=("mlp",))
+        check_static(sc)
+        S.simulate(sc, seed=nb)
+        assert sc.ops[0] == "post_norm" and "attention" not in sc.ops
+        assert sc.n_segments == (2 if allreduce == "segment" else 1)
+    with pytest.raises(ValueError, match="parts"):
+        S.build_layer(small_shape(kind, 1, 8), 4, parts=("attention",))

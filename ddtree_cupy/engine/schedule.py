@@ -406,23 +406,38 @@ class Schedule:
     floor_us: float = 0.0              # total bytes / (all blocks at the cost model's rate)
     n_segments: int = 1
 
+    @property
+    def ops(self) -> List[str]:
+        """Stage names in first-appearance order (the device op table's order)."""
+        return list(dict.fromkeys(it.op for it in self.items))
+
+    def segment_ops(self, seg: int) -> List[str]:
+        return list(dict.fromkeys(it.op for it in self.items if it.segment == seg))
+
+    def segment_kinds(self, seg: int) -> List[str]:
+        return sorted({it.kind for it in self.items if it.segment == seg})
+
     def segment_blocks(self, seg: int) -> List[List[int]]:
         return [[i for i in b if self.items[i].segment == seg] for b in self.blocks]
 
     def encode(self, seg: int = 0) -> Dict[str, np.ndarray]:
-        """The device form of segment ``seg``: int32 ``items`` [n, 8] = (kind, arg0..arg3, wait_begin, n_waits,
-        signal), ``waits`` [m, 2] = (counter, target), ``block_start`` [n_blocks + 1] (block b runs items
-        block_start[b] .. block_start[b + 1] - 1 in order), plus ``n_counters``."""
+        """The device form of segment ``seg``: int32 ``items`` [n, 8] = (kind, op, arg0, arg1, arg2, wait_begin,
+        n_waits, signal) with op an index into ``ops``, ``waits`` [m, 2] = (counter, target), ``block_start``
+        [n_blocks + 1] (block b runs items block_start[b] .. block_start[b + 1] - 1 in order), plus
+        ``n_counters``."""
         # waits on counters of earlier segments are met by the launch boundary (and the counters are reset
         # at the end of every launch): only the segment's own counters are waited on.
         seg_of = {it.signal: it.segment for it in self.items}
+        op_index = {o: i for i, o in enumerate(self.ops)}
         rows, waits, starts = [], [], [0]
         for b in self.segment_blocks(seg):
             for i in b:
                 it = self.items[i]
                 own = [(c, t) for c, t in it.waits if seg_of[c] == seg]
-                a = list(it.args[:4]) + [0] * (4 - min(4, len(it.args)))
-                rows.append([KIND[it.kind]] + a + [len(waits), len(own), it.signal])
+                if len(it.args) > 3:
+                    raise AssertionError(f"item {it.id} ({it.op}) has {len(it.args)} args; the record holds 3")
+                a = list(it.args) + [0] * (3 - len(it.args))
+                rows.append([KIND[it.kind], op_index[it.op]] + a + [len(waits), len(own), it.signal])
                 waits.extend([c, t] for c, t in own)
             starts.append(len(rows))
         return {"items": np.array(rows, np.int32).reshape(-1, 8), "waits": np.array(waits, np.int32).reshape(-1, 2),
@@ -430,8 +445,12 @@ class Schedule:
 
 
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
-                bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
+                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp")) -> Schedule:
     """The static schedule of one layer for a persistent grid of ``n_blocks`` co-resident blocks.
+
+    ``parts``: ("attention", "mlp") the whole layer; ("mlp",) its second half only (post-attention norm,
+    MLP, boundary), whose inputs are ``attn`` (the reduced attention output) and the residual (``h`` for a
+    dense layer, ``h1`` otherwise).
 
     ``bytes_per_us_per_block``: the cost model's streaming rate of one block (default: an H200's ~4 TB/s
     read ceiling over its 132 SMs); only the assignment and the predicted times depend on it."""
@@ -440,22 +459,29 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
         raise ValueError(f"build_layer: n_blocks must be a positive integer, got {n_blocks!r}")
     if allreduce not in ("segment", "item"):
         raise ValueError(f"build_layer: allreduce must be 'segment' or 'item', got {allreduce!r}")
+    parts = tuple(parts)
+    if parts not in (("attention", "mlp"), ("mlp",)):
+        raise ValueError(f"build_layer: parts must be ('attention', 'mlp') or ('mlp',), got {parts!r}")
     b = _Builder(shape, int(n_blocks), allreduce)
     T, H = shape.T, shape.H
     b.inp("h", T, H)
-    b.inp("kv_cache", shape.S, 1)
-    if shape.kind == "dense":
-        b.norm_rows("input_norm", "h", "normed", None, None)
-        res = "h"
+    res = "h" if shape.kind == "dense" else "h1"
+    if "attention" in parts:
+        b.inp("kv_cache", shape.S, 1)
+        if shape.kind == "dense":
+            b.norm_rows("input_norm", "h", "normed", None, None)
+        else:
+            b.inp("mlp_prev", T, H)
+            b.norm_rows("input_norm", "mlp_prev", "normed", "h", "h1")
+        if shape.kind == "drafter":
+            b.attention_drafter()
+        else:
+            b.attention_target()
+        b.boundary("allreduce_attn", "attn_part", "attn")
     else:
-        b.inp("mlp_prev", T, H)
-        b.norm_rows("input_norm", "mlp_prev", "normed", "h", "h1")
-        res = "h1"
-    if shape.kind == "drafter":
-        b.attention_drafter()
-    else:
-        b.attention_target()
-    b.boundary("allreduce_attn", "attn_part", "attn")
+        b.inp("attn", T, H)
+        if res != "h":
+            b.inp(res, T, H)
     b.norm_rows("post_norm", "attn", "normed2", res, "h2")
     if shape.kind == "moe":
         b.moe_mlp("normed2", "mlp_part")
@@ -467,7 +493,7 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     total = sum(it.cost for it in b.items if it.kind != "boundary")
     return Schedule(shape, int(n_blocks), allreduce, b.items, blocks, groups, [size[g] for g in groups], b.inputs,
                     b.buffers, predicted_us=pred, floor_us=total / (n_blocks * bytes_per_us_per_block),
-                    n_segments=b.segment + 1)
+                    n_segments=max(it.segment for it in b.items) + 1)
 
 
 ITEM_OVERHEAD_US = 0.5       # cost model: a wait + signal round trip and the first tile's latency
