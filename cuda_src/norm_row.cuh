@@ -1,19 +1,21 @@
 // The RMSNorm of one row by a block of NORM_THREADS threads (rmsnorm_kernel in norm.cu and the persistent
 // executor's norm item, cuda_src/persistent_layer.cu, run this same body: identical bits). norm.cu's header
 // comment describes the arithmetic; `t` is the row, `red` NORM_THREADS / 32 floats of shared memory.
-// DDT_PDL_WAIT() sits between the weight and the row loads (a no-op outside a PDL launch).
+// wait_inputs (common.cuh: the PDL wait, or the executor's counter wait) sits between the weight and the
+// row loads.
 #pragma once
 #include "layer_math.cuh"
 
 #define NORM_THREADS 256
 #define NORM_MAXV 4          // 16-byte vectors per thread held in registers: H <= 8 * 4 * 256 = 8192
 
+template <typename WaitHook = PdlWaitHook>
 __device__ __forceinline__ void rmsnorm_row(
         int t, const bf16_bits* __restrict__ x, long long x_stride,
         const bf16_bits* __restrict__ res_in, long long res_in_stride,
         bf16_bits* __restrict__ res_out, long long res_out_stride,
         const bf16_bits* __restrict__ w, bf16_bits* __restrict__ out, long long out_stride,
-        const int* __restrict__ out_rows, int H, float eps, float* red) {
+        const int* __restrict__ out_rows, int H, float eps, float* red, WaitHook wait_inputs = WaitHook()) {
     const int nv = H / 8;
     // the weight vectors (never written by a kernel) load BEFORE the wait: their latency (an HBM miss in a
     // step's layer sequence) overlaps the previous kernel instead of following the row's reduction
@@ -23,7 +25,7 @@ __device__ __forceinline__ void rmsnorm_row(
         const int i = threadIdx.x + j * NORM_THREADS;
         if (i < nv) wv[j] = ((const uint4*)w)[i];
     }
-    DDT_PDL_WAIT();                         // PDL (common.cuh): earlier kernels' outputs from here on
+    wait_inputs();                          // earlier kernels' (or items') outputs from here on
     const uint4* xr = (const uint4*)(x + t * x_stride);
     const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
     // Every row vector (and its residual) is requested before any is used (session 6; docs/KERNELS.md

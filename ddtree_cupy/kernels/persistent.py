@@ -223,3 +223,57 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
                 raise ValueError("bind_dense_mlp: allreduce='item' needs the final output buffer")
             ops["allreduce_mlp"] = PersistOpArgs(x=out, out=final, N=H)
     return ops
+
+
+# ---- a numpy twin of the executor's contract --------------------------------------------------------------
+
+def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOpArgs], seed: int = 0) -> int:
+    """Run segment ``seg`` from its *encoded* form (the arrays the kernel reads) on numpy arrays: blocks
+    interleave at random, an item runs only when its encoded waits are met by the counters, the bodies are
+    numpy versions of the kernel's (float64 math; bf16 rounding is the caller's reference's business), and
+    the counters must end at their targets. Checks the encoding and the op binding without a GPU; returns
+    the number of items run. ``ops`` hold numpy float arrays in place of device buffers."""
+    import random
+    enc = s.encode(seg)
+    items, waits, bs = enc["items"], enc["waits"], enc["block_start"]
+    counters = np.zeros(int(enc["n_counters"]), np.int64)
+    pc = [int(bs[b]) for b in range(s.n_blocks)]
+    end = [int(bs[b + 1]) for b in range(s.n_blocks)]
+    rng = random.Random(seed)
+    names = s.ops
+    T = s.shape.T
+    ran = 0
+    while True:
+        live = [b for b in range(s.n_blocks) if pc[b] < end[b]]
+        if not live:
+            break
+        ready = [b for b in live if all(counters[c] >= t for c, t in
+                                        waits[items[pc[b], 5]:items[pc[b], 5] + items[pc[b], 6]])]
+        if not ready:
+            raise sched_mod.Deadlock(f"emulate_segment: no block can progress ({len(live)} live)")
+        b = rng.choice(ready)
+        kind, opi, a0, a1, _a2, _wb, _nw, sig = (int(v) for v in items[pc[b]])
+        op = ops[names[opi]]
+        if kind == sched_mod.KIND["norm_row"]:
+            x = op.x[a0].astype(np.float64)
+            if op.x2 is not None:
+                x = x + op.x2[a0]
+                (op.out2 if op.out2 is not None else op.x2)[a0] = x
+            op.out[a0] = op.w * x / np.sqrt(np.mean(x * x) + op.eps)
+        elif kind == sched_mod.KIND["gemm_tile"]:
+            op.out[:T, a0:a0 + a1] = op.x[:T, :op.K] @ op.w[a0:a0 + a1].T
+        elif kind == sched_mod.KIND["silu_chunk"]:
+            g, u = op.x[:T, a0:a0 + a1], op.x[:T, op.N + a0:op.N + a0 + a1]
+            op.out[:T, a0:a0 + a1] = g / (1 + np.exp(-g)) * u
+        elif kind == sched_mod.KIND["boundary"]:
+            op.out[:T, :op.N] = op.x[:T, :op.N]
+        else:
+            raise ValueError(f"emulate_segment: kind {sched_mod.KIND_NAME.get(kind, kind)} is not run by this build")
+        counters[sig] += 1
+        pc[b] += 1
+        ran += 1
+    seg_groups = {it.signal for it in s.items if it.segment == seg}
+    for c in seg_groups:
+        if counters[c] != s.counter_targets[c]:
+            raise AssertionError(f"counter {s.counters[c]} ended at {counters[c]}, target {s.counter_targets[c]}")
+    return ran
