@@ -225,6 +225,52 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
     return ops
 
 
+# ---- the engine's selection -------------------------------------------------------------------------------
+# GpuTarget runs a dense layer's MLP half (post-attention norm .. down projection) as one persistent launch
+# when this is on and the step has <= MAX_T rows; off (the default) keeps today's kernels. Today's path stays
+# the default until a GPU run (bench/persistent.py, bench/step.py) measures the persistent one faster.
+import os as _os
+
+_MLP = [_os.environ.get("DDT_PERSISTENT_MLP", "0") == "1"]
+
+
+def mlp_enabled() -> bool:
+    return _MLP[0]
+
+
+def set_mlp(on: bool) -> bool:
+    """Select the persistent dense MLP half (True) or today's kernels (False); returns the old setting.
+    Takes effect for stage lists built afterwards (a captured graph keeps what it captured)."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_mlp: expected a bool, got {on!r}")
+    old, _MLP[0] = _MLP[0], on
+    return old
+
+
+def default_grid() -> int:
+    """The persistent grid of the current device: one block per SM (the GEMM rings take 96 KB), refused
+    when the compiled kernel cannot be resident at all."""
+    import cupy
+    k = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
+    fn = getattr(k, "kernel", k)
+    sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    occ = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, SMEM_BYTES))
+    return sched_mod.fit_grid(sm, sm, occ)
+
+
+def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed, gate_up, act,
+                      out, n_blocks: Optional[int] = None) -> PersistentSegment:
+    """A PersistentSegment running one dense MLP half at T rows on these buffers (views of >= T rows):
+    h += attn; normed = norm(h); out = down(silu(gate_up(normed))) (this rank's partial sum; the caller
+    all-reduces it, as today)."""
+    H, F = int(w_down.shape[0]), int(w_down.shape[1])
+    shape = sched_mod.LayerShape("dense", 1, int(T), H=H, nh=1, ql=1, F=F)
+    s = sched_mod.build_layer(shape, n_blocks or default_grid(), allreduce="segment", parts=("mlp",))
+    ops = bind_dense_mlp(s, attn=attn, h=h, post_norm_w=post_norm_w, eps=eps, w_gate_up=w_gate_up, w_down=w_down,
+                         normed=normed, gate_up=gate_up, act=act, out=out)
+    return PersistentSegment(s, 0, ops)
+
+
 # ---- a numpy twin of the executor's contract --------------------------------------------------------------
 
 def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOpArgs], seed: int = 0) -> int:

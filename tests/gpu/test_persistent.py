@@ -201,3 +201,85 @@ def test_unsupported_rows_and_kinds_are_refused():
     sc = S.build_layer(_shape("dense", 8, H_KIMI, F_DENSE), 8)
     with pytest.raises(ValueError, match="does not run"):
         PersistentSegment(sc, 0, {})
+
+
+# ------------------------------------------------------------------------------------------- the engine path
+@pytest.fixture(scope="module")
+def tiny_target():
+    from ddtree_cupy.config import TargetConfig
+    from ddtree_cupy.models.weights import GpuTargetWeights
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    tdir, _ = ensure_tiny_checkpoints()
+    cfg = TargetConfig.load(tdir)
+    return cfg, GpuTargetWeights.from_checkpoint(tdir, cfg, 0, 1)
+
+
+def _forward(cfg, w, on, S_, R, seed, graph=False):
+    import cupy as cp
+    from ddtree_cupy.kernels import persistent
+    from ddtree_cupy.models.batch import TargetBatch
+    from ddtree_cupy.models.kv import GpuLatentCache
+    from ddtree_cupy.models.target import GpuTarget
+    old = persistent.set_mlp(on)
+    try:
+        tgt = GpuTarget(cfg, w, None, max_tokens=S_ * R)
+        kv = GpuLatentCache(cfg.num_hidden_layers, S_ + 1, S_, 1)
+        kv.set_block_table(np.arange(S_).reshape(S_, 1))
+        for p in kv.pools:
+            p.fill(0xFFFF)
+        for name in ("h", "normed", "attn_out", "mlp_out", "gate_up", "act"):
+            getattr(tgt, name).fill(0xFFFF)
+        rng = np.random.default_rng(seed)
+        b = TargetBatch(S_, R, cfg, 1, 0, tree=False)
+        b.set(tokens=rng.integers(0, cfg.vocab_size, (S_, R)), positions=np.tile(np.arange(R), (S_, 1)),
+              n_rows=np.full(S_, R), prefix_len=np.zeros(S_, int))
+        b.logits.fill(np.nan)
+        names = [n for n, _ in tgt.layer_stages(0, b, kv)]
+        tgt.forward(b, kv)
+        eager = b.logits.get()
+        if not graph:
+            return eager, names
+        st = cp.cuda.Stream(non_blocking=True)
+        with st:
+            st.begin_capture()
+            tgt.forward(b, kv)
+            g = st.end_capture()
+            out = []
+            for _ in range(2):
+                b.logits.fill(np.nan)
+                g.launch(st)
+                st.synchronize()
+                out.append(b.logits.get())
+        return eager, names, out
+    finally:
+        persistent.set_mlp(old)
+
+
+@pytest.mark.parametrize("S_,R", [(1, 8), (2, 8), (1, 3)])
+def test_target_with_persistent_mlp_equals_today(tiny_target, S_, R):
+    cfg, w = tiny_target
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
+    if not dense:
+        pytest.skip("the tiny model has no dense layer")
+    off, names_off = _forward(cfg, w, False, S_, R, seed=S_ * 10 + R)
+    on, names_on = _forward(cfg, w, True, S_, R, seed=S_ * 10 + R)
+    assert "mlp_persistent" in names_on and "mlp_persistent" not in names_off
+    assert np.all(np.isfinite(on))
+    # the same model up to the GEMM tiles' summation order in the dense layer(s)
+    assert rel_err(on, off) < 2e-2
+    assert np.mean(on.argmax(-1) == off.argmax(-1)) >= 0.9
+
+
+def test_target_persistent_mlp_graph_replay_equals_eager(tiny_target):
+    cfg, w = tiny_target
+    if all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        pytest.skip("the tiny model has no dense layer")
+    eager, _, replays = _forward(cfg, w, True, 1, 8, seed=4, graph=True)
+    for r in replays:
+        assert np.array_equal(r.view(np.uint32), eager.view(np.uint32))
+
+
+def test_target_persistent_mlp_above_16_rows_keeps_today(tiny_target):
+    cfg, w = tiny_target
+    _, names = _forward(cfg, w, True, 2, 12, seed=1)        # T = 24 > MAX_T
+    assert "mlp_persistent" not in names and "post_norm" in names
