@@ -283,3 +283,40 @@ def test_target_persistent_mlp_above_16_rows_keeps_today(tiny_target):
     cfg, w = tiny_target
     _, names = _forward(cfg, w, True, 2, 12, seed=1)        # T = 24 > MAX_T
     assert "mlp_persistent" not in names and "post_norm" in names
+
+
+# the drafter's fixture and helpers (tiny checkpoints, float64 reference drafter)
+from test_drafter_model import TOL as DRAFT_TOL, make_drafter, rel, tiny  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("S_", [1, 2])
+def test_drafter_with_persistent_mlp_matches_reference(tiny, S_):      # noqa: F811
+    import cupy as cp
+    from ddtree_cupy.bf16 import bf16_bits_to_f32
+    from ddtree_cupy.kernels import persistent
+    from ddtree_cupy.reference.drafter import ReferenceDrafter
+    dcfg = tiny["dcfg"]
+    old = persistent.set_mlp(True)
+    try:
+        dr = make_drafter(tiny, dcfg, max_ctx=64)
+        ref = ReferenceDrafter(dcfg, tiny["dw"], tiny["embed"], tiny["lm"], np.float64)
+        caches = [ref.new_cache() for _ in range(S_)]
+        have = []
+        for b in range(S_):
+            f = tiny["feats"][b]
+            n = f.shape[0]
+            dr.append_context(cp.asarray(f), cp.asarray(np.full(n, b, np.int32)), cp.asarray(np.arange(n, dtype=np.int32)))
+            ref.append_context(caches[b], bf16_bits_to_f32(f).astype(np.float64), np.arange(n))
+            have.append(n)
+        rng = np.random.default_rng(S_)
+        bonus = rng.integers(0, dcfg.vocab_size, S_).astype(np.int32)
+        D, V = dcfg.block_size - 1, dcfg.vocab_size
+        out = cp.full((S_, D, V), np.nan, cp.float32)
+        hv = np.array(have, np.int32)
+        dr.draft(cp.asarray(bonus), cp.asarray(hv), cp.asarray(hv), out)
+        assert dr._persist, "the persistent MLP path did not engage"
+        got = out.get()
+        for b in range(S_):
+            assert rel(got[b], ref.draft(caches[b], int(bonus[b]), have[b])) < DRAFT_TOL
+    finally:
+        persistent.set_mlp(old)
