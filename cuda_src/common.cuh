@@ -37,6 +37,13 @@ typedef long int64_t; typedef unsigned long uint64_t;
 #define DDT_PDL_LAUNCH_DEPENDENTS() do { } while (0)
 #endif
 
+// The wait-for-inputs point of a shared device body (gemm_decode_body, rmsnorm_row), passed as a functor:
+// the kernels wait for their PDL predecessor there; the persistent executor waits on its item's dependency
+// counters instead (cuda_src/persistent_layer.cu), so the weight loads issued before it overlap the wait.
+struct PdlWaitHook {
+    __device__ __forceinline__ void operator()() const { DDT_PDL_WAIT(); }
+};
+
 typedef unsigned short bf16_bits;  // bf16 as stored by the host (numpy/CuPy uint16)
 
 __device__ __forceinline__ float bf16_to_f32(bf16_bits b) {

@@ -202,11 +202,15 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 template <int NT, int STAGES>
 struct DecOcc { static constexpr int value = (NT == 1 && STAGES == 3) ? 3 : 2; };
 
-template <int NT, int STAGES, bool OUT_F32, int RT, int CS>
+template <int NT, int STAGES, bool OUT_F32, int RT, int CS, typename WaitHook = PdlWaitHook>
 __device__ __forceinline__ void gemm_decode_body(
         const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
         const bf16_bits* __restrict__ w, long long w_batch_stride,
-        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K) {
+        void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K,
+        int tile_x, int tile_z, WaitHook wait_inputs = WaitHook()) {
+    // tile_x / tile_z: the block's row tile and batch index (blockIdx.x / .z of the decode kernels; a work
+    // item's tile in the persistent executor, cuda_src/persistent_layer.cu). wait_inputs (common.cuh) runs
+    // after the weight prologue, before the first read of x: the PDL wait, or the executor's counter wait.
     constexpr int WST = 16 * 8;                 // uint4 per weight stage: 16 rows x 8 chunks of 16 B
     constexpr int XST = NT * 64;                // uint4 per token stage: NT*8 rows x 8 chunks
     constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
@@ -220,7 +224,7 @@ __device__ __forceinline__ void gemm_decode_body(
     const int rt = warp % RT, ks = warp / RT;
     uint4* w_s = smem + warp * STAGES * (WST + XST);    // this warp's ring: [STAGES][WST] then [STAGES][XST]
     uint4* x_s = w_s + STAGES * WST;
-    const int n0 = blockIdx.x * 16 * RT, b = blockIdx.z;
+    const int n0 = tile_x * 16 * RT, b = tile_z;
     const int crank = CS > 1 ? (int)cluster_rank() : 0;
     const int k_tiles = K / GEMM_BK;
     const int kb0 = crank * k_tiles / CS, nb = (crank + 1) * k_tiles / CS - kb0;   // this block's K tiles
@@ -259,7 +263,7 @@ __device__ __forceinline__ void gemm_decode_body(
         if (s < nkt) load_w(s, kt0 + s);
         cp_async_commit();                  // one group per stage, even when empty: the count stays in step
     }
-    DDT_PDL_WAIT();                         // x and out belong to earlier kernels in the stream
+    wait_inputs();                          // x and out belong to earlier kernels / items
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nkt) load_x(s, kt0 + s, false);
@@ -369,7 +373,8 @@ gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_strid
                         void* __restrict__ out, long long out_batch_stride, int out_row_stride,
                         float* __restrict__ ws_unused, int T, int N, int K, int unused) {
     gemm_decode_body<NT, STAGES, OUT_F32, RT, 1>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
-                                                 out_batch_stride, out_row_stride, T, N, K);
+                                                 out_batch_stride, out_row_stride, T, N, K,
+                                                 blockIdx.x, blockIdx.z);
 }
 
 #ifdef DDT_HAS_CLUSTERS
@@ -382,7 +387,8 @@ gemm_bf16_kernel_decode_cl(const bf16_bits* __restrict__ x, long long x_batch_st
                            void* __restrict__ out, long long out_batch_stride, int out_row_stride,
                            float* __restrict__ ws_unused, int T, int N, int K, int unused) {
     gemm_decode_body<NT, STAGES, OUT_F32, 1, CS>(x, x_batch_stride, x_row_stride, w, w_batch_stride, out,
-                                                 out_batch_stride, out_row_stride, T, N, K);
+                                                 out_batch_stride, out_row_stride, T, N, K,
+                                                 blockIdx.x, blockIdx.z);
 }
 #endif
 

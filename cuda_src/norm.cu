@@ -3,10 +3,7 @@
 // bf16 (the residual stream is bf16) and that rounded value is both written back as the new residual and
 // normalised. Rows may be strided views, and out_rows (optional) scatters row t to out row out_rows[t]
 // (the latent KV cache slot), so the kv_a norm can write straight into the paged cache.
-#include "layer_math.cuh"
-
-#define NORM_THREADS 256
-#define NORM_MAXV 4          // 16-byte vectors per thread held in registers: H <= 8 * 4 * 256 = 8192
+#include "norm_row.cuh"
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
@@ -15,73 +12,9 @@ rmsnorm_kernel(const bf16_bits* __restrict__ x, long long x_stride,
                const bf16_bits* __restrict__ w, bf16_bits* __restrict__ out, long long out_stride,
                const int* __restrict__ out_rows, int H, float eps) {
     __shared__ float red[NORM_THREADS / 32];
-    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading),
-    // then wait for the previous kernel's outputs before the first read of an input.
+    // PDL (common.cuh): let the next kernel launch now (it waits for this whole grid before reading); the
+    // body waits for the previous kernel's outputs after loading the weights.
     DDT_PDL_LAUNCH_DEPENDENTS();
-    const int t = blockIdx.x;
-    const int nv = H / 8;
-    // the weight vectors (never written by a kernel) load BEFORE the wait: their latency (an HBM miss in a
-    // step's layer sequence) overlaps the previous kernel instead of following the row's reduction
-    uint4 wv[NORM_MAXV];
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) wv[j] = ((const uint4*)w)[i];
-    }
-    DDT_PDL_WAIT();
-    const uint4* xr = (const uint4*)(x + t * x_stride);
-    const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
-    // Every row vector (and its residual) is requested before any is used (revision 6; docs/KERNELS.md
-    // "Revision 6/7"): written as one loop, ptxas (sm_90 and sm_120) issued x[j + 1] only after vector j's
-    // fmas, one round trip per vector, 4 per row at H = 7168 (SASS). Measured on the H200 (revision 7): the
-    // step 1 x 8 -2.7 to -3.7%, every shape faster or equal.
-    uint4 xa[NORM_MAXV], ra[NORM_MAXV];
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) {
-            xa[j] = xr[i];
-            if (rr) ra[j] = rr[i];
-        }
-    }
-    float v[NORM_MAXV][8];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) {
-            const bf16_bits* ah = (const bf16_bits*)&xa[j];
-            if (rr) {
-                const bf16_bits* rh = (const bf16_bits*)&ra[j];
-                uint4 s;
-                bf16_bits* sh = (bf16_bits*)&s;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
-                    v[j][e] = bf16_to_f32(sh[e]);
-                }
-                ((uint4*)(res_out + t * res_out_stride))[i] = s;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[j][e] = bf16_to_f32(ah[e]);
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
-        }
-    }
-    const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
-    const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
-    uint4* outr = (uint4*)(out + orow * out_stride);
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) {
-            uint4 o;
-            const bf16_bits* wh = (const bf16_bits*)&wv[j];
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
-            outr[i] = o;
-        }
-    }
+    rmsnorm_row(blockIdx.x, x, x_stride, res_in, res_in_stride, res_out, res_out_stride, w, out, out_stride,
+                out_rows, H, eps, red);
 }

@@ -280,6 +280,7 @@ class GpuDrafter:
         self._gu = cp.empty((T, 2 * self.F), u16)
         self._act = cp.empty((T, self.F), u16)
         self._dn = cp.empty((T, H), u16)
+        self._persist = {}                     # (layer, T) -> persistent MLP segment (kernels/persistent.py)
         # final norm scatters block row j >= 1 of slot s to row s*D + j - 1; rows j = 0 go to a spare row
         rows = np.empty((S, bs), np.int32)
         rows[:, 0] = S * self.D
@@ -397,6 +398,23 @@ class GpuDrafter:
             drafter_kv_append(self.k_cache[l], self.v_cache[l], k_rows, v_rows, stream_ids, positions)
 
     # ---- draft ------------------------------------------------------------------------------------
+    def _persistent_mlp(self, l: int, T: int):
+        """Layer l's MLP half at T rows as a persistent segment (kernels/persistent.py), built on first use
+        (not inside a capture: it uploads the schedule)."""
+        from ..kernels import persistent
+        seg = self._persist.get((l, T))
+        if seg is None:
+            import cupy as cp
+            if getattr(cp.cuda.get_current_stream(), "is_capturing", lambda: False)():
+                raise ValueError("GpuDrafter.draft: first persistent MLP call for this row count inside graph "
+                                 "capture; run it once eagerly first (it uploads the schedule)")
+            seg = persistent.dense_mlp_segment(
+                T, attn=self._o[:T], h=self._h[:T], post_norm_w=self.w.post_norm[l], eps=float(self.eps),
+                w_gate_up=self.w.gate_up[l], w_down=self.w.down[l], normed=self._x[:T], gate_up=self._gu[:T],
+                act=self._act[:T], out=self._dn[:T])
+            self._persist[(l, T)] = seg
+        return seg
+
     def draft(self, bonus, start_pos, ctx_len, out):
         """Draft one block per stream slot b < S: ids [bonus[b], MASK x (bs-1)] at positions
         start_pos[b] + j over the context positions [0, ctx_len[b]) (the last ``draft_window`` of them
@@ -419,6 +437,7 @@ class GpuDrafter:
         cp.copyto(ids[:, 0], bonus)
         cp.add(start_pos[:, None], self._jpos[None, :], out=pos)
         pos_t = pos.reshape(T)
+        from ..kernels import persistent
         h, x, o, dn = self._h[:T], self._x[:T], self._o[:T], self._dn[:T]
         q, kb, att = self._q[:S], self._kb[:S], self._att[:S]
         vb = self._vb[:S]
@@ -439,12 +458,15 @@ class GpuDrafter:
                                      out=att, workspace=ws, num_splits=ws.num_splits if ws else 1)
             self._gemm(att.reshape(T, hq * HEAD_DIM), self.w.o_proj[l], o)
             self.comm.all_reduce(o)
-            # h += o (rounded to bf16, the residual stream's type); x = post_attention_norm(h)
-            layers_k.rms_norm(o, self.w.post_norm[l], self.eps, out=x, residual=h)
-            gu = self._gu[:T]
-            self._gemm(x, self.w.gate_up[l], gu)
-            layers_k.silu_mul(gu, out=self._act[:T])
-            self._gemm(self._act[:T], self.w.down[l], dn)
+            if persistent.mlp_enabled() and T <= persistent.MAX_T:
+                self._persistent_mlp(l, T).launch()      # the four launches below as one persistent launch
+            else:
+                # h += o (rounded to bf16, the residual stream's type); x = post_attention_norm(h)
+                layers_k.rms_norm(o, self.w.post_norm[l], self.eps, out=x, residual=h)
+                gu = self._gu[:T]
+                self._gemm(x, self.w.gate_up[l], gu)
+                layers_k.silu_mul(gu, out=self._act[:T])
+                self._gemm(self._act[:T], self.w.down[l], dn)
             self.comm.all_reduce(dn)
             if l + 1 < L:
                 layers_k.rms_norm(dn, self.w.input_norm[l + 1], self.eps, out=x, residual=h)

@@ -122,6 +122,7 @@ class GpuTarget:
             need = max(need, gemm_mod.workspace_split(t, d["V"], H, 1, sm, smem) * t * d["V"])
         self.gemm_ws = cupy.empty(max(need, 1), np.float32)
         self._mla_ws: Dict[Tuple[int, int, int, int], object] = {}
+        self._persist: Dict[Tuple[int, int], object] = {}     # (layer, T) -> persistent MLP segment
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def _gemm_shapes(self):
@@ -219,9 +220,36 @@ class GpuTarget:
             else:
                 rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
                 self._copy_feature(i - 1, batch, h)
-        return ([("input_norm", input_norm)] + self._attention_stages(i, normed, batch, kv, attn)
-                + [("post_norm", lambda: rms_norm(attn, L.post_norm, eps, out=normed, residual=h))]   # h += attn
-                + self._mlp_stages(i, normed, mlp))
+        from ..kernels import persistent
+        if persistent.mlp_enabled() and not L.is_moe and T <= persistent.MAX_T:
+            tail = self._persistent_mlp_stages(i, T)     # post_norm .. down as one persistent launch
+        else:
+            tail = ([("post_norm", lambda: rms_norm(attn, L.post_norm, eps, out=normed, residual=h))]   # h += attn
+                    + self._mlp_stages(i, normed, mlp))
+        return [("input_norm", input_norm)] + self._attention_stages(i, normed, batch, kv, attn) + tail
+
+    def _persistent_mlp_stages(self, i: int, T: int):
+        """Dense layer i's MLP half at T rows as one persistent launch (kernels/persistent.py), then the
+        all-reduce; built on first use for (i, T), like the attention workspaces (not inside a capture)."""
+        from ..kernels import persistent
+        seg = self._persist.get((i, T))
+        if seg is None:
+            import cupy
+            if getattr(cupy.cuda.get_current_stream(), "is_capturing", lambda: False)():
+                raise ValueError("GpuTarget.forward: first persistent MLP call for this row count inside graph "
+                                 "capture; run it once eagerly first (it uploads the schedule)")
+            L, F = self.w.layers[i], self.w.layers[i].w_down.shape[1]
+            seg = persistent.dense_mlp_segment(
+                T, attn=self.attn_out[:T], h=self.h[:T], post_norm_w=L.post_norm, eps=float(self.cfg.rms_norm_eps),
+                w_gate_up=L.w_gate_up, w_down=L.w_down, normed=self.normed[:T], gate_up=self.gate_up[:T, :2 * F],
+                act=self.act[:T, :F], out=self.mlp_out[:T])
+            self._persist[(i, T)] = seg
+        mlp = self.mlp_out[:T]
+
+        def run():
+            seg.launch()
+            self.comm.all_reduce(mlp)
+        return [("mlp_persistent", run)]
 
     def _attention_stages(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
         from ..kernels.attention import mla_attention

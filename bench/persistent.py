@@ -1,0 +1,119 @@
+"""The persistent executor against today's kernel chain on the part of a layer it runs: the dense MLP half
+(post-attention norm with the residual add, gate|up GEMM, SwiGLU, down GEMM) at one TP = 8 rank's widths
+of Kimi K2.6 dense layer 0 and of the DFlash drafter, same weights and inputs in one run.
+
+    PYTHONPATH=$PWD python3 -m bench.persistent [--rows 1 8 16] [--json out.json] [--timeline]
+
+Per shape: today's chain and the persistent launch as CUDA graphs (us per call), both against the byte
+floor (weights + activations read once, at the read ceiling measured in the same run), and the cost
+model's prediction (engine/schedule.py). --timeline prints the per-stage span of the persistent launch
+(globaltimer per item) and the busiest blocks' item sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from bench.ceilings import measure_read_bandwidth, time_graph
+from ddtree_cupy.engine import schedule as S
+
+H, F_DENSE, F_DRAFT = 7168, 18432 // 8, 18432 // 8
+
+
+def _shape(kind, T, F):
+    if kind == "dense":
+        return S.LayerShape("dense", 1, T, H=H, nh=8, ql=1536, dn=128, dv=128, F=F)
+    return S.LayerShape("drafter", 1, T, H=H, nh=8, dn=128, dv=128, F=F, nkv=1)
+
+
+def run_shape(cp, kind, T, read_gbs, timeline=False):
+    from ddtree_cupy.kernels import gemm, layers
+    from ddtree_cupy.kernels.persistent import PersistentSegment, bind_dense_mlp
+    F = F_DENSE if kind == "dense" else F_DRAFT
+    rng = np.random.default_rng(T)
+    r = lambda *s: cp.asarray((rng.standard_normal(s) * 0.05).astype(np.float32)).view(np.uint32)   # noqa: E731
+    bf = lambda a: (a >> 16).astype(np.uint16)                                                       # noqa: E731
+    attn, h, nw = bf(r(T, H)), bf(r(T, H)), bf(r(H))
+    w_gu, w_dn = bf(r(2 * F, H)), bf(r(H, F))
+    z = lambda *s: cp.zeros(s, np.uint16)                                                            # noqa: E731
+    normed, gu, act, out = z(T, H), z(T, 2 * F), z(T, F), z(T, H)
+    eps = 1e-6
+
+    def today():
+        layers.rms_norm(attn, nw, eps, out=normed, residual=h)
+        gemm.gemm_bf16(normed, w_gu, gu)
+        layers.silu_mul(gu, out=act)
+        gemm.gemm_bf16(act, w_dn, out)
+    sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    sc = S.build_layer(_shape(kind, T, F), sm, allreduce="segment", parts=("mlp",))
+    seg = PersistentSegment(sc, 0, bind_dense_mlp(sc, attn=attn, h=h, post_norm_w=nw, eps=eps, w_gate_up=w_gu,
+                                                  w_down=w_dn, normed=normed, gate_up=gu, act=act, out=out),
+                            trace=timeline)
+    seg.launch()
+    seg.check()
+    t_old = time_graph(today)
+    t_new = time_graph(seg.launch)
+    seg.check()
+    nbytes = (w_gu.nbytes + w_dn.nbytes + nw.nbytes + 2 * attn.nbytes + 2 * h.nbytes + normed.nbytes * 2
+              + gu.nbytes * 2 + act.nbytes * 2 + out.nbytes)
+    floor_us = nbytes / (read_gbs * 1e3)
+    row = {"kind": kind, "T": T, "blocks": sc.n_blocks, "items": len(sc.items), "today_us": t_old,
+           "persistent_us": t_new, "floor_us": floor_us, "today_x_floor": t_old / floor_us,
+           "persistent_x_floor": t_new / floor_us, "speedup": t_old / t_new,
+           "model_us": sc.predicted_us}
+    if timeline:
+        seg.launch()
+        cp.cuda.Stream.null.synchronize()
+        tl = seg.timeline()
+        t0 = min(t for _, _, _, t, _ in tl)
+        spans = {}
+        for b, _, op, a, e in tl:
+            lo, hi = spans.get(op, (1 << 62, 0))
+            spans[op] = (min(lo, a - t0), max(hi, e - t0))
+        row["stage_spans_us"] = {op: (lo / 1e3, hi / 1e3) for op, (lo, hi) in spans.items()}
+        busy = {}
+        for b, _, op, a, e in tl:
+            busy[b] = busy.get(b, 0) + (e - a)
+        row["busiest_blocks"] = [
+            (b, busy[b] / 1e3, [(op, round((a - t0) / 1e3, 2), round((e - t0) / 1e3, 2))
+                                for bb, _, op, a, e in tl if bb == b])
+            for b in sorted(busy, key=busy.get, reverse=True)[:3]]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.persistent", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    ap.add_argument("--kinds", nargs="+", default=["dense", "drafter"])
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--timeline", action="store_true")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    read = measure_read_bandwidth()
+    print(f"read ceiling {read:.0f} GB/s (this run)")
+    rows = []
+    print(f"{'kind':8} {'T':>3} {'blocks':>6} {'items':>6} {'today us':>9} {'persist us':>10} {'floor us':>8} "
+          f"{'today/fl':>8} {'pers/fl':>8} {'speedup':>7} {'model us':>8}")
+    for kind in args.kinds:
+        for T in args.rows:
+            r = run_shape(cp, kind, T, read, args.timeline)
+            rows.append(r)
+            print(f"{kind:8} {T:3d} {r['blocks']:6d} {r['items']:6d} {r['today_us']:9.1f} {r['persistent_us']:10.1f} "
+                  f"{r['floor_us']:8.1f} {r['today_x_floor']:8.2f} {r['persistent_x_floor']:8.2f} "
+                  f"{r['speedup']:7.2f} {r['model_us']:8.1f}")
+            if args.timeline:
+                for op, (a, e) in r["stage_spans_us"].items():
+                    print(f"    {op:12} {a:8.2f} .. {e:8.2f} us")
+                for b, busy, seq in r["busiest_blocks"]:
+                    print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read_gbs": read, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

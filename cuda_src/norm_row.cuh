@@ -1,0 +1,84 @@
+// The RMSNorm of one row by a block of NORM_THREADS threads (rmsnorm_kernel in norm.cu and the persistent
+// executor's norm item, cuda_src/persistent_layer.cu, run this same body: identical bits). norm.cu's header
+// comment describes the arithmetic; `t` is the row, `red` NORM_THREADS / 32 floats of shared memory.
+// wait_inputs (common.cuh: the PDL wait, or the executor's counter wait) sits between the weight and the
+// row loads.
+#pragma once
+#include "layer_math.cuh"
+
+#define NORM_THREADS 256
+#define NORM_MAXV 4          // 16-byte vectors per thread held in registers: H <= 8 * 4 * 256 = 8192
+
+template <typename WaitHook = PdlWaitHook>
+__device__ __forceinline__ void rmsnorm_row(
+        int t, const bf16_bits* __restrict__ x, long long x_stride,
+        const bf16_bits* __restrict__ res_in, long long res_in_stride,
+        bf16_bits* __restrict__ res_out, long long res_out_stride,
+        const bf16_bits* __restrict__ w, bf16_bits* __restrict__ out, long long out_stride,
+        const int* __restrict__ out_rows, int H, float eps, float* red, WaitHook wait_inputs = WaitHook()) {
+    const int nv = H / 8;
+    // the weight vectors (never written by a kernel) load BEFORE the wait: their latency (an HBM miss in a
+    // step's layer sequence) overlaps the previous kernel instead of following the row's reduction
+    uint4 wv[NORM_MAXV];
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) wv[j] = ((const uint4*)w)[i];
+    }
+    wait_inputs();                          // earlier kernels' (or items') outputs from here on
+    const uint4* xr = (const uint4*)(x + t * x_stride);
+    const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
+    // Every row vector (and its residual) is requested before any is used (session 6; docs/KERNELS.md
+    // "Session 6/7"): written as one loop, ptxas (sm_90 and sm_120) issued x[j + 1] only after vector j's
+    // fmas, one round trip per vector, 4 per row at H = 7168 (SASS). Measured on the H200 (session 7): the
+    // step 1 x 8 -2.7 to -3.7%, every shape faster or equal.
+    uint4 xa[NORM_MAXV], ra[NORM_MAXV];
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) {
+            xa[j] = xr[i];
+            if (rr) ra[j] = rr[i];
+        }
+    }
+    float v[NORM_MAXV][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) {
+            const bf16_bits* ah = (const bf16_bits*)&xa[j];
+            if (rr) {
+                const bf16_bits* rh = (const bf16_bits*)&ra[j];
+                uint4 s;
+                bf16_bits* sh = (bf16_bits*)&s;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
+                    v[j][e] = bf16_to_f32(sh[e]);
+                }
+                ((uint4*)(res_out + t * res_out_stride))[i] = s;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[j][e] = bf16_to_f32(ah[e]);
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+        }
+    }
+    const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
+    const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
+    uint4* outr = (uint4*)(out + orow * out_stride);
+#pragma unroll
+    for (int j = 0; j < NORM_MAXV; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        if (i < nv) {
+            uint4 o;
+            const bf16_bits* wh = (const bf16_bits*)&wv[j];
+            bf16_bits* oh = (bf16_bits*)&o;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
+            outr[i] = o;
+        }
+    }
+}

@@ -1,0 +1,325 @@
+"""The persistent layer executor (cuda_src/persistent_layer.cu; design in docs/PERSISTENT.md).
+
+``PersistentSegment`` uploads one launch's worth of a ``engine.schedule.Schedule`` (``Schedule.encode``),
+binds every stage of it to device buffers through an op table (``PersistOpArgs`` per stage), and launches
+the executor with one block per scheduled list. The grid is checked against the driver's occupancy
+calculator before the first launch (``schedule.check_coresident``): a grid that cannot be co-resident is
+refused with the largest one that can (``schedule.fit_grid``), never launched to deadlock. A wait that
+passes its bound sets the error word instead of hanging; ``check`` raises it naming the item and stage.
+
+Item bodies this build runs: ``norm_row``, ``gemm_tile`` (T <= 16, the decode GEMM body), ``boundary``
+(TP = 1: the all-reduce stand-in copy) and ``silu_chunk``; ``supported_segment`` says whether a segment
+uses only those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built
+yet, see docs/PERSISTENT.md).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+
+from ..engine import schedule as sched_mod
+from .compile import CUDA_SRC_DIR, KernelSpec, get_kernel, register
+
+THREADS = 256
+SMEM_BYTES = 96 * 1024                 # the decode GEMM body's rings (kernels/gemm.py dec_smem_bytes)
+SUPPORTED_KINDS = frozenset({"norm_row", "gemm_tile", "boundary", "silu_chunk"})
+MAX_T = 16                             # the decode GEMM body's token limit (NT <= 2)
+DEFAULT_SPIN_LIMIT = 1 << 21           # polls of one wait before the launch gives up (~2 s: 1 us back-off)
+ERR_REASON = {1: "a dependency wait timed out", 2: "an item kind this build does not run",
+              3: "a GEMM tile shape the body does not serve (rows not 16 / 32 / 64, or T > 16)"}
+
+# The .cu files the executor #includes besides the .cuh headers (compile.KernelSpec.source covers those):
+# their text goes into the source's digest line so an edit recompiles instead of loading a stale cubin.
+_INCLUDED_CU = ("gemm_bf16.cu",)
+
+
+@dataclass(frozen=True)
+class _PersistentSpec(KernelSpec):
+    def source(self) -> str:
+        h = hashlib.sha1()
+        for name in _INCLUDED_CU:
+            h.update((CUDA_SRC_DIR / name).read_bytes())
+        return f"// included .cu digest {h.hexdigest()[:16]}\n" + super().source()
+
+
+SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), hot=True,
+                                doc="persistent layer executor: a precomputed work-item schedule per block, "
+                                    "counter waits in global memory"))
+
+# struct PersistOp (cuda_src/persistent_layer.cu): 5 pointers, 4 int64 strides, T N K flags, eps, 3 pad
+OP_DTYPE = np.dtype([("x", np.uint64), ("x2", np.uint64), ("w", np.uint64), ("out", np.uint64), ("out2", np.uint64),
+                     ("x_stride", np.int64), ("x2_stride", np.int64), ("out_stride", np.int64),
+                     ("out2_stride", np.int64), ("T", np.int32), ("N", np.int32), ("K", np.int32),
+                     ("flags", np.int32), ("eps", np.float32), ("pad", np.int32, (3,))])
+assert OP_DTYPE.itemsize == 104       # static_asserts in persistent_layer.cu pin the same layout
+
+
+@dataclass
+class PersistOpArgs:
+    """One stage's buffers. norm_row: x (+ residual x2 -> out2), w = norm weight, out = normed, N = H.
+    gemm_tile: x [T, K], w [N, K], out [T, N] (bf16, or fp32 with out_f32). silu_chunk: x = [T, 2F] gate|up,
+    out [T, F], N = F. boundary: out = x, N = width."""
+    x: object
+    out: object
+    w: object = None
+    x2: object = None
+    out2: object = None
+    N: int = 0
+    K: int = 0
+    eps: float = 0.0
+    out_f32: bool = False
+
+
+def _rows_stride(name: str, a, T: int) -> int:
+    if a.ndim != 2 or a.shape[0] < T:
+        raise ValueError(f"{name}: expected a 2-D array of >= {T} rows, got shape {a.shape}")
+    if a.strides[1] != a.itemsize or a.strides[0] % 16 or a.data.ptr % 16:
+        raise ValueError(f"{name}: rows must be contiguous and 16-byte aligned (strides {a.strides})")
+    return a.strides[0] // a.itemsize
+
+
+def supported_segment(s: sched_mod.Schedule, seg: int) -> bool:
+    return set(s.segment_kinds(seg)) <= SUPPORTED_KINDS and s.shape.T <= MAX_T
+
+
+class PersistentSegment:
+    """Launch ``seg`` of schedule ``s`` with the stages bound by ``ops`` ({stage name: PersistOpArgs})."""
+
+    def __init__(self, s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOpArgs],
+                 spin_limit: int = DEFAULT_SPIN_LIMIT, trace: bool = False):
+        import cupy
+        if not 0 <= seg < s.n_segments:
+            raise ValueError(f"seg: {seg} not in [0, {s.n_segments})")
+        bad = sorted(set(s.segment_kinds(seg)) - SUPPORTED_KINDS)
+        if bad:
+            raise ValueError(f"persistent segment {seg} has item kinds {bad} that this build does not run "
+                             f"(runs {sorted(SUPPORTED_KINDS)})")
+        T = s.shape.T
+        if T > MAX_T:
+            raise ValueError(f"persistent segment: T = {T} rows > {MAX_T} (the decode GEMM body's limit)")
+        need = s.segment_ops(seg)
+        missing = [o for o in need if o not in ops]
+        if missing:
+            raise ValueError(f"ops: no buffers bound for stages {missing}")
+        self.s, self.seg, self.T = s, seg, T
+        enc = s.encode(seg)
+        table = np.zeros(len(s.ops), OP_DTYPE)
+        kinds = {it.op: it.kind for it in s.items if it.segment == seg}
+        for name in need:
+            table[s.ops.index(name)] = self._op_record(name, kinds[name], ops[name], T)
+        self.ops = dict(ops)                                 # keep the bound arrays alive
+        self.items = cupy.asarray(enc["items"])
+        self.waits = cupy.asarray(enc["waits"] if len(enc["waits"]) else np.zeros((1, 2), np.int32))
+        self.block_start = cupy.asarray(enc["block_start"])
+        self.op_table = cupy.asarray(table.view(np.uint8))
+        self.n_counters = int(enc["n_counters"])
+        self.counters = cupy.zeros(max(1, self.n_counters), np.int32)
+        self.done = cupy.zeros(1, np.int32)
+        self.err = cupy.zeros(2, np.int32)
+        self.spin_limit = int(spin_limit)
+        self.n_items = int(enc["items"].shape[0])
+        self.trace = cupy.zeros((max(1, self.n_items), 3), np.int64) if trace else None
+        self._enc = enc
+        self.kernel = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
+        dev = cupy.cuda.Device()
+        self.sm_count = int(dev.attributes["MultiProcessorCount"])
+        fn = getattr(self.kernel, "kernel", self.kernel)
+        self.blocks_per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS,
+                                                                                             SMEM_BYTES))
+        sched_mod.check_coresident(s.n_blocks, self.sm_count, self.blocks_per_sm)
+
+    @staticmethod
+    def _op_record(name: str, kind: str, a: PersistOpArgs, T: int):
+        rec = np.zeros((), OP_DTYPE)
+        ptr = lambda v: 0 if v is None else int(v.data.ptr)      # noqa: E731
+        for f in ("x", "out"):
+            if getattr(a, f) is None:
+                raise ValueError(f"stage {name}: {f} is required")
+        rec["x"], rec["x2"], rec["w"], rec["out"], rec["out2"] = ptr(a.x), ptr(a.x2), ptr(a.w), ptr(a.out), ptr(a.out2)
+        rec["x_stride"] = _rows_stride(f"{name}.x", a.x, T)
+        rec["out_stride"] = _rows_stride(f"{name}.out", a.out, T)
+        if a.x2 is not None:
+            rec["x2_stride"] = _rows_stride(f"{name}.x2", a.x2, T)
+            rec["out2_stride"] = _rows_stride(f"{name}.out2", a.out2 if a.out2 is not None else a.x2, T)
+            if a.out2 is None:
+                rec["out2"] = ptr(a.x2)                          # in place, as rms_norm(residual=...)
+        rec["T"], rec["N"], rec["K"] = T, int(a.N), int(a.K)
+        rec["eps"] = float(a.eps)
+        rec["flags"] = 1 if a.out_f32 else 0
+        if kind == "gemm_tile":
+            if a.w is None or tuple(a.w.shape) != (a.N, a.K) or a.w.dtype != np.uint16:
+                raise ValueError(f"stage {name}: w must be uint16 [{a.N}, {a.K}], got "
+                                 f"{None if a.w is None else (a.w.shape, a.w.dtype)}")
+            if a.K % 64 or a.x.shape[1] < a.K or a.out.shape[1] < a.N:
+                raise ValueError(f"stage {name}: K = {a.K} must be a multiple of 64 and fit x {a.x.shape}; N = {a.N} "
+                                 f"must fit out {a.out.shape}")
+            if (a.out.dtype == np.float32) != bool(a.out_f32):
+                raise ValueError(f"stage {name}: out dtype {a.out.dtype} disagrees with out_f32={a.out_f32}")
+        elif kind == "norm_row":
+            if a.w is None or a.w.shape != (a.N,) or a.N % 8 or a.N > 8 * 4 * 256:
+                raise ValueError(f"stage {name}: norm weight must be [{a.N}] with N % 8 == 0, N <= 8192")
+        elif kind == "silu_chunk":
+            if a.x.shape[1] < 2 * a.N or a.out.shape[1] < a.N:
+                raise ValueError(f"stage {name}: x must hold [T, 2 * {a.N}], out [T, {a.N}]")
+        elif kind == "boundary":
+            if a.N % 8 or a.x.shape[1] < a.N or a.out.shape[1] < a.N:
+                raise ValueError(f"stage {name}: N = {a.N} must be a multiple of 8 and fit x and out")
+        return rec
+
+    def launch(self) -> None:
+        """Enqueue the segment on the current stream (graph-capturable: static buffers, counters reset by
+        the kernel itself)."""
+        i32 = np.int32
+        self.kernel((self.s.n_blocks,), (THREADS,),
+                    (self.items, self.waits, self.block_start, self.op_table, self.counters, i32(self.n_counters),
+                     self.done, self.err, np.int64(self.spin_limit),
+                     self.trace if self.trace is not None else np.uint64(0)),
+                    shared_mem=SMEM_BYTES)
+
+    def check(self) -> None:
+        """Raise if a launch recorded an error (synchronises); resets the counters after one."""
+        e = self.err.get()
+        if e[0]:
+            enc_row = int(e[0]) - 1
+            kind, op = int(self._enc["items"][enc_row, 0]), self.s.ops[int(self._enc["items"][enc_row, 1])]
+            self.err[...] = 0
+            self.counters[...] = 0
+            self.done[...] = 0
+            raise RuntimeError(f"persistent segment {self.seg}: item {enc_row} (stage {op}, kind "
+                               f"{sched_mod.KIND_NAME.get(kind, kind)}) failed: {ERR_REASON.get(int(e[1]), e[1])}")
+
+    def timeline(self):
+        """[(block, item row, stage, start_ns, end_ns)] of the last launch (trace=True; globaltimer)."""
+        if self.trace is None:
+            raise ValueError("timeline: construct the segment with trace=True")
+        tr = self.trace.get()
+        return [(int(b), i, self.s.ops[int(self._enc["items"][i, 1])], int(t0), int(t1))
+                for i, (b, t0, t1) in enumerate(tr)]
+
+
+def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed,
+                   gate_up, act, out, final=None) -> Dict[str, PersistOpArgs]:
+    """The op table of a dense MLP half (``build_layer(..., parts=("mlp",))`` of a dense or drafter layer):
+    h += attn; normed = rms_norm(h); gate_up = normed @ w_gate_up^T; act = silu(gate) * up;
+    out = act @ w_down^T (this rank's partial). With allreduce="item" the boundary copies out into ``final``
+    (TP = 1; a fused all-reduce replaces that body). Buffers are [>= T, width] uint16 device arrays."""
+    H = int(s.shape.H)
+    F = int(w_down.shape[1])
+    if tuple(w_gate_up.shape) != (2 * F, H) or tuple(w_down.shape) != (H, F):
+        raise ValueError(f"bind_dense_mlp: w_gate_up {w_gate_up.shape} / w_down {w_down.shape} do not match "
+                         f"H = {H}, F = {F}")
+    if F != s.shape.F:
+        raise ValueError(f"bind_dense_mlp: the schedule was built for F = {s.shape.F}, weights have F = {F}")
+    ops = {"post_norm": PersistOpArgs(x=attn, x2=h, out=normed, w=post_norm_w, N=H, eps=float(eps)),
+           "gate_up": PersistOpArgs(x=normed, w=w_gate_up, out=gate_up, N=2 * F, K=H),
+           "silu": PersistOpArgs(x=gate_up, out=act, N=F),
+           "down": PersistOpArgs(x=act, w=w_down, out=out, N=H, K=F)}
+    if "allreduce_mlp" in s.ops:
+        if s.allreduce == "item":
+            if final is None:
+                raise ValueError("bind_dense_mlp: allreduce='item' needs the final output buffer")
+            ops["allreduce_mlp"] = PersistOpArgs(x=out, out=final, N=H)
+    return ops
+
+
+# ---- the engine's selection -------------------------------------------------------------------------------
+# GpuTarget runs a dense layer's MLP half (post-attention norm .. down projection) as one persistent launch
+# when this is on and the step has <= MAX_T rows; off (the default) keeps today's kernels. Today's path stays
+# the default until a GPU run (bench/persistent.py, bench/step.py) measures the persistent one faster.
+import os as _os
+
+_MLP = [_os.environ.get("DDT_PERSISTENT_MLP", "0") == "1"]
+
+
+def mlp_enabled() -> bool:
+    return _MLP[0]
+
+
+def set_mlp(on: bool) -> bool:
+    """Select the persistent dense MLP half (True) or today's kernels (False); returns the old setting.
+    Takes effect for stage lists built afterwards (a captured graph keeps what it captured)."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_mlp: expected a bool, got {on!r}")
+    old, _MLP[0] = _MLP[0], on
+    return old
+
+
+def default_grid() -> int:
+    """The persistent grid of the current device: one block per SM (the GEMM rings take 96 KB), refused
+    when the compiled kernel cannot be resident at all."""
+    import cupy
+    k = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
+    fn = getattr(k, "kernel", k)
+    sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    occ = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, SMEM_BYTES))
+    return sched_mod.fit_grid(sm, sm, occ)
+
+
+def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed, gate_up, act,
+                      out, n_blocks: Optional[int] = None) -> PersistentSegment:
+    """A PersistentSegment running one dense MLP half at T rows on these buffers (views of >= T rows):
+    h += attn; normed = norm(h); out = down(silu(gate_up(normed))) (this rank's partial sum; the caller
+    all-reduces it, as today)."""
+    H, F = int(w_down.shape[0]), int(w_down.shape[1])
+    shape = sched_mod.LayerShape("dense", 1, int(T), H=H, nh=1, ql=1, F=F)
+    s = sched_mod.build_layer(shape, n_blocks or default_grid(), allreduce="segment", parts=("mlp",))
+    ops = bind_dense_mlp(s, attn=attn, h=h, post_norm_w=post_norm_w, eps=eps, w_gate_up=w_gate_up, w_down=w_down,
+                         normed=normed, gate_up=gate_up, act=act, out=out)
+    return PersistentSegment(s, 0, ops)
+
+
+# ---- a numpy twin of the executor's contract --------------------------------------------------------------
+
+def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOpArgs], seed: int = 0) -> int:
+    """Run segment ``seg`` from its *encoded* form (the arrays the kernel reads) on numpy arrays: blocks
+    interleave at random, an item runs only when its encoded waits are met by the counters, the bodies are
+    numpy versions of the kernel's (float64 math; bf16 rounding is the caller's reference's business), and
+    the counters must end at their targets. Checks the encoding and the op binding without a GPU; returns
+    the number of items run. ``ops`` hold numpy float arrays in place of device buffers."""
+    import random
+    enc = s.encode(seg)
+    items, waits, bs = enc["items"], enc["waits"], enc["block_start"]
+    counters = np.zeros(int(enc["n_counters"]), np.int64)
+    pc = [int(bs[b]) for b in range(s.n_blocks)]
+    end = [int(bs[b + 1]) for b in range(s.n_blocks)]
+    rng = random.Random(seed)
+    names = s.ops
+    T = s.shape.T
+    ran = 0
+    while True:
+        live = [b for b in range(s.n_blocks) if pc[b] < end[b]]
+        if not live:
+            break
+        ready = [b for b in live if all(counters[c] >= t for c, t in
+                                        waits[items[pc[b], 5]:items[pc[b], 5] + items[pc[b], 6]])]
+        if not ready:
+            raise sched_mod.Deadlock(f"emulate_segment: no block can progress ({len(live)} live)")
+        b = rng.choice(ready)
+        kind, opi, a0, a1, _a2, _wb, _nw, sig = (int(v) for v in items[pc[b]])
+        op = ops[names[opi]]
+        if kind == sched_mod.KIND["norm_row"]:
+            x = op.x[a0].astype(np.float64)
+            if op.x2 is not None:
+                x = x + op.x2[a0]
+                (op.out2 if op.out2 is not None else op.x2)[a0] = x
+            op.out[a0] = op.w * x / np.sqrt(np.mean(x * x) + op.eps)
+        elif kind == sched_mod.KIND["gemm_tile"]:
+            op.out[:T, a0:a0 + a1] = op.x[:T, :op.K] @ op.w[a0:a0 + a1].T
+        elif kind == sched_mod.KIND["silu_chunk"]:
+            g, u = op.x[:T, a0:a0 + a1], op.x[:T, op.N + a0:op.N + a0 + a1]
+            op.out[:T, a0:a0 + a1] = g / (1 + np.exp(-g)) * u
+        elif kind == sched_mod.KIND["boundary"]:
+            op.out[:T, :op.N] = op.x[:T, :op.N]
+        else:
+            raise ValueError(f"emulate_segment: kind {sched_mod.KIND_NAME.get(kind, kind)} is not run by this build")
+        counters[sig] += 1
+        pc[b] += 1
+        ran += 1
+    seg_groups = {it.signal for it in s.items if it.segment == seg}
+    for c in seg_groups:
+        if counters[c] != s.counter_targets[c]:
+            raise AssertionError(f"counter {s.counters[c]} ended at {counters[c]}, target {s.counter_targets[c]}")
+    return ran

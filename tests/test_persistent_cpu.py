@@ -1,0 +1,122 @@
+"""The persistent executor's host side without a GPU: the op table layout the kernel's static_asserts pin,
+which schedule segments this build can run, and the source digest over the .cu files it includes."""
+import numpy as np
+import pytest
+
+from ddtree_cupy.engine import schedule as S
+from ddtree_cupy.kernels import compile as kc
+from ddtree_cupy.kernels import persistent as P
+
+
+def test_op_table_layout_matches_the_kernel_struct():
+    f = P.OP_DTYPE.fields
+    # natural alignment, no padding: the offsets the C struct's field order gives (its size is static_asserted)
+    assert P.OP_DTYPE.itemsize == 104
+    off = 0
+    for name in P.OP_DTYPE.names:
+        dt, o = f[name][0], f[name][1]
+        assert o == off and o % dt.base.itemsize == 0, name
+        off += dt.itemsize
+    assert off == 104
+    src = (kc.CUDA_SRC_DIR / "persistent_layer.cu").read_text()
+    assert "sizeof(PersistOp) == 104" in src
+    struct = src[src.index("struct PersistOp {"):src.index("};", src.index("struct PersistOp {"))]
+    pos = [struct.index(n) for n in ("x;", "x2;", " w;", "out;", "out2;", "x_stride", "x2_stride", "out_stride",
+                                     "out2_stride", "int T", "float eps", "pad[3]")]
+    assert pos == sorted(pos), "PersistOp field order differs from OP_DTYPE"
+    # the item kinds the kernel switches on are the schedule's numbers
+    for name in P.SUPPORTED_KINDS:
+        assert f"{S.KIND[name]} {name}" in src.replace("  ", " ").replace("  ", " ")
+
+
+def _dense(T):
+    return S.LayerShape("dense", 1, T, H=7168, nh=8, ql=1536, dn=128, dv=128, F=2304)
+
+
+def test_supported_segments():
+    sc = S.build_layer(_dense(8), 188, parts=("mlp",))
+    assert P.supported_segment(sc, 0)                 # post_norm + gate_up + silu + down
+    full = S.build_layer(_dense(8), 188)
+    assert not P.supported_segment(full, 0)           # attention items are not built yet
+    assert P.supported_segment(full, 2)               # the MLP half of the full layer
+    assert not P.supported_segment(S.build_layer(_dense(32), 188, parts=("mlp",)), 0)   # T > 16
+    moe = S.build_layer(S.LayerShape("moe", 1, 8, H=7168, nh=8, ql=1536, dn=128, dv=128, E=384, k=8, I=256,
+                                     Is=256), 188, parts=("mlp",))
+    assert not P.supported_segment(moe, 0)            # MoE items are not built yet
+
+
+def test_gemm_tiles_fit_the_body():
+    # every GEMM tile the builder emits is one the kernel's gemm_rows serves (16 / 32 / 64 rows)
+    for nb in (1, 7, 132, 188, 200):
+        sc = S.build_layer(_dense(8), nb)
+        rows = {it.args[1] for it in sc.items if it.kind == "gemm_tile"}
+        assert rows <= {16, 32, 64}
+
+
+def test_source_digest_covers_included_cu(tmp_path, monkeypatch):
+    (tmp_path / "persistent_layer.cu").write_text('#include "gemm_bf16.cu"\n')
+    (tmp_path / "gemm_bf16.cu").write_text("// v1\n")
+    monkeypatch.setattr(kc, "CUDA_SRC_DIR", tmp_path)
+    monkeypatch.setattr(P, "CUDA_SRC_DIR", tmp_path)
+    first = P.SPEC.source()
+    (tmp_path / "gemm_bf16.cu").write_text("// v2\n")
+    assert P.SPEC.source() != first
+
+
+def _mlp_problem(rng, T, H, F):
+    d = dict(attn=rng.standard_normal((T, H)), h=rng.standard_normal((T, H)), nw=rng.standard_normal(H),
+             w_gu=rng.standard_normal((2 * F, H)) / np.sqrt(H), w_dn=rng.standard_normal((H, F)) / np.sqrt(F))
+    hp = d["h"] + d["attn"]
+    normed = d["nw"] * hp / np.sqrt(np.mean(hp * hp, axis=1, keepdims=True) + 1e-6)
+    gu = normed @ d["w_gu"].T
+    act = gu[:, :F] / (1 + np.exp(-gu[:, :F])) * gu[:, F:]
+    return d, hp, act @ d["w_dn"].T
+
+
+@pytest.mark.parametrize("kind,T,n_blocks,allreduce", [("dense", 8, 188, "item"), ("dense", 1, 3, "segment"),
+                                                       ("drafter", 16, 40, "item"), ("dense", 5, 1, "item")])
+def test_encoded_segment_on_numpy_equals_the_dense_mlp(kind, T, n_blocks, allreduce):
+    # the kernel's contract (encoded items, waits, block lists, op binding of bind_dense_mlp) run on numpy:
+    # outputs start as NaN, so an element read before it is written or never written shows up
+    H, F = 256, 192
+    rng = np.random.default_rng(T * 7 + n_blocks)
+    shape = (S.LayerShape("dense", 1, T, H=H, nh=2, ql=64, dn=64, dv=32, F=F) if kind == "dense" else
+             S.LayerShape("drafter", 1, T, H=H, nh=2, dn=64, dv=64, F=F, nkv=1))
+    sc = S.build_layer(shape, n_blocks, allreduce=allreduce, parts=("mlp",))
+    d, hp, ref = _mlp_problem(rng, T, H, F)
+    nan = lambda *s: np.full(s, np.nan)                  # noqa: E731
+    h = d["h"].copy()
+    bufs = dict(normed=nan(T, H), gate_up=nan(T, 2 * F), act=nan(T, F), out=nan(T, H), final=nan(T, H))
+    ops = P.bind_dense_mlp(sc, attn=d["attn"], h=h, post_norm_w=d["nw"], eps=1e-6, w_gate_up=d["w_gu"],
+                           w_down=d["w_dn"], **bufs)
+    for seed in range(3):
+        h[...] = d["h"]
+        for b in bufs.values():
+            b.fill(np.nan)
+        n = P.emulate_segment(sc, 0, ops, seed=seed)
+        assert n == sum(1 for it in sc.items if it.segment == 0)
+        np.testing.assert_allclose(h, hp, rtol=1e-13, atol=1e-13)
+        got = bufs["final"] if allreduce == "item" else bufs["out"]
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-12
+
+
+def test_emulation_catches_a_dropped_wait():
+    H, F, T = 256, 192, 4
+    sc = S.build_layer(S.LayerShape("dense", 1, T, H=H, nh=2, ql=64, dn=64, dv=32, F=F), 16, allreduce="item",
+                       parts=("mlp",))
+    for it in sc.items:
+        if it.op == "down":
+            it.waits = ()
+    d, _, _ = _mlp_problem(np.random.default_rng(0), T, H, F)
+    bufs = {k: np.full(s, np.nan) for k, s in dict(normed=(T, H), gate_up=(T, 2 * F), act=(T, F), out=(T, H),
+                                                      final=(T, H)).items()}
+    ops = P.bind_dense_mlp(sc, attn=d["attn"], h=d["h"].copy(), post_norm_w=d["nw"], eps=1e-6,
+                           w_gate_up=d["w_gu"], w_down=d["w_dn"], **bufs)
+    bad = False
+    for seed in range(20):
+        for b in bufs.values():
+            b.fill(np.nan)
+        P.emulate_segment(sc, 0, ops, seed=seed)
+        bad |= not np.all(np.isfinite(bufs["final"]))
+    assert bad, "a down tile that runs before its input exists must show up as NaN"
