@@ -111,6 +111,12 @@ KNOBS: tuple = (
     Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
          "the shared expert's down projection inside the route launch: never / wherever shapes allow "
          "(unset: up to 32 rows)", "docs/MODELS.md"),
+    Knob("DDT_PERSISTENT_MLP", "persistent_mlp", _bit, False, "0/1",
+         "a dense layer's MLP half (post-attention norm .. down projection) and the drafter's MLP as one persistent "
+         "launch at <= 16 rows (opt-in until a GPU run measures it faster)", "docs/PERSISTENT.md"),
+    Knob("DDT_GPU_MEM_LOG", "gpu_mem_log", _text, "", "FILE",
+         "the GPU test suite appends each test's CuPy pool footprint to FILE (bench/ci_gpu.sh sets it)",
+         "docs/PROFILING.md", measuring=True),
     Knob("DDTREE_CUPY_CACHE", "cache_dir", _text, "", "DIR",
          "where the tiny demo checkpoints are generated (unset: ~/.cache/ddtree_cupy)", "docs/CHECKPOINTS.md"),
     Knob("DDTREE_CUPY_TRACEBACK", "traceback", _bit, False, "0/1",
@@ -132,6 +138,8 @@ class Knobs:
     moe_gu_2x4_min_t: Optional[int] = None
     gemm_wide: Optional[bool] = None
     router_down: Optional[bool] = None
+    persistent_mlp: bool = False
+    gpu_mem_log: str = ""
     cache_dir: str = ""
     traceback: bool = False
 

@@ -229,9 +229,9 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
 # GpuTarget runs a dense layer's MLP half (post-attention norm .. down projection) as one persistent launch
 # when this is on and the step has <= MAX_T rows; off (the default) keeps today's kernels. Today's path stays
 # the default until a GPU run (bench/persistent.py, bench/step.py) measures the persistent one faster.
-import os as _os
+from .. import knobs as _knobs
 
-_MLP = [_os.environ.get("DDT_PERSISTENT_MLP", "0") == "1"]
+_MLP = [_knobs.get().persistent_mlp]
 
 
 def mlp_enabled() -> bool:

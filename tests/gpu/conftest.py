@@ -6,6 +6,8 @@ the next test starts from an empty pool (under ``CUPY_GPU_MEMORY_LIMIT`` one tes
 against the next). ``DDT_GPU_MEM_LOG=FILE`` appends one "bytes test-id" line per test (bench/ci_gpu.sh
 prints the largest)."""
 import os
+
+from ddtree_cupy import knobs
 import sys
 
 import pytest
@@ -27,7 +29,7 @@ def _gpu_pool_footprint(request):
         footprint = pool.total_bytes()
     except Exception:                   # no GPU: the test was skipped, nothing to record
         return
-    log = os.environ.get("DDT_GPU_MEM_LOG")
+    log = knobs.get().gpu_mem_log or None
     if log:
         with open(log, "a") as f:
             f.write(f"{footprint} {request.node.nodeid}\n")
