@@ -459,7 +459,7 @@ def test_engine_with_real_target_on_cpu_emulation():
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, os.path.join(here, "_engine_target_emul.py")], cwd=os.path.dirname(here),
-                       capture_output=True, text=True, timeout=170)
+                       capture_output=True, text=True, timeout=600)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0 and "ENGINE-EMUL OK" in r.stdout, tail
 
