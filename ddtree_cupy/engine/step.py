@@ -42,6 +42,15 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def top_k_i32(top_k: int, vocab_size: int) -> int:
+    """A request's top_k as the int32 the sampler reads: 0 (off) or at most the vocabulary (a larger top-k
+    keeps every id, as HF does), so no value can wrap around in the cast."""
+    k = int(top_k)
+    if k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    return min(k, int(vocab_size))
+
+
 def slot_seed(seed: int, sample_stream: int) -> int:
     """The GPU sampler's per-stream key: the request seed mixed with its sample_stream (two streams with
     the same seed draw independent numbers, as in the reference's Philox counter)."""
@@ -309,7 +318,7 @@ class DecodeStep:
             sd = np.zeros(self.S, np.uint64)
             for s in running:
                 r = s.request
-                t[s.slot], p[s.slot], k[s.slot] = r.temperature, r.top_p, r.top_k
+                t[s.slot], p[s.slot], k[s.slot] = r.temperature, r.top_p, top_k_i32(r.top_k, self.m.tcfg.vocab_size)
                 sd[s.slot] = slot_seed(r.seed, r.sample_stream)
             for dev, host in ((self.slot_temp, t), (self.slot_topp, p), (self.slot_topk, k), (self.slot_seed, sd)):
                 dev.set(host, stream=st)
@@ -404,7 +413,7 @@ class Prefill:
                 from ..kernels.sample import sample
                 f = lambda v, dt: cupy.asarray(np.array([v], dt))   # noqa: E731
                 sample(self.full_rows(b.logits[last:last + 1]), f(request.temperature, np.float32),
-                       f(request.top_k, np.int32),
+                       f(top_k_i32(request.top_k, self.m.tcfg.vocab_size), np.int32),
                        f(request.top_p, np.float32), f(slot_seed(request.seed, request.sample_stream), np.uint64),
                        f(0, np.int64), out=self.one, k_max=self.k_max, buffers=self.sbuf)
                 out = int(self.one.get(stream=st)[0])
