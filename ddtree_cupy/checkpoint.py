@@ -98,7 +98,7 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
         if not isinstance(ent, dict):
             raise CheckpointError(f"{where}: header entry is not an object")
         dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
-        if dt not in ST_DTYPES:
+        if not isinstance(dt, str) or dt not in ST_DTYPES:
             raise CheckpointError(f"{where}: unsupported dtype {dt!r}")
         if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                    for s in shape)):

@@ -95,6 +95,13 @@ def _at_least(where: str, lo: float, **fields):
             raise ConfigError(f"{where}: field '{k}' must be finite and >= {lo}, got {v!r}")
 
 
+def _at_most(where: str, hi: float, **fields):
+    """Upper bounds far beyond any real model's value: a number above them is a corrupted file."""
+    for k, v in fields.items():
+        if v is not None and v > hi:
+            raise ConfigError(f"{where}: field '{k}' = {v!r} is out of range (at most {hi:g})")
+
+
 def _token_ids(v: Any, key: str, where: str, vocab_size: int, in_vocab: bool) -> Any:
     """A token-id field: None, an int, or (HF allows it) a non-empty list of ints. Returns None, an int or a
     tuple of ints. ``in_vocab``: every id must be a row of the vocabulary."""
@@ -161,6 +168,9 @@ class RopeConfig:
             _at_least(rs, 0.0, mscale=rc.mscale, mscale_all_dim=rc.mscale_all_dim, beta_slow=rc.beta_slow)
         _positive(where, rope_theta=rc.theta, factor=rc.factor,
                   original_max_position_embeddings=rc.original_max_position_embeddings)
+        _at_most(where, 1e12, rope_theta=rc.theta)
+        _at_most(where, 1e6, factor=rc.factor, beta_fast=rc.beta_fast, mscale=rc.mscale,
+                 mscale_all_dim=rc.mscale_all_dim)
         if rc.kind == "yarn" and rc.beta_fast < rc.beta_slow:
             raise ConfigError(f"{where}: rope_scaling beta_fast ({rc.beta_fast}) < beta_slow ({rc.beta_slow})")
         return rc
@@ -405,6 +415,8 @@ class TargetConfig:
                   max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
                   moe_layer_freq=self.moe_layer_freq, routed_scaling_factor=self.routed_scaling_factor,
                   latent_norm_eps=self.latent_norm_eps)
+        _at_most(w, 1.0, rms_norm_eps=self.rms_norm_eps, latent_norm_eps=self.latent_norm_eps)
+        _at_most(w, 1e6, routed_scaling_factor=self.routed_scaling_factor)
         _at_least(w, 0, n_shared_experts=self.n_shared_experts, first_k_dense_replace=self.first_k_dense_replace,
                   n_routed_experts=self.n_routed_experts)
         if self.qk_rope_head_dim % 2:
@@ -574,6 +586,7 @@ class DrafterConfig:
                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                   vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
                   max_position_embeddings=self.max_position_embeddings)
+        _at_most(w, 1.0, rms_norm_eps=self.rms_norm_eps)
         if self.num_target_layers is not None:
             _positive(w, num_target_layers=self.num_target_layers)
         if self.rope_amplitude is not None:

@@ -324,7 +324,8 @@ def _main_ranks(a, comm) -> int:
         # everything that depends on the user's input: options, files, prompts; no collective inside
         job, problem = run_phase(lambda: _prepare(a, quiet, comm.size), _classify)
         # Rank 0 owns the requests: the others run exactly what it parsed and tokenized.
-        job.reqs = guard.agree("prepare", problem, job.reqs if comm.is_root else None)[0]
+        reqs = guard.agree("prepare", problem, job.reqs if comm.is_root and job is not None else None)[0]
+        job.reqs = reqs
         # this rank's shard of every weight
         loaded, problem = run_phase(lambda: _load(a, job, comm), _classify)
         loads = guard.agree("load", problem, None if loaded is None else loaded[2])
@@ -338,6 +339,9 @@ def _main_ranks(a, comm) -> int:
         if comm.is_root:
             print(f.report(), file=sys.stderr, flush=True)
         return f.code
+    except BaseException as e:  # noqa: BLE001 - a bug between agreement points must not leave ranks waiting
+        guard.abort(f"error on rank {comm.rank}/{comm.size}: {type(e).__name__}: {e}", 1)
+        raise
     finally:
         guard.close()
 
