@@ -2,6 +2,7 @@
 backend: any failure, signal or early exit on ONE rank ends every rank within seconds, non-zero, with one
 message naming the rank and the cause. Every run is bounded by a timeout: a hang fails the test."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,9 +88,8 @@ def test_sigterm_to_one_rank_blocked_in_a_collective():
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = {}
-        for line in proc.stdout:
-            if line.startswith("pid "):
-                _, r, pid = line.split()
+        for line in proc.stdout:            # the two ranks' lines may interleave
+            for r, pid in re.findall(r"pid (\d+) (\d+)", line):
                 pids[int(r)] = int(pid)
             if len(pids) == 2:
                 break

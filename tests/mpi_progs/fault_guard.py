@@ -42,7 +42,7 @@ try:
             return 0
         rc = guarded(gen, c)
     else:
-        print(f"pid {c.rank} {os.getpid()}", flush=True)
+        print(f"pid {c.rank} {os.getpid()} ", flush=True)
         c.barrier()             # everyone is up
         while True:
             c.barrier()
