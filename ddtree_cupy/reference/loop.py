@@ -24,8 +24,9 @@ as the next root, the token sequence is identical; the first token arrives one s
 whose last token is the bonus (a stop id, or the max_new_tokens-th token) needs no extra verify pass.
 
 Sampling (temperature > 0) is lossless: every emitted token is a genuine target sample under its exact
-prefix. Randomness is Philox4x32-10 keyed by the request's seed with counter (row, step, stream, 0),
-``reference.ddtree.sample_tokens``; prefill draws with step 0, decode step k with step k.
+prefix. Randomness is Philox4x32-10 keyed by ``slot_seed(seed, sample_stream)`` with counter
+``(step << 8) | row`` (``reference.ddtree.sample_tokens``, the GPU sampler's mapping); prefill draws with
+step 0, decode step k with step k.
 """
 from __future__ import annotations
 
