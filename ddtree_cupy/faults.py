@@ -172,10 +172,13 @@ class FaultGuard:
             self._recv.Cancel()
             self._recv.Wait()
             self._recv = None
-        for s in self._sends:
-            if not s.Test():
-                s.Cancel()
-                s.Wait()
+        # Notices are a few bytes, sent eagerly: they complete at once. Never wait on one without a bound
+        # (a receiver that already left would make that wait endless); leave any straggler to MPI.
+        deadline = time.monotonic() + 1.0
+        while self._sends and time.monotonic() < deadline:
+            self._sends = [s for s in self._sends if not s.Test()]
+            if self._sends:
+                time.sleep(POLL_S)
         self._sends = []
         for sig, h in self._old_handlers.items():
             signal.signal(sig, h)

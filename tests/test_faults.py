@@ -32,12 +32,27 @@ def _mpirun():
     return exe
 
 
-def _rank_pids(marker: bytes):
-    """{MPI rank: pid} of the running processes whose command line holds ``marker`` (from /proc)."""
-    out = {}
+def _descendants(root: int):
+    """Pids of every process below ``root`` (from /proc's parent links)."""
+    parent = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in out}
+        out |= frontier
+    return out
+
+
+def _rank_pids(root: int, marker: bytes):
+    """{MPI rank: pid} of the processes below ``root`` whose command line holds ``marker``."""
+    out = {}
+    for d in map(str, _descendants(root)):
         try:
             cmd = open(f"/proc/{d}/cmdline", "rb").read()
             env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
@@ -137,7 +152,7 @@ def test_sigint_to_one_rank_mid_generation(ckpt):
             if line.startswith("loaded in"):
                 break
         time.sleep(1.0)
-        pids = _rank_pids(b"ddtree_cupy.run")
+        pids = _rank_pids(proc.pid, b"ddtree_cupy.run")
         assert set(pids) == {0, 1}, pids
         t0 = time.time()
         os.kill(pids[1], signal.SIGINT)
