@@ -275,12 +275,12 @@ def layer_cases(cp, rows, variants=None, shapes=None, configs=False):
             wsk = topk.topk_workspace(T, V, K)
             out.append((f"top-{K} fp32", f"T={T} V={V}", T * V * 4,
                         lambda lo=logits, tv=tv, ti=ti, wsk=wsk, K=K: topk.topk(lo, K, tv, ti, workspace=wsk)))
-        sb = sample.SampleBuffers(T, V, 64)
         sargs = (cp.full(T, 0.7, np.float32), cp.full(T, 50, np.int32), cp.full(T, 0.9, np.float32),
                  cp.arange(T, dtype=np.uint64), cp.zeros(T, np.int64))
         so = cp.empty((T,), np.int32)
-        out.append(("sample (top-k 50, top-p 0.9)", f"T={T} V={V}", 2 * T * V * 4,
-                    lambda lo=logits, so=so, sb=sb, sargs=sargs: sample.sample(lo, *sargs, so, buffers=sb)))
+        # bytes: the exact sampler reads each row up to 15 times (max, mass, 3 radix searches x 4, id lookup)
+        out.append(("sample (top-k 50, top-p 0.9)", f"T={T} V={V}", 15 * T * V * 4,
+                    lambda lo=logits, so=so, sargs=sargs: sample.sample(lo, *sargs, so)))
     return out
 
 

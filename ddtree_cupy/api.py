@@ -34,6 +34,13 @@ CTRL_PREFIX, CTRL_BONUS, CTRL_ACTIVE, CTRL_BUDGET, CTRL_STEP = range(CTRL_FIELDS
 OUT_NACC, OUT_NROWS, OUT_TOKENS = 0, 1, 2
 
 
+# Sampling temperatures: 0 (greedy) or within [MIN, MAX]. Below MIN, logits / T overflow float32 on the GPU
+# (and float64 in the reference near 1e-308); above MAX the distribution is uniform to float32 precision.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+TOP_K_LIMIT = 2 ** 31 - 1           # top_k travels as int32 to the GPU sampler
+
+
 @dataclass
 class Request:
     """One generation request. ``temperature <= 0`` is greedy; ``top_k = 0`` and ``top_p = 1`` disable those
@@ -62,10 +69,11 @@ class Request:
             raise ValueError(f"request: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"request: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"request: top_k must be >= 0, got {self.top_k}")
-        if not np.isfinite(self.temperature):
-            raise ValueError(f"request: temperature must be finite, got {self.temperature}")
+        if not 0 <= self.top_k <= TOP_K_LIMIT:
+            raise ValueError(f"request: top_k must be in [0, 2^31), got {self.top_k}")
+        if not np.isfinite(self.temperature) or not (self.temperature <= 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"request: temperature must be <= 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                             f"{MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 <= int(self.seed) < 2 ** 64:
             raise ValueError(f"request: seed must be in [0, 2^64), got {self.seed}")
 

@@ -89,6 +89,8 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"{path}: __metadata__ must be an object of string values")
     data_start = 8 + n
     infos: Dict[str, TensorInfo] = {}
     for name, ent in header.items():
@@ -96,12 +98,13 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
         if not isinstance(ent, dict):
             raise CheckpointError(f"{where}: header entry is not an object")
         dt, shape, offs = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
-        if dt not in ST_DTYPES:
+        if not isinstance(dt, str) or dt not in ST_DTYPES:
             raise CheckpointError(f"{where}: unsupported dtype {dt!r}")
         if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                    for s in shape)):
             raise CheckpointError(f"{where}: malformed shape {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise CheckpointError(f"{where}: malformed data_offsets {offs!r}")
         nbytes = math.prod(shape) * ST_DTYPES[dt].itemsize
@@ -112,7 +115,22 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, TensorInfo], Dict[str,
             raise CheckpointError(f"{where}: data_offsets {offs} run past the end of the file "
                                   f"({size} bytes; truncated shard?)")
         infos[name] = TensorInfo(name, path, dt, tuple(shape), data_start + offs[0], nbytes)
+    _check_disjoint(infos, path)
     return infos, meta
+
+
+def _check_disjoint(infos: Mapping[str, TensorInfo], path: str) -> None:
+    """No two tensors may share bytes (safetensors itself refuses such a file): one tensor's data read
+    through another's name would be a silent wrong weight."""
+    spans = sorted((i.offset, i.offset + i.nbytes, name) for name, i in infos.items() if i.nbytes)
+    reach = None               # the span reaching furthest so far
+    for b0, b1, bn in spans:
+        if reach is not None and b0 < reach[1]:
+            a0, a1, an = reach
+            raise CheckpointError(f"{path}: tensors {an!r} (bytes {a0}..{a1}) and {bn!r} (bytes {b0}..{b1}) "
+                                  f"overlap: data_offsets must not share bytes")
+        if reach is None or b1 > reach[1]:
+            reach = (b0, b1, bn)
 
 
 def save_safetensors(path: str, tensors: Mapping[str, Union[np.ndarray, Tuple[str, np.ndarray]]],

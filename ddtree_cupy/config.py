@@ -25,26 +25,97 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # helpers
 
+# The largest value any integer field may take: every size is used in int32 index arithmetic on the GPU.
+INT32_MAX = 2 ** 31 - 1
+
+
+def _type_name(kind) -> str:
+    return {int: "an integer", float: "a finite number", bool: "a boolean (true/false)", str: "a string"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _coerce(v: Any, kind, key: str, where: str):
+    """``v`` checked to be ``kind``: ints are ints (not booleans, not strings), floats are finite numbers
+    (ints accepted), booleans are JSON booleans (the string "false" is not False)."""
+    bad = ConfigError(f"{where}: field '{key}' must be {_type_name(kind)}, got {v!r}")
+    if kind is int:
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad
+        if abs(v) > INT32_MAX:
+            raise ConfigError(f"{where}: field '{key}' = {v} is out of range (|value| <= {INT32_MAX})")
+        return v
+    if kind is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad
+        v = float(v)
+        if not math.isfinite(v):
+            raise bad
+        return v
+    if kind is bool or kind is str:
+        if not isinstance(v, kind):
+            raise bad
+        return v
+    if not isinstance(v, kind):
+        raise bad
+    return v
+
+
 def _get(d: Mapping[str, Any], key: str, where: str, default: Any = ..., kind: type | tuple = None):
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{where}: missing required field '{key}'")
         return default
     v = d[key]
-    if kind is not None:
-        if kind is int and isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise ConfigError(f"{where}: field '{key}' must be {getattr(kind, '__name__', kind)}, got {v!r}")
+    return v if kind is None else _coerce(v, kind, key, where)
+
+
+def _mapping(v: Any, key: str, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{where}: field '{key}' must be an object, got {type(v).__name__} {_short(v)}")
     return v
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _positive(where: str, **fields):
     for k, v in fields.items():
-        if v is None or v <= 0:
-            raise ConfigError(f"{where}: field '{k}' must be positive, got {v!r}")
+        # "not v > 0" also refuses NaN (for which v <= 0 is False)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == math.inf:
+            raise ConfigError(f"{where}: field '{k}' must be positive and finite, got {v!r}")
+
+
+def _at_least(where: str, lo: float, **fields):
+    for k, v in fields.items():
+        if v is None or not v >= lo or v == math.inf:
+            raise ConfigError(f"{where}: field '{k}' must be finite and >= {lo}, got {v!r}")
+
+
+def _at_most(where: str, hi: float, **fields):
+    """Upper bounds far beyond any real model's value: a number above them is a corrupted file."""
+    for k, v in fields.items():
+        if v is not None and v > hi:
+            raise ConfigError(f"{where}: field '{k}' = {v!r} is out of range (at most {hi:g})")
+
+
+def _token_ids(v: Any, key: str, where: str, vocab_size: int, in_vocab: bool) -> Any:
+    """A token-id field: None, an int, or (HF allows it) a non-empty list of ints. Returns None, an int or a
+    tuple of ints. ``in_vocab``: every id must be a row of the vocabulary."""
+    if v is None:
+        return None
+    ids = list(v) if isinstance(v, (list, tuple)) else [v]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{where}: field '{key}' must be a token id or a non-empty list of token ids, got {_short(v)}")
+    hi = vocab_size if in_vocab else INT32_MAX + 1
+    bad = [i for i in ids if not 0 <= i < hi]
+    if bad:
+        raise ConfigError(f"{where}: field '{key}' has id(s) {bad} outside the vocabulary [0, {vocab_size})"
+                          if in_vocab else f"{where}: field '{key}' has negative or too large id(s) {bad}")
+    return tuple(ids) if isinstance(v, (list, tuple)) else ids[0]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -71,32 +142,35 @@ class RopeConfig:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], where: str) -> "RopeConfig":
-        scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        if not isinstance(scaling, Mapping):
-            raise ConfigError(f"{where}: 'rope_scaling' must be an object, got {scaling!r}")
-        theta = d.get("rope_theta", scaling.get("rope_theta"))
-        if theta is None:
-            raise ConfigError(f"{where}: missing required field 'rope_theta'")
-        theta = float(theta)
+        key = "rope_scaling" if d.get("rope_scaling") is not None else "rope_parameters"
+        scaling = d.get(key)
+        scaling = {} if scaling is None else _mapping(scaling, key, where)
+        src = d if d.get("rope_theta") is not None else scaling
+        theta = _get(src, "rope_theta", where if src is d else f"{where}: {key}", kind=float)
         kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
         if kind not in ("yarn", "default"):
-            raise ConfigError(f"{where}: unsupported rope type {kind!r} (supported: 'yarn', 'default')")
+            raise ConfigError(f"{where}: unsupported rope type {_short(kind)} (supported: 'yarn', 'default')")
         if kind == "default":
             rc = RopeConfig(theta=theta)
         else:
-            rs = f"{where}: rope_scaling"
+            rs = f"{where}: {key}"
+            f = lambda k, *a: _get(scaling, k, rs, *a, kind=float)   # noqa: E731
             rc = RopeConfig(
                 theta=theta,
                 kind="yarn",
-                factor=float(_get(scaling, "factor", rs)),
-                original_max_position_embeddings=int(_get(scaling, "original_max_position_embeddings", rs)),
-                beta_fast=float(scaling.get("beta_fast", 32.0)),
-                beta_slow=float(scaling.get("beta_slow", 1.0)),
-                mscale=float(scaling.get("mscale", 1.0)),
-                mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)),
+                factor=f("factor"),
+                original_max_position_embeddings=_get(scaling, "original_max_position_embeddings", rs, kind=int),
+                beta_fast=f("beta_fast", 32.0),
+                beta_slow=f("beta_slow", 1.0),
+                mscale=f("mscale", 1.0),
+                mscale_all_dim=f("mscale_all_dim", 0.0),
             )
+            _at_least(rs, 0.0, mscale=rc.mscale, mscale_all_dim=rc.mscale_all_dim, beta_slow=rc.beta_slow)
         _positive(where, rope_theta=rc.theta, factor=rc.factor,
                   original_max_position_embeddings=rc.original_max_position_embeddings)
+        _at_most(where, 1e12, rope_theta=rc.theta)
+        _at_most(where, 1e6, factor=rc.factor, beta_fast=rc.beta_fast, mscale=rc.mscale,
+                 mscale_all_dim=rc.mscale_all_dim)
         if rc.kind == "yarn" and rc.beta_fast < rc.beta_slow:
             raise ConfigError(f"{where}: rope_scaling beta_fast ({rc.beta_fast}) < beta_slow ({rc.beta_slow})")
         return rc
@@ -131,35 +205,41 @@ class QuantConfig:
     @staticmethod
     def from_dict(q: Mapping[str, Any], where: str) -> "QuantConfig":
         w = f"{where}: quantization_config"
+        q = _mapping(q, "quantization_config", where)
         method = q.get("quant_method")
         if method != "compressed-tensors":
-            raise ConfigError(f"{w}: unsupported quant_method {method!r} (only 'compressed-tensors')")
+            raise ConfigError(f"{w}: unsupported quant_method {_short(method)} (only 'compressed-tensors')")
         fmt = q.get("format")
         if fmt != "pack-quantized":
-            raise ConfigError(f"{w}: unsupported format {fmt!r} (only 'pack-quantized')")
-        groups = q.get("config_groups") or {}
+            raise ConfigError(f"{w}: unsupported format {_short(fmt)} (only 'pack-quantized')")
+        groups = _mapping(q.get("config_groups") or {}, "config_groups", w)
         if len(groups) != 1:
             raise ConfigError(f"{w}: expected exactly one config group, got {len(groups)}")
         (gname, group), = groups.items()
-        wts = (group or {}).get("weights")
+        group = _mapping(group or {}, f"config_groups.{gname}", w)
+        wts = group.get("weights")
         if not wts:
             raise ConfigError(f"{w}: config group {gname!r} has no 'weights' scheme")
+        wts = _mapping(wts, f"config_groups.{gname}.weights", w)
         if group.get("input_activations") is not None:
             raise ConfigError(f"{w}: quantized input activations are unsupported (W4A16 only)")
+        ignore = q.get("ignore") or ()
+        if not isinstance(ignore, (list, tuple)) or not all(isinstance(x, str) for x in ignore):
+            raise ConfigError(f"{w}: field 'ignore' must be a list of strings, got {_short(ignore)}")
         bits, gs = wts.get("num_bits"), wts.get("group_size")
-        if bits != 4:
+        if bits != 4 or isinstance(bits, bool):
             raise ConfigError(f"{w}: unsupported num_bits {bits!r} (only 4)")
         if wts.get("type", "int") != "int":
             raise ConfigError(f"{w}: unsupported weight type {wts.get('type')!r} (only 'int')")
-        if not wts.get("symmetric", False):
+        if wts.get("symmetric", False) is not True:
             raise ConfigError(f"{w}: asymmetric quantization is unsupported")
         if wts.get("strategy") != "group":
             raise ConfigError(f"{w}: unsupported strategy {wts.get('strategy')!r} (only 'group')")
-        if gs != 32:
+        if gs != 32 or isinstance(gs, bool):
             raise ConfigError(f"{w}: unsupported group_size {gs!r} (kernels are built for 32)")
         if wts.get("actorder") not in (None, False):
             raise ConfigError(f"{w}: activation reordering (actorder) is unsupported")
-        return QuantConfig(num_bits=4, group_size=32, symmetric=True, ignore=tuple(q.get("ignore") or ()))
+        return QuantConfig(num_bits=4, group_size=32, symmetric=True, ignore=tuple(ignore))
 
     def to_dict(self) -> dict:
         return {
@@ -209,7 +289,8 @@ class TargetConfig:
     # we follow HF (the oracle we test against); the difference is far below bf16 resolution.
     latent_norm_eps: float = 1e-6
     bos_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
+    # an id, or (as HF allows) a tuple of ids that all end generation
+    eos_token_id: Optional[Any] = None
     pad_token_id: Optional[int] = None
     quant: Optional[QuantConfig] = None
     # "language_model." for the K2.5/K2.6 wrapper, "" for plain DeepseekV3 checkpoints.
@@ -218,6 +299,12 @@ class TargetConfig:
     source: str = "<dict>"
 
     # ---- derived ------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> Tuple[int, ...]:
+        """Every end-of-sequence id config.json names (none, one, or HF's list)."""
+        e = self.eos_token_id
+        return () if e is None else tuple(int(i) for i in e) if isinstance(e, (tuple, list)) else (int(e),)
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -270,6 +357,11 @@ class TargetConfig:
                 raise ConfigError(f"{where}: top-level and text_config quantization_config disagree")
             quant = parsed[-1]
         g = lambda k, *a, **kw: _get(d, k, where, *a, **kw)
+        vocab = g("vocab_size", kind=int)
+
+        def tid(key, in_vocab):      # token ids: in text_config, else at top level (HF allows a list for eos)
+            src = d if d.get(key) is not None else raw
+            return _token_ids(src.get(key), key, where if src is d else source, vocab, in_vocab)
         n_routed = g("n_routed_experts", 0, kind=int)
         cfg = TargetConfig(
             num_hidden_layers=g("num_hidden_layers", kind=int),
@@ -287,7 +379,7 @@ class TargetConfig:
             qk_nope_head_dim=g("qk_nope_head_dim", kind=int),
             qk_rope_head_dim=g("qk_rope_head_dim", kind=int),
             v_head_dim=g("v_head_dim", kind=int),
-            vocab_size=g("vocab_size", kind=int),
+            vocab_size=vocab,
             rope=RopeConfig.from_dict(d, where),
             max_position_embeddings=g("max_position_embeddings", kind=int),
             routed_scaling_factor=g("routed_scaling_factor", 1.0, kind=float),
@@ -295,14 +387,14 @@ class TargetConfig:
             topk_method=g("topk_method", "noaux_tc", kind=str),
             n_group=g("n_group", 1, kind=int),
             topk_group=g("topk_group", 1, kind=int),
-            norm_topk_prob=bool(g("norm_topk_prob", True)),
+            norm_topk_prob=g("norm_topk_prob", True, kind=bool),
             rms_norm_eps=g("rms_norm_eps", 1e-6, kind=float),
-            bos_token_id=d.get("bos_token_id", raw.get("bos_token_id")),
-            eos_token_id=d.get("eos_token_id", raw.get("eos_token_id")),
-            pad_token_id=d.get("pad_token_id", raw.get("pad_token_id")),
+            bos_token_id=tid("bos_token_id", False),
+            eos_token_id=tid("eos_token_id", True),
+            pad_token_id=tid("pad_token_id", False),
             quant=quant,
             weight_prefix=prefix,
-            model_type=str(d.get("model_type", "deepseek_v3")),
+            model_type=g("model_type", "deepseek_v3", kind=str),
             source=source,
         )
         cfg.validate()
@@ -321,7 +413,12 @@ class TargetConfig:
                   qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                   v_head_dim=self.v_head_dim, vocab_size=self.vocab_size,
                   max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-                  moe_layer_freq=self.moe_layer_freq)
+                  moe_layer_freq=self.moe_layer_freq, routed_scaling_factor=self.routed_scaling_factor,
+                  latent_norm_eps=self.latent_norm_eps)
+        _at_most(w, 1.0, rms_norm_eps=self.rms_norm_eps, latent_norm_eps=self.latent_norm_eps)
+        _at_most(w, 1e6, routed_scaling_factor=self.routed_scaling_factor)
+        _at_least(w, 0, n_shared_experts=self.n_shared_experts, first_k_dense_replace=self.first_k_dense_replace,
+                  n_routed_experts=self.n_routed_experts)
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"{w}: qk_rope_head_dim must be even for RoPE pairs, got {self.qk_rope_head_dim}")
         if self.scoring_func != "sigmoid":
@@ -387,7 +484,8 @@ class TargetConfig:
             "topk_method": self.topk_method, "n_group": self.n_group, "topk_group": self.topk_group,
             "norm_topk_prob": self.norm_topk_prob, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id, "torch_dtype": "bfloat16",
         }
         if not wrapper:
@@ -445,11 +543,16 @@ class DrafterConfig:
         if not isinstance(dfl, Mapping):
             raise ConfigError(f"{source}: missing required object 'dflash_config' (is this a DFlash drafter?)")
         ids = dfl.get("target_layer_ids")
-        if not isinstance(ids, Sequence) or not ids or not all(isinstance(i, int) for i in ids):
-            raise ConfigError(f"{source}: dflash_config.target_layer_ids must be a non-empty list of ints, got {ids!r}")
-        mask = dfl.get("mask_token_id", d.get("mask_token_id"))
-        if not isinstance(mask, int):
+        if (not isinstance(ids, (list, tuple)) or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT32_MAX for i in ids)):
+            raise ConfigError(f"{source}: dflash_config.target_layer_ids must be a non-empty list of non-negative "
+                              f"ints, got {_short(ids)}")
+        mask_src = dfl if dfl.get("mask_token_id") is not None else d
+        if mask_src.get("mask_token_id") is None:
             raise ConfigError(f"{source}: missing required field 'dflash_config.mask_token_id'")
+        mask = _get(mask_src, "mask_token_id", source + (": dflash_config" if mask_src is dfl else ""), kind=int)
+        bs_src = dfl if dfl.get("block_size") is not None else d
+        block_size = _get(bs_src, "block_size", source + (": dflash_config" if bs_src is dfl else ""), 0, kind=int)
         heads = g("num_attention_heads", kind=int)
         hidden = g("hidden_size", kind=int)
         cfg = DrafterConfig(
@@ -462,10 +565,10 @@ class DrafterConfig:
             vocab_size=g("vocab_size", kind=int),
             rms_norm_eps=g("rms_norm_eps", 1e-6, kind=float),
             rope=RopeConfig.from_dict(d, source),
-            block_size=int(dfl.get("block_size", d.get("block_size", 0)) or 0),
+            block_size=block_size,
             target_layer_ids=tuple(int(i) for i in ids),
             mask_token_id=mask,
-            num_target_layers=d.get("num_target_layers"),
+            num_target_layers=g("num_target_layers", None, kind=int),
             max_position_embeddings=g("max_position_embeddings", 262144, kind=int),
             source=source,
         )
@@ -481,7 +584,13 @@ class DrafterConfig:
         _positive(w, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                   num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
                   num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                  vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps)
+                  vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                  max_position_embeddings=self.max_position_embeddings)
+        _at_most(w, 1.0, rms_norm_eps=self.rms_norm_eps)
+        if self.num_target_layers is not None:
+            _positive(w, num_target_layers=self.num_target_layers)
+        if self.rope_amplitude is not None:
+            _positive(w, rope_amplitude=self.rope_amplitude)
         if self.block_size < 2:
             raise ConfigError(f"{w}: block_size must be >= 2 (one bonus token plus at least one draft), "
                               f"got {self.block_size}")

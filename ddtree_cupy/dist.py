@@ -10,8 +10,9 @@
 ``init_communicator(backend)`` picks the right one from the environment (an MPI launch is detected from
 the launcher's variables, so a plain ``python -m ddtree_cupy.run`` never needs mpi4py).
 
-``guarded(fn)`` is the failure policy: an exception on any rank prints that rank's error once and aborts
-the whole MPI job (``MPI_Abort``), so no other rank hangs in a collective waiting for it.
+``guarded(fn)`` is the failure policy inside a phase that has no agreement point (generation): an exception
+or ``sys.exit`` on any rank prints that rank's error once and aborts the whole MPI job (``MPI_Abort``), so no
+other rank hangs in a collective waiting for it. Agreement points, fault notices and signals: ``faults.py``.
 """
 from __future__ import annotations
 
@@ -267,15 +268,25 @@ def end_job(rc: int = 0) -> None:
 
 
 def guarded(fn: Callable[[], int], comm: Optional[Communicator] = None) -> int:
-    """Run ``fn``; on an exception on this rank, report it once and end every rank (never a hang)."""
+    """Run ``fn``; on an exception on this rank, report it once and end every rank (never a hang).
+
+    With several ranks ``sys.exit`` inside ``fn`` is a fault too: one rank leaving on its own would leave
+    the others waiting in their next collective forever (docs: launcher/README.md, "Fault model")."""
     try:
         return fn()
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        c = comm if comm is not None else (SingleRank() if not launched_with_mpi() else MPIComm())
+        if c.size == 1:
+            raise
+        code = e.code if isinstance(e.code, int) and e.code else 1
+        c.abort(f"error on rank {c.rank}/{c.size}: exited early (sys.exit({e.code!r})) while the other ranks "
+                f"were still running", code)
+        return code
     except BaseException as e:  # noqa: BLE001 - the whole point is to catch everything
         c = comm if comm is not None else (SingleRank() if not launched_with_mpi() else MPIComm())
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__)) if knobs.get().traceback else ""
-        c.abort(f"{detail}error on rank {c.rank}/{c.size}: {type(e).__name__}: {e}", 1)
+        what = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        c.abort(f"{detail}error on rank {c.rank}/{c.size}: {what}", 130 if isinstance(e, KeyboardInterrupt) else 1)
         return 1
 
 

@@ -20,7 +20,9 @@ from typing import List, Optional, Sequence
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 EXIT_BAD_INPUT = 2
+EXIT_REFUSED = 3          # the run finished but the engine refused at least one stream
 MAX_BUDGET = 128
+INT32_MAX = 2 ** 31 - 1
 DEMO_PROMPT = "The river town woke slowly on the first cold morning of the year."
 
 
@@ -87,28 +89,77 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 
 def _check_options(a) -> None:
+    from .reference.loop import MAX_TEMPERATURE, MIN_TEMPERATURE
     if not 1 <= a.budget <= MAX_BUDGET:
         raise UsageError(f"--budget must be in [1, {MAX_BUDGET}], got {a.budget}")
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    if not a.temperature >= 0.0 or a.temperature == float("inf"):
-        raise UsageError(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    if a.max_new_tokens > INT32_MAX:
+        raise UsageError(f"--max-new-tokens must be < 2^31, got {a.max_new_tokens}")
+    if not (a.temperature == 0.0 or MIN_TEMPERATURE <= a.temperature <= MAX_TEMPERATURE):
+        raise UsageError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                         f"got {a.temperature}")
     if not 0.0 < a.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {a.top_k}")
+    if not 0 <= a.top_k <= INT32_MAX:
+        raise UsageError(f"--top-k must be in [0, 2^31), got {a.top_k}")
     if a.temperature == 0.0 and (a.top_p != 1.0 or a.top_k != 0):
         # greedy decoding ignores both; refusing beats a silently greedy run the user thought was sampled
         raise UsageError("--top-p / --top-k filter sampling, but --temperature is 0 (greedy, the default): "
                          "add --temperature T > 0 to sample, or drop them")
-    if a.cap_k is not None and a.cap_k < 1:
-        raise UsageError(f"--cap-k must be >= 1, got {a.cap_k}")
-    if a.draft_window is not None and a.draft_window < 1:
-        raise UsageError(f"--draft-window must be >= 1, got {a.draft_window}")
+    if a.cap_k is not None and not 1 <= a.cap_k <= INT32_MAX:
+        raise UsageError(f"--cap-k must be in [1, 2^31), got {a.cap_k}")
+    if a.draft_window is not None and not 1 <= a.draft_window <= INT32_MAX:
+        raise UsageError(f"--draft-window must be in [1, 2^31), got {a.draft_window}")
     if a.rope_amplitude is not None and not 0.0 < a.rope_amplitude < float("inf"):
         raise UsageError(f"--rope-amplitude must be a finite number > 0, got {a.rope_amplitude}")
     if not 0 <= a.seed < 2 ** 64:
         raise UsageError(f"--seed must be in [0, 2^64), got {a.seed}")
+
+
+def _check_limits(a, tcfg, dcfg, reqs, tp: int = 1) -> None:
+    """Limits that depend on the model, checked before any weight is read."""
+    if a.draft_window is not None and a.draft_window > tcfg.max_position_embeddings:
+        raise UsageError(f"--draft-window {a.draft_window} exceeds the context limit {tcfg.max_position_embeddings} "
+                         f"(max_position_embeddings of {tcfg.source}): the drafter never sees more than the context")
+    if a.backend != "numpy":
+        _check_gpu_memory(a, tcfg, dcfg, reqs, tp)
+
+
+def _context_needed(reqs, tcfg) -> int:
+    """Cache tokens the longest request can reach: prompt + new tokens, capped at the position limit, plus
+    one verify step's tree rows."""
+    from .reference.ddtree import MAX_TREE_ROWS
+    longest = max(len(r.prompt_ids) + int(r.max_new_tokens) for r in reqs)
+    return min(longest, tcfg.max_position_embeddings) + MAX_TREE_ROWS
+
+
+def context_fits(kv_tokens_needed: int, num_layers: int, weight_bytes_per_rank: int, device_bytes: int) -> bool:
+    """Whether this rank's weight shard plus the latent cache of ``kv_tokens_needed`` tokens (all layers,
+    bf16 576-value rows) fit in the device's memory at all (a necessary condition, not a plan)."""
+    return weight_bytes_per_rank + kv_tokens_needed * num_layers * 576 * 2 <= device_bytes
+
+
+def _check_gpu_memory(a, tcfg, dcfg, reqs, tp: int) -> None:
+    """Refuse, before minutes of loading, requests whose contexts cannot fit next to the weights."""
+    try:
+        import cupy
+        total = int(cupy.cuda.runtime.memGetInfo()[1])
+    except Exception:        # noqa: BLE001 - no usable GPU: select_backend reports that clearly
+        return
+    wbytes = sum(_dir_weight_bytes(d) for d in (a.model, a.drafter if dcfg is not None else None) if d) // tp
+    need = _context_needed(reqs, tcfg)
+    if not context_fits(need, tcfg.num_hidden_layers, wbytes, total):
+        raise UsageError(f"a context of {need} tokens ({len(reqs)} stream(s)) does not fit in the GPU's "
+                         f"{total / 2**30:.1f} GiB next to {wbytes / 2**30:.1f} GiB of weights per rank; "
+                         f"shorten the prompt or --max-new-tokens, or use more GPUs")
+
+
+def _dir_weight_bytes(d: str) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(d) if e.name.endswith(".safetensors"))
+    except OSError:
+        return 0
 
 
 def _parse_ids(text: str, stream: int) -> List[int]:
@@ -230,13 +281,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a = ap.parse_args(argv)
     except SystemExit as e:       # argparse already printed usage + the reason
         return int(e.code or 0)
-    from .dist import guarded, init_communicator
+    from .dist import init_communicator
     # Under mpirun every rank runs this same function on its own tensor-parallel shard; rank 0 alone
     # talks to the user. Outside mpirun the communicator is a group of one.
-    comm = init_communicator(_comm_backend(a.backend))
+    try:
+        comm = init_communicator(_comm_backend(a.backend))
+    except (RuntimeError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if comm.size == 1:
-        return _main(a, comm)
-    return guarded(lambda: _main(a, comm), comm)
+        return _main_single(a, comm)
+    return _main_ranks(a, comm)
 
 
 def _comm_backend(backend: str) -> str:
@@ -251,37 +306,81 @@ def _comm_backend(backend: str) -> str:
     return "cupy" if gpu_status()[0] and gpu_engine_available() else "numpy"
 
 
-def _main(a, comm) -> int:
-    err = sys.stderr
+# --------------------------------------------------------------------------------------------------
+# control path: phases, failures, exit codes (launcher/README.md, "Fault model")
+
+def _bad_input_types():
     from .backend import BackendError
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .tokenizer import TokenizerError
-    bad_input = (UsageError, ConfigError, CheckpointError, TokenizerError, BackendError, ValueError)
-    quiet = _Quiet() if not comm.is_root else err      # only rank 0 speaks to the user
-    problem, job = None, None
+    return (UsageError, ConfigError, CheckpointError, TokenizerError, BackendError, ValueError)
+
+
+def _classify(e: BaseException):
+    """(exit code, one-line message) for a failure inside a phase."""
+    if isinstance(e, _bad_input_types()):
+        return EXIT_BAD_INPUT, f"error: {e}"
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "interrupted"
+    if isinstance(e, SystemExit):
+        return (e.code if isinstance(e.code, int) and e.code else 1), f"error: exited early (sys.exit({e.code!r}))"
+    if isinstance(e, MemoryError):
+        return 1, f"error: out of memory: {e}"
+    return 1, f"error: {type(e).__name__}: {e}"
+
+
+def _main_single(a, comm) -> int:
+    err = sys.stderr
     try:
-        # everything that depends on the user's input: options, files, prompts, weights
-        job = _prepare(a, quiet, comm)
+        job = _prepare(a, err)
+        engine, load_s, stats = _load(a, job, comm)
+        _report_load(a, err, [stats], 1)
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
-    except bad_input as e:
-        problem = f"error: {e}"
-    # Every rank learns whether any rank failed, so all exit together and the error is reported once
-    # (by rank 0 when it saw it too, else by the first rank that did) instead of a hang in a collective.
-    problems = comm.all_gather_obj(problem)
-    if any(problems):
-        first = next(i for i, p in enumerate(problems) if p)
-        if comm.rank == (0 if problems[0] else first):
-            print(problems[first] if first == 0 else f"{problems[first]} (on rank {first})", file=err)
+    except _bad_input_types() as e:
+        print(f"error: {e}", file=err)
         return EXIT_BAD_INPUT
     try:
         # from here on an exception is a bug in the engine: let its traceback show
-        return _generate(a, quiet, *job, root=comm.is_root)
+        return _generate(a, err, engine, job.reqs, job.tok, job.backend, load_s, root=True)
     except KeyboardInterrupt:
         print("interrupted", file=err)
         return 130
+
+
+def _main_ranks(a, comm) -> int:
+    """Several ranks: each phase ends at one agreement point (faults.FaultGuard.agree); a failure on any
+    rank ends every rank with one message naming the rank and the cause."""
+    from .dist import guarded
+    from .faults import FaultGuard, JobFailed, run_phase
+    quiet = _Quiet() if not comm.is_root else sys.stderr      # only rank 0 speaks to the user
+    guard = FaultGuard(comm)
+    try:
+        # everything that depends on the user's input: options, files, prompts; no collective inside
+        job, problem = run_phase(lambda: _prepare(a, quiet, comm.size), _classify)
+        # Rank 0 owns the requests: the others run exactly what it parsed and tokenized.
+        reqs = guard.agree("prepare", problem, job.reqs if comm.is_root and job is not None else None)[0]
+        job.reqs = reqs
+        # this rank's shard of every weight
+        loaded, problem = run_phase(lambda: _load(a, job, comm), _classify)
+        loads = guard.agree("load", problem, None if loaded is None else loaded[2])
+        engine, load_s, _ = loaded
+        _report_load(a, quiet, loads, comm.size)
+        # Generation has collectives in every step and no agreement point: a failure aborts the job.
+        rc = guarded(lambda: _generate(a, quiet, engine, job.reqs, job.tok, job.backend, load_s,
+                                       root=comm.is_root), comm)
+        return max(guard.agree("end", None, rc))
+    except JobFailed as f:
+        if comm.is_root:
+            print(f.report(), file=sys.stderr, flush=True)
+        return f.code
+    except BaseException as e:  # noqa: BLE001 - a bug between agreement points must not leave ranks waiting
+        guard.abort(f"error on rank {comm.rank}/{comm.size}: {type(e).__name__}: {e}", 1)
+        raise
+    finally:
+        guard.close()
 
 
 class _Quiet:
@@ -294,10 +393,16 @@ class _Quiet:
         pass
 
 
-def _prepare(a, err, comm):
-    import numpy as np
+class _Job:
+    """What the prepare phase decided: configs, tokenizer, requests, backend."""
 
-    from .backend import create_engine, select_backend
+    def __init__(self, tcfg, dcfg, tok, reqs, backend):
+        self.tcfg, self.dcfg, self.tok, self.reqs, self.backend = tcfg, dcfg, tok, reqs, backend
+
+
+def _prepare(a, err, tp: int = 1) -> _Job:
+    """Every check of the user's input, before any weight is read and without any collective."""
+    from .backend import select_backend
     from .api import Request
 
     _check_options(a)
@@ -321,7 +426,7 @@ def _prepare(a, err, comm):
     elif tok is not None:
         stop = tok.stop_ids
     else:
-        stop = () if tcfg.eos_token_id is None else (int(tcfg.eos_token_id),)
+        stop = tcfg.eos_token_ids
     reqs = [Request(p, a.max_new_tokens, stop, a.temperature, a.top_p, a.top_k, a.seed, sample_stream=i)
             for i, p in enumerate(prompts)]
     for i, r in enumerate(reqs):          # every input error before the (slow) weight load
@@ -329,26 +434,46 @@ def _prepare(a, err, comm):
             r.validate(tcfg.vocab_size, tcfg.max_position_embeddings)
         except ValueError as e:
             raise UsageError(f"stream {i}: {e}") from None
-
+    _check_limits(a, tcfg, dcfg, reqs, tp)
     backend = select_backend(a.backend, lambda line: print(line, file=err))
-    if comm.size > 1:
-        tcfg.validate_tp(comm.size)
+    if tp > 1:
+        tcfg.validate_tp(tp)
         if dcfg is not None:
-            dcfg.validate_tp(comm.size)
-        # Rank 0 owns the requests: the others run exactly what it parsed and tokenized.
-        reqs = comm.broadcast_obj(reqs if comm.is_root else None)
+            dcfg.validate_tp(tp)
+    return _Job(tcfg, dcfg, tok, reqs, backend)
+
+
+def _load(a, job: _Job, comm):
+    """This rank's engine (its shard of every weight): (engine, seconds, (bytes read, seconds))."""
+    import numpy as np
+
+    from .backend import create_engine
     from .checkpoint import bytes_read_total
     b0, t0 = bytes_read_total(), time.perf_counter()
-    engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype), comm)
+    opts = {}
+    if job.backend == "cupy":
+        # size the GPU's per-stream buffers for what these requests can reach, not the position limit
+        opts["max_context"] = _context_needed(job.reqs, job.tcfg)
+    engine = create_engine(job.backend, job.tcfg, a.model, job.dcfg, a.drafter, np.dtype(a.dtype), comm, **opts)
     load_s = time.perf_counter() - t0
-    # Every rank read only its own slices: report what all of them read together, once.
-    loads = comm.all_gather_obj((bytes_read_total() - b0, load_s))
+    return engine, load_s, (bytes_read_total() - b0, load_s)
+
+
+def _report_load(a, err, loads, ranks: int) -> None:
+    """Every rank read only its own slices: report what all of them read together, once."""
     total = sum(b for b, _ in loads)
     wall = max(t for _, t in loads)
     if not a.json:
-        print(f"weights: {total / 1e9:.3f} GB read by {comm.size} rank(s) in {wall:.2f} s "
+        print(f"weights: {total / 1e9:.3f} GB read by {ranks} rank(s) in {wall:.2f} s "
               f"({total / wall / 1e9 if wall > 0 else 0:.2f} GB/s aggregate)", file=err)
-    return engine, reqs, tok, backend, load_s
+
+
+def _report_refusals(streams, err) -> int:
+    """A stream the engine refused (finish_reason 'error') prints its reason; any refusal fails the run."""
+    refused = [s for s in streams if s.finish_reason == "error"]
+    for s in refused:
+        print(f"error: stream {s.index} refused: {getattr(s, 'error', None) or 'no reason given'}", file=err)
+    return EXIT_REFUSED if refused else 0
 
 
 def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> int:
@@ -366,12 +491,14 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
         from .profiling.cli import profile_run
         stats["profile"] = profile_run(a, engine, res, sys.stderr if root else _Quiet(), root)
     streams = [{"prompt_ids": [int(t) for t in s.request.prompt_ids], "output_ids": [int(t) for t in s.output_ids],
-                "text": _text(tok, s.output_ids, s.request.stop_ids), "finish_reason": s.finish_reason}
+                "text": _text(tok, s.output_ids, s.request.stop_ids), "finish_reason": s.finish_reason,
+                **({"error": getattr(s, "error", None) or "refused"} if s.finish_reason == "error" else {})}
                for s in res.streams]
+    rc = _report_refusals(res.streams, err)
     if a.json:
         out.write(json.dumps({"streams": streams, "stats": stats}) + "\n")
         out.flush()
-        return 0
+        return rc
     if len(reqs) == 1:
         out.write("\n")
     else:
@@ -381,7 +508,7 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
     out.write(f"--- {stats['new_tokens']} tokens in {stats['elapsed_s']:.2f} s ({stats['tokens_per_s']:.1f} tok/s), "
               f"{stats['steps']} step{'' if stats['steps'] == 1 else 's'}, mean acceptance length {stats['mean_accept_len']:.2f}; {ph}\n")
     out.flush()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

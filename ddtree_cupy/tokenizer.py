@@ -77,7 +77,11 @@ def _read_ranks(path: str) -> Dict[bytes, int]:
     if not os.path.exists(path):
         raise TokenizerError(f"{path}: tiktoken.model not found")
     ranks: Dict[bytes, int] = {}
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e}") from None
+    with f:
         for lineno, raw in enumerate(f, 1):
             line = raw.strip()
             if not line:
@@ -108,8 +112,10 @@ def _read_special_names(path: str, n_base: int) -> Dict[int, str]:
     try:
         with open(path) as f:
             cfg = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: malformed JSON: {e}") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e}") from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path}: must hold a JSON object")
     dec = cfg.get("added_tokens_decoder") or {}

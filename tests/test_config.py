@@ -80,7 +80,7 @@ def test_round_trip_through_to_dict():
     (lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8), "num_bits"),
     (lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=128), "group_size"),
     (lambda d: d["quantization_config"]["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
-    (lambda d: d.update(hidden_size="big"), "'hidden_size' must be int"),
+    (lambda d: d.update(hidden_size="big"), "'hidden_size' must be an integer"),
 ])
 def test_validation_errors_name_the_field(mutate, fragment):
     d = plain()

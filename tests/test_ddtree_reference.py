@@ -255,7 +255,7 @@ def test_sample_walk_reproducible_and_matches_distribution():
     assert keep == [0, 1, 2]                       # the top-p cut really removes one of the top-k
     q = np.zeros(5)
     q[keep] = p[keep] / p[keep].sum()
-    u = dd.sampling_uniforms(99, 0, 0, 20000)
+    u = dd.philox_uniform(dd.slot_seed(99, 0), np.arange(20000, dtype=np.uint64))
     draws = np.array([dd.sample_from_logits(x, ui, T, top_p, top_k) for ui in u])
     freq = np.bincount(draws, minlength=5) / draws.size
     assert np.abs(freq - q).max() < 0.015
@@ -269,9 +269,19 @@ def test_philox_known_answers():
     out = dd.philox4x32(np.array([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], np.uint32),
                         (0xA4093822, 0x299F31D0))
     assert [hex(int(v)) for v in out] == ["0xd16cfe09", "0x94fdcceb", "0x5001e420", "0x24126ea1"]
-    u = dd.sampling_uniforms(1 << 40 | 5, 3, 9, 1000)
+    u = dd.philox_uniform(1 << 40 | 5, np.arange(1000, dtype=np.uint64) << np.uint64(8))
     assert (u > 0).all() and (u < 1).all() and abs(u.mean() - 0.5) < 0.05
-    assert not np.array_equal(u, dd.sampling_uniforms(5, 3, 9, 1000))  # the seed's high word matters
+    assert not np.array_equal(u, dd.philox_uniform(5, np.arange(1000, dtype=np.uint64) << np.uint64(8)))  # key high word
+    # the counter's high word matters too (steps beyond 2^24 rounds)
+    assert not np.array_equal(u, dd.philox_uniform(1 << 40 | 5, (np.arange(1000, dtype=np.uint64) << np.uint64(8))
+                                                   | np.uint64(1 << 40)))
+    # the per-row uniforms of a step are philox_uniform(slot_seed(seed, stream), (step << 8) | row)
+    rows = dd.sampling_uniforms(7, 3, 9, 129)
+    assert np.array_equal(rows, dd.philox_uniform(dd.slot_seed(7, 3), (np.uint64(9) << np.uint64(8))
+                                                  | np.arange(129, dtype=np.uint64)))
+    assert not np.array_equal(rows, dd.sampling_uniforms(7, 4, 9, 129))     # streams draw independently
+    with pytest.raises(ValueError, match="256"):
+        dd.sampling_uniforms(7, 3, 9, 257)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -484,8 +484,11 @@ KERNELS["eg_vocab_rows"] = k_vocab_rows
 DRAWS: list = []
 
 
-def fake_sample(logits, temperature, top_k, top_p, seeds, steps, out=None, *, k_max=64, buffers=None):
-    """Stand-in for kernels.sample.sample: argmax at temperature <= 0, else a draw keyed by (seed, step)."""
+def fake_sample(logits, temperature, top_k, top_p, seeds, steps, out=None):
+    """Stand-in for kernels.sample.sample: the reference sampler fed the GPU kernel's uniform
+    (reference.ddtree.philox_uniform(seed, step)), which is what the kernel computes."""
+    from ddtree_cupy.reference.ddtree import philox_uniform, sample_from_logits
+
     def op():
         for i in range(logits.shape[0]):
             t = float(temperature[i])
@@ -494,8 +497,8 @@ def fake_sample(logits, temperature, top_k, top_p, seeds, steps, out=None, *, k_
                 continue
             key = (int(seeds[i]), int(steps[i]))
             DRAWS.append(key)
-            p = np.exp((logits[i] - logits[i].max()) / t)
-            out[i] = int(np.random.default_rng(list(key)).choice(len(p), p=p / p.sum()))
+            u = float(philox_uniform(key[0], np.array([key[1]], np.uint64))[0])
+            out[i] = sample_from_logits(logits[i], u, t, float(top_p[i]), int(top_k[i]))
     run_or_record(op)
     return out
 
@@ -518,6 +521,9 @@ def test_sampling_plumbing_reproducible(fake_gpu, monkeypatch):
     assert outs[0][1] == greedy.streams[0].output_ids
     assert any(k[1] == 0 for k in DRAWS)                  # prefill draws with round 0
     assert eng.last_pool.free_pages == eng.last_pool.num_pages
+    # one Philox mapping: the reference loop replays the engine's sampled run token for token
+    replay = DecodeLoop(rt, rd, "ddtree", 8).run(mk(5))
+    assert [s.output_ids for s in replay.streams] == outs[0]
 
 
 class ThreadComm:

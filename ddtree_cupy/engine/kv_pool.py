@@ -17,6 +17,13 @@ from typing import Dict, List, Optional
 import numpy as np
 
 
+INT32_MAX = 2 ** 31 - 1       # block tables and cache positions are int32 on the GPU
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 class KVPoolFull(RuntimeError):
     """The request cannot be admitted: not enough free pages or no free stream slot."""
 
@@ -31,9 +38,12 @@ class _Slot:
 class KVPool:
     def __init__(self, num_pages: int, page_size: int, max_streams: int, max_pages_per_stream: int,
                  tree_rows: int):
-        if num_pages < 1 or page_size < 1 or max_streams < 1 or max_pages_per_stream < 1:
-            raise ValueError(f"KVPool: sizes must be positive (num_pages={num_pages}, page_size={page_size}, "
-                             f"max_streams={max_streams}, max_pages_per_stream={max_pages_per_stream})")
+        for nm, v in (("num_pages", num_pages), ("page_size", page_size), ("max_streams", max_streams),
+                      ("max_pages_per_stream", max_pages_per_stream)):
+            if not _is_int(v) or not 1 <= v <= INT32_MAX:
+                raise ValueError(f"KVPool: {nm} must be an integer in [1, 2^31), got {v!r}")
+        if not _is_int(tree_rows) or not 0 <= tree_rows <= INT32_MAX:
+            raise ValueError(f"KVPool: tree_rows must be an integer in [0, 2^31), got {tree_rows!r}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_streams = max_streams
@@ -63,8 +73,14 @@ class KVPool:
 
     def admit(self, request_id, prompt_len: int, max_new_tokens: int) -> int:
         """Reserve a slot and its pages; returns the slot index. Raises KVPoolFull, changing nothing."""
-        if prompt_len < 1:
-            raise ValueError(f"request {request_id!r}: empty prompt")
+        if not _is_int(prompt_len) or not 1 <= prompt_len <= INT32_MAX:
+            raise ValueError(f"request {request_id!r}: prompt length must be an integer in [1, 2^31), "
+                             f"got {prompt_len!r}" if _is_int(prompt_len) and prompt_len > 0 else
+                             f"request {request_id!r}: empty prompt" if _is_int(prompt_len) else
+                             f"request {request_id!r}: prompt length must be an integer, got {prompt_len!r}")
+        if not _is_int(max_new_tokens) or not 0 <= max_new_tokens <= INT32_MAX:
+            raise ValueError(f"request {request_id!r}: max_new_tokens must be an integer in [0, 2^31), "
+                             f"got {max_new_tokens!r}")
         need = self.pages_needed(prompt_len, max_new_tokens)
         if need > self.max_pages_per_stream:
             raise KVPoolFull(

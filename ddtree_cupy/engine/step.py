@@ -30,22 +30,18 @@ import numpy as np
 from ..kernels import ddtree as ddt
 from ..kernels import engine_glue as glue
 from ..kernels.kv_cache import kv_compact_latent
-from ..reference.ddtree import MAX_RANK
+from ..reference.ddtree import MAX_RANK, slot_seed, splitmix64  # noqa: F401 - the sampler's key
 from .profile import NullTimer
 from ..api import CTRL_BONUS, CTRL_BUDGET, CTRL_FIELDS, CTRL_PREFIX
 
 
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
-def slot_seed(seed: int, sample_stream: int) -> int:
-    """The GPU sampler's per-stream key: the request seed mixed with its sample_stream (two streams with
-    the same seed draw independent numbers, as in the reference's Philox counter)."""
-    return splitmix64((int(seed) ^ splitmix64(int(sample_stream) + 1)) & 0xFFFFFFFFFFFFFFFF)
+def top_k_i32(top_k: int, vocab_size: int) -> int:
+    """A request's top_k as the int32 the sampler reads: 0 (off) or at most the vocabulary (a larger top-k
+    keeps every id, as HF does), so no value can wrap around in the cast."""
+    k = int(top_k)
+    if k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    return min(k, int(vocab_size))
 
 
 # Programmatic dependent launch (kernels/launch.py) for captured decode steps of at most this many verify
@@ -159,9 +155,8 @@ class DecodeStep:
     """Static buffers and stage sequence of one decode-step shape; eager or captured as one CUDA graph."""
 
     def __init__(self, m: Models, S: int, mode: str, budget: int, cap_k: Optional[int], include_chain: bool,
-                 sampled: bool, k_max_sample: int = 128):
+                 sampled: bool):
         import cupy
-        from ..kernels.sample import SampleBuffers
         from ..models.batch import TargetBatch
         if mode not in ("ar", "chain", "ddtree"):
             raise ValueError(f"mode: unknown mode {mode!r}")
@@ -205,10 +200,7 @@ class DecodeStep:
             self.row_topk, self.row_seed = cupy.zeros(T, i32), cupy.zeros(T, cupy.uint64)
             self.row_step = cupy.zeros(T, cupy.int64)
             # The sampler works on whole vocabulary rows: under TP the shards are gathered into full_rows.
-            V = m.tcfg.vocab_size
             self.full_rows = WholeRows(m, T)
-            self.k_max = min(k_max_sample, V)
-            self.sbuf = SampleBuffers(T, V, self.k_max)
         self.graph = None
         self.pdl = False               # whether the captured graph uses PDL launches (capture sets it)
 
@@ -254,7 +246,7 @@ class DecodeStep:
             glue.sample_params(self.ctrl, self.R, self.slot_temp, self.slot_topk, self.slot_topp, self.slot_seed,
                                self.row_temp, self.row_topk, self.row_topp, self.row_seed, self.row_step)
             sample(self.full_rows(b.logits), self.row_temp, self.row_topk, self.row_topp, self.row_seed,
-                   self.row_step, out=self.ids, k_max=self.k_max, buffers=self.sbuf)
+                   self.row_step, out=self.ids)
         else:
             self.argmax(b.logits, self.ids)
         glue.post_scatter(self.ids, self.R, self.post)
@@ -309,7 +301,7 @@ class DecodeStep:
             sd = np.zeros(self.S, np.uint64)
             for s in running:
                 r = s.request
-                t[s.slot], p[s.slot], k[s.slot] = r.temperature, r.top_p, r.top_k
+                t[s.slot], p[s.slot], k[s.slot] = r.temperature, r.top_p, top_k_i32(r.top_k, self.m.tcfg.vocab_size)
                 sd[s.slot] = slot_seed(r.seed, r.sample_stream)
             for dev, host in ((self.slot_temp, t), (self.slot_topp, p), (self.slot_topk, k), (self.slot_seed, sd)):
                 dev.set(host, stream=st)
@@ -339,9 +331,8 @@ class Prefill:
     stream: the attention indexes the table by batch slot, the KV write by stream_ids = 0). The per-row
     argmax of the whole chunk is part of the graph; the host picks the last real row's."""
 
-    def __init__(self, m: Models, chunk: int = 256, k_max_sample: int = 128, graphs: bool = True):
+    def __init__(self, m: Models, chunk: int = 256, graphs: bool = True):
         import cupy
-        from ..kernels.sample import SampleBuffers
         from ..models.batch import TargetBatch
         self.m, self.chunk, self.graphs = m, int(chunk), bool(graphs)
         self.batch = TargetBatch(1, self.chunk, m.tcfg, m.tp, m.n_feat, tree=False)
@@ -353,8 +344,6 @@ class Prefill:
         self.sid = cupy.zeros(self.chunk, cupy.int32)
         self.pos = cupy.full(self.chunk, -1, cupy.int32)
         self.one = cupy.zeros(1, cupy.int32)
-        self.k_max = min(k_max_sample, m.tcfg.vocab_size)
-        self.sbuf = SampleBuffers(1, m.tcfg.vocab_size, self.k_max)
         self.full_rows = WholeRows(m, 1)
         self.graph = {}                  # use_drafter -> graph
 
@@ -404,9 +393,9 @@ class Prefill:
                 from ..kernels.sample import sample
                 f = lambda v, dt: cupy.asarray(np.array([v], dt))   # noqa: E731
                 sample(self.full_rows(b.logits[last:last + 1]), f(request.temperature, np.float32),
-                       f(request.top_k, np.int32),
+                       f(top_k_i32(request.top_k, self.m.tcfg.vocab_size), np.int32),
                        f(request.top_p, np.float32), f(slot_seed(request.seed, request.sample_stream), np.uint64),
-                       f(0, np.int64), out=self.one, k_max=self.k_max, buffers=self.sbuf)
+                       f(0, np.int64), out=self.one)
                 out = int(self.one.get(stream=st)[0])
             else:
                 out = int(self.ids[last:last + 1].get(stream=st)[0])

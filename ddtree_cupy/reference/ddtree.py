@@ -40,8 +40,8 @@ summation order, so top-K ids must match exactly while log-probs match the float
 (``depth_logprobs(..., dtype=np.float64)``) to ~1e-6 relative. The tree builder is exact given its
 (top_lp, top_id) input: GPU trees are compared with ``build_tree`` run on the GPU's own top-K arrays.
 
-Sampling (``sample_tokens``): Philox4x32-10 keyed by the 64-bit seed, counter (row, step, stream, 0); see
-``philox4x32``. Emission: a round commits the accepted rows (the root is the previous bonus) and chooses a
+Sampling (``sample_tokens``): Philox4x32-10 keyed by ``slot_seed(seed, stream)``, counter
+``(step << 8) | row`` (``philox_uniform``; the GPU sampler draws exactly these numbers). Emission: a round commits the accepted rows (the root is the previous bonus) and chooses a
 new bonus; the GPU's ``out_tokens`` holds both (accepted tokens, then the bonus), so either policy works.
 The decode loop (reference/loop.py, docs/CONTRACTS.md) emits the bonus as soon as it is chosen.
 """
@@ -343,15 +343,46 @@ def philox4x32(counter: np.ndarray, key: Tuple[int, int]) -> np.ndarray:
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
-def sampling_uniforms(seed: int, stream: int, step: int, rows: int) -> np.ndarray:
-    """One uniform per tree row: Philox4x32-10 with key (seed low 32, seed high 32) and counter
-    (row, step, stream, 0); u = ((x0 >> 8) + 0.5) / 2^24, exactly representable, in (0, 1)."""
-    ctr = np.zeros((rows, 4), np.uint32)
-    ctr[:, 0] = np.arange(rows, dtype=np.uint32)
-    ctr[:, 1] = np.uint32(step & 0xFFFFFFFF)
-    ctr[:, 2] = np.uint32(stream & 0xFFFFFFFF)
-    x = philox4x32(ctr, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def slot_seed(seed: int, sample_stream: int) -> int:
+    """The Philox key of a stream: the request seed mixed with its sample_stream (two streams with the same
+    seed draw independent numbers). The GPU sampler is keyed by exactly this value."""
+    return splitmix64((int(seed) ^ splitmix64(int(sample_stream) + 1)) & _M64)
+
+
+def sample_counter(step: int, row: int) -> int:
+    """The 64-bit Philox counter of tree row ``row`` (< 256) at decode step ``step`` (0 = prefill): the
+    GPU sampler's ``steps`` value, (step << 8) | row."""
+    return ((int(step) << 8) | int(row)) & _M64
+
+
+def philox_uniform(key: int, counter: np.ndarray) -> np.ndarray:
+    """THE sampling mapping, shared with cuda_src/sample.cu: Philox4x32-10 with key (key low 32, key high 32)
+    and counter (counter low 32, counter high 32, 0, 0); u = ((x0 >> 8) + 0.5) / 2^24, exactly
+    representable, in (0, 1)."""
+    c = np.asarray(counter, dtype=np.uint64).reshape(-1)
+    ctr = np.zeros((c.shape[0], 4), np.uint32)
+    ctr[:, 0] = (c & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    ctr[:, 1] = (c >> np.uint64(32)).astype(np.uint32)
+    x = philox4x32(ctr, (key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF))
     return ((x[:, 0] >> np.uint32(8)).astype(np.float64) + 0.5) / float(1 << 24)
+
+
+def sampling_uniforms(seed: int, stream: int, step: int, rows: int) -> np.ndarray:
+    """One uniform per tree row: ``philox_uniform(slot_seed(seed, stream), sample_counter(step, row))``."""
+    if not 0 <= rows <= 256:
+        raise ValueError(f"rows: at most 256 tree rows per step (8-bit row field), got {rows}")
+    ctr = np.array([sample_counter(step, r) for r in range(rows)], np.uint64)
+    return philox_uniform(slot_seed(seed, stream), ctr)
 
 
 def sample_from_logits(logits: np.ndarray, u: float, temperature: float, top_p: float = 1.0,

@@ -24,8 +24,9 @@ as the next root, the token sequence is identical; the first token arrives one s
 whose last token is the bonus (a stop id, or the max_new_tokens-th token) needs no extra verify pass.
 
 Sampling (temperature > 0) is lossless: every emitted token is a genuine target sample under its exact
-prefix. Randomness is Philox4x32-10 keyed by the request's seed with counter (row, step, stream, 0),
-``reference.ddtree.sample_tokens``; prefill draws with step 0, decode step k with step k.
+prefix. Randomness is Philox4x32-10 keyed by ``slot_seed(seed, sample_stream)`` with counter
+``(step << 8) | row`` (``reference.ddtree.sample_tokens``, the GPU sampler's mapping); prefill draws with
+step 0, decode step k with step k.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import numpy as np
 from .ddtree import (MAX_DEPTH, MAX_RANK, MAX_TREE_ROWS, argmax_lowest, build_tree, commit_plan, flatten, greedy_walk,
                      sample_tokens, topk_logprobs)
 
-from ..api import (MAX_BUDGET, MODES, PHASES, GenerationResult, Request, StepRecord,  # noqa: F401 (re-exported)
+from ..api import (MAX_BUDGET, MAX_TEMPERATURE, MIN_TEMPERATURE, MODES, PHASES, TOP_K_LIMIT, GenerationResult, Request, StepRecord,  # noqa: F401 (re-exported)
                    StreamState, emit_tokens)
 
 assert MAX_BUDGET == MAX_TREE_ROWS - 1          # 128 tree nodes + the root
