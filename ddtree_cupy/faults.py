@@ -35,6 +35,8 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import knobs
+
 FAULT_TAG = 0x7A17
 POLL_S = 0.05
 GRACE_S = 3.0
@@ -62,7 +64,9 @@ class FaultGuard:
         mpi = getattr(comm, "mpi", comm)
         self._MPI = mpi._MPI
         self.rank, self.size = comm.rank, comm.size
-        self.grace_s = float(os.environ.get("DDTREE_CUPY_FAULT_GRACE_S", GRACE_S) if grace_s is None else grace_s)
+        if grace_s is None:
+            grace_s = knobs.get().fault_grace_s
+        self.grace_s = float(GRACE_S if grace_s is None else grace_s)
         self._world = mpi.comm
         # A private communicator: fault notices can never match the engine's own messages. Dup is a
         # collective every rank calls here, at start-up, before anything can fail.
@@ -207,6 +211,6 @@ def run_phase(fn: Callable[[], Any], classify: Callable[[BaseException], Tuple[i
     try:
         return fn(), None
     except BaseException as e:  # noqa: BLE001 - every way out of a phase must reach the agreement point
-        if os.environ.get("DDTREE_CUPY_TRACEBACK"):
+        if knobs.get().traceback:
             traceback.print_exc()
         return None, classify(e)

@@ -60,6 +60,16 @@ def _int_in(lo: int, hi: Optional[int] = None) -> Callable[[str, str], int]:
     return parse
 
 
+def _seconds(env: str, v: str) -> float:
+    try:
+        x = float(v.strip())
+    except ValueError:
+        raise ValueError(f"{env}: expected a number of seconds, got {v!r}") from None
+    if not 0.0 < x < 3600.0:
+        raise ValueError(f"{env}: expected seconds in (0, 3600), got {v!r}")
+    return x
+
+
 def _text(env: str, v: str) -> str:
     return v.strip()
 
@@ -119,6 +129,9 @@ KNOBS: tuple = (
          "docs/PROFILING.md", measuring=True),
     Knob("DDTREE_CUPY_CACHE", "cache_dir", _text, "", "DIR",
          "where the tiny demo checkpoints are generated (unset: ~/.cache/ddtree_cupy)", "docs/CHECKPOINTS.md"),
+    Knob("DDTREE_CUPY_FAULT_GRACE_S", "fault_grace_s", _seconds, None, "S",
+         "seconds a rank waits at a phase's agreement point after another rank reported a fault, before it aborts "
+         "the job (unset: 3)", "launcher/README.md"),
     Knob("DDTREE_CUPY_TRACEBACK", "traceback", _bit, False, "0/1",
          "1: a rank's fatal error prints its full traceback before the job is aborted", "launcher/README.md"),
 )
@@ -141,6 +154,7 @@ class Knobs:
     persistent_mlp: bool = False
     gpu_mem_log: str = ""
     cache_dir: str = ""
+    fault_grace_s: Optional[float] = None
     traceback: bool = False
 
 

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 
 def _check_options(a) -> None:
-    from .reference.loop import MAX_TEMPERATURE, MIN_TEMPERATURE
+    from .api import MAX_TEMPERATURE, MIN_TEMPERATURE
     if not 1 <= a.budget <= MAX_BUDGET:
         raise UsageError(f"--budget must be in [1, {MAX_BUDGET}], got {a.budget}")
     if a.max_new_tokens < 1:
