@@ -1,0 +1,103 @@
+"""The custom all-reduce's choices without a GPU: the topology reader on recorded `nvidia-smi topo -m` outputs
+(tests/data/topo: a two-socket PCIe box with 4 + 4 GPUs, a PCIe-switch box, NVLink boxes) and the algorithm
+choice from a calibration table in bench/allreduce.py's JSON format."""
+import json
+from pathlib import Path
+
+import pytest
+
+from ddtree_cupy.comm import calibration as C
+from ddtree_cupy.comm.topology import parse_topo_matrix
+
+TOPO = Path(__file__).parent / "data" / "topo"
+
+
+def test_topology_pcie_two_sockets():
+    t = parse_topo_matrix((TOPO / "pcie_2socket_8gpu.txt").read_text())
+    assert t.n == 8
+    assert t.link(0, 1) == "NODE" and t.link(0, 4) == "SYS" and t.link(5, 6) == "NODE"
+    assert t.numa == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert t.islands() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert t.two_level()
+    assert not t.nvlink(0, 1)
+    assert t.islands([0, 1, 4, 5]) == [[0, 1], [4, 5]]
+    assert not t.two_level([0, 4])                 # islands of one GPU: nothing to do inside them
+    assert "islands [[0, 1, 2, 3], [4, 5, 6, 7]]" in t.describe()
+
+
+def test_topology_pcie_switch_and_nvlink():
+    sw = parse_topo_matrix((TOPO / "pcie_switch_4gpu.txt").read_text())
+    assert sw.n == 4 and sw.link(0, 1) == "PIX" and sw.link(1, 2) == "PXB"
+    assert sw.islands() == [[0, 1, 2, 3]] and not sw.two_level()
+    nv = parse_topo_matrix((TOPO / "nvlink_8gpu.txt").read_text())
+    assert nv.n == 8 and all(nv.nvlink(i, j) for i in range(8) for j in range(8) if i != j)
+    assert nv.islands() == [list(range(8))]        # NVLink everywhere: the NUMA split does not matter
+    assert nv.numa[4] == 1
+    two = parse_topo_matrix((TOPO / "nvlink_2gpu.txt").read_text())
+    assert two.n == 2 and two.link(0, 1) == "NV18"
+
+
+def test_topology_errors():
+    with pytest.raises(ValueError, match="no header"):
+        parse_topo_matrix("nothing here")
+    bad = (TOPO / "pcie_switch_4gpu.txt").read_text().replace("GPU1\tPIX\t X", "GPU1\tPXB\t X")
+    with pytest.raises(ValueError, match="one way"):
+        parse_topo_matrix(bad)
+    bad = (TOPO / "pcie_switch_4gpu.txt").read_text().replace("GPU2\tPXB\tPXB\t X", "GPU2\tPXB\tQQQ\t X")
+    with pytest.raises(ValueError, match="unknown link word 'QQQ'"):
+        parse_topo_matrix(bad)
+    one = "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-7\t0\t\tN/A\n"
+    t = parse_topo_matrix(one)
+    assert t.n == 1 and t.numa == (0,)
+
+
+def _bench_json(ranks=8):
+    # the shape bench/allreduce.py --json writes: custom wins small payloads, two-shot the middle, NCCL large
+    H = 7168
+    rows = []
+    for T, nccl, one, two in ((1, 26.0, 9.0, 14.0), (8, 30.0, 14.0, 16.0), (32, 44.0, 40.0, 28.0),
+                              (80, 70.0, 95.0, 60.0), (160, 100.0, 180.0, 112.0), (320, 160.0, 350.0, 215.0)):
+        rows.append({"tokens": T, "bytes": T * H * 2, "nccl_graph_us": nccl, "nccl_eager_us": nccl + 3,
+                     "oneshot_graph_us": one, "twoshot_graph_us": two})
+    return {"ranks": ranks, "device": "test", "rows": rows}
+
+
+def test_choice_from_table(tmp_path):
+    p = tmp_path / "ar.json"
+    p.write_text(json.dumps(_bench_json()))
+    t = C.load_table(str(p))
+    H2 = 7168 * 2
+    assert t.choose(1 * H2) == "oneshot"
+    assert t.choose(8 * H2) == "oneshot"
+    assert t.choose(32 * H2) == "twoshot"
+    assert t.choose(80 * H2) == "twoshot"
+    assert t.choose(160 * H2) == "nccl"
+    assert t.choose(320 * H2) == "nccl"
+    assert t.choose(16 * H2) == "twoshot"          # interpolated: one-shot 22.7 us, two-shot 20.0 us
+    assert t.time_us("oneshot", 16 * H2) == pytest.approx(14 + (40 - 14) * 8 / 24)
+    assert t.time_us("twoshot", 16 * H2) == pytest.approx(16 + (28 - 16) * 8 / 24)
+    assert t.choose(1 * H2, cap_bytes=H2 - 2) == "nccl"      # above the buffers' capacity: never custom
+    assert t.choose(1000 * H2) == "nccl"                      # beyond every measured custom size
+    assert t.choose(8 * H2, allowed=("nccl", "twoshot")) == "twoshot"
+    assert [c["algo"] for c in t.crossovers()] == ["oneshot", "twoshot", "nccl"]
+    rt = C.table_from_json(t.to_json())
+    assert rt.choose(32 * H2) == "twoshot" and rt.sizes == t.sizes
+
+
+def test_choice_nccl_only_file_and_errors(tmp_path):
+    old = {"ranks": 2, "rows": [{"tokens": 1, "bytes": 14336, "eager_us": 8.6, "graph_us": 7.4},
+                                {"tokens": 8, "bytes": 114688, "eager_us": 10.8, "graph_us": 7.0}]}
+    t = C.table_from_json(old)
+    assert t.choose(14336) == "nccl" and list(t.times) == ["nccl"]
+    with pytest.raises(ValueError, match="'ranks' and 'rows'"):
+        C.table_from_json({"rows": []})
+    with pytest.raises(ValueError, match="ascending"):
+        C.CalibrationTable(2, [10, 5], {"nccl": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="non-positive"):
+        C.CalibrationTable(2, [5, 10], {"oneshot": [1.0, -2.0]})
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        C.CalibrationTable(2, [5], {"ring": [1.0]})
+    bad = tmp_path / "x.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        C.load_table(str(bad))
