@@ -122,18 +122,50 @@ class LiveRankComm(RankComm):
         self.real.barrier()
 
 
+class LiveCustomComm(LiveRankComm):
+    """``--comm custom``: ``LiveRankComm`` over ``comm.custom.CustomComm`` (the P2P all-reduce where it is chosen,
+    NCCL otherwise). It also offers the fused all-reduce + residual add + RMSNorm, so the target's layers take
+    the fused path (``GpuTarget.fuses_norms``); with the collectives off, the same call is the plain
+    ``rms_norm(residual=...)`` the unfused step runs, so on - off is the collectives' cost again."""
+    backend = "bench-custom"
+
+    def all_reduce_add_norm(self, x, residual, weight, eps, normed, residual_out=None):
+        self.n_reduce += 1
+        self.reduce_bytes += x.nbytes
+        if self.live:
+            return self.real.all_reduce_add_norm(x, residual, weight, eps, normed, residual_out=residual_out)
+        from ddtree_cupy.kernels.layers import rms_norm
+        return rms_norm(x, weight, eps, out=normed, residual=residual, residual_out=residual_out)
+
+
+def _comm_label(comm) -> str:
+    if isinstance(comm, LiveCustomComm):
+        return "P2P all-reduce (" + comm.real.describe() + ") + NCCL all-gathers"
+    return "NCCL"
+
+
+CUSTOM_CAP_ROWS = 512         # rows x 7168 bf16 per P2P buffer slot: every payload of the benchmarked shapes
+
+
 def make_comm(kind: str):
     """``none``: ``RankComm`` (collectives are no-ops, the single-GPU default). ``nccl``: ``LiveRankComm`` over
-    the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does)."""
+    the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does).
+    ``custom``: ``LiveCustomComm``, the P2P all-reduce (DDT_ALLREDUCE: 'custom' by default here, 'auto' picks
+    per payload from DDT_ALLREDUCE_TABLE or a start-up calibration); without P2P it says so and is NCCL."""
     if kind == "none":
         return RankComm(0, 8)
     from ddtree_cupy.dist import NcclComm, hold_until_exit, init_communicator, launched_with_mpi
     if not launched_with_mpi():
-        raise SystemExit("--comm nccl needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
-                         "--comm nccl ... (N GPUs)")
+        raise SystemExit(f"--comm {kind} needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
+                         f"--comm {kind} ... (N GPUs)")
     real = hold_until_exit(init_communicator("cupy"))    # outlives the step graphs (dist.end_job)
     if not isinstance(real, NcclComm):
-        raise SystemExit(f"--comm nccl: expected an NCCL communicator, got {type(real).__name__}")
+        raise SystemExit(f"--comm {kind}: expected an NCCL communicator, got {type(real).__name__}")
+    if kind == "custom":
+        from ddtree_cupy.comm.custom import CustomComm, make_custom_comm
+        cc = make_custom_comm(real, CUSTOM_CAP_ROWS * 7168, mode=os.environ.get("DDT_ALLREDUCE", "custom"))
+        if isinstance(cc, CustomComm):
+            return LiveCustomComm(hold_until_exit(cc))
     return LiveRankComm(real)
 
 
@@ -338,9 +370,10 @@ def main(argv=None) -> int:
     ap.add_argument("--allreduce-fit", default=None,
                     help="a bench/allreduce.py JSON from the target box: its fitted latency and bus bandwidth "
                          "replace --allreduce-us / --allreduce-gbps")
-    ap.add_argument("--comm", choices=("none", "nccl"), default="none",
+    ap.add_argument("--comm", choices=("none", "nccl", "custom"), default="none",
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
-                         "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
+                         "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost); "
+                         "custom: the same with the P2P all-reduce fused with the residual add + RMSNorm")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     a = ap.parse_args(argv)
     collectives_source = "assumed (command line / defaults)"
@@ -388,7 +421,7 @@ def main(argv=None) -> int:
           f"{build_s:.0f} s; KV pool {eng.kv.nbytes() / 1e9:.2f} GB; GPU memory used "
           f"{(total - free) / 1e9:.0f} of {total / 1e9:.0f} GB")
     if live:
-        print(f"collectives: real NCCL across {comm.real.size} GPUs (TP 8 payloads; every process is rank 0's "
+        print(f"collectives: real {_comm_label(comm)} across {comm.real.size} GPUs (TP 8 payloads; every process is rank 0's "
               f"shapes); NCCL_PROTO={os.environ.get('NCCL_PROTO', 'default')} "
               f"NCCL_ALGO={os.environ.get('NCCL_ALGO', 'default')} NCCL_P2P_DISABLE="
               f"{os.environ.get('NCCL_P2P_DISABLE', '0')}", flush=True)
@@ -551,7 +584,7 @@ def main(argv=None) -> int:
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),
-        "collectives": (f"real NCCL across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
+        "collectives": (f"real {_comm_label(comm)} across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
                         "the step without them, adds the collectives model (see projection)" if live else
                         "no-op here (one rank without peers); projection adds the collectives model"),
         "projection": "step (the PDL step where measured, as the engine runs it, else step_ms; without collectives) x "

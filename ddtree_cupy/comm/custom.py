@@ -37,6 +37,9 @@ from .calibration import ALL_ALGOS, CUSTOM_ALGOS, CalibrationTable, load_table, 
 # on a cold cache (up to a minute) while its peers already wait in an eager all-reduce must not be taken for dead.
 DEFAULT_TIMEOUT_S = 30.0
 ERR_WORDS = 8
+# NCCL stays the engine's default until a multi-GPU run has measured the P2P path (docs/MULTI_GPU.md); then
+# 'auto' (the calibration's choice per payload) replaces it.
+DEFAULT_MODE = "nccl"
 _NOTICE_GIVEN: set = set()
 
 
@@ -308,10 +311,10 @@ class CustomComm:
 def make_custom_comm(nccl, cap: int, mode: Optional[str] = None, table_path: Optional[str] = None,
                      calibrate_rows: Sequence[int] = (1, 8, 16, 32, 64, 128, 160, 320), H: int = 7168):
     """The engine's communicator for TP > 1 on GPUs: ``CustomComm`` when every pair has P2P, else ``nccl``
-    itself, with one notice saying so. ``mode`` (default ``DDT_ALLREDUCE``, else 'auto'): 'auto' picks per
-    payload from ``table_path`` (default ``DDT_ALLREDUCE_TABLE``: bench/allreduce.py --json output) or, without
-    one, from a start-up calibration; 'custom' always the P2P kernels; 'nccl' never."""
-    mode = mode or os.environ.get("DDT_ALLREDUCE", "auto")
+    itself, with one notice saying so. ``mode`` (default ``DDT_ALLREDUCE``, else ``DEFAULT_MODE``): 'auto'
+    picks per payload from ``table_path`` (default ``DDT_ALLREDUCE_TABLE``: bench/allreduce.py --json output)
+    or, without one, from a start-up calibration; 'custom' always the P2P kernels; 'nccl' never."""
+    mode = mode or os.environ.get("DDT_ALLREDUCE") or DEFAULT_MODE
     if mode not in ("auto", "custom", "nccl"):
         raise ValueError(f"DDT_ALLREDUCE: must be auto, custom or nccl, got {mode!r}")
     if mode == "nccl" or nccl.size == 1:
