@@ -101,3 +101,82 @@ def test_choice_nccl_only_file_and_errors(tmp_path):
     bad.write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         C.load_table(str(bad))
+
+
+class _FakeNccl:
+    backend = "nccl"
+
+    def __init__(self, rank=0, size=4):
+        self.rank, self.size, self.calls = rank, size, []
+
+    def all_reduce(self, x):
+        self.calls.append(("nccl", x.nbytes))
+        return x
+
+    def broadcast_obj(self, obj, root=0):
+        return obj
+
+
+class _FakeAr:
+    def __init__(self, mpi, cap, p2p=True):
+        self.cap, self.p2p_ok, self.calls = cap, p2p, []
+        self.matrix = [[True, p2p], [p2p, True]]
+
+    def all_reduce(self, x, algo="oneshot", out=None):
+        self.calls.append((algo, x.nbytes))
+        return x
+
+    def all_reduce_add_norm(self, x, residual, weight, eps, normed, algo="oneshot", residual_out=None):
+        self.calls.append(("fused-" + algo, x.nbytes))
+        return normed
+
+
+def test_custom_comm_routes_by_table_and_capacity():
+    import numpy as np
+    from ddtree_cupy.comm.custom import CustomComm
+    H2 = 7168 * 2
+    nccl, ar = _FakeNccl(), _FakeAr(None, cap=100 * 7168)
+    c = CustomComm(nccl, ar, C.table_from_json(_bench_json(4)))
+    for T in (1, 32, 80, 160):
+        c.all_reduce(np.zeros((T, 7168), np.uint16))
+    assert ar.calls == [("oneshot", H2), ("twoshot", 32 * H2), ("twoshot", 80 * H2)]
+    assert nccl.calls == [("nccl", 160 * H2)]                # NCCL faster there, and above the capacity anyway
+    c.all_reduce(np.zeros((4, 7168), np.float32))             # not bf16: NCCL
+    assert nccl.calls[-1] == ("nccl", 4 * 7168 * 4)
+    c.all_reduce_add_norm(np.zeros((8, 7168), np.uint16), None, None, 1e-6, None)
+    assert ar.calls[-1] == ("fused-oneshot", 8 * H2) and c.fused_calls == 1
+    assert c.counts == {"nccl": 2, "oneshot": 2, "twoshot": 2}
+    forced = CustomComm(nccl, ar, None, mode="custom", oneshot_max_bytes=16 * H2)
+    assert forced.choose(16 * H2) == "oneshot" and forced.choose(17 * H2) == "twoshot"
+    assert forced.choose(101 * H2) == "nccl"
+    assert CustomComm(nccl, ar, None).choose(H2) == "nccl"    # auto without a table: NCCL
+    assert "from" in c.describe()
+    with pytest.raises(ValueError, match="mode"):
+        CustomComm(nccl, ar, None, mode="fast")
+
+
+def test_make_custom_comm_without_p2p_falls_back_once(monkeypatch, capsys):
+    from ddtree_cupy.comm import custom
+    monkeypatch.setattr(custom, "P2PAllReduce", lambda mpi, cap: _FakeAr(mpi, cap, p2p=False))
+    monkeypatch.setattr(custom, "_NOTICE_GIVEN", set())
+    nccl = _FakeNccl(size=2)
+    assert custom.make_custom_comm(nccl, 7168, mode="auto") is nccl
+    assert custom.make_custom_comm(nccl, 7168, mode="auto") is nccl
+    err = capsys.readouterr().err
+    assert err.count("no peer-to-peer access") == 1 and "using NCCL" in err
+    assert custom.make_custom_comm(nccl, 7168, mode="nccl") is nccl
+    monkeypatch.setenv("DDT_ALLREDUCE", "bogus")
+    with pytest.raises(ValueError, match="DDT_ALLREDUCE"):
+        custom.make_custom_comm(nccl, 7168)
+
+
+def test_make_custom_comm_reads_table(monkeypatch, tmp_path):
+    from ddtree_cupy.comm import custom
+    monkeypatch.setattr(custom, "P2PAllReduce", lambda mpi, cap: _FakeAr(mpi, cap))
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(_bench_json(4)))
+    c = custom.make_custom_comm(_FakeNccl(size=4), 320 * 7168, mode="auto", table_path=str(p))
+    assert isinstance(c, custom.CustomComm) and c.choose(7168 * 2) == "oneshot"
+    with pytest.raises(ValueError, match="calibrated for 4 ranks"):
+        custom.make_custom_comm(_FakeNccl(size=2), 320 * 7168, mode="auto", table_path=str(p))
+    assert custom.DEFAULT_MODE == "nccl"
