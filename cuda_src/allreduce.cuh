@@ -67,13 +67,27 @@ __device__ __forceinline__ unsigned long long ar_now_ns() {
 }
 
 // Error record in host-mapped memory: [0] code (1 = a peer never arrived), [1] rank, [2] block, [3] peer,
-// [4] epoch, [5] phase. The first failing block writes it; the trap then ends the CUDA context.
+// [4] epoch, [5] phase. Plain stores, the code last (no atomics on host memory: not every PCIe root complex
+// has them); blocks failing together may mix their fields, the code and the message stay right. The trap
+// then ends the CUDA context; the host's watchdog reads the record.
 __device__ __forceinline__ void ar_fail(int* err, int rank, int block, int peer, unsigned int epoch, int phase) {
-    if (err != nullptr && atomicCAS(err, 0, 1) == 0) {
-        err[1] = rank; err[2] = block; err[3] = peer; err[4] = (int)epoch; err[5] = phase;
+    if (err != nullptr) {
+        volatile int* ev = err;
+        ev[1] = rank; ev[2] = block; ev[3] = peer; ev[4] = (int)epoch; ev[5] = phase;
+        __threadfence_system();
+        ev[0] = 1;
         __threadfence_system();
     }
     __trap();
+}
+
+// A 16-byte load that bypasses L1 (peers' slots are rewritten every other call; L1 is not coherent with
+// them, which matters once a persistent kernel runs several all-reduce items in one launch).
+__device__ __forceinline__ uint4 ar_ld_cg(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
 }
 
 // One barrier of block `blk` among n ranks at epoch e: thread s < n publishes e into peer s's flag word for
@@ -102,11 +116,11 @@ __device__ __forceinline__ void ar_barrier(const unsigned long long* peers, long
 
 // fp32 sum of 8 bf16 values from every rank's slot, in rank order 0..n-1 (identical on every rank).
 __device__ __forceinline__ void ar_sum8(const unsigned long long* peers, long long cap, int n, long long slot_off,
-                                        long long vec, float (&acc)[8]) {
+                                        int vec, float (&acc)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.f;
     for (int s = 0; s < n; ++s) {
-        const uint4 v = ((const uint4*)(ar_buffers(peers[s], cap).data + slot_off))[vec];
+        const uint4 v = ar_ld_cg((const uint4*)(ar_buffers(peers[s], cap).data + slot_off) + vec);
         const bf16_bits* vh = (const bf16_bits*)&v;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] += bf16_to_f32(vh[e]);
@@ -189,7 +203,8 @@ template <bool TWO_SHOT, bool FUSED>
 __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int nblk, float* red,
                                                   unsigned int* e_sh) {
     const ArBuffers me = ar_buffers(a.peers[a.rank], a.cap);
-    const long long nunits = (a.N + a.unit - 1) / a.unit;
+    const int nunits = (int)((a.N + a.unit - 1) / a.unit);   // the wrapper keeps N < 2^31
+    const int nvec = (int)(a.N / 8);
     const int uv = a.unit / 8;                    // vectors per unit
     uint4 wv[AR_MAXV];
     if (FUSED) {                                  // weights are never written by a kernel: load before the wait
@@ -209,10 +224,10 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
     const unsigned int e2 = TWO_SHOT ? e_sh[1] : 0u;
     const long long slot = (long long)(e1 & 1u) * a.cap;
     // phase 1: publish this rank's input in its own parity slot
-    for (long long u = blk; u < nunits; u += nblk) {
-        const long long v0 = u * uv;
-        const long long vend = min((u + 1) * (long long)a.unit, a.N) / 8;
-        for (long long v = v0 + threadIdx.x; v < vend; v += AR_THREADS)
+    for (int u = blk; u < nunits; u += nblk) {
+        const int v0 = u * uv;
+        const int vend = min(v0 + uv, nvec);
+        for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS)
             ((uint4*)(me.data + slot))[v] = ((const uint4*)a.x)[v];
     }
     ar_barrier(a.peers, a.cap, me.flags1, 1, a.rank, a.n, blk, e1, a.timeout_ns, a.err);
@@ -220,11 +235,11 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
     DDT_PDL_LAUNCH_DEPENDENTS();
     const long long rslot = (long long)(e2 & 1u) * a.cap;
     if (TWO_SHOT) {
-        for (long long u = blk; u < nunits; u += nblk) {
-            if ((int)(u % a.n) != a.rank) continue;
-            const long long v0 = u * uv;
-            const long long vend = min((u + 1) * (long long)a.unit, a.N) / 8;
-            for (long long v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
+        for (int u = blk; u < nunits; u += nblk) {
+            if (u % a.n != a.rank) continue;
+            const int v0 = u * uv;
+            const int vend = min(v0 + uv, nvec);
+            for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
                 float acc[8];
                 ar_sum8(a.peers, a.cap, a.n, slot, v, acc);
                 ((uint4*)(me.result + rslot))[v] = ar_round8(acc);
@@ -232,9 +247,9 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
         }
         ar_barrier(a.peers, a.cap, me.flags2, 2, a.rank, a.n, blk, e2, a.timeout_ns, a.err);
     }
-    for (long long u = blk; u < nunits; u += nblk) {
-        const long long v0 = u * uv;
-        const ArBuffers own = ar_buffers(a.peers[TWO_SHOT ? (int)(u % a.n) : a.rank], a.cap);
+    for (int u = blk; u < nunits; u += nblk) {
+        const int v0 = u * uv;
+        const ArBuffers own = ar_buffers(a.peers[TWO_SHOT ? u % a.n : a.rank], a.cap);
         if (FUSED) {
             uint4 sums[AR_MAXV];
 #pragma unroll
@@ -242,7 +257,7 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
                 const int i = threadIdx.x + j * AR_THREADS;
                 if (i < uv) {
                     if (TWO_SHOT) {
-                        sums[j] = ((const uint4*)(own.result + rslot))[v0 + i];
+                        sums[j] = ar_ld_cg((const uint4*)(own.result + rslot) + v0 + i);
                     } else {
                         float acc[8];
                         ar_sum8(a.peers, a.cap, a.n, slot, v0 + i, acc);
@@ -250,13 +265,13 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
                     }
                 }
             }
-            ar_add_norm_row(sums, wv, uv, a.residual + u * a.unit, a.residual_out + u * a.unit,
-                            a.normed + u * a.unit, a.unit, a.eps, red);
+            ar_add_norm_row(sums, wv, uv, a.residual + (long long)u * a.unit, a.residual_out + (long long)u * a.unit,
+                            a.normed + (long long)u * a.unit, a.unit, a.eps, red);
         } else {
-            const long long vend = min((u + 1) * (long long)a.unit, a.N) / 8;
-            for (long long v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
+            const int vend = min(v0 + uv, nvec);
+            for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
                 if (TWO_SHOT) {
-                    ((uint4*)a.out)[v] = ((const uint4*)(own.result + rslot))[v];
+                    ((uint4*)a.out)[v] = ar_ld_cg((const uint4*)(own.result + rslot) + v);
                 } else {
                     float acc[8];
                     ar_sum8(a.peers, a.cap, a.n, slot, v, acc);

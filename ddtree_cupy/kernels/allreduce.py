@@ -59,6 +59,8 @@ def launch_allreduce(peers, cap: int, rank: int, n: int, x, out, algo: str, time
         return out
     if N % 8:
         raise ValueError(f"x: {N} elements, must be a multiple of 8 (16-byte vectors)")
+    if N >= 2 ** 31:
+        raise ValueError(f"x: {N} elements; the kernels index vectors with 32-bit integers (< 2^31 elements)")
     if N > cap:
         raise ValueError(f"x: {N} elements exceed the all-reduce buffers' capacity of {cap}")
     grid = P.plan_grid(N, unit)
