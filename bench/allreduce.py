@@ -1,5 +1,5 @@
 """All-reduce latency for the decode step's payloads, bf16 [rows, 7168]: NCCL and the P2P kernels (one-shot,
-two-shot; comm/custom.py) side by side in one run, eager and inside a CUDA graph.
+two-shot, and two-level where the topology has equal islands; comm/custom.py) side by side in one run, eager and inside a CUDA graph.
 
     mpirun -np N launcher/bind.sh python bench/allreduce.py [--rows 1 8 16 ... 320] [--json out.json]
     NCCL_P2P_DISABLE=1 mpirun -np N ... bench/allreduce.py    # NCCL without P2P (the custom path still
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     stream = cp.cuda.Stream(non_blocking=True)
     ar = None if a.no_custom else P2PAllReduce(comm, max(a.rows) * H)
     custom = ar is not None and ar.p2p_ok
-    algos = ["nccl"] + (["oneshot", "twoshot"] if custom else [])
+    algos = ["nccl"] + (list(ar.algos) if custom else [])
     rows = []
     keep = []
     with stream:
@@ -160,8 +160,12 @@ def main(argv=None) -> int:
         if custom and comm.size > 1:
             n = comm.size
             for r in rows:
-                for al, f in (("oneshot", n - 1), ("twoshot", 2 * (n - 1) / n)):
-                    r[f"{al}_link_fraction"] = r["bytes"] * f / (r[al + "_graph_us"] * 1e3) / ceiling
+                # payloads into each GPU: one-shot n - 1, two-shot 2 (n - 1) / n, two-level m - 1 bf16 inside the
+                # island + 2 (k - 1) fp32-sized across (the busiest link's share is what the ceiling bounds)
+                m = ar.island or n
+                per = {"oneshot": n - 1, "twoshot": 2 * (n - 1) / n, "twolevel": (m - 1) + 2 * (n // m - 1)}
+                for al in ar.algos:
+                    r[f"{al}_link_fraction"] = r["bytes"] * per[al] / (r[al + "_graph_us"] * 1e3) / ceiling
             big = rows[-1]
             print(f"largest payload: one-shot moves {big['oneshot_link_fraction']:.2f}, two-shot "
                   f"{big['twoshot_link_fraction']:.2f} of the P2P ceiling over the slowest link")

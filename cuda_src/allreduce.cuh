@@ -6,6 +6,7 @@
 //           epoch1[AR_MAX_BLOCKS], epoch2[...]   u32  this rank's own per-block epoch counters
 //   data    [2][cap] bf16   this rank's input, one slot per epoch parity (peers read it)
 //   result  [2][cap] bf16   two-shot: the shards this rank reduced (peers read them)
+//   isum    [2][cap] fp32   two-level: this rank's island sum (its partners in the other islands read it)
 // Synchronisation is by epochs, never by a host reset: block b of every rank increments its own counter at
 // each call, publishes "I reached epoch e" into every peer's flag word for (b, me), and waits until every
 // peer's word for (b, peer) is at least e (a wrap-safe signed difference: a peer can be at most one epoch
@@ -36,6 +37,7 @@ struct ArBuffers {
     unsigned int* epoch2;
     bf16_bits* data;               // [2][cap]
     bf16_bits* result;             // [2][cap]
+    float* isum;                   // [2][cap]
 };
 
 __device__ __forceinline__ ArBuffers ar_buffers(unsigned long long base, long long cap) {
@@ -47,6 +49,7 @@ __device__ __forceinline__ ArBuffers ar_buffers(unsigned long long base, long lo
     b.epoch2 = b.epoch1 + AR_MAX_BLOCKS;
     b.data = (bf16_bits*)(p + AR_HEADER_BYTES);
     b.result = b.data + 2 * cap;
+    b.isum = (float*)(b.result + 2 * cap);
     return b;
 }
 
@@ -90,12 +93,13 @@ __device__ __forceinline__ uint4 ar_ld_cg(const uint4* p) {
     return v;
 }
 
-// One barrier of block `blk` among n ranks at epoch e: thread s < n publishes e into peer s's flag word for
-// (blk, me), then waits until this rank's word for (blk, s) has reached e. Every thread of the block must
-// call it (it ends with __syncthreads, after which the peers' writes before their publish are visible).
+// One barrier of block `blk` at epoch e: thread s < n publishes e into peer s's flag word for (blk, me) --
+// into every peer's, so that no flag word ever lags by more than one epoch -- then, if bit s of `wait_mask`
+// is set, waits until this rank's word for (blk, s) has reached e. Every thread of the block must call it
+// (it ends with __syncthreads, after which the awaited peers' writes before their publish are visible).
 __device__ __forceinline__ void ar_barrier(const unsigned long long* peers, long long cap, unsigned int* my_flags,
                                            int which, int rank, int n, int blk, unsigned int e,
-                                           long long timeout_ns, int* err) {
+                                           long long timeout_ns, int* err, unsigned int wait_mask) {
     __syncthreads();                        // this block's writes of the phase precede the publish
     const int s = threadIdx.x;
     if (s < n) {
@@ -103,27 +107,46 @@ __device__ __forceinline__ void ar_barrier(const unsigned long long* peers, long
         unsigned int* f = (which == 1 ? pb.flags1 : pb.flags2) + blk * AR_MAX_RANKS + rank;
         __threadfence_system();
         ar_store_release(f, e);
-        const unsigned int* mine = my_flags + blk * AR_MAX_RANKS + s;
-        const unsigned long long t0 = ar_now_ns();
-        unsigned int spins = 0;
-        while ((int)(ar_load_acquire(mine) - e) < 0) {
-            if ((++spins & 255u) == 0u && (long long)(ar_now_ns() - t0) > timeout_ns)
-                ar_fail(err, rank, blk, s, e, which);
+        if ((wait_mask >> s) & 1u) {
+            const unsigned int* mine = my_flags + blk * AR_MAX_RANKS + s;
+            const unsigned long long t0 = ar_now_ns();
+            unsigned int spins = 0;
+            while ((int)(ar_load_acquire(mine) - e) < 0) {
+                if ((++spins & 255u) == 0u && (long long)(ar_now_ns() - t0) > timeout_ns)
+                    ar_fail(err, rank, blk, s, e, which);
+            }
         }
     }
     __syncthreads();
 }
 
-// fp32 sum of 8 bf16 values from every rank's slot, in rank order 0..n-1 (identical on every rank).
-__device__ __forceinline__ void ar_sum8(const unsigned long long* peers, long long cap, int n, long long slot_off,
-                                        int vec, float (&acc)[8]) {
+// fp32 sum of 8 bf16 values from the slots of ranks s0 .. s0 + cnt - 1, in rank order (identical on every
+// rank that sums the same ranks).
+__device__ __forceinline__ void ar_sum8(const unsigned long long* peers, long long cap, int s0, int cnt,
+                                        long long slot_off, int vec, float (&acc)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    for (int s = 0; s < n; ++s) {
+    for (int s = s0; s < s0 + cnt; ++s) {
         const uint4 v = ar_ld_cg((const uint4*)(ar_buffers(peers[s], cap).data + slot_off) + vec);
         const bf16_bits* vh = (const bf16_bits*)&v;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] += bf16_to_f32(vh[e]);
+    }
+}
+
+// Two-level: the fp32 sum over islands 0 .. k-1, in island order, of the island sums that rank
+// j * m + (rank % m) published (this rank's own for its island).
+__device__ __forceinline__ void ar_sum8_islands(const unsigned long long* peers, long long cap, int rank, int m,
+                                                int k, long long slot_off, int vec, float (&acc)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int j = 0; j < k; ++j) {
+        const float* src = ar_buffers(peers[j * m + rank % m], cap).isum + slot_off + 8LL * vec;
+        const uint4 lo = ar_ld_cg((const uint4*)src), hi = ar_ld_cg((const uint4*)src + 1);
+        acc[0] += __uint_as_float(lo.x); acc[1] += __uint_as_float(lo.y);
+        acc[2] += __uint_as_float(lo.z); acc[3] += __uint_as_float(lo.w);
+        acc[4] += __uint_as_float(hi.x); acc[5] += __uint_as_float(hi.y);
+        acc[6] += __uint_as_float(hi.z); acc[7] += __uint_as_float(hi.w);
     }
 }
 
@@ -184,6 +207,7 @@ struct ArItem {
     const unsigned long long* peers;   // [n] base addresses of every rank's buffer, this rank's included
     long long cap;                     // elements per data / result slot
     int rank, n;
+    int island;                        // two-level: ranks per island (islands are rank ranges of this size)
     const bf16_bits* x;                // [N] this rank's partial sum
     bf16_bits* out;                    // [N] the sum (unfused; may alias x)
     long long N;                       // elements
@@ -195,17 +219,36 @@ struct ArItem {
     int* err;
 };
 
-// The whole all-reduce for block `blk` of `nblk` (units blk, blk + nblk, ...). TWO_SHOT: each unit u is
-// reduced by its owner rank u % n only (reduce-scatter into `result`), then every rank reads the reduced
-// unit from its owner (all-gather): (n - 1) / n of the payload crosses each link twice instead of n - 1
-// times. The fused tail runs where the reduced row is final, on every rank.
-template <bool TWO_SHOT, bool FUSED>
+#define AR_ONESHOT 0
+#define AR_TWOSHOT 1
+#define AR_TWOLEVEL 2
+
+// The whole all-reduce for block `blk` of `nblk` (units blk, blk + nblk, ...).
+//   AR_ONESHOT:  every rank sums every rank's unit (rank order); n - 1 payloads cross into each GPU.
+//   AR_TWOSHOT:  unit u is reduced by its owner rank u % n only (reduce-scatter into `result`), then every
+//                rank reads the reduced unit from its owner (all-gather): 2 (n - 1) / n payloads per GPU.
+//   AR_TWOLEVEL: k islands of m ranks (rank ranges [j m, j m + m)); every rank sums its island's units in
+//                fp32 (island rank order) into `isum`, then adds the island sums of its partners j m + rank % m
+//                in island order: m - 1 payloads inside the island and 2 (k - 1) fp32 payloads across, each
+//                from one partner (on a 4 + 4 PCIe box: one peer over the socket link instead of four).
+//                Its bits differ from the flat order's, and are the same on every rank.
+// The fused tail runs where the reduced row is final, on every rank.
+template <int ALGO, bool FUSED>
 __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int nblk, float* red,
                                                   unsigned int* e_sh) {
+    constexpr bool PHASE2 = ALGO != AR_ONESHOT;
     const ArBuffers me = ar_buffers(a.peers[a.rank], a.cap);
     const int nunits = (int)((a.N + a.unit - 1) / a.unit);   // the wrapper keeps N < 2^31
     const int nvec = (int)(a.N / 8);
     const int uv = a.unit / 8;                    // vectors per unit
+    const int m = ALGO == AR_TWOLEVEL ? a.island : a.n;
+    const int k = a.n / m;                        // islands
+    const int i0 = (a.rank / m) * m;              // this rank's island's first rank
+    const unsigned int all = (a.n >= 32) ? 0xffffffffu : ((1u << a.n) - 1u);
+    unsigned int partners = 0u;
+    for (int j = 0; j < k; ++j) partners |= 1u << (j * m + a.rank % m);
+    const unsigned int mask1 = ALGO == AR_TWOLEVEL ? (((1u << m) - 1u) << i0) : all;
+    const unsigned int mask2 = ALGO == AR_TWOLEVEL ? partners : all;
     uint4 wv[AR_MAXV];
     if (FUSED) {                                  // weights are never written by a kernel: load before the wait
 #pragma unroll
@@ -217,11 +260,11 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
     DDT_PDL_WAIT();
     if (threadIdx.x == 0) {
         e_sh[0] = me.epoch1[blk] + 1u;
-        if (TWO_SHOT) e_sh[1] = me.epoch2[blk] + 1u;
+        if (PHASE2) e_sh[1] = me.epoch2[blk] + 1u;
     }
     __syncthreads();
     const unsigned int e1 = e_sh[0];
-    const unsigned int e2 = TWO_SHOT ? e_sh[1] : 0u;
+    const unsigned int e2 = PHASE2 ? e_sh[1] : 0u;
     const long long slot = (long long)(e1 & 1u) * a.cap;
     // phase 1: publish this rank's input in its own parity slot
     for (int u = blk; u < nunits; u += nblk) {
@@ -230,37 +273,44 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
         for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS)
             ((uint4*)(me.data + slot))[v] = ((const uint4*)a.x)[v];
     }
-    ar_barrier(a.peers, a.cap, me.flags1, 1, a.rank, a.n, blk, e1, a.timeout_ns, a.err);
+    ar_barrier(a.peers, a.cap, me.flags1, 1, a.rank, a.n, blk, e1, a.timeout_ns, a.err, mask1);
     // peers are reading the slot now: dependents may start launching (their wait covers our writes)
     DDT_PDL_LAUNCH_DEPENDENTS();
     const long long rslot = (long long)(e2 & 1u) * a.cap;
-    if (TWO_SHOT) {
+    if (PHASE2) {
         for (int u = blk; u < nunits; u += nblk) {
-            if (u % a.n != a.rank) continue;
+            if (ALGO == AR_TWOSHOT && u % a.n != a.rank) continue;
             const int v0 = u * uv;
             const int vend = min(v0 + uv, nvec);
             for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
                 float acc[8];
-                ar_sum8(a.peers, a.cap, a.n, slot, v, acc);
-                ((uint4*)(me.result + rslot))[v] = ar_round8(acc);
+                ar_sum8(a.peers, a.cap, ALGO == AR_TWOLEVEL ? i0 : 0, m, slot, v, acc);
+                if (ALGO == AR_TWOSHOT) {
+                    ((uint4*)(me.result + rslot))[v] = ar_round8(acc);
+                } else {
+                    float4* d = (float4*)(me.isum + rslot + 8LL * v);
+                    d[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    d[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+                }
             }
         }
-        ar_barrier(a.peers, a.cap, me.flags2, 2, a.rank, a.n, blk, e2, a.timeout_ns, a.err);
+        ar_barrier(a.peers, a.cap, me.flags2, 2, a.rank, a.n, blk, e2, a.timeout_ns, a.err, mask2);
     }
     for (int u = blk; u < nunits; u += nblk) {
         const int v0 = u * uv;
-        const ArBuffers own = ar_buffers(a.peers[TWO_SHOT ? u % a.n : a.rank], a.cap);
+        const ArBuffers own = ar_buffers(a.peers[ALGO == AR_TWOSHOT ? u % a.n : a.rank], a.cap);
         if (FUSED) {
             uint4 sums[AR_MAXV];
 #pragma unroll
             for (int j = 0; j < AR_MAXV; ++j) {
                 const int i = threadIdx.x + j * AR_THREADS;
                 if (i < uv) {
-                    if (TWO_SHOT) {
+                    if (ALGO == AR_TWOSHOT) {
                         sums[j] = ar_ld_cg((const uint4*)(own.result + rslot) + v0 + i);
                     } else {
                         float acc[8];
-                        ar_sum8(a.peers, a.cap, a.n, slot, v0 + i, acc);
+                        if (ALGO == AR_TWOLEVEL) ar_sum8_islands(a.peers, a.cap, a.rank, m, k, rslot, v0 + i, acc);
+                        else ar_sum8(a.peers, a.cap, 0, a.n, slot, v0 + i, acc);
                         sums[j] = ar_round8(acc);
                     }
                 }
@@ -270,11 +320,12 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
         } else {
             const int vend = min(v0 + uv, nvec);
             for (int v = v0 + threadIdx.x; v < vend; v += AR_THREADS) {
-                if (TWO_SHOT) {
+                if (ALGO == AR_TWOSHOT) {
                     ((uint4*)a.out)[v] = ar_ld_cg((const uint4*)(own.result + rslot) + v);
                 } else {
                     float acc[8];
-                    ar_sum8(a.peers, a.cap, a.n, slot, v, acc);
+                    if (ALGO == AR_TWOLEVEL) ar_sum8_islands(a.peers, a.cap, a.rank, m, k, rslot, v, acc);
+                    else ar_sum8(a.peers, a.cap, 0, a.n, slot, v, acc);
                     ((uint4*)a.out)[v] = ar_round8(acc);
                 }
             }
@@ -282,6 +333,6 @@ __device__ __forceinline__ void ar_allreduce_item(const ArItem& a, int blk, int 
     }
     if (threadIdx.x == 0) {                       // the next call of this block starts from here
         me.epoch1[blk] = e1;
-        if (TWO_SHOT) me.epoch2[blk] = e2;
+        if (PHASE2) me.epoch2[blk] = e2;
     }
 }

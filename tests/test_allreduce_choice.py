@@ -118,8 +118,9 @@ class _FakeNccl:
 
 
 class _FakeAr:
-    def __init__(self, mpi, cap, p2p=True):
-        self.cap, self.p2p_ok, self.calls = cap, p2p, []
+    def __init__(self, mpi, cap, p2p=True, island=0):
+        self.cap, self.p2p_ok, self.calls, self.island = cap, p2p, [], island
+        self.algos = ("oneshot", "twoshot") + (("twolevel",) if island else ())
         self.matrix = [[True, p2p], [p2p, True]]
 
     def all_reduce(self, x, algo="oneshot", out=None):
@@ -145,12 +146,19 @@ def test_custom_comm_routes_by_table_and_capacity():
     assert nccl.calls[-1] == ("nccl", 4 * 7168 * 4)
     c.all_reduce_add_norm(np.zeros((8, 7168), np.uint16), None, None, 1e-6, None)
     assert ar.calls[-1] == ("fused-oneshot", 8 * H2) and c.fused_calls == 1
-    assert c.counts == {"nccl": 2, "oneshot": 2, "twoshot": 2}
+    assert c.counts == {"nccl": 2, "oneshot": 2, "twoshot": 2, "twolevel": 0}
     forced = CustomComm(nccl, ar, None, mode="custom", oneshot_max_bytes=16 * H2)
     assert forced.choose(16 * H2) == "oneshot" and forced.choose(17 * H2) == "twoshot"
     assert forced.choose(101 * H2) == "nccl"
     assert CustomComm(nccl, ar, None).choose(H2) == "nccl"    # auto without a table: NCCL
     assert "from" in c.describe()
+    # a table that measured two-level faster: chosen only where the group has islands
+    js = _bench_json(4)
+    for r in js["rows"]:
+        r["twolevel_graph_us"] = r["twoshot_graph_us"] * 0.5
+    t2 = C.table_from_json(js)
+    assert CustomComm(nccl, ar, t2).choose(32 * H2) == "twoshot"
+    assert CustomComm(nccl, _FakeAr(None, 100 * 7168, island=2), t2).choose(32 * H2) == "twolevel"
     with pytest.raises(ValueError, match="mode"):
         CustomComm(nccl, ar, None, mode="fast")
 
@@ -180,3 +188,18 @@ def test_make_custom_comm_reads_table(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="calibrated for 4 ranks"):
         custom.make_custom_comm(_FakeNccl(size=2), 320 * 7168, mode="auto", table_path=str(p))
     assert custom.DEFAULT_MODE == "nccl"
+
+
+def test_island_size_of_ranks():
+    from ddtree_cupy.comm.topology import island_size_of_ranks, normalize_bus_id
+    t = parse_topo_matrix((TOPO / "pcie_2socket_8gpu.txt").read_text())
+    assert island_size_of_ranks(t, list(range(8))) == 4
+    assert island_size_of_ranks(t, [0, 1, 4, 5]) == 2
+    assert island_size_of_ranks(t, [0, 4, 1, 5]) == 0          # islands are not rank ranges: no two-level
+    assert island_size_of_ranks(t, [0, 1, 2, 4]) == 0          # unequal islands
+    nv = parse_topo_matrix((TOPO / "nvlink_8gpu.txt").read_text())
+    assert island_size_of_ranks(nv, list(range(8))) == 0       # one island
+    assert normalize_bus_id("00000000:17:00.0") == normalize_bus_id("0000:17:00.0") == "0000:17:00.0"
+    assert normalize_bus_id("0000:AB:00.0") == "0000:ab:00.0"
+    with pytest.raises(ValueError, match="cannot parse"):
+        normalize_bus_id("17:00")

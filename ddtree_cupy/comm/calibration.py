@@ -1,7 +1,7 @@
 """Which all-reduce algorithm serves which payload: a table of measured in-graph times per algorithm.
 
 The table comes from ``bench/allreduce.py --json`` (rows with ``bytes`` and ``nccl_graph_us`` /
-``oneshot_graph_us`` / ``twoshot_graph_us``; a file written before the custom path existed has NCCL's
+``oneshot_graph_us`` / ``twoshot_graph_us`` / ``twolevel_graph_us``; a file written before the custom path existed has NCCL's
 ``graph_us`` only) or from the start-up calibration of ``comm.custom`` (same row format). ``choose(nbytes)``
 interpolates every algorithm's time linearly in the payload between measured sizes and picks the fastest;
 outside the measured range it keeps the nearest measured choice, and a custom algorithm is never chosen
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-CUSTOM_ALGOS = ("oneshot", "twoshot")
+CUSTOM_ALGOS = ("oneshot", "twoshot", "twolevel")
 ALL_ALGOS = ("nccl",) + CUSTOM_ALGOS
 
 

@@ -5,7 +5,9 @@ than NCCL (``CustomComm``).
   * P2P detection for every pair of ranks: each rank maps every peer's PCI bus id to a local device and asks
     ``cudaDeviceCanAccessPeer``; the matrix is gathered, so every rank takes the same decision
     (``p2p_ok``). Ranks on other hosts, or GPUs hidden from each other, count as no P2P;
-  * one ``cudaMalloc`` per rank (header + 2 input slots + 2 result slots of ``cap`` bf16 each, zeroed), its
+  * the islands of the topology (``topology``: GPUs joined without a SYS hop): their size enables the
+    two-level exchange where the islands are equal rank ranges;
+  * one ``cudaMalloc`` per rank (header, 2 input and 2 result slots of ``cap`` bf16, 2 fp32 island-sum slots), its
     IPC handle exchanged over MPI and every peer's opened (``cudaIpcMemLazyEnablePeerAccess``); nothing is
     allocated after this, so calls can be captured in CUDA graphs and replayed any number of times;
   * an error record in host-mapped memory and a watchdog thread: when a kernel's bounded wait expires (a
@@ -13,7 +15,7 @@ than NCCL (``CustomComm``).
     watchdog prints that and aborts the job through the control plane (MPI), so no rank spins forever.
 
 ``CustomComm(nccl, table)``: the ``dist.Communicator`` the engine holds. ``all_reduce`` takes one-shot,
-two-shot or NCCL per payload size from a ``CalibrationTable`` (rank 0's, broadcast: every rank must choose
+two-shot, two-level or NCCL per payload size from a ``CalibrationTable`` (rank 0's, broadcast: every rank must choose
 the same); ``all_reduce_add_norm`` is the all-reduce fused with the residual add and the next RMSNorm
 (one launch instead of all-reduce + rms_norm), falling back to exactly that pair where NCCL is chosen;
 everything else (all-gathers, host objects, barrier, abort) is NCCL's / MPI's.
@@ -75,10 +77,29 @@ def p2p_matrix(mpi) -> List[List[bool]]:
     return mpi.all_gather_obj(row)
 
 
+def rank_island_size(mpi) -> int:
+    """Ranks per island of this job's GPUs (``topology.island_size_of_ranks``), agreed by all ranks: rank 0
+    reads ``nvidia-smi`` and maps every rank's PCI bus id to its index; 0 where anything is unknown."""
+    import cupy
+    from .topology import island_size_of_ranks, normalize_bus_id, read_topology, smi_bus_ids
+    mine = (socket.gethostname(), normalize_bus_id(cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id)))
+    everyone = mpi.all_gather_obj(mine) if mpi.size > 1 else [mine]
+    m = 0
+    if mpi.rank == 0 and len({h for h, _ in everyone}) == 1:
+        topo, buses = read_topology(), smi_bus_ids()
+        if topo is not None and buses is not None and len(buses) == topo.n:
+            try:
+                m = island_size_of_ranks(topo, [buses.index(b) for _, b in everyone])
+            except ValueError:          # a rank's GPU is not in nvidia-smi's list
+                m = 0
+    return int(mpi.broadcast_obj(m, root=0)) if mpi.size > 1 else 0
+
+
 class P2PAllReduce:
     """Buffers, IPC handles and launches of the custom all-reduce for one rank (see the module doc)."""
 
-    def __init__(self, mpi, cap: int, timeout_s: Optional[float] = None, watchdog: bool = True):
+    def __init__(self, mpi, cap: int, timeout_s: Optional[float] = None, watchdog: bool = True,
+                 island: Optional[int] = None):
         import cupy
         self._cp = cupy
         rt = cupy.cuda.runtime
@@ -95,6 +116,10 @@ class P2PAllReduce:
             raise ValueError(f"P2PAllReduce: timeout_s must be positive, got {timeout_s!r}")
         self.timeout_ns = int(timeout_s * 1e9)
         self.matrix = p2p_matrix(mpi) if self.n > 1 else [[True]]
+        # two-level exchange: ranks per island from the topology (None: read it here), 0 = not offered
+        self.island = rank_island_size(mpi) if island is None else int(island)
+        if self.island and not (2 <= self.island < self.n and self.n % self.island == 0):
+            raise ValueError(f"P2PAllReduce: island {self.island} must split {self.n} ranks into >= 2 islands")
         self.p2p_ok = all(all(r) for r in self.matrix)
         self.base = 0
         self._opened: List[int] = []
@@ -161,7 +186,7 @@ class P2PAllReduce:
         from ..kernels.allreduce import launch_allreduce
         self._check_ready()
         return launch_allreduce(self.peers, self.cap, self.rank, self.n, x, x if out is None else out, algo,
-                                self.timeout_ns, self._err_host)
+                                self.timeout_ns, self._err_host, island=self.island)
 
     def all_reduce_add_norm(self, x, residual, weight, eps: float, normed, algo: str = "oneshot",
                             residual_out=None):
@@ -169,7 +194,12 @@ class P2PAllReduce:
         self._check_ready()
         return launch_allreduce(self.peers, self.cap, self.rank, self.n, x, x, algo, self.timeout_ns,
                                 self._err_host, residual=residual, residual_out=residual_out, weight=weight,
-                                normed=normed, eps=eps)
+                                normed=normed, eps=eps, island=self.island)
+
+    @property
+    def algos(self) -> tuple:
+        """The P2P algorithms this group can run (two-level only on a topology of equal islands)."""
+        return ("oneshot", "twoshot") + (("twolevel",) if self.island else ())
 
     def _check_ready(self):
         if not self.p2p_ok:
@@ -192,10 +222,11 @@ class P2PAllReduce:
 
 
 def measure_table(comm_nccl, ar: P2PAllReduce, rows: Sequence[int], H: int = 7168, calls: int = 20,
-                  reps: int = 5, algos: Sequence[str] = ALL_ALGOS) -> CalibrationTable:
+                  reps: int = 5, algos: Optional[Sequence[str]] = None) -> CalibrationTable:
     """Start-up calibration: in-graph time per call of each algorithm at each payload of ``rows`` x H bf16,
     rank 0's measurement broadcast (every rank must choose the same)."""
     import cupy as cp
+    algos = ("nccl",) + ar.algos if algos is None else tuple(algos)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = sorted(set(int(r) for r in rows if r * H <= ar.cap or "nccl" in algos))
     times = {a: [] for a in algos}
@@ -259,7 +290,7 @@ class CustomComm:
             return "oneshot" if nbytes <= self.oneshot_max_bytes else "twoshot"
         if self.table is None:
             return "nccl"
-        return self.table.choose(nbytes, cap_bytes=self.ar.cap * 2)
+        return self.table.choose(nbytes, cap_bytes=self.ar.cap * 2, allowed=("nccl",) + tuple(self.ar.algos))
 
     def all_reduce(self, x):
         a = self.choose(int(x.nbytes)) if x.dtype == np.uint16 and x.flags.c_contiguous and x.size % 8 == 0 \
@@ -304,8 +335,9 @@ class CustomComm:
     def describe(self) -> str:
         t = self.table
         cross = ", ".join(f"{c['algo']} from {c['bytes'] // 1024} KB" for c in t.crossovers()) if t else "no table"
-        return (f"all-reduce: {self.mode}, P2P {'yes' if self.ar.p2p_ok else 'no'} across {self.size} ranks, "
-                f"buffers {self.ar.cap * 2 // 1024} KB, {cross}")
+        isl = f"islands of {self.ar.island}" if self.ar.island else "one island"
+        return (f"all-reduce: {self.mode}, P2P {'yes' if self.ar.p2p_ok else 'no'} across {self.size} ranks "
+                f"({isl}), buffers {self.ar.cap * 2 // 1024} KB, {cross}")
 
 
 def make_custom_comm(nccl, cap: int, mode: Optional[str] = None, table_path: Optional[str] = None,

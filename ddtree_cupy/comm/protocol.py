@@ -26,7 +26,7 @@ HEADER_BYTES = 16384      # AR_HEADER_BYTES
 MAX_FUSED_H = 8 * 4 * THREADS   # AR_MAXV vectors of 8 per thread
 PLAIN_UNIT = 2048         # elements per unit of a plain (unfused) all-reduce: T = 1 x 7168 spreads over 4 blocks
 
-ALGOS = ("oneshot", "twoshot")
+ALGOS = ("oneshot", "twoshot", "twolevel")     # template index 0, 1, 2 of p2p_allreduce_kernel
 
 
 class PeerTimeout(RuntimeError):
@@ -35,7 +35,7 @@ class PeerTimeout(RuntimeError):
 
 def buffer_bytes(cap: int) -> int:
     """Bytes of one rank's IPC allocation for ``cap`` elements per slot (allreduce.cuh's layout)."""
-    return HEADER_BYTES + 4 * 2 * int(cap)          # data[2][cap] + result[2][cap], bf16
+    return HEADER_BYTES + 2 * 2 * int(cap) * 2 + 2 * int(cap) * 4   # data, result [2][cap] bf16; isum fp32
 
 
 def plan_grid(N: int, unit: int) -> int:
@@ -63,6 +63,7 @@ class RankBuffers:
         self.epoch2 = np.zeros(MAX_BLOCKS, np.int64)
         self.data = np.zeros((2, self.cap), np.uint16)
         self.result = np.zeros((2, self.cap), np.uint16)
+        self.isum = np.zeros((2, self.cap), np.float32)
 
     def next_epoch(self, v: int) -> int:
         return (int(v) + 1) % (1 << self.bits)
@@ -79,6 +80,7 @@ class Call:
     weight: Optional[np.ndarray] = None       # fused: [unit] uint16
     normed: Optional[np.ndarray] = None       # fused: [N / unit, unit] uint16
     eps: float = 1e-6
+    island: int = 0                           # two-level: ranks per island (rank ranges of this size)
 
 
 def _sum_rank_order(parts: Sequence[np.ndarray]) -> np.ndarray:
@@ -99,15 +101,32 @@ def add_norm_rows(sums: np.ndarray, residual: np.ndarray, weight: np.ndarray, ep
     return h, normed
 
 
+def _sum_f32(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """fp32 sum in the given order of bf16 vectors, not rounded (a two-level island sum)."""
+    acc = np.zeros(parts[0].shape, np.float32)
+    for p in parts:
+        acc = acc + bf16_bits_to_f32(p)
+    return acc
+
+
 def block_program(bufs: Sequence[RankBuffers], rank: int, blk: int, nblk: int, call: Call,
                   max_spins: int = 100000) -> Iterator[None]:
     """Block ``blk`` of rank ``rank`` running one call (ar_allreduce_item). Yields while it waits."""
     n = len(bufs)
     me = bufs[rank]
     x, N, unit = call.x.reshape(-1), call.x.size, call.unit
-    two = call.algo == "twoshot"
+    algo = call.algo
+    if algo not in ALGOS:
+        raise ValueError(f"algo: {algo!r}")
+    phase2 = algo != "oneshot"
+    m = call.island if algo == "twolevel" else n
+    if algo == "twolevel" and not (2 <= m < n and n % m == 0):
+        raise ValueError(f"two-level: island size {m} must divide n = {n} into >= 2 islands")
+    k, i0 = n // m, (rank // m) * m
+    wait1 = range(i0, i0 + m) if algo == "twolevel" else range(n)
+    wait2 = [j * m + rank % m for j in range(k)] if algo == "twolevel" else range(n)
     e1 = me.next_epoch(me.epoch1[blk])
-    e2 = me.next_epoch(me.epoch2[blk]) if two else 0
+    e2 = me.next_epoch(me.epoch2[blk]) if phase2 else 0
     slot, rslot = e1 & 1, e2 & 1
     units = range(blk, -(-N // unit), nblk)
 
@@ -118,11 +137,11 @@ def block_program(bufs: Sequence[RankBuffers], rank: int, blk: int, nblk: int, c
         me.data[slot, span(u)] = x[span(u)]
         yield
 
-    def barrier(which: int, e: int):
+    def barrier(which: int, e: int, wait):
         for s in range(n):                             # publish e into every peer's word for (blk, me)
             (bufs[s].flags1 if which == 1 else bufs[s].flags2)[blk, rank] = e
         mine = me.flags1 if which == 1 else me.flags2
-        for s in range(n):
+        for s in wait:
             spins = 0
             while not _ahead_or_equal(int(mine[blk, s]), e, me.bits):
                 spins += 1
@@ -131,18 +150,25 @@ def block_program(bufs: Sequence[RankBuffers], rank: int, blk: int, nblk: int, c
                                       f"(phase {which}); it never arrived")
                 yield
 
-    yield from barrier(1, e1)
-    if two:
+    yield from barrier(1, e1, wait1)
+    if phase2:
         for u in units:
-            if u % n == rank:
+            if algo == "twoshot" and u % n == rank:
                 me.result[rslot, span(u)] = _sum_rank_order([b.data[slot, span(u)] for b in bufs])
-                yield
-        yield from barrier(2, e2)
+            elif algo == "twolevel":
+                me.isum[rslot, span(u)] = _sum_f32([bufs[s].data[slot, span(u)] for s in range(i0, i0 + m)])
+            yield
+        yield from barrier(2, e2, wait2)
     fused = call.residual is not None
     out = call.out.reshape(-1)
     for u in units:
-        if two:
+        if algo == "twoshot":
             s = bufs[u % n].result[rslot, span(u)].copy()
+        elif algo == "twolevel":
+            acc = np.zeros(span(u).stop - span(u).start, np.float32)
+            for j in wait2:                            # island order
+                acc = acc + bufs[j].isum[rslot, span(u)]
+            s = to_bf16_bits(acc)
         else:
             s = _sum_rank_order([b.data[slot, span(u)] for b in bufs])
         if fused:
@@ -153,7 +179,7 @@ def block_program(bufs: Sequence[RankBuffers], rank: int, blk: int, nblk: int, c
             out[span(u)] = s
         yield
     me.epoch1[blk] = e1
-    if two:
+    if phase2:
         me.epoch2[blk] = e2
 
 
@@ -207,7 +233,14 @@ def run_threads(bufs: Sequence[RankBuffers], calls_per_rank: Callable[[int, int]
     return errors
 
 
-def reference_sum(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """What every rank must hold: the rank-ordered fp32 sum of the bf16 parts, rounded to bf16."""
-    return _sum_rank_order([np.asarray(p).reshape(-1) for p in parts]).reshape(np.asarray(parts[0]).shape)
+def reference_sum(parts: Sequence[np.ndarray], island: int = 0) -> np.ndarray:
+    """What every rank must hold: the rank-ordered fp32 sum of the bf16 parts, rounded to bf16; with
+    ``island`` (two-level) the fp32 sum of the islands' fp32 sums (each in rank order), in island order."""
+    flat = [np.asarray(p).reshape(-1) for p in parts]
+    if not island:
+        return _sum_rank_order(flat).reshape(np.asarray(parts[0]).shape)
+    acc = np.zeros(flat[0].shape, np.float32)
+    for j in range(0, len(flat), island):
+        acc = acc + _sum_f32(flat[j:j + island])
+    return to_bf16_bits(acc).reshape(np.asarray(parts[0]).shape)
 

@@ -122,3 +122,45 @@ def read_topology(timeout_s: float = 10.0) -> Optional[Topology]:
         return parse_topo_matrix(p.stdout)
     except ValueError:
         return None
+
+
+def normalize_bus_id(bus: str) -> str:
+    """'00000000:17:00.0' (nvidia-smi) and '0000:17:00.0' (CUDA) -> '0000:17:00.0'."""
+    m = re.fullmatch(r"\s*([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])\s*", bus)
+    if not m:
+        raise ValueError(f"PCI bus id: cannot parse {bus!r}")
+    return f"{int(m.group(1), 16):04x}:{m.group(2).lower()}:{m.group(3).lower()}.{m.group(4)}"
+
+
+def island_size_of_ranks(topo: Topology, gpu_of_rank: Sequence[int]) -> int:
+    """Ranks per island when the ranks' GPUs form >= 2 islands of equal size >= 2 that are contiguous rank
+    ranges ([0, m), [m, 2m), ...: the two-level kernel's layout); else 0 (no two-level exchange)."""
+    islands = topo.islands(list(gpu_of_rank))
+    if not topo.two_level(list(gpu_of_rank)):
+        return 0
+    m = len(islands[0])
+    rank_of = {g: r for r, g in enumerate(gpu_of_rank)}
+    for isl in islands:
+        ranks = sorted(rank_of[g] for g in isl)
+        if ranks != list(range(ranks[0], ranks[0] + m)) or ranks[0] % m:
+            return 0
+    return m
+
+
+def smi_bus_ids(timeout_s: float = 10.0) -> Optional[List[str]]:
+    """nvidia-smi's GPU index -> normalised PCI bus id (the index space of ``topo -m``), or None."""
+    try:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return None
+    out: Dict[int, str] = {}
+    try:
+        for ln in p.stdout.strip().splitlines():
+            i, bus = ln.split(",", 1)
+            out[int(i)] = normalize_bus_id(bus)
+    except ValueError:
+        return None
+    return [out[i] for i in sorted(out)] if sorted(out) == list(range(len(out))) else None

@@ -13,28 +13,32 @@ from ..comm import protocol as P
 from .checks import check_array
 from .compile import KernelSpec, get_kernel, register
 
-AR_NAMES = tuple(f"p2p_allreduce_kernel<{t}, {f}>" for t in ("false", "true") for f in ("false", "true"))
+AR_NAMES = tuple(f"p2p_allreduce_kernel<{a}, {f}>" for a in range(len(P.ALGOS)) for f in ("false", "true"))
 ALLREDUCE_SPEC = register(KernelSpec("allreduce.cu", AR_NAMES, hot=True, pdl=True,
-                                     doc="P2P all-reduce: one-shot / two-shot, fused residual add + RMSNorm"))
+                                     doc="P2P all-reduce: one-shot / two-shot / two-level, fused residual add + RMSNorm"))
 
 
 def _name(algo: str, fused: bool) -> str:
     if algo not in P.ALGOS:
         raise ValueError(f"algo: must be one of {P.ALGOS}, got {algo!r}")
-    return f"p2p_allreduce_kernel<{'true' if algo == 'twoshot' else 'false'}, {'true' if fused else 'false'}>"
+    return f"p2p_allreduce_kernel<{P.ALGOS.index(algo)}, {'true' if fused else 'false'}>"
 
 
 def launch_allreduce(peers, cap: int, rank: int, n: int, x, out, algo: str, timeout_ns: int, err_ptr: int,
-                     *, residual=None, residual_out=None, weight=None, normed=None, eps: float = 1e-6):
+                     *, residual=None, residual_out=None, weight=None, normed=None, eps: float = 1e-6,
+                     island: int = 0):
     """One collective on the current stream. peers: uint64 [n] device array of every rank's buffer base
     (this rank's at ``rank``); x, out: bf16 (uint16) contiguous arrays of the same shape, N <= cap elements
-    (out may be x). Fused (``residual`` given): x is [T, H], residual [T, H] is updated in place (or written
+    (out may be x). ``island``: two-level only, ranks per island (n a multiple of it, >= 2 islands). Fused (``residual`` given): x is [T, H], residual [T, H] is updated in place (or written
     to ``residual_out``), ``normed`` [T, H] = RMSNorm(weight [H]) of the new residual."""
     dims: dict = {}
     check_array("peers", peers, np.uint64, (n,))
     if not 1 <= n <= P.MAX_RANKS or not 0 <= rank < n:
         raise ValueError(f"rank / n: rank {rank} of {n} (1..{P.MAX_RANKS} ranks)")
     fused = residual is not None
+    _name(algo, fused)
+    if algo == "twolevel" and not (2 <= island < n and n % island == 0):
+        raise ValueError(f"island: two-level needs islands of >= 2 ranks dividing n = {n} into >= 2, got {island}")
     if fused:
         check_array("x", x, np.uint16, ("T", "H"), dims)
         T, H = dims["T"], dims["H"]
@@ -66,7 +70,7 @@ def launch_allreduce(peers, cap: int, rank: int, n: int, x, out, algo: str, time
     grid = P.plan_grid(N, unit)
     z = np.uint64(0)
     k = get_kernel(ALLREDUCE_SPEC, _name(algo, fused))
-    k((grid,), (P.THREADS,), (peers, np.int64(cap), np.int32(rank), np.int32(n), x, out, np.int64(N), np.int32(unit),
+    k((grid,), (P.THREADS,), (peers, np.int64(cap), np.int32(rank), np.int32(n), np.int32(island), x, out, np.int64(N), np.int32(unit),
                               residual if fused else z, residual_out if fused else z, weight if fused else z,
                               normed if fused else z, np.float32(eps), np.int64(timeout_ns), np.uint64(err_ptr)))
     return out

@@ -42,10 +42,11 @@ class LocalGroup:
         self.timeout_ns = int(timeout_s * 1e9)
         cp.cuda.Device().synchronize()
 
-    def launch(self, r, x, out, algo, **fused):
+    def launch(self, r, x, out, algo, island=0, **fused):
         from ddtree_cupy.kernels.allreduce import launch_allreduce
         with self.streams[r]:
-            launch_allreduce(self.peers, self.cap, r, self.n, x, out, algo, self.timeout_ns, self.err, **fused)
+            launch_allreduce(self.peers, self.cap, r, self.n, x, out, algo, self.timeout_ns, self.err,
+                             island=island, **fused)
 
     def sync(self):
         for s in self.streams:
@@ -71,10 +72,13 @@ def _parts(rng, n, shape):
     return out
 
 
-@pytest.mark.parametrize("algo", P.ALGOS)
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+CASES = ([(a, n, 0) for a in ("oneshot", "twoshot") for n in (1, 2, 3, 4, 8)]
+         + [("twolevel", n, m) for n, m in ((4, 2), (6, 3), (8, 4), (8, 2))])
+
+
+@pytest.mark.parametrize("algo,n,island", CASES)
 @pytest.mark.parametrize("T", [1, 3, 8, 16])
-def test_sum_bits_every_rank(algo, n, T):
+def test_sum_bits_every_rank(algo, n, island, T):
     import cupy as cp
     grid = P.plan_grid(T * H, P.PLAIN_UNIT)
     if n * grid > _sms(cp):
@@ -82,23 +86,23 @@ def test_sum_bits_every_rank(algo, n, T):
     rng = np.random.default_rng(1000 * n + T)
     g = LocalGroup(cp, n, 16 * H)
     parts = _parts(rng, n, (T, H))
-    want = P.reference_sum(parts)
+    want = P.reference_sum(parts, island)
     for rep in range(3):                        # three calls: both parity slots, then the first again
         xs = [cp.asarray(p) for p in parts]
         outs = [poisoned(cp, (T, H)) for _ in range(n)]
         cp.cuda.Device().synchronize()          # inputs were written on the default stream
         for r in range(n):
-            g.launch(r, xs[r], outs[r], algo)
+            g.launch(r, xs[r], outs[r], algo, island)
         g.sync()
         for r in range(n):
             assert np.array_equal(outs[r].get(), want), f"rep {rep} rank {r}: not the rank-ordered sum"
     assert g.epoch1(0) == 3
 
 
-@pytest.mark.parametrize("algo", P.ALGOS)
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("algo,n,island", [(a, n, 0) for a in ("oneshot", "twoshot") for n in (1, 2, 4)]
+                         + [("twolevel", 4, 2)])
 @pytest.mark.parametrize("T", [1, 5, 16])
-def test_fused_add_norm_vs_unfused(algo, n, T):
+def test_fused_add_norm_vs_unfused(algo, n, island, T):
     """The fused kernel == all-reduce then rms_norm(residual=...) (same arithmetic, bit for bit), and within
     bf16 rounding of the float64 reference."""
     import cupy as cp
@@ -117,14 +121,14 @@ def test_fused_add_norm_vs_unfused(algo, n, T):
     xs = [cp.asarray(p) for p in parts]
     cp.cuda.Device().synchronize()
     for r in range(n):
-        g.launch(r, xs[r], xs[r], algo, residual=res[r], weight=w, normed=normed[r], eps=eps)
+        g.launch(r, xs[r], xs[r], algo, island, residual=res[r], weight=w, normed=normed[r], eps=eps)
     g.sync()
-    s = cp.asarray(P.reference_sum(parts))
+    s = cp.asarray(P.reference_sum(parts, island))
     res_u = cp.asarray(res0)
     normed_u = poisoned(cp, (T, H))
     rms_norm(s, w, eps, out=normed_u, residual=res_u)
     cp.cuda.Device().synchronize()
-    h = to_bf16_bits(bf16_bits_to_f32(P.reference_sum(parts)) + bf16_bits_to_f32(res0))
+    h = to_bf16_bits(bf16_bits_to_f32(P.reference_sum(parts, island)) + bf16_bits_to_f32(res0))
     ref = ref_norm(bf16_bits_to_f32(h).astype(np.float64), bf16_bits_to_f32(w.get()).astype(np.float64), eps)
     for r in range(n):
         assert np.array_equal(res[r].get(), h), f"rank {r}: residual != bf16(sum + residual)"
@@ -133,8 +137,9 @@ def test_fused_add_norm_vs_unfused(algo, n, T):
 
 
 def test_graph_replays_10k():
-    """2 emulated ranks, 10 calls each captured in one graph (a fork onto the second rank's stream), replayed
-    1000 times: 10^4 calls, epochs advance with no host reset, the result stays the rank-ordered sum."""
+    """2 emulated ranks, 10 calls each (one-shot and two-shot in turn) captured in one graph (a fork onto the
+    second rank's stream), replayed 1000 times: 10^4 calls, epochs advance with no host reset, the result
+    stays the rank-ordered sum."""
     import cupy as cp
     n, T, calls, reps = 2, 2, 10, 1000
     rng = np.random.default_rng(3)

@@ -3,7 +3,8 @@
     mpirun -np N launcher/bind.sh python tests/mpi_progs/p2p_allreduce.py            # the checks
     mpirun -np N launcher/bind.sh python tests/mpi_progs/p2p_allreduce.py --dead     # the last rank dies
 
-Checks (rank 0 prints "P2P ALLREDUCE OK"): for 1..320 rows x 7168 bf16, one-shot and two-shot, equal to NCCL
+Checks (rank 0 prints "P2P ALLREDUCE OK"): for 1..320 rows x 7168 bf16, one-shot, two-shot and (on a
+topology of equal islands, e.g. 4 + 4 GPUs on two sockets) two-level, equal to NCCL
 within bf16 rounding and to the rank-ordered fp32 sum bit for bit, identical bits on every rank; the fused
 residual add + RMSNorm equal to all-reduce + rms_norm; 10^4 calls replayed from a CUDA graph. ``--dead``: the
 last rank exits before its call; the others must end the job with the error naming it (DDT_AR_TIMEOUT_S).
@@ -56,10 +57,11 @@ def main() -> int:
         for T in (1, 2, 8, 16, 32, 80, 160, 320):
             rng = np.random.default_rng(T)         # the same table on every rank; rank r takes part r
             parts = [to_bf16_bits(rng.standard_normal((T, H)).astype(np.float32)) for _ in range(n)]
-            want = P.reference_sum(parts)
             ref_nccl = cp.asarray(parts[rank])
             nccl.all_reduce(ref_nccl)
-            for algo in P.ALGOS:
+            for algo in ar.algos:
+                isl = ar.island if algo == "twolevel" else 0
+                want = P.reference_sum(parts, isl)
                 x = cp.asarray(parts[rank])
                 out = cp.full((T, H), 0xFFFF, np.uint16)
                 stream.synchronize()
@@ -98,7 +100,7 @@ def main() -> int:
         assert np.array_equal(out.get(), P.reference_sum(parts)), f"rank {rank}: wrong after 10^4 replays"
     nccl.barrier()
     if rank == 0:
-        print(f"P2P ALLREDUCE OK ({n} ranks)", flush=True)
+        print(f"P2P ALLREDUCE OK ({n} ranks; algorithms {', '.join(ar.algos)})", flush=True)
     return 0
 
 
