@@ -172,12 +172,20 @@ def main(argv=None) -> int:
         cross = table.crossovers()
         print("choice by payload: " + ", ".join(f"{c['algo']} from {c['bytes'] / 1024:.0f} KB" for c in cross))
         fit = fit_latency_bandwidth(rows, comm.size)
+        # what the engine's 'auto' choice pays: the fastest algorithm's time per payload, fitted the same way
+        best_rows = [{"bytes": r["bytes"], "graph_us": min(r[al + "_graph_us"] for al in algos)} for r in rows]
+        fit_best = fit_latency_bandwidth(best_rows, comm.size)
         bw = f"{fit['bus_GBps']:.1f} GB/s" if fit["bus_GBps"] else "n/a"
         print(f"NCCL fit (graph us = latency + 2 (n-1)/n x bytes / bus bandwidth): latency {fit['latency_us']:.1f} us, "
               f"bus bandwidth {bw}  -> python -m bench.step --allreduce-fit {a.json or 'THIS.json'}")
+        if custom:
+            bwb = f"{fit_best['bus_GBps']:.1f} GB/s" if fit_best["bus_GBps"] else "n/a"
+            print(f"fastest-algorithm fit: latency {fit_best['latency_us']:.1f} us, bus bandwidth {bwb}  -> "
+                  f"python -m bench.step --allreduce-fit {a.json or 'THIS.json'} --allreduce-fit-algo best")
         if a.json:
             with open(a.json, "w") as f:
-                json.dump({"ranks": comm.size, "device": name, "rows": rows, "fit": fit, "crossovers": cross,
+                json.dump({"ranks": comm.size, "device": name, "rows": rows, "fit": fit, "fit_best": fit_best,
+                           "crossovers": cross,
                            "p2p_ceiling_GBps": ceiling, "p2p": custom,
                            "topology": topo.describe() if topo else None,
                            "cap_bytes": (ar.cap * 2) if custom else None}, f, indent=1)

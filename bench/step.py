@@ -182,17 +182,22 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     return mem_s * (bw / PRO6000_BW) + n_coll * latency_us * 1e-6 + bus_bytes / (bus_gbps * 1e9)
 
 
-def load_allreduce_fit(path: str, default_gbps: float):
-    """(latency us, bus GB/s, a note) from a ``bench/allreduce.py --json`` file (its ``fit``); a fit without a
-    bandwidth (one rank) keeps ``default_gbps``. A file without a fit is refused, naming the file."""
+def load_allreduce_fit(path: str, default_gbps: float, which: str = "nccl"):
+    """(latency us, bus GB/s, a note) from a ``bench/allreduce.py --json`` file: its ``fit`` (NCCL) or, with
+    ``which='best'``, its ``fit_best`` (the fastest of NCCL and the P2P kernels per payload: what the engine's
+    DDT_ALLREDUCE=auto pays); a fit without a bandwidth (one rank) keeps ``default_gbps``. A file without the
+    fit is refused, naming the file."""
     with open(path) as f:
         d = json.load(f)
-    fit = d.get("fit")
+    key = "fit_best" if which == "best" else "fit"
+    fit = d.get(key)
     if not fit or fit.get("latency_us") is None:
-        raise SystemExit(f"--allreduce-fit {path}: no 'fit' in it (write it with bench/allreduce.py --json)")
+        raise SystemExit(f"--allreduce-fit {path}: no '{key}' in it (write it with bench/allreduce.py --json"
+                         f"{'' if key == 'fit' else ' on GPUs with P2P'})")
     gbps = fit.get("bus_GBps") or default_gbps
     return (float(fit["latency_us"]), float(gbps),
-            f"fitted by bench/allreduce.py on {d.get('ranks')} rank(s) of {d.get('device')} ({path})")
+            f"fitted ({'fastest algorithm' if key == 'fit_best' else 'NCCL'}) by bench/allreduce.py on "
+            f"{d.get('ranks')} rank(s) of {d.get('device')} ({path})")
 
 
 def load_configs(layers: int, ctx: int):
@@ -354,7 +359,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=61, help="fewer layers for a quick harness check")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--allreduce-us", type=float, default=24.0,
-                    help="per-collective latency on the target box (the projection's fixed term)")
+                    help="per-collective latency on the target box (the projection's fixed term; assumed NCCL on "
+                         "PCIe. Published for 8x RTX PRO 6000: NCCL ~26-56 us at 14 KB, a one-stage P2P kernel "
+                         "~12 us: pass --allreduce-us 12 to project the P2P path until it is measured there)")
     ap.add_argument("--allreduce-gbps", type=float, default=40.0,
                     help="all-reduce bus bandwidth per GPU on the target box, GB/s (PCIe 5.0 x16 ring; the "
                          "projection's payload term)")
@@ -370,6 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--allreduce-fit", default=None,
                     help="a bench/allreduce.py JSON from the target box: its fitted latency and bus bandwidth "
                          "replace --allreduce-us / --allreduce-gbps")
+    ap.add_argument("--allreduce-fit-algo", choices=("nccl", "best"), default="nccl",
+                    help="which fit of --allreduce-fit: NCCL's, or the fastest algorithm's per payload (P2P included)")
     ap.add_argument("--comm", choices=("none", "nccl", "custom"), default="none",
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
                          "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost); "
@@ -378,7 +387,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     collectives_source = "assumed (command line / defaults)"
     if a.allreduce_fit:
-        a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps)
+        a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps,
+                                                                                  a.allreduce_fit_algo)
     comm = make_comm(a.comm)            # first: under mpirun it picks this process's GPU
     live = isinstance(comm, LiveRankComm)
     if live and comm.real.rank != 0:    # every rank runs the same sequence; rank 0 alone reports

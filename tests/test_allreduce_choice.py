@@ -203,3 +203,28 @@ def test_island_size_of_ranks():
     assert normalize_bus_id("0000:AB:00.0") == "0000:ab:00.0"
     with pytest.raises(ValueError, match="cannot parse"):
         normalize_bus_id("17:00")
+
+
+def test_step_projection_reads_the_fastest_algorithm_fit(tmp_path):
+    """bench/allreduce.py's JSON carries NCCL's fit and the fastest algorithm's; bench.step picks one."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from bench.allreduce import fit_latency_bandwidth
+    from bench.step import load_allreduce_fit
+    js = _bench_json(8)
+    rows = js["rows"]
+    js["fit"] = fit_latency_bandwidth([{"bytes": r["bytes"], "graph_us": r["nccl_graph_us"]} for r in rows], 8)
+    best = [{"bytes": r["bytes"], "graph_us": min(r["nccl_graph_us"], r["oneshot_graph_us"], r["twoshot_graph_us"])}
+            for r in rows]
+    js["fit_best"] = fit_latency_bandwidth(best, 8)
+    assert js["fit_best"]["latency_us"] < js["fit"]["latency_us"]
+    p = tmp_path / "ar.json"
+    p.write_text(json.dumps(js))
+    us_n, _, note_n = load_allreduce_fit(str(p), 40.0)
+    us_b, _, note_b = load_allreduce_fit(str(p), 40.0, "best")
+    assert us_n == pytest.approx(js["fit"]["latency_us"]) and us_b == pytest.approx(js["fit_best"]["latency_us"])
+    assert "NCCL" in note_n and "fastest" in note_b
+    del js["fit_best"]
+    p.write_text(json.dumps(js))
+    with pytest.raises(SystemExit, match="fit_best"):
+        load_allreduce_fit(str(p), 40.0, "best")
