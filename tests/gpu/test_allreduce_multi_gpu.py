@@ -1,5 +1,5 @@
 """The P2P all-reduce across real GPUs (>= 2; skipped otherwise): tests/mpi_progs/p2p_allreduce.py under
-mpirun (NCCL agreement, identical bits, fused add + norm, 10^4 graph replays), a rank that dies mid-job
+mpirun (NCCL agreement, identical bits, fused add + norm, 10^4 graph replays), a rank that hangs mid-job
 ending the job with a clear error within seconds, and the engine's TP = 2 tokens with the custom path on
 (bench/tp_check.py with DDT_ALLREDUCE=custom)."""
 import os

@@ -1,13 +1,13 @@
 """Run under mpirun -np N (N GPUs, N >= 2): the P2P all-reduce across real GPUs.
 
     mpirun -np N launcher/bind.sh python tests/mpi_progs/p2p_allreduce.py            # the checks
-    mpirun -np N launcher/bind.sh python tests/mpi_progs/p2p_allreduce.py --dead     # the last rank dies
+    mpirun -np N launcher/bind.sh python tests/mpi_progs/p2p_allreduce.py --dead     # the last rank hangs
 
 Checks (rank 0 prints "P2P ALLREDUCE OK"): for 1..320 rows x 7168 bf16, one-shot, two-shot and (on a
 topology of equal islands, e.g. 4 + 4 GPUs on two sockets) two-level, equal to NCCL
 within bf16 rounding and to the rank-ordered fp32 sum bit for bit, identical bits on every rank; the fused
 residual add + RMSNorm equal to all-reduce + rms_norm; 10^4 calls replayed from a CUDA graph. ``--dead``: the
-last rank exits before its call; the others must end the job with the error naming it (DDT_AR_TIMEOUT_S).
+last rank never makes its call; the others must end the job with the error naming it (DDT_AR_TIMEOUT_S).
 A machine without P2P between its GPUs prints "NO P2P" and exits 0 (nothing to check).
 """
 import hashlib
@@ -45,8 +45,11 @@ def main() -> int:
         x = cp.ones((8, H), np.uint16)
         nccl.barrier()
         if rank == n - 1:
-            print(f"rank {rank}: exiting without its all-reduce", flush=True)
-            os._exit(0)
+            # hangs instead of exiting: a rank that exits is reaped by mpirun anyway; one that hangs (or is
+            # stopped) is what only the bounded wait can turn into an error
+            print(f"rank {rank}: never starting its all-reduce", flush=True)
+            time.sleep(300)
+            return 4
         t0 = time.time()
         with stream:
             ar.all_reduce(x, "oneshot")
