@@ -301,8 +301,9 @@ class CustomComm:
         return self.ar.all_reduce(x, a)
 
     def all_reduce_add_norm(self, x, residual, weight, eps: float, normed, residual_out=None):
-        """x [T, H] = sum over ranks (in place); residual(_out) = bf16(x + residual); normed = RMSNorm(weight)
-        of it. One fused launch on the custom path; all-reduce + ``rms_norm(residual=...)`` under NCCL."""
+        """residual(_out) = bf16(sum over ranks of x [T, H] + residual); normed = RMSNorm(weight) of it. One
+        fused launch on the P2P path (x left as it is); all-reduce of x in place + ``rms_norm(residual=...)``
+        where NCCL is chosen. Callers must not read x afterwards."""
         a = self.choose(int(x.nbytes))
         self.counts[a] += 1
         if a == "nccl":

@@ -29,8 +29,10 @@ def launch_allreduce(peers, cap: int, rank: int, n: int, x, out, algo: str, time
                      island: int = 0):
     """One collective on the current stream. peers: uint64 [n] device array of every rank's buffer base
     (this rank's at ``rank``); x, out: bf16 (uint16) contiguous arrays of the same shape, N <= cap elements
-    (out may be x). ``island``: two-level only, ranks per island (n a multiple of it, >= 2 islands). Fused (``residual`` given): x is [T, H], residual [T, H] is updated in place (or written
-    to ``residual_out``), ``normed`` [T, H] = RMSNorm(weight [H]) of the new residual."""
+    (out may be x). ``island``: two-level only, ranks per island (n a multiple of it, >= 2 islands).
+    Fused (``residual`` given): x is [T, H] (left as it is: the sum itself is not stored), residual [T, H] is
+    updated in place (or written to ``residual_out``), ``normed`` [T, H] = RMSNorm(weight [H]) of the new
+    residual."""
     dims: dict = {}
     check_array("peers", peers, np.uint64, (n,))
     if not 1 <= n <= P.MAX_RANKS or not 0 <= rank < n:
@@ -70,7 +72,7 @@ def launch_allreduce(peers, cap: int, rank: int, n: int, x, out, algo: str, time
     grid = P.plan_grid(N, unit)
     z = np.uint64(0)
     k = get_kernel(ALLREDUCE_SPEC, _name(algo, fused))
-    k((grid,), (P.THREADS,), (peers, np.int64(cap), np.int32(rank), np.int32(n), np.int32(island), x, out, np.int64(N), np.int32(unit),
-                              residual if fused else z, residual_out if fused else z, weight if fused else z,
+    k((grid,), (P.THREADS,), (peers, np.int64(cap), np.int32(rank), np.int32(n), np.int32(island), x, out,
+                              np.int64(N), np.int32(unit), residual if fused else z, residual_out if fused else z, weight if fused else z,
                               normed if fused else z, np.float32(eps), np.int64(timeout_ns), np.uint64(err_ptr)))
     return out
