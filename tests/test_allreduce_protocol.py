@@ -73,6 +73,7 @@ def test_rank_order_matters():
     assert not np.array_equal(P.reference_sum(parts), P.reference_sum(parts[::-1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", P.ALGOS)
 def test_replays_wrap_epochs_any_order(algo):
     """3000 back-to-back calls on 3-bit epoch counters (wrap every 8 calls), alternating payload sizes (so
@@ -94,6 +95,7 @@ def test_replays_wrap_epochs_any_order(algo):
     assert int(bufs[0].epoch1[0]) == 3000 % (1 << bits)
 
 
+@pytest.mark.slow
 def test_threads_no_host_reset():
     """One OS thread per rank replaying 400 calls, the three algorithms in turn, with no barrier between them
     (a rank may run one epoch ahead of a slow peer and publish its next flag before the peer read the current
