@@ -52,6 +52,7 @@ sys.path.insert(0, ROOT)
 
 PRO6000_BW = 1.79e12          # RTX PRO 6000 Blackwell GDDR7, datasheet bytes/s
 
+from ddtree_cupy import knobs  # noqa: E402
 from ddtree_cupy.profiling.rank_comm import RankComm  # noqa: E402  (rank 0 of 8 without peers)
 from ddtree_cupy.profiling.routing import UniformRouting, count_experts  # noqa: E402,F401
 from ddtree_cupy.profiling.marginal import leave_one_out  # noqa: E402
@@ -97,18 +98,50 @@ class LiveRankComm(RankComm):
         self.real.barrier()
 
 
+class LiveCustomComm(LiveRankComm):
+    """``--comm custom``: ``LiveRankComm`` over ``comm.custom.CustomComm`` (the P2P all-reduce where it is chosen,
+    NCCL otherwise). It also offers the fused all-reduce + residual add + RMSNorm, so the target's layers take
+    the fused path (``GpuTarget.fuses_norms``); with the collectives off, the same call is the plain
+    ``rms_norm(residual=...)`` the unfused step runs, so on - off is the collectives' cost again."""
+    backend = "bench-custom"
+
+    def all_reduce_add_norm(self, x, residual, weight, eps, normed, residual_out=None):
+        self.n_reduce += 1
+        self.reduce_bytes += x.nbytes
+        if self.live:
+            return self.real.all_reduce_add_norm(x, residual, weight, eps, normed, residual_out=residual_out)
+        from ddtree_cupy.kernels.layers import rms_norm
+        return rms_norm(x, weight, eps, out=normed, residual=residual, residual_out=residual_out)
+
+
+def _comm_label(comm) -> str:
+    if isinstance(comm, LiveCustomComm):
+        return "P2P all-reduce (" + comm.real.describe() + ") + NCCL all-gathers"
+    return "NCCL"
+
+
+CUSTOM_CAP_ROWS = 512         # rows x 7168 bf16 per P2P buffer slot: every payload of the benchmarked shapes
+
+
 def make_comm(kind: str):
     """``none``: ``RankComm`` (collectives are no-ops, the single-GPU default). ``nccl``: ``LiveRankComm`` over
-    the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does)."""
+    the processes of an ``mpirun`` (each on GPU local_rank, NCCL bootstrapped over MPI as the engine does).
+    ``custom``: ``LiveCustomComm``, the P2P all-reduce (DDT_ALLREDUCE: 'custom' by default here, 'auto' picks
+    per payload from DDT_ALLREDUCE_TABLE or a start-up calibration); without P2P it says so and is NCCL."""
     if kind == "none":
         return RankComm(0, 8)
     from ddtree_cupy.dist import NcclComm, hold_until_exit, init_communicator, launched_with_mpi
     if not launched_with_mpi():
-        raise SystemExit("--comm nccl needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
-                         "--comm nccl ... (N GPUs)")
+        raise SystemExit(f"--comm {kind} needs several processes: mpirun -np N launcher/bind.sh python -m bench.step "
+                         f"--comm {kind} ... (N GPUs)")
     real = hold_until_exit(init_communicator("cupy"))    # outlives the step graphs (dist.end_job)
     if not isinstance(real, NcclComm):
-        raise SystemExit(f"--comm nccl: expected an NCCL communicator, got {type(real).__name__}")
+        raise SystemExit(f"--comm {kind}: expected an NCCL communicator, got {type(real).__name__}")
+    if kind == "custom":
+        from ddtree_cupy.comm.custom import CustomComm, make_custom_comm
+        cc = make_custom_comm(real, CUSTOM_CAP_ROWS * 7168, mode=knobs.get().allreduce or "custom")
+        if isinstance(cc, CustomComm):
+            return LiveCustomComm(hold_until_exit(cc))
     return LiveRankComm(real)
 
 
@@ -125,17 +158,22 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     return mem_s * (bw / PRO6000_BW) + n_coll * latency_us * 1e-6 + bus_bytes / (bus_gbps * 1e9)
 
 
-def load_allreduce_fit(path: str, default_gbps: float):
-    """(latency us, bus GB/s, a note) from a ``bench/allreduce.py --json`` file (its ``fit``); a fit without a
-    bandwidth (one rank) keeps ``default_gbps``. A file without a fit is refused, naming the file."""
+def load_allreduce_fit(path: str, default_gbps: float, which: str = "nccl"):
+    """(latency us, bus GB/s, a note) from a ``bench/allreduce.py --json`` file: its ``fit`` (NCCL) or, with
+    ``which='best'``, its ``fit_best`` (the fastest of NCCL and the P2P kernels per payload: what the engine's
+    DDT_ALLREDUCE=auto pays); a fit without a bandwidth (one rank) keeps ``default_gbps``. A file without the
+    fit is refused, naming the file."""
     with open(path) as f:
         d = json.load(f)
-    fit = d.get("fit")
+    key = "fit_best" if which == "best" else "fit"
+    fit = d.get(key)
     if not fit or fit.get("latency_us") is None:
-        raise SystemExit(f"--allreduce-fit {path}: no 'fit' in it (write it with bench/allreduce.py --json)")
+        raise SystemExit(f"--allreduce-fit {path}: no '{key}' in it (write it with bench/allreduce.py --json"
+                         f"{'' if key == 'fit' else ' on GPUs with P2P'})")
     gbps = fit.get("bus_GBps") or default_gbps
     return (float(fit["latency_us"]), float(gbps),
-            f"fitted by bench/allreduce.py on {d.get('ranks')} rank(s) of {d.get('device')} ({path})")
+            f"fitted ({'fastest algorithm' if key == 'fit_best' else 'NCCL'}) by bench/allreduce.py on "
+            f"{d.get('ranks')} rank(s) of {d.get('device')} ({path})")
 
 
 def load_configs(layers: int, ctx: int):
@@ -189,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=61, help="fewer layers for a quick harness check")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--allreduce-us", type=float, default=24.0,
-                    help="per-collective latency on the target box (the projection's fixed term)")
+                    help="per-collective latency on the target box (the projection's fixed term; assumed NCCL on "
+                         "PCIe. Published for 8x RTX PRO 6000: NCCL ~26-56 us at 14 KB, a one-stage P2P kernel "
+                         "~12 us: pass --allreduce-us 12 to project the P2P path until it is measured there)")
     ap.add_argument("--allreduce-gbps", type=float, default=40.0,
                     help="all-reduce bus bandwidth per GPU on the target box, GB/s (PCIe 5.0 x16 ring; the "
                          "projection's payload term)")
@@ -207,9 +247,12 @@ def main(argv=None) -> int:
     ap.add_argument("--allreduce-fit", default=None,
                     help="a bench/allreduce.py JSON from the target box: its fitted latency and bus bandwidth "
                          "replace --allreduce-us / --allreduce-gbps")
-    ap.add_argument("--comm", choices=("none", "nccl"), default="none",
+    ap.add_argument("--allreduce-fit-algo", choices=("nccl", "best"), default="nccl",
+                    help="which fit of --allreduce-fit: NCCL's, or the fastest algorithm's per payload (P2P included)")
+    ap.add_argument("--comm", choices=("none", "nccl", "custom"), default="none",
                     help="none: collectives are no-ops (one GPU); nccl: under mpirun -np N, real NCCL collectives "
-                         "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost)")
+                         "across N GPUs with TP 8 payloads, and each step also timed with them off (their real cost); "
+                         "custom: the same with the P2P all-reduce fused with the residual add + RMSNorm")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "step_h200.json"))
     m = ap.add_argument_group("measuring baselines (each turns one default off, to time it against the default)")
     m.add_argument("--no-wide-cluster", action="store_true",
@@ -222,7 +265,8 @@ def main(argv=None) -> int:
     apply_baselines(a)
     collectives_source = "assumed (command line / defaults)"
     if a.allreduce_fit:
-        a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps)
+        a.allreduce_us, a.allreduce_gbps, collectives_source = load_allreduce_fit(a.allreduce_fit, a.allreduce_gbps,
+                                                                                  a.allreduce_fit_algo)
     comm = make_comm(a.comm)            # first: under mpirun it picks this process's GPU
     live = isinstance(comm, LiveRankComm)
     if live and comm.real.rank != 0:    # every rank runs the same sequence; rank 0 alone reports
@@ -265,7 +309,7 @@ def main(argv=None) -> int:
           f"{build_s:.0f} s; KV pool {eng.kv.nbytes() / 1e9:.2f} GB; GPU memory used "
           f"{(total - free) / 1e9:.0f} of {total / 1e9:.0f} GB")
     if live:
-        print(f"collectives: real NCCL across {comm.real.size} GPUs (TP 8 payloads; every process is rank 0's "
+        print(f"collectives: real {_comm_label(comm)} across {comm.real.size} GPUs (TP 8 payloads; every process is rank 0's "
               f"shapes); NCCL_PROTO={os.environ.get('NCCL_PROTO', 'default')} "
               f"NCCL_ALGO={os.environ.get('NCCL_ALGO', 'default')} NCCL_P2P_DISABLE="
               f"{os.environ.get('NCCL_P2P_DISABLE', '0')}", flush=True)
@@ -465,7 +509,7 @@ def main(argv=None) -> int:
         "ctx": a.ctx, "weights": "random rank-shaped (GpuTargetWeights.random / GpuDrafterWeights.random)",
         "routing": ("uniform: 8 distinct random experts per row and layer (fixed tables; the router still runs)"
                     if uniform is not None else "model: the random model's router output"),
-        "collectives": (f"real NCCL across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
+        "collectives": (f"real {_comm_label(comm)} across {comm.real.size} GPUs (TP 8 payloads), timed on and off; projection from "
                         "the step without them, adds the collectives model (see projection)" if live else
                         "no-op here (one rank without peers); projection adds the collectives model"),
         "projection": "step (the PDL step where measured, as the engine runs it, else step_ms; without collectives) x "

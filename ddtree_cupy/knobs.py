@@ -121,6 +121,15 @@ KNOBS: tuple = (
     Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
          "the shared expert's down projection inside the route launch: never / wherever shapes allow "
          "(unset: up to 32 rows)", "docs/MODELS.md"),
+    Knob("DDT_ALLREDUCE", "allreduce", _choice("auto", "custom", "nccl"), None, "auto/custom/nccl",
+         "TP all-reduces on GPUs: the peer-to-peer kernels picked per payload from a calibration / always / never "
+         "(unset: nccl until a multi-GPU run measures the peer-to-peer path)", "docs/MULTI_GPU.md"),
+    Knob("DDT_ALLREDUCE_TABLE", "allreduce_table", _text, "", "FILE",
+         "with DDT_ALLREDUCE=auto: the calibration table (bench/allreduce.py --json output; unset: measured at start-up)",
+         "docs/MULTI_GPU.md"),
+    Knob("DDT_AR_TIMEOUT_S", "ar_timeout_s", _seconds, None, "S",
+         "seconds a peer-to-peer all-reduce block waits for a peer before it reports the peer missing and the job "
+         "is aborted (unset: 30)", "docs/MULTI_GPU.md"),
     Knob("DDT_PERSISTENT_MLP", "persistent_mlp", _bit, False, "0/1",
          "a dense layer's MLP half (post-attention norm .. down projection) and the drafter's MLP as one persistent "
          "launch at <= 16 rows (opt-in until a GPU run measures it faster)", "docs/PERSISTENT.md"),
@@ -151,6 +160,9 @@ class Knobs:
     moe_gu_2x4_min_t: Optional[int] = None
     gemm_wide: Optional[bool] = None
     router_down: Optional[bool] = None
+    allreduce: Optional[str] = None
+    allreduce_table: str = ""
+    ar_timeout_s: Optional[float] = None
     persistent_mlp: bool = False
     gpu_mem_log: str = ""
     cache_dir: str = ""

@@ -101,6 +101,10 @@ class GpuEngine:
         self.max_tree_rows = max_rows
         max_tokens = max(self.max_streams * max_rows, int(prefill_chunk))
         feats = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
+        if size > 1 and getattr(self.comm, "backend", "") == "nccl":
+            # the P2P all-reduce where every GPU pair has P2P and it measures faster (DDT_ALLREDUCE, comm/custom.py)
+            from ..comm.custom import make_custom_comm
+            self.comm = make_custom_comm(self.comm, cap=max_tokens * tcfg.hidden_size, H=tcfg.hidden_size)
         self.target = GpuTarget(tcfg, tw, self.comm, max_tokens=max_tokens, feature_layers=feats)
         # Largest context a stream can reach: the position limit plus one verify step's rows.
         max_ctx_tokens = tcfg.max_position_embeddings + max_rows

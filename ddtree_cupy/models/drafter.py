@@ -397,6 +397,15 @@ class GpuDrafter:
                 self._copy_heads(v, v_rows)
             drafter_kv_append(self.k_cache[l], self.v_cache[l], k_rows, v_rows, stream_ids, positions)
 
+    def _reduce_add_norm(self, part, h, weight, out) -> None:
+        """part = sum over ranks; h += part (bf16); out = RMSNorm(weight) of h. One launch where the
+        communicator fuses them (the P2P all-reduce, comm/custom.py), else all-reduce + rms_norm."""
+        if self.comm.size > 1 and hasattr(self.comm, "all_reduce_add_norm"):
+            self.comm.all_reduce_add_norm(part, h, weight, self.eps, out)
+            return
+        self.comm.all_reduce(part)
+        layers_k.rms_norm(part, weight, self.eps, out=out, residual=h)
+
     # ---- draft ------------------------------------------------------------------------------------
     def _persistent_mlp(self, l: int, T: int):
         """Layer l's MLP half at T rows as a persistent segment (kernels/persistent.py), built on first use
@@ -457,20 +466,20 @@ class GpuDrafter:
                                      softmax_scale=self.scale, max_ctx_len=self.C, window=self.window,
                                      out=att, workspace=ws, num_splits=ws.num_splits if ws else 1)
             self._gemm(att.reshape(T, hq * HEAD_DIM), self.w.o_proj[l], o)
-            self.comm.all_reduce(o)
             if persistent.mlp_enabled() and T <= persistent.MAX_T:
-                self._persistent_mlp(l, T).launch()      # the four launches below as one persistent launch
+                self.comm.all_reduce(o)
+                self._persistent_mlp(l, T).launch()      # h += o, post norm, gate/up, SwiGLU, down: one launch
             else:
                 # h += o (rounded to bf16, the residual stream's type); x = post_attention_norm(h)
-                layers_k.rms_norm(o, self.w.post_norm[l], self.eps, out=x, residual=h)
+                self._reduce_add_norm(o, h, self.w.post_norm[l], x)
                 gu = self._gu[:T]
                 self._gemm(x, self.w.gate_up[l], gu)
                 layers_k.silu_mul(gu, out=self._act[:T])
                 self._gemm(self._act[:T], self.w.down[l], dn)
-            self.comm.all_reduce(dn)
             if l + 1 < L:
-                layers_k.rms_norm(dn, self.w.input_norm[l + 1], self.eps, out=x, residual=h)
+                self._reduce_add_norm(dn, h, self.w.input_norm[l + 1], x)
             else:   # final norm, block rows 1..bs-1 scattered to [S * D] rows (row 0 to the spare row)
+                self.comm.all_reduce(dn)
                 layers_k.rms_norm(dn, self.w.norm, self.eps, out=self._xf, residual=h,
                                   out_rows=self._final_rows[:T])
         xf = self._xf[:S * self.D]

@@ -24,8 +24,9 @@ rows) or, for the attention split partials, on the first forward of a batch shap
 allocates nothing and never synchronises, so it can be captured in a CUDA graph.
 
 Tensor parallelism: heads, FFN widths and the vocabulary are split (checkpoint.tp_split); the latent KV is
-replicated. Three all-reduces per layer boundary pair: after o_proj, after the MLP (routed + shared in one),
-plus one for the vocabulary-parallel embedding. ``attention_block`` / ``mlp_block`` with ``reduce=False``
+replicated. Two all-reduces per layer: after o_proj, after the MLP (routed + shared in one), plus one for the
+vocabulary-parallel embedding. A communicator with ``all_reduce_add_norm`` (the P2P all-reduce, comm/custom.py)
+folds the residual add and the next RMSNorm into each layer all-reduce (``fuses_norms``). ``attention_block`` / ``mlp_block`` with ``reduce=False``
 return the rank's partial sums (tests of the TP split on one GPU).
 """
 from __future__ import annotations
@@ -205,28 +206,47 @@ class GpuTarget:
             fn()
         return out
 
+    def fuses_norms(self) -> bool:
+        """The communicator does the all-reduce, the residual add and the next RMSNorm in one launch
+        (``comm.custom.CustomComm``): then the o_proj / MLP stages end with normed rows and the norm
+        stages that follow them only copy features."""
+        return self.tp_size > 1 and hasattr(self.comm, "all_reduce_add_norm")
+
+    def next_norm_weight(self, i: int):
+        """The RMSNorm weight applied right after layer i's MLP all-reduce: layer i + 1's input norm, or the
+        final norm after the last layer."""
+        return self.w.layers[i + 1].input_norm if i + 1 < self.cfg.num_hidden_layers else self.w.final_norm
+
     def layer_stages(self, i: int, batch: TargetBatch, kv: GpuLatentCache):
         """[(name, fn)]: layer i on the residual stream ``self.h`` in launch order (each fn enqueues one kernel
         or a few); ``forward`` runs them, bench/step.py also times each stage as its own graph. The input
         norm adds the previous layer's MLP output to h (layer 0: norm only) and copies h to the features
-        when layer i - 1 is a feature layer."""
+        when layer i - 1 is a feature layer. With ``fuses_norms()`` the all-reduces after o_proj and after the
+        MLP do those adds and norms themselves: no post_norm stage, and input_norm only copies features."""
         from ..kernels.layers import rms_norm
         T, L, eps = batch.T, self.w.layers[i], float(self.cfg.rms_norm_eps)
         h, normed, attn, mlp = self.h[:T], self.normed[:T], self.attn_out[:T], self.mlp_out[:T]
+        fused = self.fuses_norms()
 
         def input_norm():
             if i == 0:
                 rms_norm(h, L.input_norm, eps, out=normed)
             else:
-                rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
+                if not fused:
+                    rms_norm(mlp, L.input_norm, eps, out=normed, residual=h)     # h += previous layer's MLP
                 self._copy_feature(i - 1, batch, h)
         from ..kernels import persistent
-        if persistent.mlp_enabled() and not L.is_moe and T <= persistent.MAX_T:
+        if not fused and persistent.mlp_enabled() and not L.is_moe and T <= persistent.MAX_T:
             tail = self._persistent_mlp_stages(i, T)     # post_norm .. down as one persistent launch
-        else:
-            tail = ([("post_norm", lambda: rms_norm(attn, L.post_norm, eps, out=normed, residual=h))]   # h += attn
-                    + self._mlp_stages(i, normed, mlp))
-        return [("input_norm", input_norm)] + self._attention_stages(i, normed, batch, kv, attn) + tail
+            return [("input_norm", input_norm)] + self._attention_stages(i, normed, batch, kv, attn) + tail
+        post = [] if fused else [("post_norm", lambda: rms_norm(attn, L.post_norm, eps, out=normed, residual=h))]
+        stages = ([("input_norm", input_norm)]
+                  + self._attention_stages(i, normed, batch, kv, attn, norm=(L.post_norm, h, normed) if fused else None)
+                  + post   # h += attn
+                  + self._mlp_stages(i, normed, mlp, norm=(self.next_norm_weight(i), h, normed) if fused else None))
+        if fused and i > 0 and self._feat_index.get(i - 1) is None:
+            stages = stages[1:]          # the input norm stage would do nothing
+        return stages
 
     def _persistent_mlp_stages(self, i: int, T: int):
         """Dense layer i's MLP half at T rows as one persistent launch (kernels/persistent.py), then the
@@ -251,7 +271,17 @@ class GpuTarget:
             self.comm.all_reduce(mlp)
         return [("mlp_persistent", run)]
 
-    def _attention_stages(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True):
+    def _reduce(self, out, norm) -> None:
+        """All-reduce ``out`` in place; with ``norm`` = (weight, h, normed) also h += out and normed = RMSNorm(h)
+        in the same launch (``fuses_norms``)."""
+        if norm is None:
+            self.comm.all_reduce(out)
+        else:
+            w, h, normed = norm
+            self.comm.all_reduce_add_norm(out, h, w, float(self.cfg.rms_norm_eps), normed)
+
+    def _attention_stages(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out, reduce: bool = True,
+                          norm=None):
         from ..kernels.attention import mla_attention
         from ..kernels.fused import mla_head_gemm, mla_qkv_a_post
         cfg, d, L = self.cfg, self.d, self.w.layers[i]
@@ -264,7 +294,7 @@ class GpuTarget:
         def o_proj():
             self._gemm(self.o[:T], L.w_o, out)
             if reduce:
-                self.comm.all_reduce(out)
+                self._reduce(out, norm)
         return [
             ("qkv_a_gemm", lambda: self._gemm(x, L.w_qkv_a, qkv)),
             # c_q norm, c_kv norm, rope(k_pe) and the latent cache write: one launch
@@ -283,7 +313,7 @@ class GpuTarget:
             ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, self.o[:T].reshape(T, nh, d["dv"]))),
             ("o_proj", o_proj)]
 
-    def _mlp_stages(self, i: int, x, out, reduce: bool = True):
+    def _mlp_stages(self, i: int, x, out, reduce: bool = True, norm=None):
         from ..kernels.layers import silu_mul
         from ..kernels.moe import moe_forward
         from ..kernels import router as router_mod
@@ -292,7 +322,7 @@ class GpuTarget:
 
         def reduce_out():
             if reduce:
-                self.comm.all_reduce(out)
+                self._reduce(out, norm)
         if not L.is_moe:
             F = L.w_down.shape[1]
             gu, act = self.gate_up[:T, :2 * F], self.act[:T, :F]
@@ -382,6 +412,7 @@ class GpuTarget:
         for i in range(cfg.num_hidden_layers):
             for _, fn in self.layer_stages(i, batch, kv):
                 fn()
-        rms_norm(mlp, self.w.final_norm, eps, out=normed, residual=h)
+        if not self.fuses_norms():      # else the last MLP all-reduce did the final add + norm
+            rms_norm(mlp, self.w.final_norm, eps, out=normed, residual=h)
         self._copy_feature(cfg.num_hidden_layers - 1, batch, h)
         self.project_vocab(normed, batch.logits)
