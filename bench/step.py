@@ -207,6 +207,7 @@ class UniformRouting:
         self.E, self.k, self.rng = E, k, np.random.default_rng(seed)
         self.tables = {}            # (id(experts), T) -> (device table, host copy)
         self.used = []              # host tables in call order (counted by count_experts)
+        self.masked = {}            # key -> device table with the padding rows' ids -1
 
     def __enter__(self):
         self.mod.moe_forward = self._forward
@@ -227,7 +228,15 @@ class UniformRouting:
             host = host.astype(ids.dtype)
             tab = self.tables[key] = (cupy.asarray(host), host)
         self.used.append(tab[1])
-        return self.orig(x, tab[0], *a, **kw)
+        # padding rows (the router gave them ids -1: no expert) stay without experts, so the MoE reads the
+        # experts of the real rows only, as in the engine's step
+        buf = self.masked.get(key)
+        if buf is None:
+            buf = self.masked[key] = cupy.empty_like(tab[0])
+            self.mask_kernel = cupy.ElementwiseKernel("int32 ids, int32 tab", "int32 out",
+                                                      "out = ids >= 0 ? tab : -1", "uniform_routing_mask")
+        self.mask_kernel(ids, tab[0], buf)
+        return self.orig(x, buf, *a, **kw)
 
 
 def count_experts(step, S, R, cfg, uniform=None):
