@@ -33,9 +33,10 @@ Each step, for the running streams of one stream bucket S:
    stops drafting; so do all streams when drafting at all scores below a root-only step without the
    drafter (``cost.root_s``, what 'ar' runs). When no running stream drafts the step is root-only without
    the drafter. A stream in fall-back probes at the next multiple of its wait (``probe_every``; streams
-   with equal waits probe in the same step) with a tree of ``probe_nodes`` nodes; a probe that accepts a
-   node returns the stream to normal planning, one that accepts nothing doubles the wait (up to
-   ``probe_max``); earning nodes resets it.
+   with equal waits probe in the same step; at least one wait after it fell back) with a tree of
+   ``probe_nodes`` nodes. A probe that accepts a node returns the stream to planning for one drafted step
+   (it stays if it earns nodes); a probe that accepts nothing, or a return that earns nothing, doubles the
+   wait (up to ``probe_max``); earning nodes resets it.
 
 Every decision depends only on the drafter's outputs, the observed acceptance and the cost table, so the
 reference loop and the GPU engine make the same choices from the same inputs; any tree is verified by the
@@ -77,9 +78,40 @@ def parse_budget(text) -> object:
 # ----------------------------------------------------------------------------------------------------
 # node values
 # ----------------------------------------------------------------------------------------------------
-def node_probs(tree) -> np.ndarray:
-    """Raw path probabilities exp(score) of a tree's nodes in build order (float64, non-increasing)."""
-    return np.exp(np.asarray(tree.scores, np.float64))
+def path_values(top_lp: np.ndarray, n: int, cap_k: Optional[int] = None) -> np.ndarray:
+    """The n largest path probabilities exp(sum of log-probs along a path) of the trees of per-depth top-K
+    lists ``top_lp [S, D, K]`` (or [D, K]), descending: [S, n] (rows padded with 0 when fewer paths exist).
+    A child's score is at most its parent's, so the n best prefixes are prefix-closed: these are the node
+    probabilities of ``build_tree(budget=n)`` in its build order (up to float rounding and the order of
+    equal values). Vectorised over streams: per depth, the n best paths of that depth are among the n best
+    of the depth above extended by each of the K tokens."""
+    lp = np.asarray(top_lp, np.float64)
+    one = lp.ndim == 2
+    if one:
+        lp = lp[None]
+    if lp.ndim != 3:
+        raise ValueError(f"top_lp: expected [S, D, K] or [D, K], got shape {np.shape(top_lp)}")
+    S, D, K = lp.shape
+    if cap_k is not None:
+        lp = lp[:, :, :max(1, min(K, int(cap_k)))]
+        K = lp.shape[2]
+    n = int(n)
+    if n < 1:
+        out = np.zeros((S, 0))
+        return out[0] if one else out
+    frontier = lp[:, 0, :][:, :n]                           # depth-1 paths, best first (rows are sorted)
+    found = [frontier]
+    for d in range(1, D):
+        ext = (frontier[:, :, None] + lp[:, d, None, :]).reshape(S, -1)
+        m = min(n, ext.shape[1])
+        frontier = -np.sort(-np.partition(ext, ext.shape[1] - m, axis=1)[:, ext.shape[1] - m:], axis=1)
+        found.append(frontier)
+    allp = np.concatenate(found, axis=1)
+    m = min(n, allp.shape[1])
+    best = -np.sort(-np.partition(allp, allp.shape[1] - m, axis=1)[:, allp.shape[1] - m:], axis=1)
+    out = np.zeros((S, n))
+    out[:, :m] = np.exp(best)
+    return out[0] if one else out
 
 
 def truncate_tree(tree, b: int):
@@ -118,16 +150,16 @@ class Calibration:
         q = np.minimum(1.0, np.asarray(p, np.float64) * self.ratio())
         return np.where(q < MIN_VALUE, 0.0, q)
 
-    def observe(self, p: np.ndarray, hit: np.ndarray) -> None:
-        """One verified tree: raw node probabilities ``p`` and whether each node was on the accepted path."""
+    def observe(self, p: np.ndarray, hits: int) -> None:
+        """One verified tree: the raw probabilities ``p`` of its nodes and how many of them lay on the
+        accepted path (accepted length - 1)."""
         p = np.asarray(p, np.float64)
-        hit = np.asarray(hit, np.float64)
-        if p.shape != hit.shape:
-            raise ValueError(f"calibration: p {p.shape} and hit {hit.shape} differ")
         if p.size == 0:
             return
+        if not 0 <= hits <= p.size:
+            raise ValueError(f"calibration: {hits} accepted nodes of a tree of {p.size}")
         d = self.decay
-        self.hits = d * self.hits + float(hit.sum())
+        self.hits = d * self.hits + float(hits)
         self.mass = d * self.mass + float(p.sum())
         self.nodes = d * self.nodes + float(p.size)
         self.steps += 1
@@ -248,6 +280,7 @@ class StreamBudgetState:
     failed_probes: int = 0
     probing: bool = False
     idle: int = 0                # drafted steps in a row without an earned node
+    after_probe: bool = False    # back from a probe that hit, no node earned since
     expected: List[float] = field(default_factory=list)
     realised: List[int] = field(default_factory=list)
     budgets: List[int] = field(default_factory=list)
@@ -270,7 +303,7 @@ class BudgetPolicy:
     """Per-step, per-stream tree budgets (module doc). Keys identify streams (the loop's stream index)."""
 
     def __init__(self, max_nodes: int = DEFAULT_MAX_NODES, costs: Optional[CostTable] = None,
-                 probe_every: int = 8, probe_max: int = 128, probe_nodes: int = 3, fallback_after: int = 3,
+                 probe_every: int = 8, probe_max: int = 128, probe_nodes: int = 3, fallback_after: int = 10,
                  decay: float = 0.95, record: bool = True):
         from .reference.ddtree import MAX_TREE_ROWS
         if not isinstance(max_nodes, (int, np.integer)) or not 1 <= max_nodes <= MAX_TREE_ROWS - 1:
@@ -371,33 +404,41 @@ class BudgetPolicy:
         for k in raw:
             st = self._st(k)
             if k in probes:
-                st.probing = True                        # observe_hits decides what the probe showed
+                st.probing = True                        # observe decides what the probe showed
                 continue
             if not no_gain and budgets[k] > 0:
-                st.idle, st.fallback, st.failed_probes = 0, False, 0
+                st.idle, st.fallback, st.failed_probes, st.after_probe = 0, False, 0, False
                 continue
             st.idle += 1
             if st.idle >= self.fallback_after:
-                st.idle, st.fallback = 0, True
-                wait = min(self.probe_max, self.probe_every << st.failed_probes)
-                st.next_probe = (self.step_index // wait + 1) * wait     # streams of equal wait probe together
+                if st.after_probe:                       # the probe's stream earned nothing since: wait longer
+                    st.failed_probes = min(st.failed_probes + 1, 30)
+                st.idle, st.fallback, st.after_probe = 0, True, False
+                self._schedule_probe(st)
         self._record(S, p)
         return p
 
-    def observe_hits(self, key, raw_p: np.ndarray, hit: np.ndarray, accepted_len: int) -> None:
-        """After the verify: the raw probabilities of the stream's verified nodes (build order), which of them
-        lie on the accepted path, and the accepted length (root included)."""
+    def _schedule_probe(self, st: StreamBudgetState) -> None:
+        """The next probe: at least one wait from now, at a multiple of the wait (streams of equal wait
+        probe in the same step)."""
+        wait = min(self.probe_max, self.probe_every << st.failed_probes)
+        st.next_probe = (self.step_index // wait + 2) * wait
+
+    def observe(self, key, raw_p: np.ndarray, accepted_len: int) -> None:
+        """After the verify: the raw probabilities of the stream's verified nodes (its budget's first values
+        of ``plan``'s input) and the accepted length (root included)."""
         st = self._st(key)
-        st.cal.observe(raw_p, hit)
+        st.cal.observe(raw_p, int(accepted_len) - 1)
         st.realised.append(int(accepted_len))
         if st.probing:
             st.probing = False
-            if accepted_len > 1:         # a hit: re-plan from the refreshed calibration next step
-                st.fallback = False
+            if accepted_len > 1:         # a hit: re-plan from the refreshed calibration next step (one
+                st.fallback = False      # drafted step without earned nodes returns it to fall-back)
+                st.after_probe = True
+                st.idle = self.fallback_after - 1
             else:                        # nothing accepted: wait twice as long before the next probe
                 st.failed_probes = min(st.failed_probes + 1, 30)     # reset when the stream earns nodes
-                wait = min(self.probe_max, self.probe_every << st.failed_probes)
-                st.next_probe = (self.step_index // wait + 1) * wait
+                self._schedule_probe(st)
         if self.record and self.steps:
             self.steps[-1]["realised"][str(key)] = int(accepted_len)
 
@@ -441,15 +482,6 @@ class BudgetPolicy:
                 "probe_every": self.probe_every, "probe_max": self.probe_max,
                 "mean_est_tokens_per_s": float(np.mean(est)) if est else 0.0,
                 "streams": per_stream, "steps": list(self.steps)}
-
-
-def hits_of(accepted_rows: Sequence[int], n_nodes: int) -> np.ndarray:
-    """Node hit flags (node i = verify row i + 1) from the accepted rows (root row 0 first)."""
-    hit = np.zeros(int(n_nodes), np.float64)
-    for r in accepted_rows[1:]:
-        if 1 <= r <= n_nodes:
-            hit[r - 1] = 1.0
-    return hit
 
 
 def make_policy(budget, mode: str = "ddtree", include_chain: bool = False,

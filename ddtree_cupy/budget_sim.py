@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .budget import BudgetPolicy, CostTable, hits_of, node_probs, truncate_tree
+from .budget import BudgetPolicy, CostTable, path_values, truncate_tree
 from .reference.ddtree import build_tree, greedy_walk
 
 KIMI_DFLASH_ACCEPT = (0.89, 0.75, 0.57, 0.49, 0.41, 0.34, 0.28)   # block-8 DFlash, per-depth (cumulative)
@@ -71,11 +71,12 @@ def curve_drafter(accept: Sequence[float] = KIMI_DFLASH_ACCEPT, V: int = 64, rho
 
 
 def _tree(q: np.ndarray, budget: int):
+    """(tree of ``budget`` nodes, its node probabilities) from drafter distributions q [D, V]."""
     from .reference.ddtree import depth_topk
     lq = np.log(np.maximum(q, 1e-300))
-    k = min(budget, q.shape[1])
-    lp, ids = depth_topk(lq, k)
-    return build_tree(np.minimum(lp, 0.0), ids, budget)
+    lp, ids = depth_topk(lq, min(budget, q.shape[1]))
+    lp = np.minimum(lp, 0.0)
+    return build_tree(lp, ids, budget), path_values(lp, budget)
 
 
 def accepted(tree, truth: np.ndarray):
@@ -122,15 +123,16 @@ def run(drafters: Sequence[Callable], costs: CostTable, steps: int, budgets: Seq
             p, q = cur[s](rng, D)
             truth = np.array([rng.choice(p.shape[1], p=p[d]) if not greedy else int(np.argmax(p[d]))
                               for d in range(D)])
-            draws.append((_tree(q, max_nodes), truth))
+            tree, values = _tree(q, max_nodes)
+            draws.append((tree, truth, values))
         tok["ar"] += S
         sec["ar"] += costs.root_s(S)
         for b in budgets:
-            tok[f"b{b}"] += sum(len(accepted(truncate_tree(t, b), tr)) for t, tr in draws)
+            tok[f"b{b}"] += sum(len(accepted(truncate_tree(t, b), tr)) for t, tr, _ in draws)
             sec[f"b{b}"] += costs.draft_s(S, S * (b + 1))
         keys = list(range(S))
         want = set(pol.drafting(keys))
-        raw = {k: node_probs(draws[k][0]) for k in keys if k in want}
+        raw = {k: draws[k][2] for k in keys if k in want}
         plan = pol.plan(S, keys, raw)
         sec["auto"] += plan.est_s
         mean_b.append(float(np.mean(list(plan.budgets.values()))))
@@ -138,7 +140,7 @@ def run(drafters: Sequence[Callable], costs: CostTable, steps: int, budgets: Seq
             b = plan.budgets[k]
             if b > 0:
                 rows = accepted(truncate_tree(draws[k][0], b), draws[k][1])
-                pol.observe_hits(k, raw[k][:b], hits_of(rows, b), len(rows))
+                pol.observe(k, raw[k][:b], len(rows))
             else:
                 rows = [0]
                 pol.note_root_only(k, 1)

@@ -48,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     g.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "ar"))
-    g.add_argument("--budget", type=int, default=32, metavar="N", help=f"DDTree node budget, 1..{MAX_BUDGET} (default 32)")
+    g.add_argument("--budget", default="auto", metavar="N|auto",
+                   help=f"DDTree node budget: 'auto' (default: chosen per step and stream from a cost model, at most "
+                        f"32 nodes; docs/BUDGET.md), 'auto:N' (at most N), or a fixed N in 1..{MAX_BUDGET}")
+    g.add_argument("--cost-table", default=None, metavar="FILE",
+                   help="--budget auto: step times per (stream bucket, verify rows) as JSON (bench/step.py "
+                        "--cost-table writes one); default a model of the H200 step")
     g.add_argument("--cap-k", type=int, default=None, metavar="K", help="use only the K best tokens per depth")
     g.add_argument("--include-chain", action="store_true", help="always put the drafter's top-1 chain in the tree")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
@@ -70,8 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 
 def _check_options(a) -> None:
-    if not 1 <= a.budget <= MAX_BUDGET:
-        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}], got {a.budget}")
+    from .budget import parse_budget
+    try:
+        b = parse_budget(a.budget)
+    except ValueError as e:
+        raise UsageError(f"--budget: {e}") from None
+    n = b if isinstance(b, int) else (32 if b == "auto" else b[1])
+    if not 1 <= n <= MAX_BUDGET:
+        raise UsageError(f"--budget must be 'auto', 'auto:N' or N with N in [1, {MAX_BUDGET}], got {a.budget}")
+    if a.cost_table is not None and isinstance(b, int):
+        raise UsageError("--cost-table: only used with --budget auto")
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if not a.temperature >= 0.0 or a.temperature == float("inf"):
@@ -314,13 +327,23 @@ def _prepare(a, err, comm):
     return engine, reqs, tok, backend, load_s
 
 
+def _budget_arg(a):
+    """What the engines take as ``budget``: a fixed int, or a ``BudgetPolicy`` (mode ddtree, --budget auto)."""
+    from .budget import BudgetPolicy, CostTable, DEFAULT_MAX_NODES, parse_budget
+    b = parse_budget(a.budget)
+    if isinstance(b, int) or a.mode != "ddtree":
+        return b if isinstance(b, int) else DEFAULT_MAX_NODES
+    costs = CostTable.load(a.cost_table) if a.cost_table else None
+    return BudgetPolicy(DEFAULT_MAX_NODES if b == "auto" else b[1], costs=costs)
+
+
 def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> int:
     out = sys.stdout if root else _Quiet()
     printer = None if (a.json or not root) else _Printer(tok, len(reqs), out)
     if printer is not None:
         print(f"loaded in {load_s:.1f} s ({backend}, {a.dtype}); mode {a.mode}"
               + (f", budget {a.budget}" if a.mode == "ddtree" else ""), file=err)
-    res = engine.generate(reqs, a.mode, a.budget, a.cap_k, a.include_chain, on_tokens=printer)
+    res = engine.generate(reqs, a.mode, _budget_arg(a), a.cap_k, a.include_chain, on_tokens=printer)
 
     stats = res.stats_dict()
     stats.update({"mode": a.mode, "budget": a.budget if a.mode == "ddtree" else None, "backend": backend,

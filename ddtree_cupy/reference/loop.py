@@ -202,11 +202,15 @@ class DecodeLoop:
         if self.mode == "chain":
             lp, ids = topk_logprobs(draft_logits, 1)
             return build_tree(lp, ids, self.depth)
+        lp, ids = self.tree_topk(draft_logits)
+        return build_tree(lp, ids, self.budget, cap_k=self.cap_k, include_chain=self.include_chain)
+
+    def tree_topk(self, draft_logits: np.ndarray):
+        """Per-depth top-K (log-probs, ids) of mode 'ddtree': K = min(budget, V, MAX_RANK + 1, cap_k)."""
         k = min(self.budget, self.vocab_size, MAX_RANK + 1)
         if self.cap_k is not None:
             k = min(k, self.cap_k)
-        lp, ids = topk_logprobs(draft_logits, k)
-        return build_tree(lp, ids, self.budget, cap_k=self.cap_k, include_chain=self.include_chain)
+        return topk_logprobs(draft_logits, k)
 
     @staticmethod
     def choose(logits: np.ndarray, req: Request, step: int) -> np.ndarray:
@@ -306,7 +310,7 @@ class DecodeLoop:
         keys = [st.index for st in active]
         want = set(pol.drafting(keys))
         trees, raw = {}, {}
-        from ..budget import hits_of, node_probs, truncate_tree
+        from ..budget import path_values, truncate_tree
         for st in active:
             if st.index not in want:
                 continue
@@ -314,8 +318,9 @@ class DecodeLoop:
             dl = self.drafter.draft(st.drafter_cache, st.bonus, st.committed)
             t1 = time.perf_counter()
             phase["draft"] += t1 - t0
-            trees[st.index] = self.tree_for(dl)
-            raw[st.index] = node_probs(trees[st.index])
+            lp, ids = self.tree_topk(dl)
+            trees[st.index] = build_tree(lp, ids, self.budget, cap_k=self.cap_k)
+            raw[st.index] = path_values(lp, self.budget, self.cap_k)
             phase["tree"] += time.perf_counter() - t1
         plan = pol.plan(len(active), keys, raw)
         done: List[Tuple[int, int, int, List[int]]] = []
@@ -330,7 +335,7 @@ class DecodeLoop:
                 depths, positions, visible, n_nodes = np.zeros(1, np.int32), np.array([st.committed]), None, 0
             rows, emitted = self._verify_accept(st, tokens, parents, depths, positions, visible, n_nodes, phase)
             if n_nodes:
-                pol.observe_hits(st.index, raw[st.index][:n_nodes], hits_of(rows, n_nodes), len(rows))
+                pol.observe(st.index, raw[st.index][:n_nodes], len(rows))
             else:
                 pol.note_root_only(st.index, len(rows))
             if st.done:
