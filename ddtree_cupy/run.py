@@ -82,9 +82,15 @@ def _check_options(a) -> None:
         raise UsageError(f"--budget: {e}") from None
     n = b if isinstance(b, int) else (32 if b == "auto" else b[1])
     if not 1 <= n <= MAX_BUDGET:
-        raise UsageError(f"--budget must be 'auto', 'auto:N' or N with N in [1, {MAX_BUDGET}], got {a.budget}")
-    if a.cost_table is not None and isinstance(b, int):
-        raise UsageError("--cost-table: only used with --budget auto")
+        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}] (or 'auto', 'auto:N'), got {a.budget}")
+    if a.cost_table is not None:
+        if isinstance(b, int):
+            raise UsageError("--cost-table: only used with --budget auto")
+        from .budget import CostTable
+        try:
+            CostTable.load(a.cost_table)
+        except ValueError as e:
+            raise UsageError(f"--cost-table: {e}") from None
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if not a.temperature >= 0.0 or a.temperature == float("inf"):
@@ -338,6 +344,7 @@ def _budget_arg(a):
 
 
 def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> int:
+    from .budget import parse_budget
     out = sys.stdout if root else _Quiet()
     printer = None if (a.json or not root) else _Printer(tok, len(reqs), out)
     if printer is not None:
@@ -346,7 +353,9 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
     res = engine.generate(reqs, a.mode, _budget_arg(a), a.cap_k, a.include_chain, on_tokens=printer)
 
     stats = res.stats_dict()
-    stats.update({"mode": a.mode, "budget": a.budget if a.mode == "ddtree" else None, "backend": backend,
+    b = parse_budget(a.budget)
+    stats.update({"mode": a.mode, "budget": (b if isinstance(b, int) else str(a.budget)) if a.mode == "ddtree" else None,
+                  "backend": backend,
                   "dtype": a.dtype, "load_s": load_s, "tp": engine.comm.size})
     streams = [{"prompt_ids": [int(t) for t in s.request.prompt_ids], "output_ids": [int(t) for t in s.output_ids],
                 "text": _text(tok, s.output_ids, s.request.stop_ids), "finish_reason": s.finish_reason}

@@ -3,6 +3,7 @@ probabilities, the cost table, the choice against brute force), drafters of cont
 synthetic cost table (within 5% of the best fixed budget, small trees for bad drafters, large for good, ~'ar'
 for a random drafter), calibration after a mid-run change, and lossless decoding with --budget auto (greedy
 == ar with 1-4 streams joining and leaving, sampled runs chi-square against the exact target distribution)."""
+import re
 from collections import Counter
 from itertools import product
 
@@ -203,3 +204,35 @@ def test_auto_sampling_matches_target_distribution(tmp_path_factory):
     assert len(obs) >= 4
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     assert chi2_sf(stat, len(obs) - 1) > 1e-3
+
+
+# ---------------- the CLI -------------------------------------------------------------------------------
+def test_cli_budget_auto_default_and_statistics(tmp_path_factory, capsys, tmp_path):
+    import json
+    from test_cli import SMALL as CLI_SMALL, call, last_json
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    t, d = ensure_tiny_checkpoints(str(tmp_path_factory.mktemp("cli_budget")), seed=5, spec=CLI_SMALL)
+    base = ["--model", t, "--drafter", d, "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8,7", "--max-new-tokens", 16,
+            "--backend", "numpy", "--json", "--ignore-eos"]
+    rc, out, _ = call(capsys, *base)                               # --budget auto is the default
+    assert rc == 0
+    st = last_json(out)["stats"]
+    assert st["budget"] == "auto"
+    bp = st["budget_policy"]
+    assert bp["policy"] == "auto" and bp["max_nodes"] == 32 and bp["cost_table"] == "model"
+    assert len(bp["steps"]) == st["steps"]
+    for s in bp["steps"]:
+        assert set(s) >= {"budgets", "expected", "realised", "est_tokens_per_s", "draft", "probes"}
+    assert set(bp["streams"]) == {"0", "1"}
+    ar = last_json(call(capsys, *base, "--mode", "ar")[1])
+    assert [s["output_ids"] for s in last_json(out)["streams"]] == [s["output_ids"] for s in ar["streams"]]
+    table = tmp_path / "costs.json"
+    CostTable.model(buckets=(1, 2)).save(str(table))
+    rc, out, _ = call(capsys, *base, "--budget", "auto:8", "--cost-table", table)
+    assert rc == 0 and last_json(out)["stats"]["budget_policy"]["cost_table"].startswith("file")
+    assert max(last_json(out)["stats"]["tree_sizes"]) <= 8
+    for args, msg in ((["--budget", "fast"], "--budget: budget: expected"), (["--budget", "auto:0"], r"\[1, 128\]"),
+                      (["--budget", "8", "--cost-table", table], "only used with --budget auto"),
+                      (["--cost-table", tmp_path / "none.json"], "cannot read")):
+        rc, out, err = call(capsys, *base, *args)
+        assert rc == 2 and re.search(msg, err), (args, err)
