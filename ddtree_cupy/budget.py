@@ -204,16 +204,18 @@ class CostTable:
                 return k
         return ks[-1]
 
-    def draft_s(self, S: int, rows: float) -> float:
+    def draft_s(self, S: int, rows):
+        """Seconds of a drafting step of bucket S with ``rows`` real rows (a number or an array of them)."""
         pts = self.draft[self._bucket(S, self.draft)]
         xs = np.array(sorted(pts), np.float64)
         ys = np.array([pts[int(x)] for x in xs])
+        r = np.asarray(rows, np.float64)
         if xs.size == 1:
-            return float(ys[0])
-        if rows <= xs[-1]:
-            return float(np.interp(rows, xs, ys))
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return float(ys[-1] + max(0.0, slope) * (rows - xs[-1]))
+            out = np.full(r.shape, ys[0])
+        else:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            out = np.where(r <= xs[-1], np.interp(r, xs, ys), ys[-1] + slope * (r - xs[-1]))
+        return float(out) if out.ndim == 0 else out
 
     def root_s(self, S: int) -> float:
         return self.root[self._bucket(S, self.root)]
@@ -383,13 +385,11 @@ class BudgetPolicy:
         # objective: tokens - rate * seconds (the long-run ratio's Dinkelbach form, rate = the recent
         # tokens/s); before any history, the step's own ratio
         score = ((lambda tk, t: tk - lam * t) if lam is not None else (lambda tk, t: tk / t))
-        best_N, best_v = 0, score(base_tokens, self.costs.draft_s(S, base_rows))
-        acc = base_tokens
-        for N, (negq, _, _, _) in enumerate(values, start=1):
-            acc += -negq
-            v = score(acc, self.costs.draft_s(S, base_rows + N))
-            if v > best_v:
-                best_N, best_v = N, v
+        tokens = base_tokens + np.concatenate([[0.0], np.cumsum([-v[0] for v in values])])
+        secs = self.costs.draft_s(S, base_rows + np.arange(len(values) + 1))
+        vals = score(tokens, secs)
+        best_N = int(np.argmax(vals))                    # the first maximum: ties take fewer nodes
+        best_v = float(vals[best_N])
         for negq, _, i, k in values[:best_N]:
             budgets[k] += 1
             expected[k] += -negq
