@@ -219,6 +219,46 @@ def apply_baselines(a) -> None:
         moe.BULK_WHOLE = False
 
 
+def cost_tables(results):
+    """(H200 table, PRO 6000 projected table) from the measured records: a drafting step of S streams x R
+    rows costs its step time at S * R real rows (the PDL step where measured, as the engine runs it); the
+    root-only step without the drafter is estimated as the smallest-R step of S minus its draft and tree
+    phases (stated in the output)."""
+    from ddtree_cupy.budget import CostTable
+    here, pro, root_h, root_p = {}, {}, {}, {}
+    for r in results:
+        S, R = r["streams"], r["rows"]
+        t = (r["step_pdl_ms"] or r["step_ms"]) * 1e-3
+        here.setdefault(S, {})[S * R] = t
+        pro.setdefault(S, {})[S * R] = r["pro6000_step_ms"] * 1e-3
+        if S not in root_h or R < root_h[S][0]:
+            f = 1.0 - (r["phases_ms"].get("draft", 0.0) + r["phases_ms"].get("tree", 0.0)) / r["step_ms"]
+            root_h[S] = (R, t * f)
+            root_p[S] = r["pro6000_step_ms"] * 1e-3 * f
+    return (CostTable(here, {S: v for S, (_, v) in root_h.items()}, source="bench/step.py measured"),
+            CostTable(pro, root_p, source="bench/step.py PRO 6000 projection"))
+
+
+def budget_projection(costs, streams, budgets, accept, scales=(0.5, 0.75, 1.0), steps=300, seed=0):
+    """Tokens/s per (streams, acceptance scale): 'ar', each fixed budget and the policy (budget.py), from
+    synthetic steps whose drafter has per-depth (cumulative) acceptance ``accept`` with every conditional
+    rate times the scale (ddtree_cupy/budget_sim.py; trees catch what the top-1 chain misses through the
+    drafter's other candidates). Returns rows of dicts."""
+    from ddtree_cupy import budget_sim as bs
+    cond = np.asarray(accept, np.float64) / np.concatenate([[1.0], np.asarray(accept[:-1], np.float64)])
+    rows = []
+    for S in streams:
+        for f in scales:
+            cum = np.cumprod(np.clip(cond * f, 1e-6, 1.0))
+            r = bs.run([bs.curve_drafter(cum)] * S, costs, steps, budgets=budgets, D=len(accept),
+                       max_nodes=max(budgets), seed=seed)
+            rows.append(dict(streams=S, scale=f, accept=[round(x, 4) for x in cum],
+                             tok_s={k: r.rate(k) for k in r.tokens},
+                             tau={k: r.tokens[k] / (steps * S) for k in r.tokens},
+                             best_fixed=r.best_fixed(), auto_mean_budget=float(np.mean(r.budgets))))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 10])
@@ -234,6 +274,13 @@ def main(argv=None) -> int:
                     help="all-reduce bus bandwidth per GPU on the target box, GB/s (PCIe 5.0 x16 ring; the "
                          "projection's payload term)")
     ap.add_argument("--tau", type=float, default=4.5, help="mean accepted length per step for the projection")
+    ap.add_argument("--accept", type=float, nargs="+", default=[0.89, 0.75, 0.57, 0.49, 0.41, 0.34, 0.28],
+                    help="per-depth (cumulative) acceptance of the drafter for the budget projection (default: the "
+                         "published block-8 DFlash curve)")
+    ap.add_argument("--accept-scales", type=float, nargs="+", default=[0.5, 0.75, 1.0],
+                    help="budget projection: each conditional acceptance rate times these")
+    ap.add_argument("--cost-table", default=None, metavar="FILE",
+                    help="write the measured step times as a --budget auto cost table (JSON)")
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
     ap.add_argument("--persistent", type=int, default=1,
                     help="1: also time the step with the dense MLP halves as persistent launches (<= 16 rows)")
@@ -539,10 +586,26 @@ def main(argv=None) -> int:
               f"{p.get('accept', 0):.2f} | {r['mean_unique_experts']:.0f} | {r['pro6000_tok_s']:.0f} | "
               f"{r['layer_launches']} | {r['verify_us_per_layer']:.0f} | "
               + (f"{r['step_pdl_ms']:.2f}" if r["step_pdl_ms"] is not None else "-") + " |")
+    proj = []
+    if results:
+        here, pro = cost_tables(results)
+        if a.cost_table:
+            here.save(a.cost_table)
+            print(f"wrote the cost table {a.cost_table}")
+        budgets = sorted({r["rows"] - 1 for r in results if r["rows"] > 1})
+        proj = budget_projection(pro, sorted({r["streams"] for r in results}), budgets, a.accept, a.accept_scales)
+        print("\nbudget projection on 8x RTX PRO 6000 (tok/s; drafter acceptance curve x scale, synthetic steps, "
+              "root-only step = smallest step minus its draft + tree phases):")
+        names = ["ar"] + [f"b{b}" for b in budgets] + ["auto"]
+        print("| streams | scale | " + " | ".join(names) + " | best fixed | auto mean budget |")
+        print("|---|---|" + "---|" * (len(names) + 2))
+        for p in proj:
+            print(f"| {p['streams']} | {p['scale']} | " + " | ".join(f"{p['tok_s'][n]:.0f}" for n in names)
+                  + f" | {p['best_fixed']} | {p['auto_mean_budget']:.1f} |")
     if a.json:
         os.makedirs(os.path.dirname(a.json), exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump({"assumptions": assumptions, "results": results,
+            json.dump({"assumptions": assumptions, "results": results, "budget_projection": proj,
                        "runtime_s": time.perf_counter() - t_start}, f, indent=1)
         print(f"wrote {a.json} ({time.perf_counter() - t_start:.0f} s)")
     return 0

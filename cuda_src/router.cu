@@ -153,12 +153,26 @@ __device__ __forceinline__ void route_token(const float (&b_r)[ROUTER_PER_LANE],
     }
 }
 
+// A padding row (row_pos != NULL and row_pos[t] < 0: the batch's kv_pos, -1 on rows beyond a stream's tree
+// and on idle slots) selects no expert: ids -1 (the MoE skips them, so the row pulls no expert bytes and the
+// unique-expert count follows the real rows) and weights 0. Returns whether token t was such a row.
+__device__ __forceinline__ bool route_padding(const int* __restrict__ row_pos, int t, int k, int* __restrict__ out_ids,
+                                              float* __restrict__ out_w) {
+    if (row_pos == nullptr || row_pos[t] >= 0) return false;
+    const int lane = threadIdx.x & 31;
+    if (lane < k) {
+        out_ids[(long long)t * k + lane] = -1;
+        out_w[(long long)t * k + lane] = 0.f;
+    }
+    return true;
+}
+
 // min blocks 1: see router_topk_down (ptxas otherwise caps sm_90 at ~72-80 registers and spills)
 extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32, 1)
 router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E, const float* __restrict__ bias,
             int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
             float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
-            bf16_bits* __restrict__ act, long long act_stride, int I) {
+            bf16_bits* __restrict__ act, long long act_stride, int I, const int* __restrict__ row_pos) {
     // PDL: the next kernel (the shared down GEMM / the MoE) may start its weight prefetch now; its own
     // DDT_PDL_WAIT() still waits for this whole grid.
     DDT_PDL_LAUNCH_DEPENDENTS();
@@ -182,6 +196,7 @@ router_topk(const float* __restrict__ logits, long long lg_stride, int T, int E,
     load_bias(bias, E, b_r);
     DDT_PDL_WAIT();
     if (t >= T) return;             // only warp-level synchronisation below: an idle warp may leave
+    if (route_padding(row_pos, t, k, out_ids, out_w)) return;
     route_token(b_r, logits, lg_stride, t, E, n_group, topk_group, k, normalize, scale, out_ids, out_w, c_s[warp]);
 }
 
@@ -205,7 +220,7 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
                  int n_group, int topk_group, int k, int normalize, float scale, int* __restrict__ out_ids,
                  float* __restrict__ out_w, int route_blocks, const float* __restrict__ gate_up, long long gu_stride,
                  const bf16_bits* __restrict__ wd, bf16_bits* __restrict__ out, long long out_stride, int N,
-                 int col_blocks) {
+                 int col_blocks, const int* __restrict__ row_pos) {
     constexpr int I = 64 * KS, LD = I + RD_PAD;
     // W_s: the block's 32 weight rows; A_s: one 16-token tile of act; red: the 4 warps' partial sums. The
     // selection blocks use the front of the same buffer for their choice values (4 x 512 floats).
@@ -220,6 +235,7 @@ router_topk_down(const float* __restrict__ logits, long long lg_stride, int T, i
         load_bias(bias, E, b_r);
         DDT_PDL_WAIT();
         if (t >= T) return;
+        if (route_padding(row_pos, t, k, out_ids, out_w)) return;
         route_token(b_r, logits, lg_stride, t, E, n_group, topk_group, k, normalize, scale, out_ids, out_w,
                     (float*)smem + warp * ROUTER_MAX_E);
         return;

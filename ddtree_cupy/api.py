@@ -120,6 +120,7 @@ class GenerationResult:
     phase_s: Dict[str, float]          # seconds per phase, summed over the run
     elapsed_s: float                   # wall time of the whole run, prefill included
     decode_s: float                    # wall time of the decode steps (prefill excluded)
+    budget_stats: Optional[dict] = None  # ``--budget auto``: the policy's statistics (budget.BudgetPolicy.stats)
 
     @property
     def new_tokens(self) -> int:
@@ -137,7 +138,8 @@ class GenerationResult:
         return {"steps": self.steps, "new_tokens": self.new_tokens, "mean_accept_len": self.mean_accept_len,
                 "tokens_per_s": self.tokens_per_s, "elapsed_s": self.elapsed_s, "decode_s": self.decode_s,
                 "accept_lens": list(self.accept_lens), "tree_sizes": list(self.tree_sizes),
-                "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()}}
+                "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()},
+                **({"budget_policy": self.budget_stats} if self.budget_stats is not None else {})}
 
 
 def emit_tokens(st: StreamState, toks: Sequence[int]) -> List[int]:

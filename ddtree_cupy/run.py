@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per stream")
     g.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "ar"),
                    help="ddtree: tree speculation; chain: the drafter's top-1 path; ar: no speculation")
-    g.add_argument("--budget", type=int, default=32, metavar="N", help=f"DDTree node budget, 1..{MAX_BUDGET}")
+    g.add_argument("--budget", default="auto", metavar="N|auto",
+                   help=f"DDTree node budget: 'auto' (default: chosen per step and stream from a cost model, at most "
+                        f"32 nodes; docs/BUDGET.md), 'auto:N' (at most N), or a fixed N in 1..{MAX_BUDGET}")
+    g.add_argument("--cost-table", default=None, metavar="FILE",
+                   help="--budget auto: step times per (stream bucket, verify rows) as JSON (bench/step.py "
+                        "--cost-table writes one); default a model of the H200 step")
     g.add_argument("--cap-k", type=int, default=None, metavar="K", help="use only the K best tokens per depth")
     g.add_argument("--include-chain", action="store_true", help="always put the drafter's top-1 chain in the tree")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
@@ -90,8 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_options(a) -> None:
     from .api import MAX_TEMPERATURE, MIN_TEMPERATURE
-    if not 1 <= a.budget <= MAX_BUDGET:
-        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}], got {a.budget}")
+    from .budget import parse_budget
+    try:
+        b = parse_budget(a.budget)
+    except ValueError as e:
+        raise UsageError(f"--budget: {e}") from None
+    n = b if isinstance(b, int) else (32 if b == "auto" else b[1])
+    if not 1 <= n <= MAX_BUDGET:
+        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}] (or 'auto', 'auto:N'), got {a.budget}")
+    if a.cost_table is not None:
+        if isinstance(b, int):
+            raise UsageError("--cost-table: only used with --budget auto")
+        from .budget import CostTable
+        try:
+            CostTable.load(a.cost_table)
+        except ValueError as e:
+            raise UsageError(f"--cost-table: {e}") from None
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.max_new_tokens > INT32_MAX:
@@ -476,16 +495,29 @@ def _report_refusals(streams, err) -> int:
     return EXIT_REFUSED if refused else 0
 
 
+def _budget_arg(a):
+    """What the engines take as ``budget``: a fixed int, or a ``BudgetPolicy`` (mode ddtree, --budget auto)."""
+    from .budget import BudgetPolicy, CostTable, DEFAULT_MAX_NODES, parse_budget
+    b = parse_budget(a.budget)
+    if isinstance(b, int) or a.mode != "ddtree":
+        return b if isinstance(b, int) else DEFAULT_MAX_NODES
+    costs = CostTable.load(a.cost_table) if a.cost_table else None
+    return BudgetPolicy(DEFAULT_MAX_NODES if b == "auto" else b[1], costs=costs)
+
+
 def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> int:
+    from .budget import parse_budget
     out = sys.stdout if root else _Quiet()
     printer = None if (a.json or not root) else _Printer(tok, len(reqs), out)
     if printer is not None:
         print(f"loaded in {load_s:.1f} s ({backend}, {a.dtype}); mode {a.mode}"
               + (f", budget {a.budget}" if a.mode == "ddtree" else ""), file=err)
-    res = engine.generate(reqs, a.mode, a.budget, a.cap_k, a.include_chain, on_tokens=printer)
+    res = engine.generate(reqs, a.mode, _budget_arg(a), a.cap_k, a.include_chain, on_tokens=printer)
 
     stats = res.stats_dict()
-    stats.update({"mode": a.mode, "budget": a.budget if a.mode == "ddtree" else None, "backend": backend,
+    b = parse_budget(a.budget)
+    stats.update({"mode": a.mode, "budget": (b if isinstance(b, int) else str(a.budget)) if a.mode == "ddtree" else None,
+                  "backend": backend,
                   "dtype": a.dtype, "load_s": load_s, "tp": engine.comm.size})
     if a.profile or a.profile_trace:
         from .profiling.cli import profile_run

@@ -219,6 +219,9 @@ cp = _module(
     copyto=lambda d, s: run_or_record(lambda: np.copyto(d, s)),
     array_equal=lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
     get_default_memory_pool=lambda: types.SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0),
+    # binary ufuncs into a preallocated out (recorded during capture like a kernel launch)
+    **{n: (lambda f: lambda a, b, out: run_or_record(lambda: f(a, b, out=out)))(getattr(np, n))
+       for n in ("add", "subtract", "multiply", "minimum")},
     **{n: getattr(np, n) for n in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32", "float64")})
 MODULES = {"cupy": cp, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.driver": driver,
            "cupy.random": random}

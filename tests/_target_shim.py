@@ -102,7 +102,7 @@ def _embed(name, grid, args):
 
 
 def _router(name, grid, args):
-    logits, ls0, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, act, as0, I = args
+    logits, ls0, T, E, bias, n_group, _tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, act, as0, I, rp = args
     T, E, I = int(T), int(E), int(I)
     if I:             # the shared expert's SwiGLU in the extra blocks, from the fp32 gate|up rounded to bf16
         G = _f(_bits(_view(gu, (T, 2 * I), (gs0, 1))))
@@ -112,7 +112,11 @@ def _router(name, grid, args):
     assert int(n_group) == 1, "group-limited routing is not emulated"
     s = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
     choice = s + np.asarray(bias, np.float64)[None]
+    pad = np.asarray(rp) < 0 if isinstance(rp, np.ndarray) else np.zeros(T, bool)   # row_pos NULL: none
     for t in range(int(T)):
+        if pad[t]:                      # a padding row (row_pos < 0) selects no expert
+            out_ids[t], out_w[t] = -1, 0.0
+            continue
         ids = np.lexsort((np.arange(int(E)), -choice[t]))[:int(k)]     # descending, ties to the lower id
         w = s[t, ids] / (s[t, ids].sum() if int(norm) else 1.0)
         out_ids[t] = ids
@@ -123,10 +127,10 @@ def _router_down(name, grid, args):
     """router_topk_down<KS>: the selection, then down_out = act @ W_down^T with act = bf16(silu(g) * u) of the
     fp32 gate|up rounded to bf16 (never stored)."""
     (logits, ls0, T, E, bias, n_group, tg, k, norm, scale, out_ids, out_w, route_blocks, gu, gs0, wd, out, os0,
-     N, _col_blocks) = args
+     N, _col_blocks, rp) = args
     T, N, I = int(T), int(N), 64 * int(name.split("<")[1].rstrip(">"))
     _router("router_topk", grid, (logits, ls0, T, E, bias, n_group, tg, k, norm, scale, out_ids, out_w,
-                                  route_blocks, None, 0, None, 0, 0))
+                                  route_blocks, None, 0, None, 0, 0, rp))
     G = _f(_bits(_view(gu, (T, 2 * I), (gs0, 1))))
     g, u = G[:, :I], G[:, I:]
     act = _f(_bits(g / (1 + np.exp(-g)) * u))

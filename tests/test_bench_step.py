@@ -41,6 +41,36 @@ def test_uniform_tables_per_layer_and_reused(routing):
     assert np.unique(t0).size > 40
 
 
+def test_uniform_tables_keep_padding_rows_expert_free(routing):
+    """Rows the router marked as padding (ids -1) stay without experts in the table the MoE reads."""
+    u, moe_mod, seen = routing
+    host = np.full((6, 8), 7, np.int32)
+    host[[1, 4]] = -1
+    with u:
+        moe_mod.moe_forward(None, fake.cp.asarray(host), None, object(), None, out=None)
+    got, table = seen[0][1], list(u.tables.values())[0][1]
+    assert (got[[1, 4]] == -1).all()
+    real = [0, 2, 3, 5]
+    np.testing.assert_array_equal(got[real], table[real])
+
+
+def test_budget_projection_from_measured_records():
+    from bench.step import budget_projection, cost_tables
+    recs = [dict(streams=S, rows=R, step_ms=3 + 0.3 * S * R, step_pdl_ms=None, pro6000_step_ms=4 + 0.4 * S * R,
+                 phases_ms={"draft": 0.5, "tree": 0.1}) for S in (1, 4) for R in (1, 5, 9, 17)]
+    here, pro = cost_tables(recs)
+    assert here.draft_s(4, 36) == pytest.approx((3 + 0.3 * 36) * 1e-3)
+    assert pro.root_s(1) == pytest.approx(4.4e-3 * (1 - 0.6 / 3.3))
+    rows = budget_projection(pro, [1, 4], [4, 8, 16], [0.89, 0.75, 0.57, 0.49, 0.41, 0.34, 0.28], (0.5, 1.0),
+                             steps=60)
+    assert len(rows) == 4
+    for r in rows:
+        assert set(r["tok_s"]) == {"ar", "b4", "b8", "b16", "auto"} and all(v > 0 for v in r["tok_s"].values())
+        assert r["tau"]["ar"] == 1.0 and r["tau"]["b16"] >= r["tau"]["b4"]
+    good = [r for r in rows if r["scale"] == 1.0 and r["streams"] == 1][0]
+    assert good["tok_s"]["auto"] > good["tok_s"]["ar"]
+
+
 def test_uniform_table_refused_during_capture(routing):
     u, moe_mod, _ = routing
     st, ids = fake.cp.cuda.Stream(), fake.cp.full((4, 8), 1, np.int32)

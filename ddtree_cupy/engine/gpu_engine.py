@@ -160,27 +160,38 @@ class GpuEngine:
                 f"{'eager' if self.eager else 'graphs'}")
 
     # ---- steps --------------------------------------------------------------------------------------
-    def get_step(self, S: int, mode: str, budget: int, cap_k, include_chain: bool, sampled: bool):
-        """The DecodeStep of this shape (built, and captured unless eager, on first use)."""
+    def get_step(self, S: int, mode: str, budget: int, cap_k, include_chain: bool, sampled: bool,
+                 split: bool = False, root_only: bool = False):
+        """The DecodeStep of this shape (built, and captured unless eager, on first use); ``split`` /
+        ``root_only``: the two kinds of step of ``--budget auto`` (step.DecodeStep)."""
         from .step import DecodeStep
-        key = (S, mode, budget if mode == "ddtree" else 0, cap_k if mode == "ddtree" else None,
-               bool(include_chain) and mode == "ddtree", sampled)
+        key = (S, mode, budget if (mode == "ddtree" and not root_only) else 0, cap_k if mode == "ddtree" else None,
+               bool(include_chain) and mode == "ddtree", sampled, bool(split), bool(root_only))
         st = self.steps.get(key)
         if st is None:
-            st = DecodeStep(self.models, S, mode, budget, cap_k, include_chain, sampled)
+            st = DecodeStep(self.models, S, mode, budget, cap_k, include_chain, sampled, split=split,
+                            root_only=root_only)
             self.steps[key] = st
         if not (self.eager or self.profile) and st.graph is None:
             st.capture()
         return st
 
-    def make_loop(self, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+    def make_loop(self, mode: str = "ddtree", budget=32, cap_k: Optional[int] = None,
                   include_chain: bool = False, max_queue: Optional[int] = None, keep_history: bool = False,
                   observer=None) -> EngineLoop:
-        """An online loop over this engine's stream slots and KV pool (one loop at a time)."""
+        """An online loop over this engine's stream slots and KV pool (one loop at a time). ``budget``: a fixed
+        node count, or 'auto' / ('auto', N) / a ``budget.BudgetPolicy`` (mode 'ddtree': per-step, per-stream
+        budgets, docs/BUDGET.md; the policy's statistics: ``last_executor.policy.stats()``)."""
+        from ..budget import make_policy
         if mode not in MODES:
             raise ValueError(f"mode: unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter")
+        policy = make_policy(budget, mode, include_chain) if mode == "ddtree" else None
+        if policy is not None:
+            budget = policy.max_nodes
+        elif not isinstance(budget, (int, np.integer)):
+            budget = 1                      # 'chain' / 'ar' build no tree of a chosen size
         if not isinstance(budget, (int, np.integer)) or not 1 <= budget <= self.max_budget:
             raise ValueError(f"budget: must be an integer in [1, {self.max_budget}] (the engine's max_budget), "
                              f"got {budget!r}")
@@ -192,21 +203,24 @@ class GpuEngine:
         self.last_pool = pool
         sched = Scheduler(pool, self.tcfg.vocab_size, self.tcfg.max_position_embeddings, depth,
                           keep_history=keep_history)
-        self.last_executor = _Executor(self, mode, int(budget), cap_k, include_chain)
+        self.last_executor = _Executor(self, mode, int(budget), cap_k, include_chain, policy)
         return EngineLoop(self.last_executor, sched, self.buckets, self.comm, max_queue, observer)
 
-    def generate(self, requests: Sequence, mode: str = "ddtree", budget: int = 32, cap_k: Optional[int] = None,
+    def generate(self, requests: Sequence, mode: str = "ddtree", budget=32, cap_k: Optional[int] = None,
                  include_chain: bool = False, on_tokens: Optional[Callable] = None):
         res = self.make_loop(mode, budget, cap_k, include_chain, keep_history=True).generate(requests, on_tokens)
         self.last_phase_s = dict(self.last_executor.phase_s)
+        if self.last_executor.policy is not None:
+            res.budget_stats = self.last_executor.policy.stats()
         return res
 
 
 class _Executor:
     """The engine seen by ``engine.loop.EngineLoop``: block table upload, prefill, one step."""
 
-    def __init__(self, eng: GpuEngine, mode: str, budget: int, cap_k, include_chain: bool):
+    def __init__(self, eng: GpuEngine, mode: str, budget: int, cap_k, include_chain: bool, policy=None):
         self.eng, self.mode, self.budget, self.cap_k, self.include_chain = eng, mode, budget, cap_k, include_chain
+        self.policy = policy
         self.phase_s: Dict[str, float] = {}
         self.dev_budget = 0 if mode == "ar" else (eng.models.depth if mode == "chain" else budget)
 
@@ -224,6 +238,10 @@ class _Executor:
             nvtx_pop()
 
     def step(self, running, bucket: int, budgets) -> np.ndarray:
+        # with a budget policy the executor chooses each stream's budget itself, from this step's draft
+        # (the loop's per-stream budgets are the fixed-budget path's)
+        if self.policy is not None:
+            return self._step_auto(running, bucket)
         eng = self.eng
         sampled = any(s.request.temperature > 0 for s in running)
         step = eng.get_step(bucket, self.mode, self.budget, self.cap_k, self.include_chain, sampled)
@@ -240,4 +258,54 @@ class _Executor:
         else:
             key = "step_eager" if (eng.eager or eng.profile) else "step_graph"
             self.phase_s[key] = self.phase_s.get(key, 0.0) + time.perf_counter() - t0
+        return out
+
+    def _step_auto(self, running, bucket: int) -> np.ndarray:
+        """One ``--budget auto`` step: the policy's decisions of reference.loop.DecodeLoop._step_auto. If no
+        running stream drafts: the root-only step without the drafter. Else the split step: draft + top-K,
+        the policy's budgets from the GPU's top-K log-probs (``budget.path_values``), build + verify +
+        accept; the policy then observes each stream's accepted length."""
+        from ..budget import path_values
+        from ..api import OUT_NACC
+        eng, pol = self.eng, self.policy
+        sampled = any(s.request.temperature > 0 for s in running)
+        keys = [s.index for s in running]
+        want = set(pol.drafting(keys))
+        ctrl = pack_control(running, bucket, 0)
+        raw = {}
+        nvtx_push("step")
+        t0 = time.perf_counter()
+        try:
+            if not want:
+                plan = pol.plan(bucket, keys, {})
+                step = eng.get_step(bucket, "ddtree", self.budget, self.cap_k, False, sampled, root_only=True)
+                out = step.run(ctrl, running, eager=eng.eager or eng.profile)
+                kind = "step_root"
+            else:
+                step = eng.get_step(bucket, "ddtree", self.budget, self.cap_k, False, sampled, split=True)
+                plan_box = {}
+
+                def choose(top_lp):
+                    vals = path_values(top_lp, self.budget, self.cap_k)
+                    for s in running:
+                        if s.index in want:
+                            raw[s.index] = vals[s.slot]
+                    plan_box["p"] = pol.plan(bucket, keys, raw)
+                    b = np.zeros(bucket, np.int32)
+                    for s in running:
+                        b[s.slot] = plan_box["p"].budgets[s.index]
+                    return b
+                out = step.run_split(ctrl, choose, running, eager=eng.eager or eng.profile)
+                plan = plan_box["p"]
+                kind = "step_split"
+        finally:
+            nvtx_pop()
+        self.phase_s[kind] = self.phase_s.get(kind, 0.0) + time.perf_counter() - t0
+        for s in running:
+            n_acc = int(out[s.slot][OUT_NACC])
+            b = plan.budgets[s.index]
+            if b > 0:
+                pol.observe(s.index, raw[s.index][:b], n_acc)
+            else:
+                pol.note_root_only(s.index, n_acc)
         return out

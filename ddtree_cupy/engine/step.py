@@ -155,21 +155,30 @@ class DecodeStep:
     """Static buffers and stage sequence of one decode-step shape; eager or captured as one CUDA graph."""
 
     def __init__(self, m: Models, S: int, mode: str, budget: int, cap_k: Optional[int], include_chain: bool,
-                 sampled: bool):
+                 sampled: bool, split: bool = False, root_only: bool = False):
+        """``split`` (``--budget auto``): two graphs, draft + top-K, then the host reads the top-K and sets
+        each slot's budget (``run_split``), then build + verify + accept. ``root_only`` (mode 'ddtree'): a
+        root-only step that does not draft but still appends the committed row to the drafter context
+        (the policy's fall-back: 'ar''s cost, the drafter stays in sync)."""
         import cupy
         from ..models.batch import TargetBatch
         if mode not in ("ar", "chain", "ddtree"):
             raise ValueError(f"mode: unknown mode {mode!r}")
         if mode != "ar" and m.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter")
+        if (split or root_only) and mode != "ddtree":
+            raise ValueError(f"split / root_only steps are mode 'ddtree' only, got {mode!r}")
+        if split and root_only:
+            raise ValueError("a step is split (drafting) or root_only (not drafting), not both")
         self.m, self.S, self.mode, self.sampled = m, S, mode, sampled
+        self.split, self.root_only = bool(split), bool(root_only)
         D = m.depth if mode != "ar" else 1
         self.D = D
-        self.R = 1 if mode == "ar" else (D + 1 if mode == "chain" else budget + 1)
-        self.budget_dev = 0 if mode == "ar" else (D if mode == "chain" else budget)
+        self.R = 1 if (mode == "ar" or root_only) else (D + 1 if mode == "chain" else budget + 1)
+        self.budget_dev = 0 if (mode == "ar" or root_only) else (D if mode == "chain" else budget)
         self.cap_k = 0 if (mode != "ddtree" or cap_k is None) else int(cap_k)
         self.include_chain = bool(include_chain) and mode == "ddtree"
-        self.k = tree_k(mode, budget, m.tcfg.vocab_size, m.V_local, cap_k)
+        self.k = 1 if root_only else tree_k(mode, budget, m.tcfg.vocab_size, m.V_local, cap_k)
         self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k, fast=ddt.DEFAULT_VARIANT)
         self.A = self.ws.A
         T = self.T = S * self.R
@@ -202,14 +211,27 @@ class DecodeStep:
             # The sampler works on whole vocabulary rows: under TP the shards are gathered into full_rows.
             self.full_rows = WholeRows(m, T)
         self.graph = None
+        self.graphs_split = None       # (draft + top-K graph, build + verify + accept graph) when split
+        if split:
+            self.top_lp_host = cupy.cuda.alloc_pinned_memory(self.ws.top_lp.nbytes)
+            self.top_lp_np = np.frombuffer(self.top_lp_host, np.float32, self.ws.top_lp.size).reshape(
+                self.ws.top_lp.shape)
         self.pdl = False               # whether the captured graph uses PDL launches (capture sets it)
 
     # ---- the stage sequence ---------------------------------------------------------------------------
     def phases(self):
         """[(name, fn)] of the step's phases in order (each enqueues kernels only); ``enqueue`` runs them all,
         bench/step.py captures each as its own graph to time it."""
-        ph = [("draft", self._draft), ("tree", self._tree)] if self.mode != "ar" else [("tree", self._root)]
+        if self.mode == "ar" or self.root_only:
+            ph = [("tree", self._root)]
+        else:
+            ph = [("draft", self._draft), ("tree", self._tree)]
         return ph + [("verify", self._verify), ("accept", self._accept)]
+
+    def split_phases(self):
+        """The two halves of a split step: [draft, top-K] and [build, verify, accept]."""
+        return ([("draft", self._draft), ("topk", self._topk)],
+                [("build", self._build), ("verify", self._verify), ("accept", self._accept)])
 
     def enqueue(self, timer=NullTimer()) -> None:
         """Every stage of one step, on the current stream (no allocation, no host sync)."""
@@ -223,8 +245,14 @@ class DecodeStep:
         self.m.drafter.draft(c[CTRL_BONUS], c[CTRL_PREFIX], c[CTRL_PREFIX], self.draft_out)
 
     def _tree(self) -> None:
+        self._topk()
+        self._build()
+
+    def _topk(self) -> None:
+        draft_topk(self.m, self.ws, self.draft_out, self.merged_keys, self.merged_ms, self.keep)
+
+    def _build(self) -> None:
         c, ws = self.ctrl, self.ws
-        draft_topk(self.m, ws, self.draft_out, self.merged_keys, self.merged_ms, self.keep)
         ws.build(c[CTRL_BUDGET], c[CTRL_PREFIX], c[CTRL_BONUS], cap_k=self.cap_k, include_chain=self.include_chain)
         self._to_batch()
 
@@ -280,11 +308,22 @@ class DecodeStep:
                 self.ctrl.fill(0)
                 self.enqueue()
                 st.synchronize()
-                st.begin_capture()
-                try:
-                    self.enqueue()
-                finally:
-                    self.graph = st.end_capture()
+                if self.split:
+                    graphs = []
+                    for half in self.split_phases():
+                        st.begin_capture()
+                        try:
+                            for _, fn in half:
+                                fn()
+                        finally:
+                            graphs.append(st.end_capture())
+                    self.graphs_split = tuple(graphs)
+                else:
+                    st.begin_capture()
+                    try:
+                        self.enqueue()
+                    finally:
+                        self.graph = st.end_capture()
                 st.synchronize()
         finally:
             launch.set_pdl(before)
@@ -316,6 +355,41 @@ class DecodeStep:
                 self.enqueue(timer)
             else:
                 self.graph.launch(st)
+            self.packed.get(stream=st, out=self.packed_np)
+        st.synchronize()
+        return self.packed_np.copy()
+
+
+    def run_split(self, ctrl: np.ndarray, choose, running=None, eager: bool = False) -> np.ndarray:
+        """A split step: draft + top-K, copy the per-depth top-K log-probs [S, D, k] to the host,
+        ``choose(top_lp) -> int32 [S]`` budgets (written into ctrl's budget row), then build + verify +
+        accept with those budgets. Returns the packed output as ``run`` does."""
+        if not self.split:
+            raise ValueError("run_split: this step was not built with split=True")
+        st = self.m.stream
+        self.upload(ctrl, running)
+        halves = self.split_phases()
+        with st:
+            if eager or self.graphs_split is None:
+                for _, fn in halves[0]:
+                    fn()
+            else:
+                self.graphs_split[0].launch(st)
+            self.ws.top_lp.get(stream=st, out=self.top_lp_np)
+        st.synchronize()
+        budgets = np.asarray(choose(self.top_lp_np), np.int32)
+        if budgets.shape != (self.S,) or (budgets < 0).any() or (budgets > self.budget_dev).any():
+            raise ValueError(f"run_split: budgets must be int [{self.S}] in [0, {self.budget_dev}], got {budgets}")
+        ctrl = np.array(ctrl, np.int32)
+        ctrl[CTRL_BUDGET] = budgets
+        self.ctrl_np[...] = ctrl
+        with st:
+            self.ctrl.set(self.ctrl_np, stream=st)
+            if eager or self.graphs_split is None:
+                for _, fn in halves[1]:
+                    fn()
+            else:
+                self.graphs_split[1].launch(st)
             self.packed.get(stream=st, out=self.packed_np)
         st.synchronize()
         return self.packed_np.copy()

@@ -61,16 +61,20 @@ def _ptr(a):
 
 def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
                  normalize: bool = True, out_ids=None, out_weights=None, *, gate_up=None, act_out=None,
-                 down_w=None, down_out=None):
+                 down_w=None, down_out=None, row_pos=None):
     """Selection from precomputed fp32 logits [T, E] (row-strided view allowed); with ``gate_up`` [T, 2I]
     float32 (row-strided view, 16-byte aligned) also ``act_out`` [T, I] bf16 = silu(gate) * up in the same
     launch; or instead of act_out, ``down_w`` bf16 [H, I] (contiguous, I = 64 / 128 / 256) and ``down_out``
-    bf16 [T, H] (row-strided view allowed): down_out = act @ down_w^T in the same launch."""
+    bf16 [T, H] (row-strided view allowed): down_out = act @ down_w^T in the same launch.
+    ``row_pos`` int32 [T] (the batch's kv_pos): rows with row_pos < 0 are padding and select no expert
+    (ids -1, weights 0; the MoE skips them); the other rows' selection is unchanged."""
     import cupy
     dims = {}
     ls = check_rows("logits", logits, np.float32, ("T", "E"), dims, align=4)
     check_array("bias", bias, np.float32, ("E",), dims)
     T, E = dims["T"], dims["E"]
+    if row_pos is not None:
+        check_array("row_pos", row_pos, np.int32, ("T",), dims)
     check_range("E (logits.shape[1])", E, 1, MAX_E)
     check_range("n_group", n_group, 1, min(32, E))
     if E % n_group:
@@ -87,7 +91,7 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
     I = act_blocks = 0
     if down_w is not None or down_out is not None:
         return _route_down(logits, ls, bias, T, E, k, n_group, topk_group, routed_scaling_factor, normalize,
-                           out_ids, out_weights, gate_up, act_out, down_w, down_out)
+                           out_ids, out_weights, gate_up, act_out, down_w, down_out, row_pos)
     if gate_up is not None:
         if act_out is None:
             raise ValueError("act_out: required with gate_up (or down_w / down_out)")
@@ -108,12 +112,12 @@ def route_logits(logits, bias, k: int, n_group: int = 1, topk_group: int = 1, ro
              (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group), np.int32(k),
               np.int32(1 if normalize else 0), np.float32(routed_scaling_factor), out_ids, out_weights,
               np.int32(route_blocks), _ptr(gate_up), np.int64(gs[0]), _ptr(act_out), np.int64(os_[0]),
-              np.int32(I)))
+              np.int32(I), _ptr(row_pos)))
     return out_ids, out_weights
 
 
 def _route_down(logits, ls, bias, T, E, k, n_group, topk_group, scale, normalize, out_ids, out_weights, gate_up,
-                act_out, down_w, down_out):
+                act_out, down_w, down_out, row_pos=None):
     """route_logits' router_topk_down launch (arguments already checked up to gate_up)."""
     if down_w is None or down_out is None:
         raise ValueError("down_w / down_out: give both (the shared down projection's weight and output)")
@@ -144,13 +148,14 @@ def _route_down(logits, ls, bias, T, E, k, n_group, topk_group, scale, normalize
              (logits, np.int64(ls[0]), np.int32(T), np.int32(E), bias, np.int32(n_group), np.int32(topk_group),
               np.int32(k), np.int32(1 if normalize else 0), np.float32(scale), out_ids, out_weights,
               np.int32(route_blocks), gate_up, np.int64(gs[0]), down_w, down_out, np.int64(os_[0]), np.int32(H),
-              np.int32(col_blocks)))
+              np.int32(col_blocks), _ptr(row_pos)))
     return out_ids, out_weights
 
 
 def route(x, gate, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-          normalize: bool = True, out_ids=None, out_weights=None, logits=None):
-    """x [T, H] bf16 @ gate [E, H]^T in fp32 (``logits`` float32 [T, E] scratch), then ``route_logits``."""
+          normalize: bool = True, out_ids=None, out_weights=None, logits=None, row_pos=None):
+    """x [T, H] bf16 @ gate [E, H]^T in fp32 (``logits`` float32 [T, E] scratch), then ``route_logits``
+    (``row_pos``: padding rows select no expert)."""
     import cupy
     dims = {}
     check_array("x", x, np.uint16, ("T", "H"), dims)
@@ -158,4 +163,5 @@ def route(x, gate, bias, k: int, n_group: int = 1, topk_group: int = 1, routed_s
     if logits is None:
         logits = cupy.empty((dims["T"], dims["E"]), dtype=np.float32)
     gemm_bf16(x, gate, logits, out_dtype=np.float32)
-    return route_logits(logits, bias, k, n_group, topk_group, routed_scaling_factor, normalize, out_ids, out_weights)
+    return route_logits(logits, bias, k, n_group, topk_group, routed_scaling_factor, normalize, out_ids, out_weights,
+                        row_pos=row_pos)

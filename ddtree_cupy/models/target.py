@@ -243,7 +243,8 @@ class GpuTarget:
         stages = ([("input_norm", input_norm)]
                   + self._attention_stages(i, normed, batch, kv, attn, norm=(L.post_norm, h, normed) if fused else None)
                   + post   # h += attn
-                  + self._mlp_stages(i, normed, mlp, norm=(self.next_norm_weight(i), h, normed) if fused else None))
+                  + self._mlp_stages(i, normed, mlp, norm=(self.next_norm_weight(i), h, normed) if fused else None,
+                                    row_pos=batch.kv_pos[:T]))
         if fused and i > 0 and self._feat_index.get(i - 1) is None:
             stages = stages[1:]          # the input norm stage would do nothing
         return stages
@@ -313,7 +314,9 @@ class GpuTarget:
             ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, self.o[:T].reshape(T, nh, d["dv"]))),
             ("o_proj", o_proj)]
 
-    def _mlp_stages(self, i: int, x, out, reduce: bool = True, norm=None):
+    def _mlp_stages(self, i: int, x, out, reduce: bool = True, norm=None, row_pos=None):
+        """``row_pos`` (the batch's kv_pos): padding rows (< 0) select no routed expert (router.route_logits).
+        ``norm`` = (weight, h, normed): the all-reduce also does the residual add and the next norm."""
         from ..kernels.layers import silu_mul
         from ..kernels.moe import moe_forward
         from ..kernels import router as router_mod
@@ -354,12 +357,12 @@ class GpuTarget:
             st.append(("route_silu_down", lambda: router_mod.route_logits(
                 fused[:, :E], L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=ids, out_weights=wts,
-                gate_up=fused[:, E:], down_w=L.w_shared_down, down_out=self.shared_out[:T])))
+                gate_up=fused[:, E:], down_w=L.w_shared_down, down_out=self.shared_out[:T], row_pos=row_pos)))
             return st + [("moe", moe)]
         st.append(("route" + ("_silu" if shared else ""), lambda: router_mod.route_logits(
             fused[:, :E], L.router_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
             cfg.routed_scaling_factor, cfg.norm_topk_prob, out_ids=ids, out_weights=wts,
-            gate_up=fused[:, E:] if shared else None, act_out=act if shared else None)))
+            gate_up=fused[:, E:] if shared else None, act_out=act if shared else None, row_pos=row_pos)))
         if shared:
             st.append(("shared_down_gemm", lambda: self._gemm(act, L.w_shared_down, self.shared_out[:T])))
         return st + [("moe", moe)]

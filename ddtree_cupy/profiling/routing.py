@@ -26,6 +26,7 @@ class UniformRouting:
         self.E, self.k, self.rng = E, k, np.random.default_rng(seed)
         self.tables = {}            # (id(experts), T) -> (device table, host copy)
         self.used = []              # host tables in call order (counted by count_experts)
+        self.masked = {}            # key -> (device table with the padding rows' ids -1, table + 1)
 
     def __enter__(self):
         self.mod.moe_forward = self._forward
@@ -46,7 +47,18 @@ class UniformRouting:
             host = host.astype(ids.dtype)
             tab = self.tables[key] = (cupy.asarray(host), host)
         self.used.append(tab[1])
-        return self.orig(x, tab[0], *a, **kw)
+        # padding rows (the router gave them ids -1: no expert) stay without experts, so the MoE reads the
+        # experts of the real rows only, as in the engine's step
+        # (ids are -1 or an expert id: m = min(ids + 1, 1) is 1 on real rows, 0 on padding;
+        # out = m * (table + 1) - 1, four ufuncs into preallocated buffers, capturable)
+        if key not in self.masked:
+            self.masked[key] = (cupy.empty(tab[0].shape, tab[0].dtype), cupy.asarray(tab[1] + 1))
+        buf, tab1 = self.masked[key]
+        cupy.add(ids, 1, out=buf)
+        cupy.minimum(buf, 1, out=buf)
+        cupy.multiply(buf, tab1, out=buf)
+        cupy.subtract(buf, 1, out=buf)
+        return self.orig(x, buf, *a, **kw)
 
 
 def count_experts(step, S, R, cfg, uniform=None):

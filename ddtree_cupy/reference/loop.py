@@ -50,12 +50,20 @@ class DecodeLoop:
     ``append_context(cache, feats [T, F, H], positions [T], tokens [T])``, ``draft(cache, bonus, s) ->
     logits [block_size - 1, V]``."""
 
-    def __init__(self, target, drafter=None, mode: str = "ddtree", budget: int = 32,
+    def __init__(self, target, drafter=None, mode: str = "ddtree", budget=32,
                  cap_k: Optional[int] = None, include_chain: bool = False):
+        """``budget``: an integer fixes every tree's node count; 'auto', ('auto', N) or a
+        ``budget.BudgetPolicy`` chooses it per step and stream (mode 'ddtree' only, docs/BUDGET.md)."""
         if mode not in MODES:
             raise ValueError(f"mode: unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if mode != "ar" and drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter")
+        from ..budget import make_policy
+        self.policy = make_policy(budget, mode, include_chain) if mode == "ddtree" else None
+        if self.policy is not None:
+            budget = self.policy.max_nodes
+        elif not isinstance(budget, (int, np.integer)):
+            budget = 32 if mode != "ddtree" else budget     # 'chain' / 'ar' ignore the budget
         if not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
             raise ValueError(f"budget: must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
         if cap_k is not None and cap_k < 1:
@@ -86,11 +94,15 @@ class DecodeLoop:
             lp, ids = topk_logprobs(draft_logits, 1)
             return build_tree(lp, ids, self.depth)
         budget = self.budget if budget is None else int(budget)
-        k = min(budget, self.vocab_size, MAX_RANK + 1)
+        lp, ids = self.tree_topk(draft_logits, budget)
+        return build_tree(lp, ids, budget, cap_k=self.cap_k, include_chain=self.include_chain)
+
+    def tree_topk(self, draft_logits: np.ndarray, budget: Optional[int] = None):
+        """Per-depth top-K (log-probs, ids) of mode 'ddtree': K = min(budget, V, MAX_RANK + 1, cap_k)."""
+        k = min(self.budget if budget is None else int(budget), self.vocab_size, MAX_RANK + 1)
         if self.cap_k is not None:
             k = min(k, self.cap_k)
-        lp, ids = topk_logprobs(draft_logits, k)
-        return build_tree(lp, ids, budget, cap_k=self.cap_k, include_chain=self.include_chain)
+        return topk_logprobs(draft_logits, k)
 
     @staticmethod
     def choose(logits: np.ndarray, req: Request, step: int) -> np.ndarray:
@@ -132,6 +144,8 @@ class DecodeLoop:
         if not active:
             return StepRecord(self.step_count, done, phase)    # nothing ran: not counted as a step
         self.step_count += 1
+        if self.policy is not None:
+            return self._step_auto(active, phase)
         for st in active:
             s = st.committed
             t0 = time.perf_counter()
@@ -147,25 +161,77 @@ class DecodeLoop:
                 flat = flatten(self.tree_for(dl), st.bonus, s)
                 tokens, parents, depths = flat.tokens, flat.parents, flat.depths
                 positions, visible, n_nodes = flat.positions.astype(np.int64), flat.mask, flat.n_rows - 1
-            t2 = time.perf_counter()
-            phase["tree"] += t2 - t1
-            logits, feats = self.target.forward(tokens.astype(np.int64), positions, st.target_cache,
-                                                visible=visible, capture_layers=self.capture)
-            t3 = time.perf_counter()
-            phase["verify"] += t3 - t2
-            st.steps += 1
-            post = self.choose(logits, st.request, st.steps)
-            rows, new_bonus = greedy_walk(tokens, parents, post)
-            plan = commit_plan(rows, depths, s)
-            st.target_cache.commit(s, plan.src_slots)
-            if st.drafter_cache is not None:
-                self.drafter.append_context(st.drafter_cache, feats[plan.feature_rows],
-                                            np.arange(s, plan.new_len), tokens[plan.feature_rows])
-            st.committed, st.bonus = plan.new_len, new_bonus
-            st.accept_lens.append(len(rows))
-            st.tree_sizes.append(n_nodes)
-            emitted = emit_tokens(st, [int(tokens[r]) for r in rows[1:]] + [new_bonus])
-            phase["accept"] += time.perf_counter() - t3
+            phase["tree"] += time.perf_counter() - t1
+            rows, emitted = self._verify_accept(st, tokens, parents, depths, positions, visible, n_nodes, phase)
+            done.append((st.index, len(rows), n_nodes, emitted))
+        for k, v in phase.items():
+            self.phase_s[k] += v
+        rec = StepRecord(self.step_count, done, phase)
+        self.records.append(rec)
+        return rec
+
+    def _verify_accept(self, st: StreamState, tokens, parents, depths, positions, visible, n_nodes: int,
+                       phase: Dict[str, float]):
+        """Verify one stream's rows, walk, commit the accepted rows, emit. Returns (accepted rows, emitted)."""
+        s = st.committed
+        t2 = time.perf_counter()
+        logits, feats = self.target.forward(tokens.astype(np.int64), positions, st.target_cache,
+                                            visible=visible, capture_layers=self.capture)
+        t3 = time.perf_counter()
+        phase["verify"] += t3 - t2
+        st.steps += 1
+        post = self.choose(logits, st.request, st.steps)
+        rows, new_bonus = greedy_walk(tokens, parents, post)
+        plan = commit_plan(rows, depths, s)
+        st.target_cache.commit(s, plan.src_slots)
+        if st.drafter_cache is not None:
+            self.drafter.append_context(st.drafter_cache, feats[plan.feature_rows],
+                                        np.arange(s, plan.new_len), tokens[plan.feature_rows])
+        st.committed, st.bonus = plan.new_len, new_bonus
+        st.accept_lens.append(len(rows))
+        st.tree_sizes.append(n_nodes)
+        emitted = emit_tokens(st, [int(tokens[r]) for r in rows[1:]] + [new_bonus])
+        phase["accept"] += time.perf_counter() - t3
+        return rows, emitted
+
+    def _step_auto(self, active: List[StreamState], phase: Dict[str, float]) -> StepRecord:
+        """One step under the budget policy: draft the streams it asks for, build each one's tree at the
+        largest budget, let the policy cut every tree to its budget (the first b nodes), then verify and
+        accept as a fixed budget does; the policy observes what each tree realised."""
+        pol = self.policy
+        keys = [st.index for st in active]
+        want = set(pol.drafting(keys))
+        trees, raw = {}, {}
+        from ..budget import path_values, truncate_tree
+        for st in active:
+            if st.index not in want:
+                continue
+            t0 = time.perf_counter()
+            dl = self.drafter.draft(st.drafter_cache, st.bonus, st.committed)
+            t1 = time.perf_counter()
+            phase["draft"] += t1 - t0
+            lp, ids = self.tree_topk(dl)
+            trees[st.index] = build_tree(lp, ids, self.budget, cap_k=self.cap_k)
+            raw[st.index] = path_values(lp, self.budget, self.cap_k)
+            phase["tree"] += time.perf_counter() - t1
+        plan = pol.plan(len(active), keys, raw)
+        done: List[Tuple[int, int, int, List[int]]] = []
+        for st in active:
+            b = plan.budgets[st.index]
+            if b > 0:
+                flat = flatten(truncate_tree(trees[st.index], b), st.bonus, st.committed)
+                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
+                positions, visible, n_nodes = flat.positions.astype(np.int64), flat.mask, flat.n_rows - 1
+            else:
+                tokens, parents = np.array([st.bonus], np.int32), np.array([-1], np.int32)
+                depths, positions, visible, n_nodes = np.zeros(1, np.int32), np.array([st.committed]), None, 0
+            rows, emitted = self._verify_accept(st, tokens, parents, depths, positions, visible, n_nodes, phase)
+            if n_nodes:
+                pol.observe(st.index, raw[st.index][:n_nodes], len(rows))
+            else:
+                pol.note_root_only(st.index, len(rows))
+            if st.done:
+                pol.forget(st.index)
             done.append((st.index, len(rows), n_nodes, emitted))
         for k, v in phase.items():
             self.phase_s[k] += v
@@ -199,10 +265,11 @@ class DecodeLoop:
         acc = [a for rec in self.records for (_, a, _, _) in rec.streams]
         sizes = [n for rec in self.records for (_, _, n, _) in rec.streams]
         return GenerationResult(list(self.streams), self.step_count, acc, sizes, dict(self.phase_s),
-                                t_end - t_start, t_end - t_dec)
+                                t_end - t_start, t_end - t_dec,
+                                self.policy.stats() if self.policy is not None else None)
 
 
-def generate(target, drafter, requests: Sequence[Request], mode: str = "ddtree", budget: int = 32,
+def generate(target, drafter, requests: Sequence[Request], mode: str = "ddtree", budget=32,
              cap_k: Optional[int] = None, include_chain: bool = False,
              on_tokens: Optional[Callable] = None) -> GenerationResult:
     """One-call convenience: a fresh ``DecodeLoop`` run over ``requests``."""

@@ -24,7 +24,7 @@ def _top_indices(v: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-v, axis=-1, kind="stable")[..., :k]
 
 
-def route(x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: TargetConfig):
+def route(x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: TargetConfig, real=None):
     """noaux_tc routing. x: [T, H]; gate_w: [E, H]; bias: [E] (e_score_correction_bias).
 
     s = sigmoid(x @ gate_w^T) (float32 or wider); choice = s + bias picks the experts, the bias only ever
@@ -32,6 +32,10 @@ def route(x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: TargetConfig
     sum of its two best choice values, and only the topk_group best groups stay eligible. The top
     num_experts_per_tok eligible experts by choice are taken (ties: lower expert id). Their weights are the
     UNBIASED s, normalised to sum 1 when norm_topk_prob, times routed_scaling_factor.
+
+    ``real`` (bool [T], optional): rows marked False are padding (rows of a static verify shape beyond a
+    stream's tree): they select no expert (ids -1, weights 0), so they add no expert work; the real rows'
+    selection is unchanged (cuda_src/router.cu's row_pos). ``moe_experts`` skips ids -1.
 
     Returns ids int64 [T, k] (best choice first) and weights [T, k].
     """
@@ -61,7 +65,14 @@ def route(x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: TargetConfig
     w = np.take_along_axis(s, ids, axis=-1)
     if cfg.norm_topk_prob:
         w = w / w.sum(axis=-1, keepdims=True)
-    return ids.astype(np.int64), w * ct.type(cfg.routed_scaling_factor)
+    ids, w = ids.astype(np.int64), w * ct.type(cfg.routed_scaling_factor)
+    if real is not None:
+        real = np.asarray(real, bool)
+        if real.shape != (x.shape[0],):
+            raise ValueError(f"route: real has shape {real.shape}, expected ({x.shape[0]},)")
+        ids[~real] = -1
+        w[~real] = 0
+    return ids, w
 
 
 def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
@@ -69,7 +80,8 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     """Weighted sum of the routed experts: y[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]).
 
     gate_w/up_w[e]: [I, H], down_w[e]: [H, I]; a stacked [E, I, H] array or a list indexed by expert id.
-    The shared expert is NOT included (add ``swiglu_mlp`` of the shared weights).
+    The shared expert is NOT included (add ``swiglu_mlp`` of the shared weights). ids -1 (a padding row's,
+    ``route(real=)``) select nothing.
     """
     x = np.asarray(x)
     ids = np.asarray(ids)
@@ -81,12 +93,13 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     E = len(gate_w)
     if len(up_w) != E or len(down_w) != E:
         raise ValueError(f"moe_experts: gate_w/up_w/down_w hold {E}/{len(up_w)}/{len(down_w)} experts")
-    if ids.size and (ids.min() < 0 or ids.max() >= E):
-        raise ValueError(f"moe_experts: ids must lie in [0, {E}), got range [{ids.min()}, {ids.max()}]")
+    if ids.size and (ids.min() < -1 or ids.max() >= E):
+        raise ValueError(f"moe_experts: ids must lie in [0, {E}) (or -1: no expert), got range "
+                         f"[{ids.min()}, {ids.max()}]")
     ct = compute_dtype(x.dtype)
     x = x.astype(ct, copy=False)
     y = np.zeros_like(x)
-    for e in np.unique(ids):
+    for e in np.unique(ids[ids >= 0]):
         rows, slot = np.nonzero(ids == e)
         out = swiglu_mlp(x[rows], np.asarray(gate_w[e], ct), np.asarray(up_w[e], ct), np.asarray(down_w[e], ct))
         # add.at: correct even if a caller lists one expert twice for a token

@@ -315,3 +315,33 @@ def test_memory_does_not_grow(tiny, engine):
     assert runs() == steps and steps >= 399 + 25
     assert mp.used_bytes() == before, (before, mp.used_bytes())
     check_pool_empty(engine)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_budget_auto_on_gpu(tiny, engine, eager):
+    """--budget auto: split steps (draft + top-K graph, host budgets, build + verify + accept graph) and
+    root-only steps; every token teacher-forced against the reference, the pool empty afterwards. With the
+    random-weight tiny drafter the policy should mostly fall back (root-only, no draft); with the oracle
+    drafter (eager) it should choose trees and accept long paths."""
+    from ddtree_cupy.budget import BudgetPolicy
+    engine.eager = eager
+    try:
+        res = engine.generate(requests(tiny["prompts"]), "ddtree", BudgetPolicy(16))
+        check_all(tiny, res, f"auto eager={eager}", n_new=[N_NEW] * 3)
+        check_pool_empty(engine)
+        st = res.budget_stats
+        assert len(st["steps"]) == res.steps
+        print(f"auto eager={eager}: root-only steps {sum(not s['draft'] for s in st['steps'])} of {res.steps}, "
+              f"mean budget {np.mean([b for s in st['steps'] for b in s['budgets'].values()]):.2f}")
+        if eager:
+            seqs = {i: list(p) + list(w) for i, (p, w) in enumerate(zip(tiny["prompts"], tiny["want"]))}
+            engine.drafter.draft = OracleDraft(seqs)
+            try:
+                res = engine.generate(requests(tiny["prompts"]), "ddtree", BudgetPolicy(16))
+            finally:
+                del engine.drafter.draft
+            check_all(tiny, res, "auto oracle", n_new=[N_NEW] * 3)
+            assert max(res.tree_sizes) > 1 and res.mean_accept_len > 1.5
+            check_pool_empty(engine)
+    finally:
+        engine.eager = False
