@@ -136,7 +136,10 @@ class NumpyEngine:
         """Every request at once (one slot each, as many as there are requests), run to completion."""
         loop = self.make_loop(mode, budget, cap_k, include_chain, max_streams=max(1, len(requests)),
                               keep_history=True)
-        return loop.generate(requests, on_tokens)
+        res = loop.generate(requests, on_tokens)
+        if loop.executor.policy is not None:
+            res.budget_stats = loop.executor.policy.stats()
+        return res
 
 
 PAGE = 64
@@ -152,7 +155,8 @@ class NumpyExecutor:
         from .reference.loop import DecodeLoop
         self.loop = DecodeLoop(target, drafter if mode != "ar" else None, mode, budget, cap_k, include_chain)
         self.target, self.drafter, self.mode = target, drafter, mode
-        self.dev_budget = 0 if mode == "ar" else (self.loop.depth if mode == "chain" else int(budget))
+        self.policy = self.loop.policy          # --budget auto: per-step, per-stream budgets (budget.py)
+        self.dev_budget = 0 if mode == "ar" else (self.loop.depth if mode == "chain" else self.loop.budget)
         self.tc: list = [None] * max_streams
         self.dc: list = [None] * max_streams
         self.phase_s: dict = {}
@@ -163,6 +167,8 @@ class NumpyExecutor:
 
     def release(self, st) -> None:
         self.tc[st.slot] = self.dc[st.slot] = None
+        if self.policy is not None:
+            self.policy.forget(st.index)
 
     def prefill(self, st) -> int:
         prompt = np.asarray(list(st.request.prompt_ids), np.int64)
@@ -187,12 +193,35 @@ class NumpyExecutor:
         from .reference.ddtree import commit_plan, flatten, greedy_walk
         out = np.full((bucket, OUT_TOKENS + self.A + 1), -1, np.int32)
         out[:, OUT_NACC] = 0
+        trees, raw = {}, {}
+        if self.policy is not None:
+            # the reference loop's auto step (DecodeLoop._step_auto): draft the streams the policy asks for,
+            # build each tree at the largest budget, let the policy cut each to its budget (first b nodes)
+            from .budget import path_values, truncate_tree
+            from .reference.ddtree import build_tree
+            pol, keys = self.policy, [st.index for st in running]
+            want = set(pol.drafting(keys))
+            for st in running:
+                if st.index in want:
+                    t = time.perf_counter()
+                    dl = self.drafter.draft(self.dc[st.slot], st.bonus, st.committed)
+                    t = self._add("draft", t)
+                    lp, ids = self.loop.tree_topk(dl)
+                    trees[st.index] = build_tree(lp, ids, self.loop.budget, cap_k=self.loop.cap_k)
+                    raw[st.index] = path_values(lp, self.loop.budget, self.loop.cap_k)
+                    self._add("tree", t)
+            plan = pol.plan(len(running), keys, raw)
+            budgets = [plan.budgets[st.index] for st in running]
         for st, budget in zip(running, budgets):
             k, s, bonus = st.slot, st.committed, st.bonus
             t = time.perf_counter()
-            if self.mode == "ar":
+            if self.mode == "ar" or (self.policy is not None and budget == 0):
                 tokens, parents, depths = np.array([bonus]), np.array([-1]), np.array([0])
                 positions, visible = np.array([s]), None
+            elif self.policy is not None:
+                flat = flatten(truncate_tree(trees[st.index], budget), bonus, s)
+                tokens, parents, depths = flat.tokens, flat.parents, flat.depths
+                positions, visible = flat.positions.astype(np.int64), flat.mask
             else:
                 dl = self.drafter.draft(self.dc[k], bonus, s)
                 t = self._add("draft", t)
@@ -213,6 +242,11 @@ class NumpyExecutor:
             out[k, OUT_NACC], out[k, OUT_NROWS] = len(rows), len(tokens)
             toks = [int(tokens[r]) for r in rows] + [nb]
             out[k, OUT_TOKENS:OUT_TOKENS + len(toks)] = toks
+            if self.policy is not None:
+                if budget > 0:
+                    self.policy.observe(st.index, raw[st.index][:len(tokens) - 1], len(rows))
+                else:
+                    self.policy.note_root_only(st.index, len(rows))
             self._add("accept", t)
         return out
 

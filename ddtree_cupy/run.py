@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "ar"),
                    help="ddtree: tree speculation; chain: the drafter's top-1 path; ar: no speculation")
     g.add_argument("--budget", default="auto", metavar="N|auto",
-                   help=f"DDTree node budget: 'auto' (default: chosen per step and stream from a cost model, at most "
+                   help=f"DDTree node budget: 'auto' (chosen per step and stream from a cost model, at most "
                         f"32 nodes; docs/BUDGET.md), 'auto:N' (at most N), or a fixed N in 1..{MAX_BUDGET}")
     g.add_argument("--cost-table", default=None, metavar="FILE",
                    help="--budget auto: step times per (stream bucket, verify rows) as JSON (bench/step.py "

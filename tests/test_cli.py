@@ -267,7 +267,7 @@ def test_help_shows_defaults(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     out = out[out.index("options:"):]                   # the option list, not the usage line
-    for opt, default in (("--max-new-tokens", "64"), ("--budget", "32"), ("--temperature", "0.0"),
+    for opt, default in (("--max-new-tokens", "64"), ("--budget", "auto"), ("--temperature", "0.0"),
                          ("--top-p", "1.0"), ("--backend", "auto"), ("--dtype", "float32"), ("--mode", "ddtree")):
         seg = out[out.index("  " + opt + " "):]
         seg = seg[:seg.find("\n  --", 2) if seg.find("\n  --", 2) > 0 else len(seg)]

@@ -12,10 +12,14 @@ import json
 from typing import Optional
 
 
-def run_shape(engine, res, mode: str, budget: int):
+def run_shape(engine, res, mode: str, budget):
     """(streams, rows, ctx) of the run: its smallest covering bucket, its verify rows, and the mean context
-    its streams reached (capped to what one stream's cache and the pool hold)."""
+    its streams reached (capped to what one stream's cache and the pool hold). ``budget``: the CLI's value; a
+    per-step budget ('auto', 'auto:N') is profiled at its largest tree, the rows its graphs are built for."""
+    from ..budget import DEFAULT_MAX_NODES, parse_budget
     from .session import PAGE
+    b = parse_budget(budget) if isinstance(budget, str) else budget
+    budget = b if isinstance(b, int) else (DEFAULT_MAX_NODES if b == "auto" else b[1])
     n = max(1, len(res.streams))
     S = next((b for b in engine.buckets if b >= n), engine.max_streams)
     S = min(S, engine.max_streams)

@@ -40,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
     g.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="numpy backend precision")
     g.add_argument("--mode", default="ddtree", choices=MODES)
-    g.add_argument("--budget", type=int, default=32, help=f"DDTree node budget, 1..{MAX_BUDGET}")
+    g.add_argument("--budget", default="auto", metavar="N|auto",
+                   help=f"DDTree node budget: 'auto' (chosen per step and stream from a cost model, docs/BUDGET.md), "
+                        f"'auto:N' (at most N nodes), or a fixed N in 1..{MAX_BUDGET}")
+    g.add_argument("--cost-table", default=None, metavar="FILE",
+                   help="--budget auto: step times per (stream bucket, verify rows) as JSON (bench/step.py --cost-table)")
     g.add_argument("--max-streams", type=int, default=8, help="streams decoded together (continuous batching)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a stream slot; "
                                                              "more are refused with 429")
@@ -57,8 +61,14 @@ class UsageError(ValueError):
 
 def _check(a) -> None:
     from ..api import MAX_BUDGET
-    if not 1 <= a.budget <= MAX_BUDGET:
-        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}], got {a.budget}")
+    from ..budget import parse_budget
+    try:
+        b = parse_budget(a.budget)
+    except ValueError as e:
+        raise UsageError(f"--budget: {e}") from None
+    n = b if isinstance(b, int) else (32 if b == "auto" else b[1])
+    if not 1 <= n <= MAX_BUDGET:
+        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}] (or 'auto', 'auto:N'), got {a.budget}")
     if not 1 <= a.max_streams <= 4096:
         raise UsageError(f"--max-streams must be in [1, 4096], got {a.max_streams}")
     if a.max_queue < 0:
@@ -76,7 +86,7 @@ def build_state(a, comm, log=print):
     import numpy as np
 
     from ..backend import create_engine, select_backend
-    from ..run import UsageError as RunUsageError, _load_configs, _load_tokenizer
+    from ..run import UsageError as RunUsageError, _budget_arg, _load_configs, _load_tokenizer
     from .app import ServerState
     from .metrics import ServerMetrics
 
@@ -102,9 +112,9 @@ def build_state(a, comm, log=print):
     engine = create_engine(backend, tcfg, a.model, dcfg, a.drafter, np.dtype(a.dtype), comm, **gpu)
     metrics = ServerMetrics()
     if backend == "cupy":
-        loop = engine.make_loop(a.mode, a.budget, max_queue=a.max_queue, observer=metrics)
+        loop = engine.make_loop(a.mode, _budget_arg(a), max_queue=a.max_queue, observer=metrics)
     else:
-        loop = engine.make_loop(a.mode, a.budget, max_streams=a.max_streams, max_queue=a.max_queue,
+        loop = engine.make_loop(a.mode, _budget_arg(a), max_streams=a.max_streams, max_queue=a.max_queue,
                                 kv_tokens=a.kv_tokens, observer=metrics)
     metrics.pool = loop.sched.pool
     name = a.served_model_name or ("ddtree-demo" if a.demo else os.path.basename(os.path.abspath(a.model)))
