@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------------------------------
 
-def _check_options(a) -> None:
-    from .api import MAX_TEMPERATURE, MIN_TEMPERATURE
+def check_budget_options(a) -> None:
+    """--budget (N, 'auto', 'auto:N') and --cost-table, for the CLI and the server alike."""
     from .budget import parse_budget
     try:
         b = parse_budget(a.budget)
@@ -111,6 +111,11 @@ def _check_options(a) -> None:
             CostTable.load(a.cost_table)
         except ValueError as e:
             raise UsageError(f"--cost-table: {e}") from None
+
+
+def _check_options(a) -> None:
+    from .api import MAX_TEMPERATURE, MIN_TEMPERATURE
+    check_budget_options(a)
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.max_new_tokens > INT32_MAX:

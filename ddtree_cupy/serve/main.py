@@ -60,15 +60,11 @@ class UsageError(ValueError):
 
 
 def _check(a) -> None:
-    from ..api import MAX_BUDGET
-    from ..budget import parse_budget
+    from ..run import UsageError as RunUsageError, check_budget_options
     try:
-        b = parse_budget(a.budget)
-    except ValueError as e:
-        raise UsageError(f"--budget: {e}") from None
-    n = b if isinstance(b, int) else (32 if b == "auto" else b[1])
-    if not 1 <= n <= MAX_BUDGET:
-        raise UsageError(f"--budget must be in [1, {MAX_BUDGET}] (or 'auto', 'auto:N'), got {a.budget}")
+        check_budget_options(a)
+    except RunUsageError as e:
+        raise UsageError(str(e)) from None
     if not 1 <= a.max_streams <= 4096:
         raise UsageError(f"--max-streams must be in [1, 4096], got {a.max_streams}")
     if a.max_queue < 0:
