@@ -579,21 +579,5 @@ class only_kernel(count_launches):
         super().__init__()
         self.name = name
 
-    def __enter__(self):
-        import importlib
-        import pkgutil
-        from .. import kernels as pkg
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name in ("compile", "launch", "checks"):
-                continue
-            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
-            orig = getattr(mod, "get_kernel", None)
-            if orig is None:
-                continue
-
-            def chosen(spec, kname, *a, _orig=orig, **k):
-                fn = _orig(spec, kname, *a, **k)
-                return fn if kname.split("<")[0] == self.name else _Skipped(fn)
-            mod.get_kernel = chosen
-            self._patched.append((mod, orig))
-        return self
+    def _wrap(self, fn, name: str):
+        return fn if name == self.name else _Skipped(fn)
