@@ -235,12 +235,18 @@ class KimiTokenizer:
                 yield text, False
             yield "<|im_end|>", True
         if add_generation_prompt:
-            yield "<|im_assistant|>", True
-            yield "assistant", False
-            yield "<|im_middle|>", True
-            yield "<think>", True
-            if not thinking:
-                yield "</think>", True
+            yield from generation_prompt_pieces(thinking)
+
+
+def generation_prompt_pieces(thinking: bool = True):
+    """(text, is_special) pieces that open the assistant's turn: K2.5 / K2.6 open a <think> block (closed at
+    once when thinking is off). Shared by every chat renderer (this one, serve/chat.py's OpenAI messages)."""
+    yield "<|im_assistant|>", True
+    yield "assistant", False
+    yield "<|im_middle|>", True
+    yield "<think>", True
+    if not thinking:
+        yield "</think>", True
 
 
 def load_tokenizer(path: str) -> KimiTokenizer:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from ..tokenizer import generation_prompt_pieces
+
 ROLE_TAG = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
             "tool": "<|im_system|>"}
 
@@ -66,12 +68,7 @@ def chat_pieces(messages: Sequence[dict], tools: Optional[list], thinking: bool,
             yield "<|tool_calls_section_end|>", True
         yield "<|im_end|>", True
     if add_generation_prompt:
-        yield "<|im_assistant|>", True
-        yield "assistant", False
-        yield "<|im_middle|>", True
-        yield "<think>", True
-        if not thinking:
-            yield "</think>", True
+        yield from generation_prompt_pieces(thinking)
 
 
 def encode_chat(tok, messages: Sequence[dict], tools: Optional[list] = None, thinking: bool = True) -> List[int]:
