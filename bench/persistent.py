@@ -31,7 +31,7 @@ def _shape(kind, T, F):
 
 def run_shape(cp, kind, T, read_gbs, timeline=False):
     from ddtree_cupy.kernels import gemm, layers
-    from ddtree_cupy.kernels.persistent import PersistentSegment, bind_dense_mlp
+    from ddtree_cupy.kernels.persistent import TILE_ROWS, PersistentSegment, bind_dense_mlp, default_grid
     F = F_DENSE if kind == "dense" else F_DRAFT
     rng = np.random.default_rng(T)
     r = lambda *s: cp.asarray((rng.standard_normal(s) * 0.05).astype(np.float32)).view(np.uint32)   # noqa: E731
@@ -48,7 +48,9 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
         layers.silu_mul(gu, out=act)
         gemm.gemm_bf16(act, w_dn, out)
     sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sc = S.build_layer(_shape(kind, T, F), sm, allreduce="segment", parts=("mlp",))
+    grid = default_grid()
+    sc = S.build_layer(_shape(kind, T, F), grid, allreduce="segment", parts=("mlp",),
+                       bytes_per_us_per_block=4.0e6 / grid, tile_choices=TILE_ROWS)
     seg = PersistentSegment(sc, 0, bind_dense_mlp(sc, attn=attn, h=h, post_norm_w=nw, eps=eps, w_gate_up=w_gu,
                                                   w_down=w_dn, normed=normed, gate_up=gu, act=act, out=out),
                             trace=timeline)
@@ -60,7 +62,7 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
     nbytes = (w_gu.nbytes + w_dn.nbytes + nw.nbytes + 2 * attn.nbytes + 2 * h.nbytes + normed.nbytes * 2
               + gu.nbytes * 2 + act.nbytes * 2 + out.nbytes)
     floor_us = nbytes / (read_gbs * 1e3)
-    row = {"kind": kind, "T": T, "blocks": sc.n_blocks, "items": len(sc.items), "today_us": t_old,
+    row = {"kind": kind, "T": T, "sm": int(sm), "blocks": sc.n_blocks, "items": len(sc.items), "today_us": t_old,
            "persistent_us": t_new, "floor_us": floor_us, "today_x_floor": t_old / floor_us,
            "persistent_x_floor": t_new / floor_us, "speedup": t_old / t_new,
            "model_us": sc.predicted_us}
@@ -97,18 +99,17 @@ def main(argv=None):
     rows = []
     print(f"{'kind':8} {'T':>3} {'blocks':>6} {'items':>6} {'today us':>9} {'persist us':>10} {'floor us':>8} "
           f"{'today/fl':>8} {'pers/fl':>8} {'speedup':>7} {'model us':>8}")
-    for kind in args.kinds:
-        for T in args.rows:
-            r = run_shape(cp, kind, T, read, args.timeline)
-            rows.append(r)
-            print(f"{kind:8} {T:3d} {r['blocks']:6d} {r['items']:6d} {r['today_us']:9.1f} {r['persistent_us']:10.1f} "
-                  f"{r['floor_us']:8.1f} {r['today_x_floor']:8.2f} {r['persistent_x_floor']:8.2f} "
-                  f"{r['speedup']:7.2f} {r['model_us']:8.1f}")
-            if args.timeline:
-                for op, (a, e) in r["stage_spans_us"].items():
-                    print(f"    {op:12} {a:8.2f} .. {e:8.2f} us")
-                for b, busy, seq in r["busiest_blocks"]:
-                    print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
+    for kind, T in ((k, t) for k in args.kinds for t in args.rows):
+        r = run_shape(cp, kind, T, read, args.timeline)
+        rows.append(r)
+        print(f"{kind:8} {T:3d} {r['blocks']:6d} {r['items']:6d} {r['today_us']:9.1f} "
+              f"{r['persistent_us']:10.1f} {r['floor_us']:8.1f} {r['today_x_floor']:8.2f} "
+              f"{r['persistent_x_floor']:8.2f} {r['speedup']:7.2f} {r['model_us']:8.1f}")
+        if args.timeline:
+            for op, (a, e) in r["stage_spans_us"].items():
+                print(f"    {op:12} {a:8.2f} .. {e:8.2f} us")
+            for b, busy, seq in r["busiest_blocks"]:
+                print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_gbs": read, "rows": rows}, f, indent=1)

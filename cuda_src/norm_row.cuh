@@ -41,29 +41,30 @@ __device__ __forceinline__ void rmsnorm_row(
             if (rr) ra[j] = rr[i];
         }
     }
-    float v[NORM_MAXV][8];
+    // The row is kept as bf16 (the residual sum as stored, or x) and widened again for the output: the
+    // same floats (bf16 -> f32 is exact) in 16 registers instead of 32 floats, so the body also fits the
+    // persistent executor's budget at two blocks per SM (128 registers).
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < NORM_MAXV; ++j) {
         const int i = threadIdx.x + j * NORM_THREADS;
         if (i < nv) {
-            const bf16_bits* ah = (const bf16_bits*)&xa[j];
             if (rr) {
+                const bf16_bits* ah = (const bf16_bits*)&xa[j];
                 const bf16_bits* rh = (const bf16_bits*)&ra[j];
                 uint4 s;
                 bf16_bits* sh = (bf16_bits*)&s;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
-                    v[j][e] = bf16_to_f32(sh[e]);
-                }
+                for (int e = 0; e < 8; ++e) sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
                 ((uint4*)(res_out + t * res_out_stride))[i] = s;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[j][e] = bf16_to_f32(ah[e]);
+                xa[j] = s;
             }
+            const bf16_bits* vh = (const bf16_bits*)&xa[j];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+            for (int e = 0; e < 8; ++e) {
+                const float v = bf16_to_f32(vh[e]);
+                ss += v * v;
+            }
         }
     }
     const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
@@ -75,9 +76,10 @@ __device__ __forceinline__ void rmsnorm_row(
         if (i < nv) {
             uint4 o;
             const bf16_bits* wh = (const bf16_bits*)&wv[j];
+            const bf16_bits* vh = (const bf16_bits*)&xa[j];
             bf16_bits* oh = (bf16_bits*)&o;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
+            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (bf16_to_f32(vh[e]) * rstd));
             outr[i] = o;
         }
     }

@@ -25,7 +25,7 @@
 // Item record (int32 x 8): kind, op, arg0, arg1, arg2, wait_begin, n_waits, signal. `op` indexes the op
 // table (PersistOp, one per stage of the layer: pointers, strides, sizes). Kinds (schedule.KIND):
 //   1 norm_row    arg0 = row                        rmsnorm_row (residual add when op.x2 is set)
-//   2 gemm_tile   arg0 = first weight row, arg1 = rows (16 / 32 / 64)    decode GEMM body, NT from op.T
+//   2 gemm_tile   arg0 = first weight row, arg1 = rows (16)    decode GEMM body, NT from op.T
 //   3 boundary    TP = 1 all-reduce stand-in: out = x (a fused all-reduce replaces this body)
 //  13 silu_chunk  arg0 = first column, arg1 = columns   act = silu(gate) * up
 // Any other kind sets err and stops (the host refuses schedules with kinds this build does not run).
@@ -122,16 +122,19 @@ __device__ __forceinline__ void gemm_item(const PersistOp& op, int n0, const Cou
                                                                 n0 / (16 * RT), 0, wait);
 }
 
+// Two resident blocks per SM where the device holds them (the H200's 228 KB of shared memory holds two 96 KB
+// rings; sm_120's 100 KB per SM holds one either way): the register budget is then 128, under which only the
+// 16-row GEMM tile fits beside the norm body (the 32 / 64-row bodies spill), so the schedule is built with
+// 16-row tiles (kernels/persistent.py TILE_ROWS). Measured against one block per SM with 16 / 32 / 64-row
+// tiles: 3-8% faster at every shape (docs/PERSISTENT.md).
 template <int NT>
 __device__ __forceinline__ bool gemm_rows(const PersistOp& op, int n0, int rows, const CounterWait& wait) {
-    if (rows == 16) gemm_item<1, NT>(op, n0, wait);
-    else if (rows == 32) gemm_item<2, NT>(op, n0, wait);
-    else if (rows == 64) gemm_item<4, NT>(op, n0, wait);
-    else return false;
+    if (rows != 16) return false;
+    gemm_item<1, NT>(op, n0, wait);
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 2)
 persistent_layer(const int* __restrict__ items, const int* __restrict__ waits, const int* __restrict__ block_start,
                  const PersistOp* __restrict__ ops, int* counters, int n_counters, int* done, int* err,
                  long long spin_limit, long long* __restrict__ trace) {

@@ -184,3 +184,22 @@ def test_mlp_half(kind, allreduce):
         assert sc.n_segments == (2 if allreduce == "segment" else 1)
     with pytest.raises(ValueError, match="parts"):
         S.build_layer(small_shape(kind, 1, 8), 4, parts=("attention",))
+
+
+@pytest.mark.parametrize("n_blocks", [1, 7, 132, 264, 376])
+def test_tile_choices_restrict_gemm_tiles(n_blocks):
+    # the two-blocks-per-SM executor build serves 16-row GEMM tiles only (kernels/persistent.TILE_ROWS)
+    cfg, dcfg = _kimi()
+    for shape in (S.target_shape(cfg, 8, 0, 1, 8), S.drafter_shape(dcfg, 8, 1, 16)):
+        sc = S.build_layer(shape, n_blocks, parts=("mlp",), tile_choices=(16,))
+        assert {it.args[1] for it in sc.items if it.kind == "gemm_tile"} == {16}
+        check_static(sc)
+        S.simulate(sc, seed=n_blocks)
+
+
+def test_tile_choices_validated():
+    for bad in ((), (8,), (16, 48)):
+        with pytest.raises(ValueError, match="tile_choices"):
+            S.build_layer(small_shape("dense", 1, 2), 4, tile_choices=bad)
+    with pytest.raises(ValueError, match="not a multiple of any tile height"):
+        S.build_layer(S.LayerShape("dense", 1, 2, H=128, nh=2, ql=64, dn=64, dv=32, F=40), 4, tile_choices=(32,))

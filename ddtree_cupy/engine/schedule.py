@@ -161,8 +161,10 @@ def drafter_shape(dcfg, tp: int, S: int, R: int, kv_splits: int = 0, kv_len: int
 # ---- building ---------------------------------------------------------------------------------------------
 
 class _Builder:
-    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str):
+    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str,
+                 tile_choices: Sequence[int] = GEMM_TILE_CHOICES):
         self.s, self.n_blocks, self.allreduce = shape, n_blocks, allreduce
+        self.tile_choices = tuple(tile_choices)
         self.items: List[Item] = []
         self.buffers: Dict[str, Tuple[int, int]] = {}     # produced buffers: name -> (rows, cols)
         self.inputs: Dict[str, Tuple[int, int]] = {}      # buffers that exist before the layer
@@ -187,9 +189,9 @@ class _Builder:
     def tile_rows(self, N: int) -> int:
         """Rows per GEMM tile: the choice whose waves over the grid stream the fewest rows per block
         (ceil(tiles / blocks) x rows), the larger tile on a tie (fewer items, longer streams)."""
-        ok = [t for t in GEMM_TILE_CHOICES if N % t == 0]
+        ok = [t for t in self.tile_choices if N % t == 0]
         if not ok:
-            raise ValueError(f"GEMM output width {N} is not a multiple of 16")
+            raise ValueError(f"GEMM output width {N} is not a multiple of any tile height {self.tile_choices}")
         return min(ok, key=lambda t: (-(-(N // t) // self.n_blocks) * t, -t))
 
     def gemm(self, op: str, x: str, out: str, N: int, K: int, weight_bytes: float = 2.0,
@@ -445,7 +447,8 @@ class Schedule:
 
 
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
-                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp")) -> Schedule:
+                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp"),
+                tile_choices: Sequence[int] = GEMM_TILE_CHOICES) -> Schedule:
     """The static schedule of one layer for a persistent grid of ``n_blocks`` co-resident blocks.
 
     ``parts``: ("attention", "mlp") the whole layer; ("mlp",) its second half only (post-attention norm,
@@ -453,7 +456,8 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     dense layer, ``h1`` otherwise).
 
     ``bytes_per_us_per_block``: the cost model's streaming rate of one block (default: an H200's ~4 TB/s
-    read ceiling over its 132 SMs); only the assignment and the predicted times depend on it."""
+    read ceiling over its 132 SMs); only the assignment and the predicted times depend on it.
+    ``tile_choices``: the GEMM tile heights the executor build serves (a subset of GEMM_TILE_CHOICES)."""
     shape.validate()
     if not isinstance(n_blocks, (int, np.integer)) or n_blocks < 1:
         raise ValueError(f"build_layer: n_blocks must be a positive integer, got {n_blocks!r}")
@@ -462,7 +466,11 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     parts = tuple(parts)
     if parts not in (("attention", "mlp"), ("mlp",)):
         raise ValueError(f"build_layer: parts must be ('attention', 'mlp') or ('mlp',), got {parts!r}")
-    b = _Builder(shape, int(n_blocks), allreduce)
+    tile_choices = tuple(tile_choices)
+    if not tile_choices or not set(tile_choices) <= set(GEMM_TILE_CHOICES):
+        raise ValueError(f"build_layer: tile_choices must be a non-empty subset of {GEMM_TILE_CHOICES}, "
+                         f"got {tile_choices!r}")
+    b = _Builder(shape, int(n_blocks), allreduce, tile_choices)
     T, H = shape.T, shape.H
     b.inp("h", T, H)
     res = "h" if shape.kind == "dense" else "h1"

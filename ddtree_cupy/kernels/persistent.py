@@ -7,7 +7,7 @@ calculator before the first launch (``schedule.check_coresident``): a grid that 
 refused with the largest one that can (``schedule.fit_grid``), never launched to deadlock. A wait that
 passes its bound sets the error word instead of hanging; ``check`` raises it naming the item and stage.
 
-Item bodies this build runs: ``norm_row``, ``gemm_tile`` (T <= 16, the decode GEMM body), ``boundary``
+Item bodies this build runs: ``norm_row``, ``gemm_tile`` (16 rows, T <= 16, the decode GEMM body), ``boundary``
 (TP = 1: the all-reduce stand-in copy) and ``silu_chunk``; ``supported_segment`` says whether a segment
 uses only those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built
 yet, see docs/PERSISTENT.md).
@@ -44,6 +44,12 @@ class _PersistentSpec(KernelSpec):
             h.update((CUDA_SRC_DIR / name).read_bytes())
         return f"// included .cu digest {h.hexdigest()[:16]}\n" + super().source()
 
+
+# The executor is built for two resident blocks per SM where the device holds them (the H200: two 96 KB rings
+# per SM; sm_120's 100 KB holds one) under a 128-register budget, which admits only the 16-row GEMM tile:
+# schedules are built with these tile heights.
+BLOCKS_PER_SM = 2
+TILE_ROWS = (16,)
 
 SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), hot=True,
                                 doc="persistent layer executor: a precomputed work-item schedule per block, "
@@ -100,6 +106,10 @@ class PersistentSegment:
         T = s.shape.T
         if T > MAX_T:
             raise ValueError(f"persistent segment: T = {T} rows > {MAX_T} (the decode GEMM body's limit)")
+        rows = sorted({it.args[1] for it in s.items if it.segment == seg and it.kind == "gemm_tile"})
+        if not set(rows) <= set(TILE_ROWS):
+            raise ValueError(f"persistent segment: GEMM tiles of {rows} rows; the executor serves {list(TILE_ROWS)} "
+                             f"(build the schedule with tile_choices=kernels.persistent.TILE_ROWS)")
         need = s.segment_ops(seg)
         missing = [o for o in need if o not in ops]
         if missing:
@@ -248,14 +258,15 @@ def set_mlp(on: bool) -> bool:
 
 
 def default_grid() -> int:
-    """The persistent grid of the current device: one block per SM (the GEMM rings take 96 KB), refused
-    when the compiled kernel cannot be resident at all."""
+    """The persistent grid of the current device: up to BLOCKS_PER_SM blocks per SM, as many as the driver's
+    occupancy calculator says are resident (the GEMM rings take 96 KB each: 2 on the H200, 1 on sm_120),
+    refused when the compiled kernel cannot be resident at all."""
     import cupy
     k = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
     fn = getattr(k, "kernel", k)
     sm = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
     occ = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, SMEM_BYTES))
-    return sched_mod.fit_grid(sm, sm, occ)
+    return sched_mod.fit_grid(sm * BLOCKS_PER_SM, sm, occ)
 
 
 def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed, gate_up, act,
@@ -265,7 +276,9 @@ def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_
     all-reduces it, as today)."""
     H, F = int(w_down.shape[0]), int(w_down.shape[1])
     shape = sched_mod.LayerShape("dense", 1, int(T), H=H, nh=1, ql=1, F=F)
-    s = sched_mod.build_layer(shape, n_blocks or default_grid(), allreduce="segment", parts=("mlp",))
+    grid = n_blocks or default_grid()
+    s = sched_mod.build_layer(shape, grid, allreduce="segment", parts=("mlp",), tile_choices=TILE_ROWS,
+                              bytes_per_us_per_block=4.0e6 / grid)
     ops = bind_dense_mlp(s, attn=attn, h=h, post_norm_w=post_norm_w, eps=eps, w_gate_up=w_gate_up, w_down=w_down,
                          normed=normed, gate_up=gate_up, act=act, out=out)
     return PersistentSegment(s, 0, ops)

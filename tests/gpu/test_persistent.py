@@ -50,6 +50,13 @@ def _buffers(cp, T, H, F):
                 out=poisoned(cp, (T, H)), final=poisoned(cp, (T, H)))
 
 
+def _build(shape, n_blocks, **kw):
+    """The schedule with the executor's GEMM tile heights (kernels/persistent.TILE_ROWS)."""
+    from ddtree_cupy.kernels.persistent import TILE_ROWS
+    kw.setdefault("parts", ("mlp",))
+    return S.build_layer(shape, n_blocks, tile_choices=TILE_ROWS, **kw)
+
+
 def _segment(cp, sc, dev, bufs, h, eps, **kw):
     from ddtree_cupy.kernels.persistent import PersistentSegment, bind_dense_mlp
     ops = bind_dense_mlp(sc, attn=dev["attn"], h=h, post_norm_w=dev["nw"], eps=eps, w_gate_up=dev["w_gu"],
@@ -90,10 +97,10 @@ def _tile_rows(sc):
 @pytest.mark.parametrize("allreduce", ["item", "segment"])
 def test_mlp_half_matches_reference_and_today(kind, T, allreduce):
     import cupy as cp
+    from ddtree_cupy.kernels.persistent import default_grid
     H, F = H_KIMI, (F_DENSE if kind == "dense" else F_DRAFT)
     eps = 1e-6
-    sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sc = S.build_layer(_shape(kind, T, H, F), sm, allreduce=allreduce, parts=("mlp",))
+    sc = _build(_shape(kind, T, H, F), default_grid(), allreduce=allreduce)
     dev, p = _problem(cp, T, H, F, seed=T + len(kind))
     bufs = _buffers(cp, T, H, F)
     h = dev["h"].copy()
@@ -121,7 +128,7 @@ def test_graph_replay_equals_eager_and_counters_reset():
     import cupy as cp
     T, H, F, eps = 8, H_KIMI, F_DENSE, 1e-6
     sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sc = S.build_layer(_shape("dense", T, H, F), sm, allreduce="item", parts=("mlp",))
+    sc = _build(_shape("dense", T, H, F), sm, allreduce="item")
     dev, _ = _problem(cp, T, H, F, seed=11)
     bufs = _buffers(cp, T, H, F)
     h = dev["h"].copy()
@@ -155,7 +162,7 @@ def test_smaller_grid_completes_identically(n_blocks):
     dev, _ = _problem(cp, T, H, F, seed=5)
     outs = []
     for nb in (sm, n_blocks):
-        sc = S.build_layer(_shape("dense", T, H, F), nb, allreduce="item", parts=("mlp",))
+        sc = _build(_shape("dense", T, H, F), nb, allreduce="item")
         bufs = _buffers(cp, T, H, F)
         seg = _segment(cp, sc, dev, bufs, dev["h"].copy(), eps)
         seg.launch()
@@ -170,7 +177,7 @@ def test_smaller_grid_completes_identically(n_blocks):
 def test_wait_timeout_sets_error_not_hang():
     import cupy as cp
     T, H, F, eps = 8, H_KIMI, F_DENSE, 1e-6
-    sc = S.build_layer(_shape("dense", T, H, F), 4, allreduce="item", parts=("mlp",))
+    sc = _build(_shape("dense", T, H, F), 4, allreduce="item")
     victim = next(it for it in sc.items if it.op == "down")
     victim.waits = victim.waits[:-1] + ((victim.waits[-1][0], victim.waits[-1][1] + 1000),)   # never met
     dev, _ = _problem(cp, T, H, F, seed=2)
@@ -185,10 +192,22 @@ def test_grid_that_cannot_be_coresident_is_refused():
     import cupy as cp
     T, H, F = 8, H_KIMI, F_DENSE
     sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    sc = S.build_layer(_shape("dense", T, H, F), 4 * sm + 1, allreduce="item", parts=("mlp",))
+    sc = _build(_shape("dense", T, H, F), 4 * sm + 1, allreduce="item")
     dev, _ = _problem(cp, T, H, F, seed=3)
     with pytest.raises(ValueError, match="cannot be co-resident"):
         _segment(cp, sc, dev, _buffers(cp, T, H, F), dev["h"].copy(), 1e-6)
+
+
+def test_tall_tiles_refused():
+    """The executor serves 16-row GEMM tiles only (its 128-register budget at two blocks per SM): a schedule
+    built with taller tiles is refused by name before any launch."""
+    import cupy as cp
+    T, H, F, eps = 8, H_KIMI, F_DENSE, 1e-6
+    dev, _ = _problem(cp, T, H, F, seed=9)
+    tall = S.build_layer(_shape("dense", T, H, F), 4, allreduce="segment", parts=("mlp",))
+    assert set(_tile_rows(tall).values()) - {16}
+    with pytest.raises(ValueError, match="the executor serves"):
+        _segment(cp, tall, dev, _buffers(cp, T, H, F), dev["h"].copy(), eps)
 
 
 def test_unsupported_rows_and_kinds_are_refused():
