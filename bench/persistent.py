@@ -66,6 +66,27 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
            "persistent_us": t_new, "floor_us": floor_us, "today_x_floor": t_old / floor_us,
            "persistent_x_floor": t_new / floor_us, "speedup": t_old / t_new,
            "model_us": sc.predicted_us}
+    # today's chain op by op, and its two GEMMs forced to the executor's tile (16 rows, the full ring: what a
+    # GEMM item runs) as plain launches: separates the tile config's cost from the executor's
+    nt = 1 if T <= 8 else 2
+    item_cfg = gemm.DecodeConfig(nt, gemm.dec_stages(nt), 1, 1)
+
+    def forced(x, w, o):
+        old, prev = gemm.set_decode_config(item_cfg), gemm.set_variant("decode")
+        try:
+            gemm.gemm_bf16(x, w, o)
+        finally:
+            gemm.set_decode_config(old)
+            gemm.set_variant(prev)
+    row["today_ops_us"] = {
+        "post_norm": time_graph(lambda: layers.rms_norm(attn, nw, eps, out=normed, residual=h)),
+        "gate_up": time_graph(lambda: gemm.gemm_bf16(normed, w_gu, gu)),
+        "silu": time_graph(lambda: layers.silu_mul(gu, out=act)),
+        "down": time_graph(lambda: gemm.gemm_bf16(act, w_dn, out)),
+        "gate_up@item_tile": time_graph(lambda: forced(normed, w_gu, gu)),
+        "down@item_tile": time_graph(lambda: forced(act, w_dn, out))}
+    row["today_configs"] = {"gate_up": str(gemm.choose_decode(T, 2 * F, H)), "down": str(gemm.choose_decode(T, H, F)),
+                            "item_tile": str(item_cfg)}
     if timeline:
         seg.launch()
         cp.cuda.Stream.null.synchronize()
@@ -108,6 +129,8 @@ def main(argv=None):
         if args.timeline:
             for op, (a, e) in r["stage_spans_us"].items():
                 print(f"    {op:12} {a:8.2f} .. {e:8.2f} us")
+            print("    today op by op (us): " + ", ".join(f"{k} {v:.1f}" for k, v in r["today_ops_us"].items())
+                  + f"  configs {r['today_configs']}")
             for b, busy, seq in r["busiest_blocks"]:
                 print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
     if args.json:
