@@ -2,7 +2,7 @@
 (post-attention norm with the residual add, gate|up GEMM, SwiGLU, down GEMM) at one TP = 8 rank's widths
 of Kimi K2.6 dense layer 0 and of the DFlash drafter, same weights and inputs in one run.
 
-    PYTHONPATH=$PWD python3 -m bench.persistent [--rows 1 8 16] [--json out.json] [--timeline]
+    PYTHONPATH=$PWD python3 -m bench.persistent [--rows 1 8 16] [--json out.json] [--timeline] [--gemm]
 
 Per shape: today's chain and the persistent launch as CUDA graphs (us per call), both against the byte
 floor (weights + activations read once, at the read ceiling measured in the same run), and the cost
@@ -107,12 +107,52 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
     return row
 
 
+def run_gemm_alone(cp, T, read_gbs):
+    """Each GEMM of the MLP half alone: the executor running only its tiles (engine/schedule.build_gemm, no
+    waits) against a plain launch of the same tile config; the difference is the executor's own cost."""
+    from ddtree_cupy.kernels import gemm
+    from ddtree_cupy.kernels.persistent import TILE_ROWS, PersistOpArgs, PersistentSegment, default_grid
+    rng = np.random.default_rng(100 + T)
+    bf = lambda *s: cp.asarray(((rng.standard_normal(s) * 0.05).astype(np.float32).view(np.uint32) >> 16)   # noqa: E731
+                               .astype(np.uint16))
+    nt = 1 if T <= 8 else 2
+    item_cfg = gemm.DecodeConfig(nt, gemm.dec_stages(nt), 1, 1)
+    out = []
+    for name, N, K in (("gate_up", 2 * F_DENSE, H), ("down", H, F_DENSE)):
+        x, w, o = bf(T, K), bf(N, K), cp.zeros((T, N), np.uint16)
+        grid = default_grid()
+        sc = S.build_gemm(T, N, K, grid, tile_choices=TILE_ROWS, bytes_per_us_per_block=4.0e6 / grid)
+        seg = PersistentSegment(sc, 0, {"gemm": PersistOpArgs(x=x, w=w, out=o, N=N, K=K)})
+        seg.launch()
+        seg.check()
+        t_pers = time_graph(seg.launch)
+        seg.check()
+        ref = o.copy()
+
+        def plain():
+            old, prev = gemm.set_decode_config(item_cfg), gemm.set_variant("decode")
+            try:
+                gemm.gemm_bf16(x, w, o)
+            finally:
+                gemm.set_decode_config(old)
+                gemm.set_variant(prev)
+        t_plain = time_graph(plain)
+        same = bool(cp.array_equal(ref, o))
+        floor = (w.nbytes + x.nbytes + o.nbytes) / (read_gbs * 1e3)
+        out.append({"gemm": name, "T": T, "N": N, "K": K, "blocks": grid, "items": len(sc.items),
+                    "persistent_us": t_pers, "plain_us": t_plain, "floor_us": floor, "same_bits": same,
+                    "plain_config": str(item_cfg)})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.persistent", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     ap.add_argument("--kinds", nargs="+", default=["dense", "drafter"])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--gemm", action="store_true",
+                    help="also each GEMM alone: the executor on its tiles only vs a plain launch of that config")
     args = ap.parse_args(argv)
     import cupy as cp
     read = measure_read_bandwidth()
@@ -133,9 +173,18 @@ def main(argv=None):
                   + f"  configs {r['today_configs']}")
             for b, busy, seq in r["busiest_blocks"]:
                 print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
+    alone = []
+    if args.gemm:
+        print(f"{'gemm':8} {'T':>3} {'blocks':>6} {'items':>6} {'plain us':>9} {'persist us':>10} {'floor us':>8} "
+              f"{'same bits':>9}")
+        for T in args.rows:
+            for g in run_gemm_alone(cp, T, read):
+                alone.append(g)
+                print(f"{g['gemm']:8} {T:3d} {g['blocks']:6d} {g['items']:6d} {g['plain_us']:9.1f} "
+                      f"{g['persistent_us']:10.1f} {g['floor_us']:8.1f} {str(g['same_bits']):>9}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"read_gbs": read, "rows": rows}, f, indent=1)
+            json.dump({"read_gbs": read, "rows": rows, "gemm_alone": alone}, f, indent=1)
     return 0
 
 

@@ -203,3 +203,14 @@ def test_tile_choices_validated():
             S.build_layer(small_shape("dense", 1, 2), 4, tile_choices=bad)
     with pytest.raises(ValueError, match="not a multiple of any tile height"):
         S.build_layer(S.LayerShape("dense", 1, 2, H=128, nh=2, ql=64, dn=64, dv=32, F=40), 4, tile_choices=(32,))
+
+
+@pytest.mark.parametrize("n_blocks", [1, 5, 264])
+def test_build_gemm_alone(n_blocks):
+    sc = S.build_gemm(8, 4608, 7168, n_blocks, tile_choices=(16,))
+    assert sc.ops == ["gemm"] and len(sc.items) == 4608 // 16
+    assert all(not it.waits for it in sc.items)                 # inputs exist before the launch
+    check_static(sc)
+    S.simulate(sc, seed=n_blocks)
+    with pytest.raises(ValueError, match="K % 64"):
+        S.build_gemm(8, 64, 100, 4)

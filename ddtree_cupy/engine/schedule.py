@@ -504,6 +504,24 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
                     n_segments=max(it.segment for it in b.items) + 1)
 
 
+def build_gemm(T: int, N: int, K: int, n_blocks: int, tile_choices: Sequence[int] = GEMM_TILE_CHOICES,
+               bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
+    """The schedule of one GEMM alone (stage ``gemm``: out [T, N] = x [T, K] @ w [N, K]^T, inputs that exist
+    before the launch, no waits): the executor's GEMM items measured against a plain launch of the same
+    tiles (bench/persistent.py --gemm), with nothing else in the launch."""
+    if T < 1 or N < 1 or K < 1 or K % 64:
+        raise ValueError(f"build_gemm: T, N, K must be positive with K % 64 == 0, got {T}, {N}, {K}")
+    shape = LayerShape("dense", 1, int(T), H=int(K), nh=1, ql=1, F=int(N))
+    b = _Builder(shape, int(n_blocks), "segment", tuple(tile_choices))
+    b.inp("x", T, K)
+    b.gemm("gemm", "x", "out", int(N), int(K))
+    groups, size = _derive_waits(b.items)
+    blocks, pred = _assign(b.items, int(n_blocks), bytes_per_us_per_block)
+    total = sum(it.cost for it in b.items)
+    return Schedule(shape, int(n_blocks), "segment", b.items, blocks, groups, [size[g] for g in groups], b.inputs,
+                    b.buffers, predicted_us=pred, floor_us=total / (n_blocks * bytes_per_us_per_block), n_segments=1)
+
+
 ITEM_OVERHEAD_US = 0.5       # cost model: a wait + signal round trip and the first tile's latency
 
 
