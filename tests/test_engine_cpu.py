@@ -161,6 +161,7 @@ def k_after_walk(ctrl, S, A, n_acc, trn, out_tokens, feat_rows, features, width,
 
 
 KERNELS = {"ddt_topk_partial_f32": k_topk_partial, "ddt_topk_merge": k_topk_merge, "ddt_build_tree": k_build_tree,
+           "ddt_topk_list_partial_f32": k_topk_partial, "ddt_topk_list_merge": k_topk_merge,   # the same results
            "ddt_walk_commit": k_walk_commit, "kv_compact_latent": k_kv_compact, "eg_root_tree": k_root_tree,
            "eg_tree_to_batch": k_tree_to_batch, "eg_post_scatter": k_post_scatter, "eg_after_walk": k_after_walk}
 
