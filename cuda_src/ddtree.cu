@@ -185,6 +185,42 @@ __device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remain
     }
 }
 
+// A radix select run by the whole block (DDT_TOPK_THREADS threads) over unique keys: each pass counts, by
+// their next 8-bit digit, the keys whose bits above it equal the prefix (count(hmask, prefix, shift): shared
+// atomics into hist, which every thread clears before and sees complete after), radix_pick (warp 0) finds
+// the digit of the bin holding the k-th largest of them, and the prefix takes that digit. STOP: ends after
+// the first pass whose keys >= the prefix (the bins above plus this bin) number at most cap (uniform; with
+// k <= cap at the latest at shift 0, where the bin is one key). Else all 8 passes: the prefix is the k-th
+// largest key. s_digit / s_above / s_bin: radix_pick's shared outputs. Starts after a barrier that made
+// the keys visible; every shared value it wrote has been read by all when it returns.
+template <bool STOP, typename Count>
+__device__ __forceinline__ u64 radix_select(unsigned k, unsigned cap, unsigned* hist, int* s_digit, unsigned* s_above,
+                                            unsigned* s_bin, int tid, int lane, int warp, Count count) {
+    u64 prefix = 0ull;
+    unsigned remaining = k, above = 0;
+#pragma unroll 1
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+        hist[tid] = 0u;
+        __syncthreads();
+        count(hmask, prefix, shift);
+        __syncthreads();
+        if (warp == 0) radix_pick(hist, remaining, lane, s_digit, s_above, s_bin);
+        __syncthreads();
+        prefix |= (u64)*s_digit << shift;
+        remaining -= *s_above;
+        if constexpr (STOP) {
+            above += *s_above;
+            const unsigned in_bin = *s_bin;
+            __syncthreads();   // digit/above/bin read by all before the next pass
+            if (above + in_bin <= cap) break;   // uniform
+        } else {
+            __syncthreads();   // digit/above read by all before the next pass
+        }
+    }
+    return prefix;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Stage 1: per (row, chunk): the chunk's log-sum-exp partial (max, sum exp(x - max)) and its candidate
 // list (see cand_cap). Grid (P, rows), 256 threads; the chunk (<= 8192 logits, a multiple of 2048) is
@@ -360,13 +396,8 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     int nc = s_n;
     if (nc > cap) {
         // exact k-th largest key of the chunk (nc > cap >= k, so the chunk has more than k keys)
-        u64 prefix = 0ull;
-        unsigned remaining = (unsigned)k;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            s_hist[tid] = 0u;
-            __syncthreads();
+        L = radix_select<false>((unsigned)k, 0u, s_hist, &s_digit, &s_above, &s_bin, tid, lane, warp,
+                                [&](u64 hmask, u64 prefix, int shift) {
 #pragma unroll
             for (int u = 0; u < DDT_TOPK_VECS; ++u) {
                 if (!ok[u]) continue;
@@ -376,14 +407,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
                     if ((key & hmask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255], 1u);
                 }
             }
-            __syncthreads();
-            if (warp == 0) radix_pick(s_hist, remaining, lane, &s_digit, &s_above, &s_bin);
-            __syncthreads();
-            prefix |= (u64)s_digit << shift;
-            remaining -= s_above;
-            __syncthreads();   // everybody has read s_digit/s_above before the next pass
-        }
-        L = prefix;
+        });
         if (tid == 0) s_n = 0;
         __syncthreads();
         gather(L);
@@ -507,29 +531,14 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
     // selection's size costs little.
     const unsigned scap = BY_RANK ? (unsigned)DDT_SORT_CAP : (k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP));
     u64 thr = 0ull;
-    if ((unsigned)N > scap) {
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
+    if ((unsigned)N > scap)   // k <= scap: it stops at shift 0 at the latest
+        thr = radix_select<true>((unsigned)k, scap, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, lane, warp,
+                                 [&](u64 hmask, u64 prefix, int shift) {
             for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
                 const u64 key = s_keys[i];
-                if ((key & hmask) == thr) atomicAdd(&sh.hist[(key >> shift) & 255], 1u);
+                if ((key & hmask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255], 1u);
             }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            // uniform; always true once shift == 0: then in_bin == 1 (keys are unique) and above < k <= scap
-            if (above + in_bin <= scap) break;
-        }
-    }
+        });
     // by rank, no narrowing needed (uniform): the N keys themselves are the selection (rank_out needs only
     // the set), so the copy into sh.sel and its two barriers are skipped
     const bool direct = BY_RANK && (unsigned)N <= scap;
@@ -628,6 +637,24 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
 
 __device__ __forceinline__ int scan_gcap(int k) { return cand_cap(k); }
 
+// The radix narrowing over the G group keys in s_keys (0 = an empty group, never counted), exact for any
+// input: the first threshold with at most gcap groups >= it (k <= gcap: at shift 0 at the latest, where the
+// bin is one key, nonzero keys being unique). The first digits put most keys in one bin (one exponent), so
+// the histogram takes one atomic per warp and bin, not per key. The keys are read after its first barrier.
+__device__ __forceinline__ u64 groups_radix_thr(const u64* s_keys, int G, int k, int gcap, int tid, int lane,
+                                                int warp, MergeShared& sh) {
+    return radix_select<true>((unsigned)k, (unsigned)gcap, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, lane, warp,
+                              [&](u64 hmask, u64 prefix, int shift) {
+        for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
+            const u64 key = s_keys[i];
+            const bool in = key != 0ull && (key & hmask) == prefix;
+            const int bin = in ? (int)((key >> shift) & 255) : -1;
+            const unsigned peers = __match_any_sync(FULL_MASK, bin);
+            if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
+        }
+    });
+}
+
 __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P,
                            int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
                            u64* __restrict__ out_keys, float2* __restrict__ out_ms, float* __restrict__ out_lp,
@@ -714,33 +741,7 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
         }
         __syncthreads();   // everybody has read sh.digit/above/bin (and hist) before they are reused
     }
-    if (!found) {
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
-            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
-                const u64 key = s_keys[i];
-                const bool in = key != 0ull && (key & hmask) == thr;
-                const int bin = in ? (int)((key >> shift) & 255) : -1;
-                // most keys share the top digits (one exponent): one atomic per warp and bin, not per key
-                const unsigned peers = __match_any_sync(FULL_MASK, bin);
-                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
-            }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            // uniform; at shift 0 the bin is one key (nonzero keys are unique): above + 1 = k <= gcap
-            if (above + in_bin <= (unsigned)gcap) break;
-        }
-    }
+    if (!found) thr = groups_radix_thr(s_keys, G, k, gcap, tid, lane, warp, sh);
     thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
     for (int i = tid; i < G; i += DDT_TOPK_THREADS) warp_append<int>(s_keys[i] >= thr, i, s_gl, &sh.ng, lane);
     __syncthreads();   // s_gl complete; the group keys are read for the last time
@@ -877,29 +878,7 @@ __device__ __forceinline__ u64 regs_window_radix_thr(const u64 (&gk)[DDT_MREG], 
 #pragma unroll
         for (int j = 0; j < DDT_MREG; ++j)
             if (j < P) s_keys[j * DDT_TOPK_THREADS + tid] = gk[j];
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
-            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
-                const u64 key = s_keys[i];
-                const bool in = key != 0ull && (key & hmask) == thr;
-                const int bin = in ? (int)((key >> shift) & 255) : -1;
-                const unsigned peers = __match_any_sync(FULL_MASK, bin);
-                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
-            }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            if (above + in_bin <= (unsigned)gcap) break;
-        }
+        thr = groups_radix_thr(s_keys, G, k, gcap, tid, lane, warp, sh);
     }
     return thr;
 }
