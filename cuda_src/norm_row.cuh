@@ -49,15 +49,7 @@ __device__ __forceinline__ void rmsnorm_row(
         if (i < nv) {
             const bf16_bits* ah = (const bf16_bits*)&xa[j];
             if (rr) {
-                const bf16_bits* rh = (const bf16_bits*)&ra[j];
-                uint4 s;
-                bf16_bits* sh = (bf16_bits*)&s;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
-                    v[j][e] = bf16_to_f32(sh[e]);
-                }
-                ((uint4*)(res_out + t * res_out_stride))[i] = s;
+                ((uint4*)(res_out + t * res_out_stride))[i] = add_residual8(xa[j], ra[j], v[j]);
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[j][e] = bf16_to_f32(ah[e]);
@@ -66,19 +58,7 @@ __device__ __forceinline__ void rmsnorm_row(
             for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
         }
     }
-    const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
+    const float rstd = rms_rstd<NORM_THREADS>(ss, red, H, eps);
     const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
-    uint4* outr = (uint4*)(out + orow * out_stride);
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) {
-            uint4 o;
-            const bf16_bits* wh = (const bf16_bits*)&wv[j];
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
-            outr[i] = o;
-        }
-    }
+    rms_scale_store<NORM_THREADS, NORM_MAXV>(v, rstd, wv, nv, (uint4*)(out + orow * out_stride));
 }
