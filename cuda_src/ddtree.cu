@@ -6,6 +6,7 @@
 // PDL: every kernel calls DDT_PDL_WAIT() before its first global read or write, so the spec may be
 // launched with programmatic dependent launch.
 #include "common.cuh"
+#include "radix_select.cuh"
 
 #define DDT_MAX_K 128          // top-K width supported (budget <= 128)
 #define DDT_WALK_SLOTS ((DDT_MAX_TREE_ROWS + 31) / 32)   // tree rows per lane in the register walk
@@ -161,65 +162,6 @@ template <> struct ChunkRegs<bf16_bits> {
     }
 };
 
-// One radix-select step, run by one warp: hist[256] counts the keys of the current prefix region by their
-// next 8-bit digit. Finds the digit d whose bin holds the `remaining`-th largest key of the region
-// (remaining >= 1 and <= the region's size) and writes d, the count in bins above d and the count in d.
-__device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remaining, int lane,
-                                           int* digit, unsigned* above, unsigned* bin) {
-    unsigned c[8], local = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) { c[j] = hist[255 - (lane * 8 + j)]; local += c[j]; }
-    unsigned incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned t = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    unsigned cum = incl - local;             // keys in the bins above this lane's first bin
-    if (cum < remaining && incl >= remaining) {
-#pragma unroll 1
-        for (int j = 0; j < 8; ++j) {
-            if (cum + c[j] >= remaining) { *digit = 255 - (lane * 8 + j); *above = cum; *bin = c[j]; break; }
-            cum += c[j];
-        }
-    }
-}
-
-// A radix select run by the whole block (DDT_TOPK_THREADS threads) over unique keys: each pass counts, by
-// their next 8-bit digit, the keys whose bits above it equal the prefix (count(hmask, prefix, shift): shared
-// atomics into hist, which every thread clears before and sees complete after), radix_pick (warp 0) finds
-// the digit of the bin holding the k-th largest of them, and the prefix takes that digit. STOP: ends after
-// the first pass whose keys >= the prefix (the bins above plus this bin) number at most cap (uniform; with
-// k <= cap at the latest at shift 0, where the bin is one key). Else all 8 passes: the prefix is the k-th
-// largest key. s_digit / s_above / s_bin: radix_pick's shared outputs. Starts after a barrier that made
-// the keys visible; every shared value it wrote has been read by all when it returns.
-template <bool STOP, typename Count>
-__device__ __forceinline__ u64 radix_select(unsigned k, unsigned cap, unsigned* hist, int* s_digit, unsigned* s_above,
-                                            unsigned* s_bin, int tid, int lane, int warp, Count count) {
-    u64 prefix = 0ull;
-    unsigned remaining = k, above = 0;
-#pragma unroll 1
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-        hist[tid] = 0u;
-        __syncthreads();
-        count(hmask, prefix, shift);
-        __syncthreads();
-        if (warp == 0) radix_pick(hist, remaining, lane, s_digit, s_above, s_bin);
-        __syncthreads();
-        prefix |= (u64)*s_digit << shift;
-        remaining -= *s_above;
-        if constexpr (STOP) {
-            above += *s_above;
-            const unsigned in_bin = *s_bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            if (above + in_bin <= cap) break;   // uniform
-        } else {
-            __syncthreads();   // digit/above read by all before the next pass
-        }
-    }
-    return prefix;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 1: per (row, chunk): the chunk's log-sum-exp partial (max, sum exp(x - max)) and its candidate
@@ -529,7 +471,8 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
     // narrows to a size fitted to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
     // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there. Placed by rank, the
     // selection's size costs little.
-    const unsigned scap = BY_RANK ? (unsigned)DDT_SORT_CAP : (k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP));
+    const unsigned scap = BY_RANK ? (unsigned)DDT_SORT_CAP
+                                  : (k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP));
     u64 thr = 0ull;
     if ((unsigned)N > scap)   // k <= scap: it stops at shift 0 at the latest
         thr = radix_select<true>((unsigned)k, scap, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, lane, warp,
@@ -1162,9 +1105,9 @@ __device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
     return u ^ ((uint32_t)((int)u >> 31) | 0x80000000u);
 }
 // ---------------------------------------------------------------------------------------------------
-// Builder, sorted cache (budgets <= DDT_CACHE_BUDGET; docs/history/2026-11-29-ddtree.md "Builder: sorted cache"). The frontier is a list
-// sorted in pop order, entry j in lane j (every field in registers), the head (entry 0) also known to
-// every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
+// Builder, sorted cache (budgets <= DDT_CACHE_BUDGET; docs/history/2026-11-29-ddtree.md "Builder: sorted
+// cache"). The frontier is a list sorted in pop order, entry j in lane j (every field in registers), the head
+// (entry 0) also known to every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
 // compares its entry with both (two ballots), and one shuffle round moves every entry to its new index.
 // The next head is the sibling or the child if one of them ranks first, else the old entry 1 (broadcast
 // at the start of the pop, off the critical path): no reduction, no shared memory in the loop.
