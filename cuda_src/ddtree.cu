@@ -16,13 +16,13 @@
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
 // One module; the top-K comes in two kinds, a template parameter of its kernels (SCAN), both exact:
-// scan (ddt_topk_partial_{f32,bf16}, ddt_topk_merge; the engine's): a streaming top-K (stage 1 only reads:
+// scan (ddt_topk_partial<T, true>, ddt_topk_merge<true>; the engine's): a streaming top-K (stage 1 only reads:
 //   per thread max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads the
 //   few 32-logit groups that can hold the row's top-k, "Stage 2, scan kind" below) whose merge keeps each
 //   thread's group keys in registers and places selected groups and candidates by block scans
 //   (merge_scan_regs; rows of more than DDT_MREG chunks take merge_scan), the output placed by rank; the
 //   shards' exact lists (parts_major) take this merge too.
-// list (ddt_topk_list_partial_{f32,bf16}, ddt_topk_list_merge): per-chunk candidate lists and a merge whose
+// list (ddt_topk_partial<T, false>, ddt_topk_merge<false>): per-chunk candidate lists and a merge whose
 //   final sort is sized to k, which the engine launches for small shapes (kernels/ddtree.py topk_kind:
 //   <= 7 rows, k <= 8).
 // The builder pops from a sorted 32-entry cache for budgets <= DDT_CACHE_BUDGET ("Builder, sorted cache",
@@ -367,27 +367,13 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     }
 }
 
-// minimum blocks per SM: the scan kind keeps only its 32 logits in registers after the loads (4), the list
-// kind keeps them for the gather (2)
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 4)
-ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                     u64* part_keys, float2* part_ms) {
-    topk_partial<float, true>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
-}
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 4)
-ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                      u64* part_keys, float2* part_ms) {
-    topk_partial<bf16_bits, true>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
-}
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
-ddt_topk_list_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                          u64* part_keys, float2* part_ms) {
-    topk_partial<float, false>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
-}
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, 2)
-ddt_topk_list_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                           u64* part_keys, float2* part_ms) {
-    topk_partial<bf16_bits, false>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
+// The stage-1 kernels: ddt_topk_partial<float | bf16_bits, SCAN>. Minimum blocks per SM: the scan kind keeps
+// only its 32 logits in registers after the loads (4), the list kind keeps them for the gather (2).
+template <typename T, bool SCAN>
+__global__ void __launch_bounds__(DDT_TOPK_THREADS, SCAN ? 4 : 2)
+ddt_topk_partial(const T* logits, int rows, int V_local, int id_offset, int k, int chunk, u64* part_keys,
+                 float2* part_ms) {
+    topk_partial<T, SCAN>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -543,17 +529,14 @@ __device__ __forceinline__ void warp_append(bool take, V val, V* out, int* count
     if (take) out[base + __popc(b & ((1u << lane) - 1u))] = val;
 }
 
-// the selected groups' logits -> every element key >= thr appended to out (4 vectors per thread at most:
-// ng * nv <= gcap * 4 <= 1024 items, all loads issued before any use)
+// The selected groups' logits into registers (all loads issued before any use): item j = t * 256 + tid
+// (< ng * nv, nv vectors per group) is vector u = j % nv of group s_gl[j / nv]; ok[t]: slot t holds a vector
+// inside the row, base[t] its first logit's index. Returns the item count.
 template <typename T>
-__device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t id_offset, int chunk,
-                                            const int* s_gl, int ng, u64 thr, u64* out, int* counter,
-                                            int tid, int lane) {
+__device__ __forceinline__ int load_groups(const T* xrow, int V_local, int chunk, const int* s_gl, int ng, int tid,
+                                           ChunkRegs<T>& v, bool (&ok)[DDT_TOPK_VECS], int (&base)[DDT_TOPK_VECS]) {
     const int nv = chunk / (DDT_TOPK_THREADS * 8);
     const int items = ng * nv;
-    ChunkRegs<T> v;
-    bool ok[DDT_TOPK_VECS];
-    int base[DDT_TOPK_VECS];
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t) {
         const int j = t * DDT_TOPK_THREADS + tid;
@@ -567,6 +550,19 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
         if (ok[t]) v.load(xrow + base[t], t);
         else v.clear(t);
     }
+    return items;
+}
+
+// the selected groups' logits -> every element key >= thr appended to out (4 vectors per thread at most:
+// ng * nv <= gcap * 4 <= 1024 items, all loads issued before any use)
+template <typename T>
+__device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t id_offset, int chunk,
+                                            const int* s_gl, int ng, u64 thr, u64* out, int* counter,
+                                            int tid, int lane) {
+    ChunkRegs<T> v;
+    bool ok[DDT_TOPK_VECS];
+    int base[DDT_TOPK_VECS];
+    const int items = load_groups<T>(xrow, V_local, chunk, s_gl, ng, tid, v, ok, base);
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t) {
         if (t * DDT_TOPK_THREADS >= items) break;   // uniform
@@ -739,24 +735,10 @@ template <typename T>
 __device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint32_t id_offset, int chunk,
                                                 const int* s_gl, int ng, u64 thr, u64* out, unsigned* s_w,
                                                 int tid, int lane, int warp) {
-    const int nv = chunk / (DDT_TOPK_THREADS * 8);
-    const int items = ng * nv;
     ChunkRegs<T> v;
     bool ok[DDT_TOPK_VECS];
     int base[DDT_TOPK_VECS];
-#pragma unroll
-    for (int t = 0; t < DDT_TOPK_VECS; ++t) {
-        const int j = t * DDT_TOPK_THREADS + tid;
-        ok[t] = false;
-        base[t] = 0;
-        if (j < items) {
-            const int q = j / nv, u = j - q * nv, g = s_gl[q];
-            const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
-            if (i < V_local) { ok[t] = true; base[t] = i; }
-        }
-        if (ok[t]) v.load(xrow + base[t], t);
-        else v.clear(t);
-    }
+    load_groups<T>(xrow, V_local, chunk, s_gl, ng, tid, v, ok, base);
     int cnt = 0;
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t)
@@ -1015,17 +997,13 @@ __device__ __forceinline__ void topk_merge(const u64* __restrict__ in_keys, cons
     merge_finish<SCAN>(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
 }
 
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
+// The merge kernels: ddt_topk_merge<SCAN>.
+template <bool SCAN>
+__global__ void __launch_bounds__(DDT_TOPK_THREADS)
 ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
                int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                float* __restrict__ out_lp, int* __restrict__ out_id) {
-    topk_merge<true>(in_keys, in_ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id);
-}
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
-ddt_topk_list_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
-                    int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
-                    float* __restrict__ out_lp, int* __restrict__ out_id) {
-    topk_merge<false>(in_keys, in_ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id);
+    topk_merge<SCAN>(in_keys, in_ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id);
 }
 
 // ---------------------------------------------------------------------------------------------------

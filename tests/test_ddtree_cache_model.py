@@ -1,4 +1,5 @@
-"""A CPU model of the sorted-cache tree builder (cuda_src/ddtree.cu, `cache_pops`), lane by lane, against the numpy reference builder (ddtree_cupy/reference/ddtree.py).
+"""A CPU model of the sorted-cache tree builder (cuda_src/ddtree.cu, `cache_pops`), lane by lane, against the
+numpy reference builder (ddtree_cupy/reference/ddtree.py).
 
 The model follows the kernel's state exactly: 32 lanes each holding one entry (ordered score, rank tuple,
 info word, parent score, next sibling's log-prob, first child's log-prob) in registers, the warp-uniform

@@ -80,8 +80,10 @@ def test_kind_is_checked():
 
 def test_kernel_names_and_constants_match_the_kernel():
     """The wrapper's copies of the kernel's limits for the sorted-cache builder and the register merge, and
-    its kernel names (one extern "C" kernel each in ddtree.cu)."""
+    its kernel names (the extern "C" kernels and the top-K templates of ddtree.cu, each instantiation once)."""
     assert ddt.MERGE_REGS_MAX_P == int(re.search(r"#define DDT_MREG (\d+)", SRC).group(1))
     assert ddt.CACHE_MAX_BUDGET == int(re.search(r"#define DDT_CACHE_BUDGET (\d+)", SRC).group(1))
     assert ddt.n_chunks(163840) <= ddt.MERGE_REGS_MAX_P   # Kimi K2's vocabulary takes the register merge
-    assert sorted(ddt._NAMES) == sorted(re.findall(r"^(ddt_\w+)\(", SRC, re.M))
+    assert {n.split("<")[0] for n in ddt._NAMES} == set(re.findall(r"^(ddt_\w+)\(", SRC, re.M))
+    assert len(set(ddt._NAMES)) == len(ddt._NAMES) == 8
+    assert set(ddt._MERGE) == set(ddt.TOPK_KINDS) and {k for k, _ in ddt._PARTIAL} == set(ddt.TOPK_KINDS)

@@ -36,8 +36,11 @@ MAX_CHUNK = 8192        # 256 threads x 4 vectors of 8 logits held in registers 
 DEFAULT_CHUNK = 8192    # logits per block in the first top-K stage
 MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (sm_120: 99 KB per block)
 
-_NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_topk_list_partial_f32",
-          "ddt_topk_list_partial_bf16", "ddt_topk_list_merge", "ddt_build_tree", "ddt_walk_commit")
+# the top-K kernels are templates over the logits' type and the kind (SCAN = the scan kind)
+_PARTIAL = {(kind, dt): f"ddt_topk_partial<{t}, {'true' if kind == 'scan' else 'false'}>"
+            for kind in ("scan", "list") for dt, t in ((np.float32, "float"), (np.uint16, "bf16_bits"))}
+_MERGE = {"scan": "ddt_topk_merge<true>", "list": "ddt_topk_merge<false>"}
+_NAMES = (*_PARTIAL.values(), *_MERGE.values(), "ddt_build_tree", "ddt_walk_commit")
 # One module. The top-K has two kinds (a template parameter of its kernels in ddtree.cu), chosen by ``kind``
 # in the top-K calls below: "scan" (the engine's) = the streaming top-K whose merge keeps each thread's group
 # keys in registers and places its output by rank (the merge of shards' exact lists, parts_major, is this
@@ -51,7 +54,7 @@ _NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "dd
 DDTREE_SPEC = register(KernelSpec(
     src="ddtree.cu", names=_NAMES, hot=True, fast_math=False, pdl=True,
     doc="DDTree kernels: scan and list top-K, sorted-cache builder (v3 above budget 64), register walk"))
-TOPK_KINDS = ("scan", "list")    # ``kind`` of the top-K calls
+TOPK_KINDS = tuple(_MERGE)       # ``kind`` of the top-K calls: "scan", "list"
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
 
@@ -129,11 +132,8 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
     dims: dict = {}
     dev = current_device()
-    pre = "ddt_topk_partial_" if _kind(kind) == "scan" else "ddt_topk_list_partial_"
-    if logits.dtype == np.float32:
-        name = pre + "f32"
-    elif logits.dtype == np.uint16:
-        name = pre + "bf16"
+    if logits.dtype in (np.float32, np.uint16):
+        name = _PARTIAL[(_kind(kind), logits.dtype.type)]
     else:
         raise ValueError(f"logits: expected float32 or uint16 (bf16 bits), got {logits.dtype}")
     check_array("logits", logits, logits.dtype, ("rows", "V"), dims, device=dev)
@@ -180,7 +180,7 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     if smem > MAX_MERGE_SMEM:
         raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
                          f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
-    _fn("ddt_topk_merge" if kind == "scan" else "ddt_topk_list_merge", smem)((rows,), (TOPK_THREADS,), (
+    _fn(_MERGE[kind], smem)((rows,), (TOPK_THREADS,), (
         keys, ms, np.int32(rows), np.int32(P), np.int32(k), np.int32(1 if parts_major else 0), out_keys, out_ms,
         out_lp, out_id), shared_mem=smem)
 
@@ -244,8 +244,8 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
     top-``k`` per depth (k >= the largest budget, or the cap); ``topk`` picks the top-K kind (a key of
-    TOPK_KINDS; None: DDT_TREE_TOPK if set, else ``topk_kind``'s rule). Every method launches on the current stream without
-    allocating, so a sequence of calls can be captured in a CUDA graph."""
+    TOPK_KINDS; None: DDT_TREE_TOPK if set, else ``topk_kind``'s rule). Every method launches on the current
+    stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
                  topk: Optional[str] = None):
