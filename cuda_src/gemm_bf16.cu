@@ -60,6 +60,22 @@ __device__ __forceinline__ void cp_ring_step(int it, int nkt, int kt0, Load&& lo
     cp_async_commit();
 }
 
+// Output element o: fp32, or bf16 (round to nearest even).
+template <bool OUT_F32>
+__device__ __forceinline__ void gemm_store_out(void* __restrict__ out, long long o, float v) {
+    if (OUT_F32) ((float*)out)[o] = v;
+    else ((bf16_bits*)out)[o] = f32_to_bf16(v);
+}
+// An accumulator's element (token t, feature n) of batch b, split sidx of `split`: the fp32 partial in the
+// workspace [batch][split][T][N] when split > 1, else the output element.
+template <bool OUT_F32>
+__device__ __forceinline__ void gemm_store_acc(float v, int b, int t, int n, int T, int N, int split, int sidx,
+                                               float* __restrict__ ws, void* __restrict__ out,
+                                               long long out_batch_stride, int out_row_stride) {
+    if (split > 1) ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
+    else gemm_store_out<OUT_F32>(out, b * out_batch_stride + (long long)t * out_row_stride + n, v);
+}
+
 template <int NT, int STAGES, bool OUT_F32>
 __global__ void __launch_bounds__(GEMM_THREADS, (NT <= 8 ? 2 : 0))
 gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
@@ -157,17 +173,9 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = nf + (e >> 1) * 8, t = j * 8 + 2 * (lane & 3) + (e & 1);
-            if (n < N && t < T) {
-                const float v = acc[j][e];
-                if (split > 1) {
-                    ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
-                } else if (OUT_F32) {
-                    ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
-                } else {
-                    ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
-                        f32_to_bf16(v);
-                }
-            }
+            if (n < N && t < T)
+                gemm_store_acc<OUT_F32>(acc[j][e], b, t, n, T, N, split, sidx, ws, out, out_batch_stride,
+                                        out_row_stride);
         }
     }
 }
@@ -185,9 +193,7 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
         float s = 0.f;
         for (int k = 0; k < split; ++k) s += p[k * tn];
         const int t = (int)(i / N), n = (int)(i % N);
-        const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
-        if (OUT_F32) ((float*)out)[o] = s;
-        else ((bf16_bits*)out)[o] = f32_to_bf16(s);
+        gemm_store_out<OUT_F32>(out, b * out_batch_stride + (long long)t * out_row_stride + n, s);
     }
 }
 
@@ -608,17 +614,9 @@ __device__ __forceinline__ void gemm_wide_body(
             for (int e = 0; e < 4; ++e) {
                 const int n = n0 + (wm * WM + i) * 16 + (lane >> 2) + (e >> 1) * 8;
                 const int t = t0 + wn * WN * 8 + j * 8 + 2 * (lane & 3) + (e & 1);
-                if (n < N && t < T) {
-                    const float v = acc[i][j][e];
-                    if (split > 1) {
-                        ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
-                    } else if (OUT_F32) {
-                        ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
-                    } else {
-                        ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
-                            f32_to_bf16(v);
-                    }
-                }
+                if (n < N && t < T)
+                    gemm_store_acc<OUT_F32>(acc[i][j][e], b, t, n, T, N, split, sidx, ws, out, out_batch_stride,
+                                            out_row_stride);
             }
         }
     }

@@ -162,9 +162,9 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     MlaTile tl;
     if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
         return;
-    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len;
+    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
+              n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
     const int* table = tl.table;
-    const int n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
@@ -477,9 +477,9 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     MlaTile tl;
     if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
         return;
-    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len;
+    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
+              n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
     const int* table = tl.table;
-    const int n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
     const int valid_m = n * H - m0;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
