@@ -594,6 +594,21 @@ __device__ __forceinline__ u64 groups_radix_thr(const u64* s_keys, int G, int k,
     });
 }
 
+// The pick of a window of 256 top-16-bit values (bin 255 - d = distance d below wtop; `remaining` of the k
+// largest keys lie in it, `above` above it): the bin of the k-th largest key; thr = that bin's top-16 value
+// << 48 when at most gcap keys are >= it (then true; else false and thr untouched). After a barrier that
+// made the window's histogram complete; ends after one that made radix_pick's outputs visible.
+__device__ __forceinline__ bool window_thr(int wtop, unsigned remaining, unsigned above, int gcap, int lane,
+                                           int warp, MergeShared& sh, u64& thr) {
+    if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+    __syncthreads();
+    if (above + sh.above + sh.bin <= (unsigned)gcap) {
+        thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
+        return true;
+    }
+    return false;
+}
+
 __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P,
                            int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
                            u64* __restrict__ out_keys, float2* __restrict__ out_ms, float* __restrict__ out_lp,
@@ -670,12 +685,7 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
                 __syncthreads();     // every thread has read sh.near before the next window clears it
                 continue;
             }
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            if (above + sh.above + sh.bin <= (unsigned)gcap) {
-                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
-                found = true;
-            }
+            if (window_thr(wtop, remaining, above, gcap, lane, warp, sh, thr)) found = true;
             break;
         }
         __syncthreads();   // everybody has read sh.digit/above/bin (and hist) before they are reused
@@ -789,12 +799,7 @@ __device__ __forceinline__ u64 regs_window_radix_thr(const u64 (&gk)[DDT_MREG], 
                 __syncthreads();     // cleared, and sh.wb read by all, before the next window
                 continue;
             }
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            if (above + sh.above + sh.bin <= (unsigned)gcap) {
-                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
-                found = true;
-            }
+            if (window_thr(wtop, remaining, above, gcap, lane, warp, sh, thr)) found = true;
             break;
         }
     }

@@ -20,8 +20,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;
 }
 
-// The RMSNorm row pieces shared by rmsnorm_row (norm_row.cuh) and the all-reduce's fused add + RMSNorm
-// (ar_add_norm_row, allreduce.cuh), which must agree bit for bit.
+// The RMSNorm row pieces shared by rmsnorm_row (norm_row.cuh), the all-reduce's fused add + RMSNorm
+// (ar_add_norm_row, allreduce.cuh) and mla_qkv_a_post's q norm (fused_layer.cu), which must agree bit for bit.
 // h = bf16(a + r) on 8 bf16 pairs (the residual stream is bf16); hf = h as fp32.
 __device__ __forceinline__ uint4 add_residual8(const uint4& av, const uint4& rv, float (&hf)[8]) {
     const bf16_bits* ah = (const bf16_bits*)&av;

@@ -89,13 +89,14 @@ struct MlaTile {
     int b, split, n, s, rs, m0, kv_len, n_tiles, tile_begin, tile_end;
     const int* table;   // the stream's page table
 };
-// false: the tile lies past the stream's rows (the grid covers the largest stream of the bucket). Called
-// after DDT_PDL_WAIT (the lengths and tables may come from earlier kernels).
+// Waits for the inputs first (DDT_PDL_WAIT: the lengths, tables, q and the cache rows may come from earlier
+// kernels). false: the tile lies past the stream's rows (the grid covers the largest stream of the bucket).
 template <int BM, int BN>
 __device__ __forceinline__ bool mla_tile(const int* __restrict__ block_table, const int* __restrict__ prefix_len,
                                          const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
                                          const unsigned* __restrict__ mask, int max_pages, int H, int num_splits,
                                          MlaTile& t) {
+    DDT_PDL_WAIT();
     t.b = blockIdx.z;
     t.split = blockIdx.y;
     // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
@@ -158,8 +159,7 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
 
     DDT_PDL_LAUNCH_DEPENDENTS();  // the combine (or next kernel) may launch; it waits for this whole grid
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
-    MlaTile tl;
+    MlaTile tl;   // after the wait for the inputs
     if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
         return;
     const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
@@ -473,8 +473,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     float* alpha_s = reinterpret_cast<float*>(Ps + C::BM * C::PSTR);               // [BM]
     float* linv_s = alpha_s + C::BM;                                               // [BM]
 
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
-    MlaTile tl;
+    MlaTile tl;   // after the wait for the inputs
     if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
         return;
     const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
