@@ -7,15 +7,16 @@ Stages: top-K (per-chunk candidate lists + merge, 2 launches; "stage 1" is the f
 last lines also give the merge launch alone, "merge alone"),
 build (1 launch), walk + commit (1 launch), and all of them in one graph ("total"; "total PDL": the
 same graph launched with programmatic dependent launch, when the launch path is available; "top-K PDL":
-the top-K's two launches alone with PDL, in the comparison lines). The kernel variants of kernels/ddtree.py
-given by --variants (VARIANTS: 3 v3 / 8 scan-rank-cache-regs, the engine's; default: 3 8) run on the same
-inputs;
-"same" says a variant's outputs equal the reference
-variant's bit for bit (all but the stage-1 buffers; the reference is the lowest variant given).
+the top-K's two launches alone with PDL, in the comparison lines). The top-K kinds given by --topk run on the
+same inputs (CONFIGS: auto = the workspace's rule, the engine's, named "engine" in the rows; scan / list =
+that kind for every shape; default: all three, so the GPU run shows each kind's top-K time at every shape);
+"same" says a configuration's outputs equal the reference configuration's bit for bit (all but the
+stage-1 buffers; the reference is the first given).
 The top-K stage reads S*D*V logits: its time is also shown as a fraction of the read ceiling measured in
 the same run. "was": the build and total of the same case and variant in the previous results file
-(--was); for a variant that file lacks, the figures of the variant it replaces (--was-variant, default
-scan). The last lines compare every variant with the reference variant in this run.
+(--was); for a configuration that file lacks, the figures of the one it replaces (--was-variant, default
+scan-rank-cache-regs, the engine's name in older files). The last lines compare every configuration with
+the reference configuration in this run.
 Target (docs/PERFORMANCE.md): <= 30 us for all stages at 10 streams, budget 64.
 Prints a table; asserts nothing about speed.
 """
@@ -32,11 +33,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ceilings import measure_read_bandwidth, time_graph  # noqa: E402
-from ddtree_cupy.kernels.ddtree import (DEFAULT_VARIANT, MAX_TREE_ROWS, VARIANTS, DDTreeWorkspace,  # noqa: E402
-                                        topk_merge, topk_partial)
+from ddtree_cupy.kernels.ddtree import MAX_TREE_ROWS, DDTreeWorkspace, topk_merge, topk_partial  # noqa: E402
 from ddtree_cupy.reference import ddtree as dd  # noqa: E402
 
 D, V = 7, 163840
+# --topk value -> (the workspace's ``topk`` argument, the name in the result rows' "variant" field)
+CONFIGS = {"auto": (None, "engine"), "scan": ("scan", "scan"), "list": ("list", "list")}
 
 
 def _bf16_bits(x):
@@ -57,15 +59,15 @@ def _deep_post(tokens, parents, n1, rng):
     return post
 
 
-def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
-    """Times one case with kernel variant ``fast`` (a key of VARIANTS); returns its outputs, its result row, and
-    the top-K arrays (for the CPU builder)."""
+def bench_case(S, B, dtype, seed, bw_gbs, config, pdl=False):
+    """Times one case with top-K configuration ``config`` (a key of CONFIGS); returns its outputs, its result
+    row, and the top-K arrays (for the CPU builder)."""
     import cupy as cp
-    rng = np.random.default_rng(seed)   # same inputs for every kernel variant
+    rng = np.random.default_rng(seed)   # same inputs for every configuration
     x = (rng.standard_normal((S, D, V)) * 2.0).astype(np.float32)
     x[:, :, rng.integers(0, V, size=8)] += 10.0
     logits = cp.asarray(_bf16_bits(x) if dtype == "bf16" else x)
-    ws = DDTreeWorkspace(S, D, V, B, fast=fast)
+    ws = DDTreeWorkspace(S, D, V, B, topk=CONFIGS[config][0])
     budgets = cp.full(S, B, cp.int32)
     prefix = cp.asarray(rng.integers(100, 4000, size=S).astype(np.int32))
     bonus = cp.asarray(rng.integers(0, V, size=S).astype(np.int32))
@@ -78,11 +80,11 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
 
     t_topk = time_graph(lambda: ws.topk(logits))
     t_part = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms,
-                                             fast=ws.topk_fast))
+                                             kind=ws.topk_kind))
     # the merge launch alone (it only reads stage 1's buffers and the logits, which stay as they are)
     t_merge = time_graph(lambda: topk_merge(ws.part_keys, ws.part_ms, B, ws.keys, ws.ms,
                                             ws.top_lp.reshape(S * D, B), ws.top_id.reshape(S * D, B),
-                                            fast=ws.topk_fast))
+                                            kind=ws.topk_kind))
     t_build = time_graph(lambda: ws.build(budgets, prefix, bonus))
     t_walk = time_graph(lambda: ws.walk_commit(post, prefix, row_off))
 
@@ -104,7 +106,7 @@ def bench_case(S, B, dtype, seed, bw_gbs, fast, pdl=False):
     n_acc = ws.n_acc.get()
     snap = {k: v.get() for k, v in ws.outputs().items() if k not in ("part_keys", "part_ms")}
     nbytes = logits.nbytes
-    row = dict(streams=S, budget=B, dtype=dtype, variant=VARIANTS[fast],
+    row = dict(streams=S, budget=B, dtype=dtype, variant=CONFIGS[config][1], topk_kind=ws.topk_kind,
                topk_us=t_topk, topk_pdl_us=t_topk_pdl, topk_stage1_us=t_part, topk_merge_us=t_merge, build_us=t_build, total_pdl_us=t_pdl,
                walk_commit_us=t_walk, total_us=t_all, mean_accepted=float(n_acc.mean()),
                topk_read_frac=(nbytes / (t_topk * 1e-6) / 1e9) / bw_gbs)
@@ -121,14 +123,14 @@ def cpu_heap_builder_us(top_lp, top_id, B, reps=3):
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def profile_case(S, B, fast=DEFAULT_VARIANT):
-    """Eager launches of every stage (bf16 logits, kernel variant ``fast``) for a profiler to pick up."""
+def profile_case(S, B, config="auto"):
+    """Eager launches of every stage (bf16 logits, top-K configuration ``config``) for a profiler to pick up."""
     import cupy as cp
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((S, D, V)) * 2.0).astype(np.float32)
     x[:, :, rng.integers(0, V, size=8)] += 10.0
     logits = cp.asarray(_bf16_bits(x))
-    ws = DDTreeWorkspace(S, D, V, B, fast=fast)
+    ws = DDTreeWorkspace(S, D, V, B, topk=CONFIGS[config][0])
     budgets = cp.full(S, B, cp.int32)
     prefix = cp.full(S, 1000, cp.int32)
     bonus = cp.zeros(S, cp.int32)
@@ -153,16 +155,16 @@ def main(argv=None):
                     help="also time the top-K stage at the largest case for these stage-1 chunk sizes")
     ap.add_argument("--profile", action="store_true",
                     help="no table: launch the stages of the first case a few times (for Nsight Compute)")
-    ap.add_argument("--variants", type=int, nargs="+", default=[3, 8], choices=sorted(VARIANTS),
-                    help="kernel variants to time (3 = v3, 8 = scan-rank-cache-regs); the reference of the "
-                         "'same' column is the lowest")
+    ap.add_argument("--topk", nargs="+", default=["auto", "scan", "list"], choices=list(CONFIGS),
+                    help="top-K configurations to time (auto = the engine's rule, scan / list = that kind for "
+                         "every shape); the reference of the 'same' column is the first")
     ap.add_argument("--was-variant", default="scan-rank-cache-regs",
-                    help="the --was file's variant whose figures stand for a variant that file lacks")
+                    help="the --was file's variant whose figures stand for a configuration that file lacks")
     args = ap.parse_args(argv)
     if args.profile:
-        return profile_case(args.streams[0], args.budgets[0], max(args.variants))
-    variants = sorted(set(args.variants))
-    ref_name = VARIANTS[variants[0]]
+        return profile_case(args.streams[0], args.budgets[0], args.topk[0])
+    configs = list(dict.fromkeys(args.topk))
+    ref_name = CONFIGS[configs[0]][1]
     was = {}
     if args.was and os.path.exists(args.was):
         with open(args.was) as f:
@@ -188,11 +190,11 @@ def main(argv=None):
     print(hdr, flush=True)   # rows as they come: a time limit still leaves the finished ones
     for i, (S, B, dt) in enumerate(cases):
         ref_snap = None
-        for v in variants:
-            snap, r, top = bench_case(S, B, dt, i, bw, fast=v, pdl=args.pdl)
+        for v in configs:
+            snap, r, top = bench_case(S, B, dt, i, bw, v, pdl=args.pdl)
             if ref_snap is None:
                 ref_snap, t_cpu = snap, cpu_heap_builder_us(*top, B)
-            # every variant must give the reference variant's outputs (trees, top-K, walk) bit for bit
+            # every configuration must give the reference's outputs (trees, top-K, walk) bit for bit
             r["matches_verified"] = all(np.array_equal(snap[k], ref_snap[k]) for k in snap)
             r["reference_variant"] = ref_name
             r["cpu_heap_builder_us"] = t_cpu
@@ -216,7 +218,7 @@ def main(argv=None):
         logits = cp.asarray(_bf16_bits(x))
         ws = DDTreeWorkspace(S, D, V, B, chunk=chunk)
         t1 = time_graph(lambda: topk_partial(logits.reshape(S * D, V), B, ws.part_keys, ws.part_ms, chunk=chunk,
-                                             fast=ws.topk_fast))
+                                             kind=ws.topk_kind))
         t = time_graph(lambda: ws.topk(logits))
         print(f"chunk {chunk}: {S} streams, budget {B}, bf16: top-K {t:.1f} us (stage 1 {t1:.1f} us, P = {ws.P})")
     by = {(r["streams"], r["budget"], r["dtype"], r["variant"]): r for r in rows}
@@ -228,12 +230,13 @@ def main(argv=None):
     # fixed part -- launch, loads, the rows and masks -- cancels)
     lo_b, hi_b = min(args.budgets), max(args.budgets)
     for S in args.streams:
-        for v in variants:
-            a, b = by.get((S, lo_b, "bf16", VARIANTS[v])), by.get((S, hi_b, "bf16", VARIANTS[v]))
+        for v in configs:
+            name = CONFIGS[v][1]
+            a, b = by.get((S, lo_b, "bf16", name)), by.get((S, hi_b, "bf16", name))
             if a is not None and b is not None and hi_b > lo_b:
-                print(f"build per pop, {VARIANTS[v]}, {S} streams: ({b['build_us']:.2f} - {a['build_us']:.2f}) / "
+                print(f"build per pop, {name}, {S} streams: ({b['build_us']:.2f} - {a['build_us']:.2f}) / "
                       f"{hi_b - lo_b} = {(b['build_us'] - a['build_us']) / (hi_b - lo_b) * 1e3:.0f} ns")
-    for (S, B, dt, v), r in by.items():   # every variant against the reference variant, same run and inputs
+    for (S, B, dt, v), r in by.items():   # every configuration against the reference, same run and inputs
         d = by.get((S, B, dt, ref_name))
         if v != ref_name and d is not None:
             print(f"{ref_name} -> {v} (same run): {S:2d} x {B:3d} {dt}: top-K {d['topk_us']:5.1f} -> {r['topk_us']:5.1f} "

@@ -160,7 +160,8 @@ __device__ __forceinline__ uint4 ar_round8(const float (&acc)[8]) {
 
 // The fused tail of one row: h = bf16(sum + residual) (the residual stream is bf16), residual_out = h,
 // normed = bf16(w * h * rsqrt(mean(h^2) + eps)): the same arithmetic and reduction order as rmsnorm_kernel
-// with a residual, so the fused path and "all-reduce, then rms_norm(residual=...)" agree bit for bit.
+// with a residual (the same add_residual8 / rms_rstd / rms_scale_store of layer_math.cuh, the squares summed
+// in the same order), so the fused path and "all-reduce, then rms_norm(residual=...)" agree bit for bit.
 // `sums` holds the row's reduced bf16 vectors (thread-owned: vector i = threadIdx.x + j * AR_THREADS).
 __device__ __forceinline__ void ar_add_norm_row(const uint4 (&sums)[AR_MAXV], const uint4 (&wv)[AR_MAXV], int nv,
                                                 const bf16_bits* res_in, bf16_bits* res_out, bf16_bits* normed,
@@ -172,33 +173,12 @@ __device__ __forceinline__ void ar_add_norm_row(const uint4 (&sums)[AR_MAXV], co
         const int i = threadIdx.x + j * AR_THREADS;
         if (i < nv) {
             const uint4 r = ((const uint4*)res_in)[i];
-            const bf16_bits* ah = (const bf16_bits*)&sums[j];
-            const bf16_bits* rh = (const bf16_bits*)&r;
-            uint4 s;
-            bf16_bits* sh = (bf16_bits*)&s;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
-                v[j][e] = bf16_to_f32(sh[e]);
-            }
-            ((uint4*)res_out)[i] = s;
+            ((uint4*)res_out)[i] = add_residual8(sums[j], r, v[j]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
         }
     }
-    const float rstd = rsqrtf(block_sum<AR_THREADS>(ss, red) / (float)H + eps);
-#pragma unroll
-    for (int j = 0; j < AR_MAXV; ++j) {
-        const int i = threadIdx.x + j * AR_THREADS;
-        if (i < nv) {
-            uint4 o;
-            const bf16_bits* wh = (const bf16_bits*)&wv[j];
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rstd));
-            ((uint4*)normed)[i] = o;
-        }
-    }
+    rms_scale_store<AR_THREADS, AR_MAXV>(v, rms_rstd<AR_THREADS>(ss, red, H, eps), wv, nv, (uint4*)normed);
     __syncthreads();                        // `red` is reused by the next row
 }
 

@@ -6,6 +6,7 @@
 // PDL: every kernel calls DDT_PDL_WAIT() before its first global read or write, so the spec may be
 // launched with programmatic dependent launch.
 #include "common.cuh"
+#include "radix_select.cuh"
 
 #define DDT_MAX_K 128          // top-K width supported (budget <= 128)
 #define DDT_WALK_SLOTS ((DDT_MAX_TREE_ROWS + 31) / 32)   // tree rows per lane in the register walk
@@ -14,38 +15,20 @@
 #define DDT_TOPK_VECS 4        // 8-logit vectors per thread: a chunk of <= 256 * 8 * 4 = 8192 in registers
 #define DDT_SORT_CAP 256       // the merge's final sort: one warp, 8 keys per lane
 #define DDT_FRONTIER (DDT_MAX_TREE_ROWS + DDT_MAX_DEPTH + 8)  // heap entries: pops + 1 <= budget + D + 1
-// Two builds (DDT_FAST), both reproducing the reference bit for bit:
-// 8 ("scan-rank-cache-regs", the engine's): a streaming top-K (stage 1 only reads: per thread max, exp-sum,
-//   its largest key; the merge finds the bound from those maxima and re-reads the few 32-logit groups that
-//   can hold the row's top-k, "Stage 2, scan variant" below) whose merge keeps each thread's group keys in
-//   registers and places selected groups and candidates by block scans (merge_scan_regs; rows of more than
-//   DDT_MREG chunks take merge_scan), the output placed by rank; a builder that pops from a sorted 32-entry
-//   cache for budgets <= DDT_CACHE_BUDGET ("Builder, sorted cache"; larger budgets run builder v3's loop)
-//   storing one info word per pop; a walk that reads the tree and post tokens from registers.
-// 3 ("v3"): the candidate-list top-K (per-chunk candidate lists, a merge whose final sort is sized to k),
-//   which the engine launches for small shapes (kernels/ddtree.py topk_variant: <= 7 rows, k <= 8), with
-//   builder v3 (only the frontier's ordered scores in registers, the popped position warp-uniform) and the
-//   plain walk.
-// The designs measured and removed (variants 0-2, 4-7 and 9-12) are in docs/history/2026-11-29-ddtree.md.
-#ifndef DDT_FAST
-#define DDT_FAST 8
-#endif
-#if DDT_FAST != 3 && DDT_FAST != 8
-#error "DDT_FAST: the builds are 3 (v3: list top-K, builder v3) and 8 (scan-rank-cache-regs)"
-#endif
-#define DDT_SCAN (DDT_FAST == 8)        // stage 1 writes group keys, the merge re-reads groups
-#define DDT_RANK_OUT (DDT_FAST == 8)    // the merge's output placed by rank
-#define DDT_CACHE (DDT_FAST == 8)       // the builder's sorted-cache pop loop for budgets <= DDT_CACHE_BUDGET
-#define DDT_MERGE_REGS (DDT_FAST == 8)  // the scan merge with group keys in registers (merge_scan_regs)
-#define DDT_CACHE_LEAN (DDT_FAST == 8)  // the cache loop stores one info word per row (decoded after the loop)
-#define DDT_WALK_REGS (DDT_FAST == 8)   // the walk reads the tree and post tokens from registers (one load batch)
-// the stage-1 kernel's minimum blocks per SM: the scan variant keeps only its 32 logits in registers
-#if DDT_SCAN
-#define DDT_PARTIAL_MIN_BLOCKS 4
-#else
-#define DDT_PARTIAL_MIN_BLOCKS 2
-#endif
-
+// One module; the top-K comes in two kinds, a template parameter of its kernels (SCAN), both exact:
+// scan (ddt_topk_partial<T, true>, ddt_topk_merge<true>; the engine's): a streaming top-K (stage 1 only reads:
+//   per thread max, exp-sum, its largest key; the merge finds the bound from those maxima and re-reads the
+//   few 32-logit groups that can hold the row's top-k, "Stage 2, scan kind" below) whose merge keeps each
+//   thread's group keys in registers and places selected groups and candidates by block scans
+//   (merge_scan_regs; rows of more than DDT_MREG chunks take merge_scan), the output placed by rank; the
+//   shards' exact lists (parts_major) take this merge too.
+// list (ddt_topk_partial<T, false>, ddt_topk_merge<false>): per-chunk candidate lists and a merge whose
+//   final sort is sized to k, which the engine launches for small shapes (kernels/ddtree.py topk_kind:
+//   <= 7 rows, k <= 8).
+// The builder pops from a sorted 32-entry cache for budgets <= DDT_CACHE_BUDGET ("Builder, sorted cache",
+// one info word stored per pop; larger budgets run builder v3's loop: only the frontier's ordered scores in
+// registers, the popped position warp-uniform); the walk reads the tree and post tokens from registers.
+// The designs measured and removed are in docs/history/2026-11-29-ddtree.md and 2026-12-02-ddtree.md.
 typedef unsigned long long u64;
 #define DDT_NEG_INF (__int_as_float(0xff800000))   // NVRTC has no <math.h> INFINITY
 #define FULL_MASK 0xffffffffu
@@ -82,7 +65,7 @@ __device__ __forceinline__ int key_id(u64 k) { return (int)(0xffffffffu - (uint3
 // kernels/ddtree.py (cand_cap, part_width) mirrors these two functions.
 __device__ __forceinline__ int cand_cap(int k) { return k <= 32 ? 64 : (k <= 64 ? 128 : 256); }
 __device__ __forceinline__ int part_width(int k) { return k == 1 ? 1 : 2 + cand_cap(k); }
-// Scan build (DDT_FAST=8), k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
+// Scan kind, k >= 2: a row of 3 + 256 slots per chunk: [logits row address | 1 if bf16,
 // V_local | id_offset << 32, chunk, then the 256 threads' largest keys (group g = thread g's 32 logits:
 // its 4 vectors of 8 at (u * 256 + g) * 8; 0 = a group with no logit in range)]. The header lets the merge
 // re-read logits without new launch arguments (the merge's signature is shared with the engine's CPU
@@ -179,29 +162,6 @@ template <> struct ChunkRegs<bf16_bits> {
     }
 };
 
-// One radix-select step, run by one warp: hist[256] counts the keys of the current prefix region by their
-// next 8-bit digit. Finds the digit d whose bin holds the `remaining`-th largest key of the region
-// (remaining >= 1 and <= the region's size) and writes d, the count in bins above d and the count in d.
-__device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remaining, int lane,
-                                           int* digit, unsigned* above, unsigned* bin) {
-    unsigned c[8], local = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) { c[j] = hist[255 - (lane * 8 + j)]; local += c[j]; }
-    unsigned incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned t = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += t;
-    }
-    unsigned cum = incl - local;             // keys in the bins above this lane's first bin
-    if (cum < remaining && incl >= remaining) {
-#pragma unroll 1
-        for (int j = 0; j < 8; ++j) {
-            if (cum + c[j] >= remaining) { *digit = 255 - (lane * 8 + j); *above = cum; *bin = c[j]; break; }
-            cum += c[j];
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 1: per (row, chunk): the chunk's log-sum-exp partial (max, sum exp(x - max)) and its candidate
@@ -212,9 +172,10 @@ __device__ __forceinline__ void radix_pick(const unsigned* hist, unsigned remain
 // all 256 is its lane plus binary searches in the other warps' lists. About k * 1.2-1.4 keys pass L on
 // random logits; if more than cand_cap(k) pass (long runs of equal logits), an exact radix select over
 // the chunk's keys (8 passes of 8 bits) sets L to the k-th largest key itself, and exactly k pass.
-// part_keys [rows, P, part_width(k)], part_ms [rows, P] (float2).
+// part_keys [rows, P, part_width(k)], part_ms [rows, P] (float2). SCAN (the scan kind): the same loads,
+// lse partial and thread keys, then the 256 group keys and a header instead of the list (scan_width).
 // ---------------------------------------------------------------------------------------------------
-template <typename T>
+template <typename T, bool SCAN>
 __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int rows, int V_local, int id_offset,
                                              int k, int chunk, u64* __restrict__ part_keys,
                                              float2* __restrict__ part_ms) {
@@ -265,12 +226,11 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     }
     // the thread's largest key: its maximum at the lowest index holding it
     u64 tk = 0ull;
-#if DDT_SCAN
-    // the scan variant's group key is nonzero for every group with a logit in range, -inf included (the
+    // the scan kind's group key is nonzero for every group with a logit in range, -inf included (the
     // merge re-reads only groups with nonzero keys, and a row may need -inf entries to fill its top-k);
-    // k == 1 keeps the other variants' key (0 when the thread's maximum is -inf)
+    // k == 1 keeps the list kind's key (0 when the thread's maximum is -inf)
     u64 tk_any = 0ull;
-    {
+    if constexpr (SCAN) {
         int bi = -1;
 #pragma unroll
         for (int u = DDT_TOPK_VECS - 1; u >= 0; --u)
@@ -279,9 +239,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
                 if (ok[u] && v.at(u, i) == tm) bi = (u * DDT_TOPK_THREADS + tid) * 8 + i;
         if (bi >= 0) tk_any = make_key(tm, id0 + (uint32_t)bi);
         tk = tm != DDT_NEG_INF ? tk_any : 0ull;
-    }
-#else
-    if (tm != DDT_NEG_INF) {
+    } else if (tm != DDT_NEG_INF) {
         int bi = 0;
 #pragma unroll
         for (int u = DDT_TOPK_VECS - 1; u >= 0; --u)
@@ -290,7 +248,6 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
                 if (ok[u] && v.at(u, i) == tm) bi = (u * DDT_TOPK_THREADS + tid) * 8 + i;
         tk = make_key(tm, id0 + (uint32_t)bi);
     }
-#endif
     {
         float m = tm, s = ts;
 #pragma unroll
@@ -321,8 +278,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
         }
         return;
     }
-#if DDT_SCAN
-    {   // scan variant: the 256 group keys and the header; the chunk's (m, s) combined as below
+    if constexpr (SCAN) {   // the 256 group keys and the header; the chunk's (m, s) combined as below
         u64* out = part_keys + slot * (size_t)scan_width(k);
         out[DDT_SCAN_HDR + tid] = tk_any;
         if (tid == 0) {
@@ -331,14 +287,13 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
             out[2] = (u64)(uint32_t)chunk;
         }
         __syncthreads();   // s_ms written by every warp
-        if (tid == 0) {   // the same serial combine as the other variants: bit-identical log-probs
+        if (tid == 0) {   // the same serial combine as the list kind: bit-identical log-probs
             float m = DDT_NEG_INF, s = 0.f;
             for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
             part_ms[slot] = make_float2(m, s);
         }
         return;
     }
-#else
 
     u64 sk[1] = {tk};
     warp_sort_regs<1, 5>(sk, lane);
@@ -383,13 +338,8 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
     int nc = s_n;
     if (nc > cap) {
         // exact k-th largest key of the chunk (nc > cap >= k, so the chunk has more than k keys)
-        u64 prefix = 0ull;
-        unsigned remaining = (unsigned)k;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            s_hist[tid] = 0u;
-            __syncthreads();
+        L = radix_select<false>((unsigned)k, 0u, s_hist, &s_digit, &s_above, &s_bin, tid, lane, warp,
+                                [&](u64 hmask, u64 prefix, int shift) {
 #pragma unroll
             for (int u = 0; u < DDT_TOPK_VECS; ++u) {
                 if (!ok[u]) continue;
@@ -399,14 +349,7 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
                     if ((key & hmask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255], 1u);
                 }
             }
-            __syncthreads();
-            if (warp == 0) radix_pick(s_hist, remaining, lane, &s_digit, &s_above, &s_bin);
-            __syncthreads();
-            prefix |= (u64)s_digit << shift;
-            remaining -= s_above;
-            __syncthreads();   // everybody has read s_digit/s_above before the next pass
-        }
-        L = prefix;
+        });
         if (tid == 0) s_n = 0;
         __syncthreads();
         gather(L);
@@ -422,25 +365,22 @@ __device__ __forceinline__ void topk_partial(const T* __restrict__ logits, int r
         for (int w = 0; w < DDT_TOPK_THREADS / 32; ++w) lse_combine(m, s, s_ms[w].x, s_ms[w].y);
         part_ms[slot] = make_float2(m, s);
     }
-#endif
 }
 
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
-ddt_topk_partial_f32(const float* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                     u64* part_keys, float2* part_ms) {
-    topk_partial<float>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
-}
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS, DDT_PARTIAL_MIN_BLOCKS)
-ddt_topk_partial_bf16(const bf16_bits* logits, int rows, int V_local, int id_offset, int k, int chunk,
-                      u64* part_keys, float2* part_ms) {
-    topk_partial<bf16_bits>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
+// The stage-1 kernels: ddt_topk_partial<float | bf16_bits, SCAN>. Minimum blocks per SM: the scan kind keeps
+// only its 32 logits in registers after the loads (4), the list kind keeps them for the gather (2).
+template <typename T, bool SCAN>
+__global__ void __launch_bounds__(DDT_TOPK_THREADS, SCAN ? 4 : 2)
+ddt_topk_partial(const T* logits, int rows, int V_local, int id_offset, int k, int chunk, u64* part_keys,
+                 float2* part_ms) {
+    topk_partial<T, SCAN>(logits, rows, V_local, id_offset, k, chunk, part_keys, part_ms);
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Stage 2: the row's top-k, one block per row. Three input layouts:
-//   candidate lists (parts_major = 0, k >= 2, build 3): keys [rows, P, part_width(k)], stage 1's
-//   output; group keys (parts_major = 0, k >= 2, build 8): keys [rows, P, scan_width(k)] (see the scan
-//   section below); exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards'
+//   candidate lists (parts_major = 0, k >= 2, the list kind): keys [rows, P, part_width(k)], stage 1's
+//   output; group keys (parts_major = 0, k >= 2, the scan kind): keys [rows, P, scan_width(k)] (see the
+//   scan section below); exact lists (parts_major = 1, or k == 1): keys [P, rows, k] (an all-gather of shards'
 //   merged top-k, sorted, zero-padded) or [rows, P, 1]; there L = the list's k-th key (0 if it has fewer).
 // ms [rows, P] / [P, rows] (float2). A list holds every key of its part >= its L, so the row's k-th largest
 // key is >= L_row = max L, and the row's top-k is among the listed keys >= L_row (gathered into shared
@@ -479,7 +419,6 @@ __device__ __forceinline__ void row_lse(const float2* in_ms, int rows, int r, in
     if (lane == 0) { sh.m = m; sh.s = s; }
 }
 
-#if DDT_RANK_OUT
 // The row's outputs from ns <= 256 selected keys (unique, nonzero, in any order) that include its k largest:
 // thread t places key t at its rank (keys greater than it), all warps at once: ns broadcast reads per thread
 // instead of one warp's dependent bitonic network. Starts after a barrier that made sel visible.
@@ -505,53 +444,33 @@ __device__ __forceinline__ void rank_out(const u64* sel, int ns, int k, int r, i
     }
     if (tid == 0) out_ms[r] = make_float2(sh.m, sh.s);
 }
-#endif
 
 // The N keys of s_keys (unique, nonzero) hold the row's top-k: narrow them to a threshold with at most
 // scap keys above it that include the k largest, sort those with one warp, write the row's outputs.
-// Starts after a barrier that made s_keys, N and sh.m / sh.s visible.
+// Starts after a barrier that made s_keys, N and sh.m / sh.s visible. BY_RANK (the scan kind's merge): the
+// outputs placed by rank_out from up to DDT_SORT_CAP keys; else (the list kind's) a one-warp sort sized to k.
+template <bool BY_RANK>
 __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, int r, int tid, int lane, int warp,
                                              MergeShared& sh, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
                                              float* __restrict__ out_lp, int* __restrict__ out_id) {
-    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. Build 3
-    // narrows to a sort sized to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
-    // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there.
-#if DDT_RANK_OUT
-    const unsigned scap = DDT_SORT_CAP;   // placed by rank (below): the selection's size costs little
-#else
-    const unsigned scap = k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP);
-#endif
+    // threshold: keys >= thr number at most scap (<= DDT_SORT_CAP) and include the k largest. The sort
+    // narrows to a size fitted to k (the sort is one warp's dependent chain: 36 bitonic stages for 256
+    // keys, 28 for 128, 21 for 64); a radix pass more may be needed to get there. Placed by rank, the
+    // selection's size costs little.
+    const unsigned scap = BY_RANK ? (unsigned)DDT_SORT_CAP
+                                  : (k <= 32 ? 64u : (k <= 64 ? 128u : (unsigned)DDT_SORT_CAP));
     u64 thr = 0ull;
-    if ((unsigned)N > scap) {
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
+    if ((unsigned)N > scap)   // k <= scap: it stops at shift 0 at the latest
+        thr = radix_select<true>((unsigned)k, scap, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, lane, warp,
+                                 [&](u64 hmask, u64 prefix, int shift) {
             for (int i = tid; i < N; i += DDT_TOPK_THREADS) {
                 const u64 key = s_keys[i];
-                if ((key & hmask) == thr) atomicAdd(&sh.hist[(key >> shift) & 255], 1u);
+                if ((key & hmask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255], 1u);
             }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            // uniform; always true once shift == 0: then in_bin == 1 (keys are unique) and above < k <= scap
-            if (above + in_bin <= scap) break;
-        }
-    }
-#if DDT_MERGE_REGS
-    // no narrowing needed (uniform): the N keys themselves are the selection (rank_out needs only the set),
-    // so the copy into sh.sel and its two barriers are skipped
-    const bool direct = (unsigned)N <= scap;
-#else
-    const bool direct = false;
-#endif
+        });
+    // by rank, no narrowing needed (uniform): the N keys themselves are the selection (rank_out needs only
+    // the set), so the copy into sh.sel and its two barriers are skipped
+    const bool direct = BY_RANK && (unsigned)N <= scap;
     if (!direct) {
         if (tid == 0) sh.n = 0;
         __syncthreads();
@@ -561,10 +480,10 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
         }
         __syncthreads();
     }
-#if DDT_RANK_OUT
-    rank_out(direct ? s_keys : sh.sel, direct ? N : sh.n, k, r, tid, sh, out_keys, out_ms, out_lp, out_id);
-    return;
-#endif
+    if constexpr (BY_RANK) {
+        rank_out(direct ? s_keys : sh.sel, direct ? N : sh.n, k, r, tid, sh, out_keys, out_ms, out_lp, out_id);
+        return;
+    }
     if (warp != 0) return;
     const int ns = sh.n;
     u64 top[8];
@@ -586,9 +505,8 @@ __device__ __forceinline__ void merge_finish(const u64* s_keys, int N, int k, in
     if (lane == 0) out_ms[r] = make_float2(sh.m, sh.s);
 }
 
-#if DDT_SCAN
 // ---------------------------------------------------------------------------------------------------
-// Stage 2, scan variant (k >= 2, stage-1 group keys). Group g of the row (chunk g / 256, thread g % 256)
+// Stage 2, scan kind (k >= 2, stage-1 group keys). Group g of the row (chunk g / 256, thread g % 256)
 // holds 32 logits; its key is its largest element's key. With thr <= the k-th largest group key, at least
 // k distinct elements are >= thr, so the row's k-th largest element key K_k >= thr; every element key >= K_k
 // lies in a group whose key is >= it, hence >= thr. So the top-k is among the elements >= thr of the groups
@@ -611,17 +529,14 @@ __device__ __forceinline__ void warp_append(bool take, V val, V* out, int* count
     if (take) out[base + __popc(b & ((1u << lane) - 1u))] = val;
 }
 
-// the selected groups' logits -> every element key >= thr appended to out (4 vectors per thread at most:
-// ng * nv <= gcap * 4 <= 1024 items, all loads issued before any use)
+// The selected groups' logits into registers (all loads issued before any use): item j = t * 256 + tid
+// (< ng * nv, nv vectors per group) is vector u = j % nv of group s_gl[j / nv]; ok[t]: slot t holds a vector
+// inside the row, base[t] its first logit's index. Returns the item count.
 template <typename T>
-__device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t id_offset, int chunk,
-                                            const int* s_gl, int ng, u64 thr, u64* out, int* counter,
-                                            int tid, int lane) {
+__device__ __forceinline__ int load_groups(const T* xrow, int V_local, int chunk, const int* s_gl, int ng, int tid,
+                                           ChunkRegs<T>& v, bool (&ok)[DDT_TOPK_VECS], int (&base)[DDT_TOPK_VECS]) {
     const int nv = chunk / (DDT_TOPK_THREADS * 8);
     const int items = ng * nv;
-    ChunkRegs<T> v;
-    bool ok[DDT_TOPK_VECS];
-    int base[DDT_TOPK_VECS];
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t) {
         const int j = t * DDT_TOPK_THREADS + tid;
@@ -635,6 +550,19 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
         if (ok[t]) v.load(xrow + base[t], t);
         else v.clear(t);
     }
+    return items;
+}
+
+// the selected groups' logits -> every element key >= thr appended to out (4 vectors per thread at most:
+// ng * nv <= gcap * 4 <= 1024 items, all loads issued before any use)
+template <typename T>
+__device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t id_offset, int chunk,
+                                            const int* s_gl, int ng, u64 thr, u64* out, int* counter,
+                                            int tid, int lane) {
+    ChunkRegs<T> v;
+    bool ok[DDT_TOPK_VECS];
+    int base[DDT_TOPK_VECS];
+    const int items = load_groups<T>(xrow, V_local, chunk, s_gl, ng, tid, v, ok, base);
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t) {
         if (t * DDT_TOPK_THREADS >= items) break;   // uniform
@@ -647,6 +575,39 @@ __device__ __forceinline__ void scan_gather(const T* xrow, int V_local, uint32_t
 }
 
 __device__ __forceinline__ int scan_gcap(int k) { return cand_cap(k); }
+
+// The radix narrowing over the G group keys in s_keys (0 = an empty group, never counted), exact for any
+// input: the first threshold with at most gcap groups >= it (k <= gcap: at shift 0 at the latest, where the
+// bin is one key, nonzero keys being unique). The first digits put most keys in one bin (one exponent), so
+// the histogram takes one atomic per warp and bin, not per key. The keys are read after its first barrier.
+__device__ __forceinline__ u64 groups_radix_thr(const u64* s_keys, int G, int k, int gcap, int tid, int lane,
+                                                int warp, MergeShared& sh) {
+    return radix_select<true>((unsigned)k, (unsigned)gcap, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, lane, warp,
+                              [&](u64 hmask, u64 prefix, int shift) {
+        for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
+            const u64 key = s_keys[i];
+            const bool in = key != 0ull && (key & hmask) == prefix;
+            const int bin = in ? (int)((key >> shift) & 255) : -1;
+            const unsigned peers = __match_any_sync(FULL_MASK, bin);
+            if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
+        }
+    });
+}
+
+// The pick of a window of 256 top-16-bit values (bin 255 - d = distance d below wtop; `remaining` of the k
+// largest keys lie in it, `above` above it): the bin of the k-th largest key; thr = that bin's top-16 value
+// << 48 when at most gcap keys are >= it (then true; else false and thr untouched). After a barrier that
+// made the window's histogram complete; ends after one that made radix_pick's outputs visible.
+__device__ __forceinline__ bool window_thr(int wtop, unsigned remaining, unsigned above, int gcap, int lane,
+                                           int warp, MergeShared& sh, u64& thr) {
+    if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
+    __syncthreads();
+    if (above + sh.above + sh.bin <= (unsigned)gcap) {
+        thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
+        return true;
+    }
+    return false;
+}
 
 __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P,
                            int k, int r, int tid, int lane, int warp, u64* s_keys, MergeShared& sh,
@@ -724,43 +685,12 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
                 __syncthreads();     // every thread has read sh.near before the next window clears it
                 continue;
             }
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            if (above + sh.above + sh.bin <= (unsigned)gcap) {
-                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
-                found = true;
-            }
+            if (window_thr(wtop, remaining, above, gcap, lane, warp, sh, thr)) found = true;
             break;
         }
         __syncthreads();   // everybody has read sh.digit/above/bin (and hist) before they are reused
     }
-    if (!found) {
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
-            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
-                const u64 key = s_keys[i];
-                const bool in = key != 0ull && (key & hmask) == thr;
-                const int bin = in ? (int)((key >> shift) & 255) : -1;
-                // most keys share the top digits (one exponent): one atomic per warp and bin, not per key
-                const unsigned peers = __match_any_sync(FULL_MASK, bin);
-                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
-            }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            // uniform; at shift 0 the bin is one key (nonzero keys are unique): above + 1 = k <= gcap
-            if (above + in_bin <= (unsigned)gcap) break;
-        }
-    }
+    if (!found) thr = groups_radix_thr(s_keys, G, k, gcap, tid, lane, warp, sh);
     thr = thr > 1ull ? thr : 1ull;   // never the empty groups (key 0)
     for (int i = tid; i < G; i += DDT_TOPK_THREADS) warp_append<int>(s_keys[i] >= thr, i, s_gl, &sh.ng, lane);
     __syncthreads();   // s_gl complete; the group keys are read for the last time
@@ -772,13 +702,11 @@ __device__ void merge_scan(const u64* __restrict__ in_keys, const float2* __rest
         scan_gather<float>(reinterpret_cast<const float*>(h0), V_local, id_offset, chunk, s_gl, ng, thr, s_keys,
                            &sh.n, tid, lane);
     __syncthreads();
-    merge_finish(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+    merge_finish<true>(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
 }
-#endif
 
-#if DDT_MERGE_REGS
 // ---------------------------------------------------------------------------------------------------
-// Stage 2, scan variant with the group keys in registers (variant 8; the same selection as merge_scan,
+// Stage 2, scan kind with the group keys in registers (the same selection as merge_scan,
 // fewer dependent phases): thread t holds the keys of groups j * 256 + t (its own slot in every chunk),
 // all loaded at once; the counts, the window histogram and the group selection read those registers;
 // the selected groups and the candidates are placed by block-wide exclusive scans of per-thread counts
@@ -817,24 +745,10 @@ template <typename T>
 __device__ __forceinline__ int scan_gather_regs(const T* xrow, int V_local, uint32_t id_offset, int chunk,
                                                 const int* s_gl, int ng, u64 thr, u64* out, unsigned* s_w,
                                                 int tid, int lane, int warp) {
-    const int nv = chunk / (DDT_TOPK_THREADS * 8);
-    const int items = ng * nv;
     ChunkRegs<T> v;
     bool ok[DDT_TOPK_VECS];
     int base[DDT_TOPK_VECS];
-#pragma unroll
-    for (int t = 0; t < DDT_TOPK_VECS; ++t) {
-        const int j = t * DDT_TOPK_THREADS + tid;
-        ok[t] = false;
-        base[t] = 0;
-        if (j < items) {
-            const int q = j / nv, u = j - q * nv, g = s_gl[q];
-            const int i = (g >> 8) * chunk + (u * DDT_TOPK_THREADS + (g & 255)) * 8;
-            if (i < V_local) { ok[t] = true; base[t] = i; }
-        }
-        if (ok[t]) v.load(xrow + base[t], t);
-        else v.clear(t);
-    }
+    load_groups<T>(xrow, V_local, chunk, s_gl, ng, tid, v, ok, base);
     int cnt = 0;
 #pragma unroll
     for (int t = 0; t < DDT_TOPK_VECS; ++t)
@@ -885,12 +799,7 @@ __device__ __forceinline__ u64 regs_window_radix_thr(const u64 (&gk)[DDT_MREG], 
                 __syncthreads();     // cleared, and sh.wb read by all, before the next window
                 continue;
             }
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            if (above + sh.above + sh.bin <= (unsigned)gcap) {
-                thr = (u64)(unsigned)(wtop - (255 - sh.digit)) << 48;
-                found = true;
-            }
+            if (window_thr(wtop, remaining, above, gcap, lane, warp, sh, thr)) found = true;
             break;
         }
     }
@@ -899,29 +808,7 @@ __device__ __forceinline__ u64 regs_window_radix_thr(const u64 (&gk)[DDT_MREG], 
 #pragma unroll
         for (int j = 0; j < DDT_MREG; ++j)
             if (j < P) s_keys[j * DDT_TOPK_THREADS + tid] = gk[j];
-        unsigned remaining = (unsigned)k, above = 0;
-#pragma unroll 1
-        for (int shift = 56; shift >= 0; shift -= 8) {
-            const u64 hmask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-            sh.hist[tid] = 0u;
-            __syncthreads();
-            for (int i = tid; i < G; i += DDT_TOPK_THREADS) {   // G is a multiple of 256: whole warps
-                const u64 key = s_keys[i];
-                const bool in = key != 0ull && (key & hmask) == thr;
-                const int bin = in ? (int)((key >> shift) & 255) : -1;
-                const unsigned peers = __match_any_sync(FULL_MASK, bin);
-                if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], (unsigned)__popc(peers));
-            }
-            __syncthreads();
-            if (warp == 0) radix_pick(sh.hist, remaining, lane, &sh.digit, &sh.above, &sh.bin);
-            __syncthreads();
-            thr |= (u64)sh.digit << shift;
-            remaining -= sh.above;
-            above += sh.above;
-            const unsigned in_bin = sh.bin;
-            __syncthreads();   // digit/above/bin read by all before the next pass
-            if (above + in_bin <= (unsigned)gcap) break;
-        }
+        thr = groups_radix_thr(s_keys, G, k, gcap, tid, lane, warp, sh);
     }
     return thr;
 }
@@ -1037,32 +924,33 @@ __device__ void merge_scan_regs(const u64* __restrict__ in_keys, const float2* _
         N = scan_gather_regs<float>(reinterpret_cast<const float*>(h0), V_local, id_offset, chunk, s_gl, ng, thr,
                                     s_keys, sh.wd, tid, lane, warp);
     __syncthreads();
-    merge_finish(s_keys, N, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+    merge_finish<true>(s_keys, N, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
 }
-#endif
 
-extern "C" __global__ void __launch_bounds__(DDT_TOPK_THREADS)
-ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
-               int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
-               float* __restrict__ out_lp, int* __restrict__ out_id) {
+// The merge of both kinds: SCAN takes stage 1's group keys (merge_scan_regs / merge_scan) and places the
+// output by rank; exact lists (parts_major, or k == 1) are merged below by both, each with its finish.
+template <bool SCAN>
+__device__ __forceinline__ void topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms,
+                                           int rows, int P, int k, int parts_major, u64* __restrict__ out_keys,
+                                           float2* __restrict__ out_ms, float* __restrict__ out_lp,
+                                           int* __restrict__ out_id) {
     extern __shared__ u64 s_keys[];   // [P * lcap] gathered keys, then int [P] list lengths
     __shared__ MergeShared sh;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int r = blockIdx.x;
     const bool cand = !parts_major && k > 1;
     DDT_PDL_WAIT();
-#if DDT_SCAN
-    if (cand) {
-#if DDT_MERGE_REGS
-        if (P <= DDT_MREG)
-            merge_scan_regs(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp,
-                            out_id);
-        else
-#endif
-        merge_scan(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp, out_id);
-        return;
+    if constexpr (SCAN) {
+        if (cand) {
+            if (P <= DDT_MREG)
+                merge_scan_regs(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms,
+                                out_lp, out_id);
+            else
+                merge_scan(in_keys, in_ms, rows, P, k, r, tid, lane, warp, s_keys, sh, out_keys, out_ms, out_lp,
+                           out_id);
+            return;
+        }
     }
-#endif
     const int W = parts_major ? k : part_width(k);       // slots per list in memory
     const int lcap = cand ? cand_cap(k) : k;              // keys per list at most
     const int koff = cand ? 2 : 0;                        // first key slot
@@ -1111,7 +999,16 @@ ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms
             if (kk[u] != 0ull && kk[u] >= L) s_keys[atomicAdd(&sh.n, 1)] = kk[u];
     }
     __syncthreads();
-    merge_finish(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+    merge_finish<SCAN>(s_keys, sh.n, k, r, tid, lane, warp, sh, out_keys, out_ms, out_lp, out_id);
+}
+
+// The merge kernels: ddt_topk_merge<SCAN>.
+template <bool SCAN>
+__global__ void __launch_bounds__(DDT_TOPK_THREADS)
+ddt_topk_merge(const u64* __restrict__ in_keys, const float2* __restrict__ in_ms, int rows, int P, int k,
+               int parts_major, u64* __restrict__ out_keys, float2* __restrict__ out_ms,
+               float* __restrict__ out_lp, int* __restrict__ out_id) {
+    topk_merge<SCAN>(in_keys, in_ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1173,7 +1070,7 @@ __device__ __forceinline__ void write_tree(int st, int n, int pre, int lane, con
     if (lane == 0) n_rows[st] = n + 1;
 }
 
-// Builder v3 (variant 3; variant 8 for budgets above DDT_CACHE_BUDGET).
+// Builder v3 (budgets above DDT_CACHE_BUDGET).
 // Position p = slot p / 32 of lane p % 32; only the ordered scores are in registers (the removed variant 2
 // kept the rest of an entry for the winning lane alone). Here the popped
 // position is made known to every lane (one ballot per slot: in the usual case of a single holder
@@ -1190,11 +1087,10 @@ __device__ __forceinline__ uint32_t ordered_sum(float a, float b) {
     const uint32_t u = fabsf(r) < 1.17549435e-38f ? 0u : __float_as_uint(r);
     return u ^ ((uint32_t)((int)u >> 31) | 0x80000000u);
 }
-#if DDT_CACHE
 // ---------------------------------------------------------------------------------------------------
-// Builder, sorted cache (build 8; docs/history/2026-11-29-ddtree.md "Builder: sorted cache"). The frontier is a list
-// sorted in pop order, entry j in lane j (every field in registers), the head (entry 0) also known to
-// every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
+// Builder, sorted cache (budgets <= DDT_CACHE_BUDGET; docs/history/2026-11-29-ddtree.md "Builder: sorted
+// cache"). The frontier is a list sorted in pop order, entry j in lane j (every field in registers), the head
+// (entry 0) also known to every lane. A pop takes the head; its next sibling and first child are placed by rank: each lane
 // compares its entry with both (two ballots), and one shuffle round moves every entry to its new index.
 // The next head is the sibling or the child if one of them ranks first, else the old entry 1 (broadcast
 // at the start of the pop, off the critical path): no reduction, no shared memory in the loop.
@@ -1271,13 +1167,9 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         ch.ps = sc;
         ch.ls = s_lp[min(d, D - 1) * K + min(1, K - 1)];  // the child's next sibling
         ch.lc = s_lp[min(d + 1, D - 1) * K];              // the child's first child
-#if DDT_CACHE_LEAN
         // the row's info word only (one store, no branch: the other lanes and chain pops write scratch slots
         // past the rows); token, parent and depth are decoded by all lanes after the loop
         t_info[lane == 0 && !chain ? row : DDT_MAX_TREE_ROWS + lane] = h.info;
-#else
-        if (lane == 0 && !chain) { t_tok[row] = s_id[(d - 1) * K + r]; t_par[row] = prow; t_dep[row] = d; }
-#endif
         // new entry j: the sibling at pos_s, the child at pos_c, else old entry j + 1 - (new entries
         // before j); index 32 and beyond falls off (lane 31's source 32 reads lane 0: unused then)
         const int src = lane + 1 - (pos_s < lane ? 1 : 0) - (pos_c < lane ? 1 : 0);
@@ -1287,7 +1179,6 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         n = min(n - 1 + (has_sib ? 1 : 0) + (has_child ? 1 : 0), 32);
         nodes += chain ? 0 : 1;
     }
-#if DDT_CACHE_LEAN
     __syncwarp();   // lane 0's info words are visible to every lane
     for (int i = nc + 1 + lane; i <= nodes; i += 32) {   // rows emitted by the loop
         const int info = t_info[i];
@@ -1296,10 +1187,8 @@ __device__ __forceinline__ int cache_pops(const float* s_lp, const int* s_id, in
         t_par[i] = (info >> 12) & 255;
         t_dep[i] = d;
     }
-#endif
     return nodes;
 }
-#endif
 extern "C" __global__ void __launch_bounds__(32)
 ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id, int D, int K,
                const int* __restrict__ budgets, const int* __restrict__ prefix_len,
@@ -1343,17 +1232,11 @@ ddt_build_tree(const float* __restrict__ top_lp, const int* __restrict__ top_id,
     if (lane >= 1 && lane <= nc) { t_tok[lane] = s_id[(lane - 1) * K]; t_par[lane] = lane - 1; t_dep[lane] = lane; }
 
     int nodes = nc;
-#if DDT_CACHE
     if (budget <= DDT_CACHE_BUDGET) {
-#if DDT_CACHE_LEAN
         __shared__ int t_info[DDT_MAX_TREE_ROWS + 32];   // + a scratch slot per lane
-#else
-        int* t_info = nullptr;
-#endif
         nodes = cache_pops(s_lp, s_id, D, K, kf, budget, nc, lane, t_tok, t_par, t_dep, t_info);
     } else
-#endif
-    {   // v3's pop loop (every budget in build 3; budgets > DDT_CACHE_BUDGET in 8)
+    {   // v3's pop loop (budgets > DDT_CACHE_BUDGET)
     uint32_t os[DDT_SLOTS];
 #pragma unroll
     for (int s = 0; s < DDT_SLOTS; ++s) os[s] = 0u;
@@ -1474,7 +1357,6 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
     const int pre = prefix_len[st];
     int cur = 0, a = 1;
     if (lane == 0) s_rows[0] = 0;
-#if DDT_WALK_REGS
     // Every row's parent, token and post token in registers first (row i = slot i / 32 of lane i % 32: one
     // batch of loads), so a step of the walk is a shuffle and five ballots instead of two dependent global
     // round trips. A step: want = post[cur] (from lane cur % 32), then the lowest row c < n with parent
@@ -1511,23 +1393,6 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
     if (lane == 0) s_tokv[0] = root_tok;
     __syncwarp();
     const int bonus_tok = want;   // post[cur] of the last accepted row
-#else
-    while (a < A) {
-        const int want = pst[cur];
-        int found = -1;
-        for (int base = cur + 1; base < n && found < 0; base += 32) {
-            const int c = base + lane;
-            unsigned m = __ballot_sync(FULL_MASK, c < n && par[c] == cur && tok[c] == want);
-            if (m) found = base + __ffs(m) - 1;
-        }
-        if (found < 0) break;
-        cur = found;
-        if (lane == 0) s_rows[a] = cur;
-        ++a;
-    }
-    __syncwarp();
-    const int bonus_tok = pst[cur];
-#endif
     const int roff = row_offset[st];
     for (int j = lane; j < A; j += 32) {
         const bool in = j < a;
@@ -1537,13 +1402,8 @@ ddt_walk_commit(const int* __restrict__ tokens, const int* __restrict__ parents,
         kv_dst[(size_t)st * A + j] = in ? pre + j : -1;
         feat_rows[(size_t)st * A + j] = in ? roff + r : -1;
     }
-#if DDT_WALK_REGS
     for (int j = lane; j <= A; j += 32)
         out_tokens[(size_t)st * (A + 1) + j] = j < a ? s_tokv[j] : (j == a ? bonus_tok : -1);
-#else
-    for (int j = lane; j <= A; j += 32)
-        out_tokens[(size_t)st * (A + 1) + j] = j < a ? tok[s_rows[j]] : (j == a ? bonus_tok : -1);
-#endif
     __syncwarp();   // all lanes have read prefix_len before it may be overwritten
     if (lane == 0) {
         n_acc[st] = a;

@@ -83,19 +83,7 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
     }
     const float rq = rsqrtf(block_sum<FL_THREADS>(ss, red_q) / (float)ql + eps);
     const float rkv = rsqrtf(block_sum<FL_THREADS>(ss_kv, red_kv) / (float)KV_LATENT_DIM + eps);
-    uint4* cq = (uint4*)(c_q + t * cq_stride);
-#pragma unroll
-    for (int j = 0; j < FL_QMAXV; ++j) {
-        const int i = tid + j * FL_THREADS;
-        if (i < nvq) {
-            uint4 o;
-            const bf16_bits* wh = (const bf16_bits*)&wq[j];
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v[j][e] * rq));
-            cq[i] = o;
-        }
-    }
+    rms_scale_store<FL_THREADS, FL_QMAXV>(v, rq, wq, nvq, (uint4*)(c_q + t * cq_stride));   // the norm kernel's store
     if (dst && tid < KV_LATENT_DIM / 8) {
         uint4 o;
         const bf16_bits* wh = (const bf16_bits*)&wkv;

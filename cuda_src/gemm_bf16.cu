@@ -36,6 +36,46 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // phase reads at one logical chunk land in 8 different bank groups.
 __device__ __forceinline__ int swz(int r, int c) { return r * 8 + (c ^ (r & 7)); }
 
+// The cp.async ring of STAGES slots over k tiles kt0 .. kt0 + nkt - 1, shared by the GEMM bodies below.
+// load(slot, k tile) issues one stage's copies. Fill: stages 0 .. STAGES - 2, one group each, committed even
+// when empty so the group count stays in step.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void cp_ring_fill(int nkt, int kt0, Load&& load) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nkt) load(s, kt0 + s);
+        cp_async_commit();
+    }
+}
+// Step `it`: this thread's copies of stage `it` have landed; the barrier of the threads that share the
+// slots (BLOCK: the block, else the warp) makes every thread's visible and frees slot (it - 1) % STAGES,
+// which takes stage it + STAGES - 1; its group is committed (even when empty).
+template <int STAGES, bool BLOCK, typename Load>
+__device__ __forceinline__ void cp_ring_step(int it, int nkt, int kt0, Load&& load) {
+    cp_async_wait<STAGES - 2>();
+    if constexpr (BLOCK) __syncthreads();
+    else __syncwarp();
+    const int nxt = it + STAGES - 1;
+    if (nxt < nkt) load(nxt % STAGES, kt0 + nxt);
+    cp_async_commit();
+}
+
+// Output element o: fp32, or bf16 (round to nearest even).
+template <bool OUT_F32>
+__device__ __forceinline__ void gemm_store_out(void* __restrict__ out, long long o, float v) {
+    if (OUT_F32) ((float*)out)[o] = v;
+    else ((bf16_bits*)out)[o] = f32_to_bf16(v);
+}
+// An accumulator's element (token t, feature n) of batch b, split sidx of `split`: the fp32 partial in the
+// workspace [batch][split][T][N] when split > 1, else the output element.
+template <bool OUT_F32>
+__device__ __forceinline__ void gemm_store_acc(float v, int b, int t, int n, int T, int N, int split, int sidx,
+                                               float* __restrict__ ws, void* __restrict__ out,
+                                               long long out_batch_stride, int out_row_stride) {
+    if (split > 1) ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
+    else gemm_store_out<OUT_F32>(out, b * out_batch_stride + (long long)t * out_row_stride + n, v);
+}
+
 template <int NT, int STAGES, bool OUT_F32>
 __global__ void __launch_bounds__(GEMM_THREADS, (NT <= 8 ? 2 : 0))
 gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
@@ -82,18 +122,10 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nkt) load_stage(s, kt0 + s);
-        cp_async_commit();                 // commit even when empty: the group count stays in step
-    }
+    cp_ring_fill<STAGES>(nkt, kt0, load_stage);
 
     for (int it = 0; it < nkt; ++it) {
-        cp_async_wait<STAGES - 2>();       // stage `it` has landed (for this thread) ...
-        __syncthreads();                   // ... for every thread, and slot (it-1) % STAGES is free
-        const int nxt = it + STAGES - 1;
-        if (nxt < nkt) load_stage(nxt % STAGES, kt0 + nxt);
-        cp_async_commit();
+        cp_ring_step<STAGES, true>(it, nkt, kt0, load_stage);   // stage `it` visible to the block
 
         const uint4* ws_ = w_s + (it % STAGES) * GEMM_BN * 8;
         const uint4* xs_ = x_s + (it % STAGES) * NT * 64;
@@ -141,17 +173,9 @@ gemm_bf16_kernel(const bf16_bits* __restrict__ x, long long x_batch_stride, int 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int n = nf + (e >> 1) * 8, t = j * 8 + 2 * (lane & 3) + (e & 1);
-            if (n < N && t < T) {
-                const float v = acc[j][e];
-                if (split > 1) {
-                    ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
-                } else if (OUT_F32) {
-                    ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
-                } else {
-                    ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
-                        f32_to_bf16(v);
-                }
-            }
+            if (n < N && t < T)
+                gemm_store_acc<OUT_F32>(acc[j][e], b, t, n, T, N, split, sidx, ws, out, out_batch_stride,
+                                        out_row_stride);
         }
     }
 }
@@ -169,9 +193,7 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
         float s = 0.f;
         for (int k = 0; k < split; ++k) s += p[k * tn];
         const int t = (int)(i / N), n = (int)(i % N);
-        const long long o = b * out_batch_stride + (long long)t * out_row_stride + n;
-        if (OUT_F32) ((float*)out)[o] = s;
-        else ((bf16_bits*)out)[o] = f32_to_bf16(s);
+        gemm_store_out<OUT_F32>(out, b * out_batch_stride + (long long)t * out_row_stride + n, s);
     }
 }
 
@@ -258,11 +280,7 @@ __device__ __forceinline__ void gemm_decode_body(
     };
 
     DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {  // weights only: allowed before the wait
-        if (s < nkt) load_w(s, kt0 + s);
-        cp_async_commit();                  // one group per stage, even when empty: the count stays in step
-    }
+    cp_ring_fill<STAGES>(nkt, kt0, load_w);   // weights only: allowed before the wait
     wait_inputs();                          // x and out belong to earlier kernels / items
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
@@ -273,14 +291,10 @@ __device__ __forceinline__ void gemm_decode_body(
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
     for (int it = 0; it < nkt; ++it) {
-        cp_async_wait<STAGES - 2>();       // this lane's copies of stage `it` have landed ...
-        __syncwarp();                      // ... every lane's, and slot (it-1) % STAGES is no longer read
-        const int nxt = it + STAGES - 1;
-        if (nxt < nkt) {
-            load_w(nxt % STAGES, kt0 + nxt);
-            load_x(nxt % STAGES, kt0 + nxt, true);
-        }
-        cp_async_commit();
+        cp_ring_step<STAGES, false>(it, nkt, kt0, [&](int slot, int kt) {   // stage `it` visible to the warp
+            load_w(slot, kt);
+            load_x(slot, kt, true);
+        });
 
         const uint4* ws_ = w_s + (it % STAGES) * WST;
         const uint4* xs_ = x_s + (it % STAGES) * XST;
@@ -521,11 +535,7 @@ __device__ __forceinline__ void gemm_wide_body(
     };
 
     DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {  // weights only: allowed before the wait
-        if (s < nkt) load_w(s, kt0 + s);
-        cp_async_commit();                  // one group per stage, even when empty: the count stays in step
-    }
+    cp_ring_fill<STAGES>(nkt, kt0, load_w);   // weights only: allowed before the wait
     DDT_PDL_WAIT();                         // x, ws and out belong to earlier kernels in the stream
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
@@ -538,14 +548,10 @@ __device__ __forceinline__ void gemm_wide_body(
         for (int j = 0; j < WN; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
     for (int it = 0; it < nkt; ++it) {
-        cp_async_wait<STAGES - 2>();       // this thread's copies of stage `it` have landed ...
-        __syncthreads();                   // ... every thread's, and slot (it-1) % STAGES is no longer read
-        const int nxt = it + STAGES - 1;
-        if (nxt < nkt) {
-            load_w(nxt % STAGES, kt0 + nxt);
-            load_x(nxt % STAGES, kt0 + nxt, true);
-        }
-        cp_async_commit();
+        cp_ring_step<STAGES, true>(it, nkt, kt0, [&](int slot, int kt) {   // stage `it` visible to the block
+            load_w(slot, kt);
+            load_x(slot, kt, true);
+        });
         if (!active) continue;
 
         const uint4* ws_ = w_s + (it % STAGES) * WST;
@@ -608,17 +614,9 @@ __device__ __forceinline__ void gemm_wide_body(
             for (int e = 0; e < 4; ++e) {
                 const int n = n0 + (wm * WM + i) * 16 + (lane >> 2) + (e >> 1) * 8;
                 const int t = t0 + wn * WN * 8 + j * 8 + 2 * (lane & 3) + (e & 1);
-                if (n < N && t < T) {
-                    const float v = acc[i][j][e];
-                    if (split > 1) {
-                        ws[(((long long)b * split + sidx) * T + t) * N + n] = v;
-                    } else if (OUT_F32) {
-                        ((float*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] = v;
-                    } else {
-                        ((bf16_bits*)out)[b * out_batch_stride + (long long)t * out_row_stride + n] =
-                            f32_to_bf16(v);
-                    }
-                }
+                if (n < N && t < T)
+                    gemm_store_acc<OUT_F32>(acc[i][j][e], b, t, n, T, N, split, sidx, ws, out, out_batch_stride,
+                                            out_row_stride);
             }
         }
     }

@@ -20,6 +20,51 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;
 }
 
+// The RMSNorm row pieces shared by rmsnorm_row (norm_row.cuh), the all-reduce's fused add + RMSNorm
+// (ar_add_norm_row, allreduce.cuh) and mla_qkv_a_post's q norm (fused_layer.cu), which must agree bit for bit.
+// h = bf16(a + r) on 8 bf16 pairs (the residual stream is bf16); hf = h as fp32.
+__device__ __forceinline__ uint4 add_residual8(const uint4& av, const uint4& rv, float (&hf)[8]) {
+    const bf16_bits* ah = (const bf16_bits*)&av;
+    const bf16_bits* rh = (const bf16_bits*)&rv;
+    uint4 s;
+    bf16_bits* sh = (bf16_bits*)&s;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
+        hf[e] = bf16_to_f32(sh[e]);
+    }
+    return s;
+}
+// rsqrt(mean(h^2) + eps) of a row held by a block of THREADS threads: ss = the thread's sum of squares.
+template <int THREADS>
+__device__ __forceinline__ float rms_rstd(float ss, float* red, int H, float eps) {
+    return rsqrtf(block_sum<THREADS>(ss, red) / (float)H + eps);
+}
+// The scale and store of that row: thread-owned vectors i = threadIdx.x + j * THREADS (< nv) of 8 values,
+// v(j, e) the fp32 value of element e of vector j; out[i] = bf16(w * (v * rstd)). A functor so that a row
+// held as fp32 (rms_scale_store) and one held as bf16 (rmsnorm_row: half the registers) share the store.
+template <int THREADS, int MAXV, typename RowValue>
+__device__ __forceinline__ void rms_scale_store_row(RowValue v, float rstd, const uint4 (&wv)[MAXV], int nv,
+                                                    uint4* out) {
+#pragma unroll
+    for (int j = 0; j < MAXV; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        if (i < nv) {
+            uint4 o;
+            const bf16_bits* wh = (const bf16_bits*)&wv[j];
+            bf16_bits* oh = (bf16_bits*)&o;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (v(j, e) * rstd));
+            out[i] = o;
+        }
+    }
+}
+template <int THREADS, int MAXV>
+__device__ __forceinline__ void rms_scale_store(const float (&v)[MAXV][8], float rstd, const uint4 (&wv)[MAXV], int nv,
+                                                uint4* out) {
+    rms_scale_store_row<THREADS, MAXV>([&](int j, int e) { return v[j][e]; }, rstd, wv, nv, out);
+}
+
 // SwiGLU on 8 bf16 values (16 bytes): bf16(silu(g) * u), fp32 math (silu_mul_kernel and the router's
 // shared-expert path compute it identically).
 __device__ __forceinline__ uint4 silu_mul8(const uint4 gv, const uint4 uv) {

@@ -80,6 +80,42 @@ __device__ __forceinline__ void mla_store_part_bf16_row(bf16_bits* row, const fl
 }
 #endif
 
+// A block's place in the batch, the same in both attention kernels: stream b = blockIdx.z, split =
+// blockIdx.y, packed rows m0 .. m0 + BM - 1 (row-major over the stream's n rows x H heads), and the KV tiles
+// [tile_begin, tile_end) of BN tokens this split reads. Split boundaries come from s + n, not from the
+// clipped causal range, so a chain in tree mode and the same rows in causal mode add the same terms in the
+// same order (fully masked tiles add exact zeros).
+struct MlaTile {
+    int b, split, n, s, rs, m0, kv_len, n_tiles, tile_begin, tile_end;
+    const int* table;   // the stream's page table
+};
+// Waits for the inputs first (DDT_PDL_WAIT: the lengths, tables, q and the cache rows may come from earlier
+// kernels). false: the tile lies past the stream's rows (the grid covers the largest stream of the bucket).
+template <int BM, int BN>
+__device__ __forceinline__ bool mla_tile(const int* __restrict__ block_table, const int* __restrict__ prefix_len,
+                                         const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
+                                         const unsigned* __restrict__ mask, int max_pages, int H, int num_splits,
+                                         MlaTile& t) {
+    DDT_PDL_WAIT();
+    t.b = blockIdx.z;
+    t.split = blockIdx.y;
+    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
+    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
+    t.n = n_rows_arr[t.b];
+    t.s = prefix_len[t.b];
+    t.rs = row_start[t.b];
+    t.m0 = blockIdx.x * BM;
+    if (t.m0 >= t.n * H) return false;
+    t.table = block_table + (size_t)t.b * max_pages;
+    // KV positions this row tile can see: causal rows stop at s + (last row of the tile) + 1.
+    if (mask == nullptr) t.kv_len = t.s + min(t.n - 1, (t.m0 + BM - 1) / H) + 1;
+    else t.kv_len = t.s + t.n;
+    t.n_tiles = (t.kv_len + BN - 1) / BN;
+    const int per_split = ((t.s + t.n + BN - 1) / BN + num_splits - 1) / num_splits;
+    t.tile_begin = t.split * per_split;
+    t.tile_end = min(t.n_tiles, t.tile_begin + per_split);
+    return true;
+}
 
 template <int MG, int VG, int BN, int STAGES>
 struct MlaCfg {
@@ -123,32 +159,12 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     float* red_sum = red_max + VG * C::BM;                         // [VG][BM]
 
     DDT_PDL_LAUNCH_DEPENDENTS();  // the combine (or next kernel) may launch; it waits for this whole grid
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
-    const int b = blockIdx.z;
-    const int split = blockIdx.y;
-    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
-    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
-    const int n = n_rows_arr[b];
-    const int s = prefix_len[b];
-    const int rs = row_start[b];
-    const int m0 = blockIdx.x * C::BM;
-    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
-    const int* table = block_table + (size_t)b * max_pages;
-
-    // KV positions this row tile can see: causal rows stop at s + (last row) + 1.
-    int kv_len;
-    if (mask == nullptr) {
-        int r_last = min(n - 1, (m0 + C::BM - 1) / H);
-        kv_len = s + r_last + 1;
-    } else {
-        kv_len = s + n;
-    }
-    const int n_tiles = (kv_len + BN - 1) / BN;
-    // Split boundaries from s + n, not from the clipped causal range, so a chain in tree mode and the same
-    // rows in causal mode add the same terms in the same order (fully masked tiles add exact zeros).
-    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;
-    const int tile_begin = split * per_split;
-    const int tile_end = min(n_tiles, tile_begin + per_split);
+    MlaTile tl;   // after the wait for the inputs
+    if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
+        return;
+    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
+              n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
+    const int* table = tl.table;
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
@@ -457,27 +473,13 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     float* alpha_s = reinterpret_cast<float*>(Ps + C::BM * C::PSTR);               // [BM]
     float* linv_s = alpha_s + C::BM;                                               // [BM]
 
-    DDT_PDL_WAIT();  // every input below (lengths, tables, q, the cache rows) may come from earlier kernels
-    const int b = blockIdx.z;
-    const int split = blockIdx.y;
-    // The three per-stream scalars are loaded together (one L2 round trip, not two behind the exit test):
-    // the block's serial start-up chain is scalars -> page-table entry -> first KV tile.
-    const int n = n_rows_arr[b];
-    const int s = prefix_len[b];
-    const int rs = row_start[b];
-    const int m0 = blockIdx.x * C::BM;
-    if (m0 >= n * H) return;  // the grid covers the largest stream of the bucket
-    const int* table = block_table + (size_t)b * max_pages;
+    MlaTile tl;   // after the wait for the inputs
+    if (!mla_tile<C::BM, BN>(block_table, prefix_len, n_rows_arr, row_start, mask, max_pages, H, num_splits, tl))
+        return;
+    const int b = tl.b, split = tl.split, n = tl.n, s = tl.s, rs = tl.rs, m0 = tl.m0, kv_len = tl.kv_len,
+              n_tiles = tl.n_tiles, tile_begin = tl.tile_begin, tile_end = tl.tile_end;
+    const int* table = tl.table;
     const int valid_m = n * H - m0;
-    int kv_len;   // causal rows stop at s + (last row of the tile) + 1
-    if (mask == nullptr) kv_len = s + min(n - 1, (m0 + C::BM - 1) / H) + 1;
-    else kv_len = s + n;
-    const int n_tiles = (kv_len + BN - 1) / BN;
-    // Split boundaries from s + n, not from the clipped causal range, so a chain in tree mode and the same
-    // rows in causal mode add the same terms in the same order (fully masked tiles add exact zeros).
-    const int per_split = ((s + n + BN - 1) / BN + num_splits - 1) / num_splits;
-    const int tile_begin = split * per_split;
-    const int tile_end = min(n_tiles, tile_begin + per_split);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, q4 = lane & 3;

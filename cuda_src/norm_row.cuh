@@ -49,38 +49,22 @@ __device__ __forceinline__ void rmsnorm_row(
     for (int j = 0; j < NORM_MAXV; ++j) {
         const int i = threadIdx.x + j * NORM_THREADS;
         if (i < nv) {
+            float hv[8];
             if (rr) {
+                xa[j] = add_residual8(xa[j], ra[j], hv);          // the bf16 sum: stored, and kept as the row
+                ((uint4*)(res_out + t * res_out_stride))[i] = xa[j];
+            } else {
                 const bf16_bits* ah = (const bf16_bits*)&xa[j];
-                const bf16_bits* rh = (const bf16_bits*)&ra[j];
-                uint4 s;
-                bf16_bits* sh = (bf16_bits*)&s;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) sh[e] = f32_to_bf16(bf16_to_f32(ah[e]) + bf16_to_f32(rh[e]));
-                ((uint4*)(res_out + t * res_out_stride))[i] = s;
-                xa[j] = s;
+                for (int e = 0; e < 8; ++e) hv[e] = bf16_to_f32(ah[e]);
             }
-            const bf16_bits* vh = (const bf16_bits*)&xa[j];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float v = bf16_to_f32(vh[e]);
-                ss += v * v;
-            }
+            for (int e = 0; e < 8; ++e) ss += hv[e] * hv[e];
         }
     }
-    const float rstd = rsqrtf(block_sum<NORM_THREADS>(ss, red) / (float)H + eps);
+    const float rstd = rms_rstd<NORM_THREADS>(ss, red, H, eps);
     const long long orow = out_rows ? (long long)out_rows[t] : (long long)t;
-    uint4* outr = (uint4*)(out + orow * out_stride);
-#pragma unroll
-    for (int j = 0; j < NORM_MAXV; ++j) {
-        const int i = threadIdx.x + j * NORM_THREADS;
-        if (i < nv) {
-            uint4 o;
-            const bf16_bits* wh = (const bf16_bits*)&wv[j];
-            const bf16_bits* vh = (const bf16_bits*)&xa[j];
-            bf16_bits* oh = (bf16_bits*)&o;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oh[e] = f32_to_bf16(bf16_to_f32(wh[e]) * (bf16_to_f32(vh[e]) * rstd));
-            outr[i] = o;
-        }
-    }
+    rms_scale_store_row<NORM_THREADS, NORM_MAXV>(
+        [&](int j, int e) { return bf16_to_f32(((const bf16_bits*)&xa[j])[e]); }, rstd, wv, nv,
+        (uint4*)(out + orow * out_stride));
 }

@@ -3,14 +3,15 @@
 // Every candidate becomes a unique 64-bit key: (order-preserving bits of the fp32 value) << 32 | ~id.
 // A larger key is a larger value, or the same value with a smaller id, so "the K largest keys" is exactly
 // the required order, with no tie rule left to apply. A block finds the K-th largest key of its items with
-// an 8-pass radix select (8 bits per pass, shared-memory histogram), keeps the K items >= it, and sorts
-// them (bitonic, descending).
+// an 8-pass radix select (8 bits per pass, shared-memory histogram: radix_select.cuh, the DDTree top-K's
+// too), keeps the K items >= it, and sorts them (bitonic, descending).
 //  stage 1 (topk_chunk): grid (chunks, rows): each block the top-K of one chunk of a row, ids + id_offset
 //                        (a vocabulary shard's global ids);
 //  stage 2 (topk_merge): grid (rows): the top-K of the chunks' (or the shards') candidate lists.
 // Output per row: values fp32 [K] descending, ids int32 [K]; fewer than K items pad with (-inf, -1).
 // NaN logits are not supported (a NaN ranks above +inf).
 #include "common.cuh"
+#include "radix_select.cuh"
 
 #define TOPK_THREADS 256
 #define TOPK_MAX_K 256
@@ -33,7 +34,8 @@ template <> __device__ __forceinline__ float load_logit<bf16_bits>(const bf16_bi
 
 struct SelectShared {
     unsigned int hist[256];
-    int digit, above, count;
+    int digit, count;
+    unsigned above, bin;   // radix_pick's outputs
     u64 best[TOPK_THREADS / 32];
 };
 
@@ -56,41 +58,14 @@ __device__ void block_topk(const u64* items, int n, int K, int kpad, u64* out, S
         __syncthreads();
         return;
     }
-    u64 prefix = 0, mask = 0;
-    int remaining = K;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += TOPK_THREADS) sh.hist[b] = 0;
-        __syncthreads();
+    static_assert(TOPK_THREADS == 256, "radix_select: one histogram bin per thread");
+    const u64 prefix = radix_select<false>((unsigned)K, 0u, sh.hist, &sh.digit, &sh.above, &sh.bin, tid, tid & 31,
+                                           tid >> 5, [&](u64 hmask, u64 pre, int shift) {
         for (int i = tid; i < n; i += TOPK_THREADS) {
             const u64 k = items[i];
-            if ((k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 255], 1u);
+            if ((k & hmask) == pre) atomicAdd(&sh.hist[(k >> shift) & 255], 1u);
         }
-        __syncthreads();
-        if (tid < 32) {   // one warp scans the 256 bins from the top: 8 bins per lane, then a lane scan
-            unsigned int c[8], local = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) { c[j] = sh.hist[255 - (tid * 8 + j)]; local += c[j]; }
-            unsigned int incl = local;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (tid >= o) incl += v;
-            }
-            unsigned int cum = incl - local;          // count in bins above this lane's first bin
-            const bool hit = cum < (unsigned)remaining && incl >= (unsigned)remaining;
-            if (hit) {
-                for (int j = 0; j < 8; ++j) {
-                    if (cum + c[j] >= (unsigned)remaining) { sh.digit = 255 - (tid * 8 + j); sh.above = cum; break; }
-                    cum += c[j];
-                }
-            }
-        }
-        __syncthreads();
-        remaining -= sh.above;
-        prefix |= (u64)sh.digit << shift;
-        mask |= 0xffull << shift;
-        __syncthreads();
-    }
+    });
     // prefix is now the K-th largest key itself; exactly K items are >= it.
     if (tid == 0) sh.count = 0;
     for (int i = tid; i < kpad; i += TOPK_THREADS) out[i] = 0;

@@ -97,8 +97,8 @@ KNOBS: tuple = (
     Knob("DDT_MLA_PARTIAL_BF16", "mla_partial_bf16", _flag, None, "0/1",
          "MLA split-KV partials in fp32 (default) / bf16 (0.86-0.99x the attention time; opt-in until its accuracy "
          "is settled on a real checkpoint)", "docs/ATTENTION.md"),
-    Knob("DDT_TREE_VARIANT", "tree_variant", _int_in(0), None, "3/8",
-         "the DDTree kernels' build (unset: 8; 3 = the list top-K with builder v3)",
+    Knob("DDT_TREE_TOPK", "tree_topk", _choice("scan", "list"), None, "scan/list",
+         "the DDTree top-K kind for every shape (unset: list for <= 7 rows and k <= 8, else scan)",
          "docs/DDTREE.md"),
     Knob("DDT_MOE_LEAN", "moe_lean", _int_in(0, 2), None, "0/1/2",
          "force one k loop of the register-ring INT4 MoE GEMMs everywhere (unset: the tile table's per-T choice)",
@@ -151,7 +151,7 @@ class Knobs:
     pdl: bool = False
     mla_policy: str = "auto"
     mla_partial_bf16: Optional[bool] = None
-    tree_variant: Optional[int] = None
+    tree_topk: Optional[str] = None
     moe_lean: Optional[int] = None
     moe_bulk: Optional[str] = None
     moe_bulk_large: Optional[str] = None

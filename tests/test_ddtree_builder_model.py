@@ -1,4 +1,4 @@
-"""A CPU model of the default tree builder (cuda_src/ddtree.cu, DDT_FAST == 3, "v3"), lane by lane, against
+"""A CPU model of builder v3 (cuda_src/ddtree.cu, budgets above DDT_CACHE_BUDGET), lane by lane, against
 the numpy reference builder (ddtree_cupy/reference/ddtree.py). The model follows the kernel's state: the
 ordered scores in registers (32 lanes x DDT_SLOTS slots, position p = slot p // 32 of lane p % 32), the
 rest of each entry in shared memory at [p] (rank tuple, info word, parent score and the log-probs of the
@@ -20,7 +20,7 @@ import pytest
 from ddtree_cupy.reference import ddtree as dd
 
 SRC = (Path(__file__).resolve().parents[1] / "cuda_src" / "ddtree.cu").read_text()
-V3 = SRC[SRC.index("// Builder v3 (variant 3; variant 8"):]
+V3 = SRC[SRC.index("// Builder v3 (budgets above DDT_CACHE_BUDGET)"):]
 SLOTS = int(re.search(r"#define DDT_SLOTS (\d+)", V3).group(1))
 MAX_ROWS = dd.MAX_TREE_ROWS
 MASK32 = 0xFFFFFFFF

@@ -1,5 +1,5 @@
-"""A CPU model of the sorted-cache tree builder (cuda_src/ddtree.cu, `cache_pops`, variants 6 and 7), lane by
-lane, against the numpy reference builder (ddtree_cupy/reference/ddtree.py).
+"""A CPU model of the sorted-cache tree builder (cuda_src/ddtree.cu, `cache_pops`), lane by lane, against the
+numpy reference builder (ddtree_cupy/reference/ddtree.py).
 
 The model follows the kernel's state exactly: 32 lanes each holding one entry (ordered score, rank tuple,
 info word, parent score, next sibling's log-prob, first child's log-prob) in registers, the warp-uniform
@@ -37,11 +37,11 @@ def ballot(pred) -> int:
     return sum(1 << lane for lane in range(32) if pred(lane))
 
 
-def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=False):
+def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32):
     """cache_pops for one stream (budget <= DDT_CACHE_BUDGET): returns (tokens, parents, depths) of rows
     1..n. ``width`` is the lane count (32 in the kernel; the test shrinks it to show the bound matters).
-    ``lean``: variant 8 (DDT_CACHE_LEAN), the loop stores the popped info word at its row (scratch slots
-    past the rows for the other lanes and chain pops) and every lane decodes its rows after the loop."""
+    The loop stores the popped info word at its row (scratch slots past the rows for the other lanes and
+    chain pops) and every lane decodes its rows after the loop."""
     D, K = lp_in.shape
     s_lp, s_id, budget, kf, nc = kernel_inputs(lp_in, ids, budget, cap_k, include_chain)
     t_tok, t_par, t_dep, t_info = {}, {}, {}, {}
@@ -77,11 +77,8 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
             child_first = pops_before(ch, sib)
             pos_s = bin(bs).count("1") + int(has_child and child_first) if has_sib else 64
             pos_c = bin(bc).count("1") + int(has_sib and not child_first) if has_child else 64
-            if lean:
-                for lane in range(width):
-                    t_info[row if (lane == 0 and not chain) else MAX_ROWS + lane] = info
-            elif not chain:
-                t_tok[row], t_par[row], t_dep[row] = int(s_id[(d - 1) * K + r]), prow, d
+            for lane in range(width):
+                t_info[row if (lane == 0 and not chain) else MAX_ROWS + lane] = info
             # one shuffle round: lane j reads lane src (modulo the width), then the selects
             new = []
             for lane in range(width):
@@ -103,11 +100,10 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
             if n > 0:
                 assert c[0] == h
                 assert all(pops_before(c[i], c[i + 1]) for i in range(n - 1)), "cache sorted"
-    if lean:   # the decode after the loop: rows nc + 1 .. nodes, one lane each
-        for i in range(nc + 1, nodes + 1):
-            info = t_info[i]          # KeyError: a row the loop never wrote
-            d, r = info & 15, (info >> 4) & 255
-            t_tok[i], t_par[i], t_dep[i] = int(s_id[(d - 1) * K + r]), (info >> 12) & 255, d
+    for i in range(nc + 1, nodes + 1):   # the decode after the loop: rows nc + 1 .. nodes, one lane each
+        info = t_info[i]          # KeyError: a row the loop never wrote
+        d, r = info & 15, (info >> 4) & 255
+        t_tok[i], t_par[i], t_dep[i] = int(s_id[(d - 1) * K + r]), (info >> 12) & 255, d
     rows = range(1, nodes + 1)
     return (np.array([t_tok[i] for i in rows], np.int32), np.array([t_par[i] for i in rows], np.int32),
             np.array([t_dep[i] for i in rows], np.int32))
@@ -115,11 +111,10 @@ def build_cache(lp_in, ids, budget, cap_k, include_chain, stats, width=32, lean=
 
 def _check(lp, ids, budget, cap, chain, stats, msg, width=32):
     t = dd.build_tree(lp, ids, min(max(budget, 0), MAX_ROWS - 1), cap_k=cap or None, include_chain=chain)
-    for lean in (False, True):
-        tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width, lean)
-        np.testing.assert_array_equal(tok, t.tokens, err_msg=f"{msg} lean {lean}")
-        np.testing.assert_array_equal(par, t.parents, err_msg=f"{msg} lean {lean}")
-        np.testing.assert_array_equal(dep, t.depths, err_msg=f"{msg} lean {lean}")
+    tok, par, dep = build_cache(lp, ids, budget, cap, chain, stats, width)
+    np.testing.assert_array_equal(tok, t.tokens, err_msg=msg)
+    np.testing.assert_array_equal(par, t.parents, err_msg=msg)
+    np.testing.assert_array_equal(dep, t.depths, err_msg=msg)
 
 
 def _stats():

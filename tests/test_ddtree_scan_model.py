@@ -1,6 +1,6 @@
-"""CPU model of the scan variant's top-K (cuda_src/ddtree.cu, DDT_FAST=8: stage 1's group keys, the merge's
+"""CPU model of the scan top-K (cuda_src/ddtree.cu, the scan kind: stage 1's group keys, the merge's
 radix narrowing of them, the re-read of the selected groups). The kernel's exactness is tested on the GPU
-(tests/gpu/test_ddtree_gpu.py, variant "scan-rank-cache-regs"); this model checks the argument the merge rests on, with the
+(tests/gpu/test_ddtree_gpu.py, top-K kind "scan"); this model checks the argument the merge rests on, with the
 kernel's own constants and stopping rule, on inputs that stress it: the candidates it gathers contain the
 row's top-k (ties and -inf included), at most cand_cap(k) groups are re-read, at most 32 cand_cap(k)
 candidates land in the shared buffer, and the buffer fits the kernel's shared memory (merge_smem)."""
@@ -116,7 +116,7 @@ def test_candidates_hold_the_top_k(V, k):
         assert m["cand"].size >= k, name
         assert m["n_groups"] <= m["gcap"], name              # s_gl holds gcap group indices
         assert m["cand"].size <= 32 * m["gcap"], name       # the candidate region
-        smem = ddt.merge_smem(m["P"], k, parts_major=False, fast=8)
+        smem = ddt.merge_smem(m["P"], k, parts_major=False, kind="scan")
         assert smem >= m["cand"].size * 8 + m["n_groups"] * 4 and smem <= ddt.MAX_MERGE_SMEM, name
 
 
@@ -167,7 +167,7 @@ def _thread_max_bound(gk: np.ndarray, P: int, k: int, gcap: int):
 
 
 def model_scan_topk_regs(x: np.ndarray, k: int, chunk: int = ddt.DEFAULT_CHUNK, id0: int = 0):
-    """Variant 8's merge: the thread-maximum bound first, else variant 4's thresholds."""
+    """The register merge (merge_scan_regs): the thread-maximum bound first, else merge_scan's thresholds."""
     V = x.size
     P = ddt.n_chunks(V, chunk)
     keys = _keys(x, id0)

@@ -1,4 +1,4 @@
-"""A CPU model of variant 8's register walk (cuda_src/ddtree.cu, ddt_walk_commit under DDT_WALK_REGS), lane by
+"""A CPU model of the register walk (cuda_src/ddtree.cu, ddt_walk_commit), lane by
 lane, against the reference walk (ddtree_cupy/reference/ddtree.py greedy_walk): row i's parent, token and
 post token in slot i // 32 of lane i % 32, post[cur] by a select over the slots and a shuffle from lane
 cur % 32, the lowest matching row from one ballot per slot (lowest nonzero slot, lowest lane), the
@@ -102,7 +102,7 @@ def test_register_walk_equals_reference(source):
 
 
 def test_walk_model_follows_the_kernel():
-    body = SRC[SRC.index("#if DDT_WALK_REGS\n    // Every row's parent"):]
+    body = SRC[SRC.index("    // Every row's parent, token and post token in registers first"):]
     for stmt in ("r_par[q] = i < n ? par[i] : -2;",
                  "for (int q = 1; q < DDT_WALK_SLOTS; ++q) pv = (cur >> 5) == q ? r_pst[q] : pv;",
                  "want = __shfl_sync(FULL_MASK, pv, cur & 31);",

@@ -4,7 +4,6 @@ must fit the target GPU for the engine's shapes (Kimi K2.6: V = 163840, TP 1..8,
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ddtree_cupy.kernels import ddtree as ddt
@@ -38,9 +37,8 @@ def test_candidate_layout_matches_the_kernel(k):
     assert _cu_ternary("cand_cap")(k) == ddt.cand_cap(k)
     assert _cu_ternary("part_width")(k) == ddt.part_width(k)
     assert _cu_ternary("scan_width")(k) == ddt.scan_width(k)
-    for v in ddt.SCAN_VARIANTS:
-        assert ddt.stage1_width(k, v) == ddt.scan_width(k)
-    assert ddt.stage1_width(k, 3) == ddt.part_width(k)
+    assert ddt.stage1_width(k, "scan") == ddt.scan_width(k)
+    assert ddt.stage1_width(k, "list") == ddt.part_width(k)
     assert ddt.cand_cap(k) >= max(k, 2) and ddt.cand_cap(k) <= 256   # s_cand holds DDT_SORT_CAP keys
 
 
@@ -49,9 +47,9 @@ def test_candidate_layout_matches_the_kernel(k):
 def test_merge_shared_memory_fits_engine_shapes(tp, k):
     V_local = 163840 // tp
     P = ddt.n_chunks(V_local)
-    for fast in ddt.VARIANTS:
-        assert ddt.merge_smem(P, k, parts_major=False, fast=fast) <= ddt.MAX_MERGE_SMEM
-        assert ddt.merge_smem(tp, k, parts_major=True, fast=fast) <= ddt.MAX_MERGE_SMEM
+    for kind in ddt.TOPK_KINDS:
+        assert ddt.merge_smem(P, k, parts_major=False, kind=kind) <= ddt.MAX_MERGE_SMEM
+        assert ddt.merge_smem(tp, k, parts_major=True, kind=kind) <= ddt.MAX_MERGE_SMEM
     # the limit leaves room for the merge's static shared memory under sm_120's 99 KB per block
     assert ddt.MAX_MERGE_SMEM + 4 * 1024 <= 99 * 1024
 
@@ -64,27 +62,28 @@ def test_chunk_constants_match_the_kernel():
     assert ddt.DEFAULT_CHUNK % (threads * 8) == 0 and ddt.DEFAULT_CHUNK <= ddt.MAX_CHUNK
 
 
-def test_topk_variant_rule():
-    """The scan variant's workspace launches the list top-K only where it measured faster (1 stream, k 8)."""
-    for v in ddt.SCAN_VARIANTS:
-        assert ddt.topk_variant(7, 8, v) == 3 and ddt.topk_variant(7, 1, v) == 3
-        assert ddt.topk_variant(7, 16, v) == v and ddt.topk_variant(8, 8, v) == v and ddt.topk_variant(70, 64, v) == v
-    assert ddt.topk_variant(7, 8, 3) == 3 and ddt.topk_variant(70, 64, 3) == 3
-    assert ddt.topk_variant(70, 64) == ddt.DEFAULT_VARIANT or ddt.DEFAULT_VARIANT not in ddt.SCAN_VARIANTS
+def test_topk_kind_rule():
+    """A workspace launches the list top-K only where it measured faster (1 stream, k 8)."""
+    assert ddt.topk_kind(7, 8) == "list" and ddt.topk_kind(7, 1) == "list"
+    assert ddt.topk_kind(7, 16) == "scan" and ddt.topk_kind(8, 8) == "scan" and ddt.topk_kind(70, 64) == "scan"
 
 
-def test_variant_is_a_number():
-    """``fast`` is one type: a variant number in VARIANTS; a bool or an unknown number is refused by name."""
-    assert ddt.variant(8) == 8 and ddt.variant(np.int32(3)) == 3
-    for bad in (True, False, 0, 7, 11, "8", None):
-        with pytest.raises(ValueError, match="fast"):
-            ddt.variant(bad)
+def test_kind_is_checked():
+    """``kind`` is one of TOPK_KINDS; anything else is refused by name."""
+    assert ddt._kind("scan") == "scan" and ddt._kind("list") == "list"
+    for bad in (True, 3, 8, "v3", "Scan", None):
+        with pytest.raises(ValueError, match="kind"):
+            ddt._kind(bad)
+    with pytest.raises(ValueError, match="kind"):
+        ddt.stage1_width(8, "lists")
 
 
-def test_variant_constants_match_the_kernel():
-    """The wrapper's copies of the kernel's limits for the sorted-cache builder and the register merge."""
+def test_kernel_names_and_constants_match_the_kernel():
+    """The wrapper's copies of the kernel's limits for the sorted-cache builder and the register merge, and
+    its kernel names (the extern "C" kernels and the top-K templates of ddtree.cu, each instantiation once)."""
     assert ddt.MERGE_REGS_MAX_P == int(re.search(r"#define DDT_MREG (\d+)", SRC).group(1))
     assert ddt.CACHE_MAX_BUDGET == int(re.search(r"#define DDT_CACHE_BUDGET (\d+)", SRC).group(1))
     assert ddt.n_chunks(163840) <= ddt.MERGE_REGS_MAX_P   # Kimi K2's vocabulary takes the register merge
-    assert set(ddt.CACHE_VARIANTS) <= set(ddt.SCAN_VARIANTS) <= set(ddt.VARIANTS)
-    assert ddt.DEFAULT_VARIANT in ddt.VARIANTS
+    assert {n.split("<")[0] for n in ddt._NAMES} == set(re.findall(r"^(ddt_\w+)\(", SRC, re.M))
+    assert len(set(ddt._NAMES)) == len(ddt._NAMES) == 8
+    assert set(ddt._MERGE) == set(ddt.TOPK_KINDS) and {k for k, _ in ddt._PARTIAL} == set(ddt.TOPK_KINDS)

@@ -160,7 +160,9 @@ def k_after_walk(ctrl, S, A, n_acc, trn, out_tokens, feat_rows, features, width,
         app_feats[o["use"]] = o["app_feats"][o["use"]]
 
 
-KERNELS = {"ddt_topk_partial_f32": k_topk_partial, "ddt_topk_merge": k_topk_merge, "ddt_build_tree": k_build_tree,
+KERNELS = {"ddt_topk_partial<float, true>": k_topk_partial, "ddt_topk_merge<true>": k_topk_merge,
+           "ddt_topk_partial<float, false>": k_topk_partial, "ddt_topk_merge<false>": k_topk_merge,   # same results
+           "ddt_build_tree": k_build_tree,
            "ddt_walk_commit": k_walk_commit, "kv_compact_latent": k_kv_compact, "eg_root_tree": k_root_tree,
            "eg_tree_to_batch": k_tree_to_batch, "eg_post_scatter": k_post_scatter, "eg_after_walk": k_after_walk}
 

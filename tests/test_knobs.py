@@ -73,17 +73,17 @@ def test_only_knobs_reads_the_environment_for_switches():
 def test_defaults_and_parsing():
     k = knobs.from_env({})
     assert k == knobs.Knobs()
-    assert k.pdl is False and k.mla_policy == "auto" and k.tree_variant is None and k.moe_bulk is None
-    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_VARIANT": "3", "DDT_MOE_BULK": "down", "DDT_MLA_PARTIAL_BF16": "on",
+    assert k.pdl is False and k.mla_policy == "auto" and k.tree_topk is None and k.moe_bulk is None
+    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_TOPK": "list", "DDT_MOE_BULK": "down", "DDT_MLA_PARTIAL_BF16": "on",
                         "DDT_GEMM_WIDE": " 0 ", "DDT_MOE_GU_2X4_MIN_T": "0", "DDT_ROUTER_DOWN": ""})
-    assert (k.pdl, k.tree_variant, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.moe_gu_2x4_min_t, k.router_down) \
-        == (True, 3, "down", True, False, 0, None)
+    assert (k.pdl, k.tree_topk, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.moe_gu_2x4_min_t, k.router_down) \
+        == (True, "list", "down", True, False, 0, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.pdl = False
 
 
-@pytest.mark.parametrize("env,value", [("DDT_PDL", "yes"), ("DDT_MLA_POLICY", "fast"), ("DDT_TREE_VARIANT", "eight"),
-                                       ("DDT_TREE_VARIANT", "-1"), ("DDT_MOE_LEAN", "3"), ("DDT_MOE_BULK", "2"),
+@pytest.mark.parametrize("env,value", [("DDT_PDL", "yes"), ("DDT_MLA_POLICY", "fast"), ("DDT_TREE_TOPK", "8"),
+                                       ("DDT_TREE_TOPK", "lists"), ("DDT_MOE_LEAN", "3"), ("DDT_MOE_BULK", "2"),
                                        ("DDT_MOE_BULK_LARGE", "down"), ("DDT_GEMM_WIDE", "2"),
                                        ("DDT_MLA_PARTIAL_BF16", "maybe"), ("DDT_MOE_GU_2X4_MIN_T", "-4")])
 def test_bad_values_name_the_variable(env, value):
@@ -92,14 +92,14 @@ def test_bad_values_name_the_variable(env, value):
 
 
 def test_get_is_built_once_and_follows_the_environment(monkeypatch):
-    monkeypatch.delenv("DDT_TREE_VARIANT", raising=False)
+    monkeypatch.delenv("DDT_TREE_TOPK", raising=False)
     a = knobs.get()
     assert knobs.get() is a                                 # no rebuild while the environment is unchanged
-    monkeypatch.setenv("DDT_TREE_VARIANT", "0")
+    monkeypatch.setenv("DDT_TREE_TOPK", "scan")
     b = knobs.get()
-    assert b is not a and b.tree_variant == 0
-    monkeypatch.setenv("DDT_TREE_VARIANT", "x")
-    with pytest.raises(ValueError, match="DDT_TREE_VARIANT"):
+    assert b is not a and b.tree_topk == "scan"
+    monkeypatch.setenv("DDT_TREE_TOPK", "x")
+    with pytest.raises(ValueError, match="DDT_TREE_TOPK"):
         knobs.get()
 
 

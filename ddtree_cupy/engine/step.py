@@ -138,7 +138,7 @@ def draft_topk(m: Models, ws, logits, merged_keys, merged_ms, keep: list) -> Non
     gk, gm = gather_keys(m.comm, ws.keys), m.comm.all_gather(ws.ms)
     keep[:] = [gk, gm]
     ddt.topk_merge(gk, gm, ws.k, merged_keys, merged_ms, ws.top_lp.reshape(ws.S * ws.D, ws.k),
-                   ws.top_id.reshape(ws.S * ws.D, ws.k), parts_major=True, fast=ws.fast)
+                   ws.top_id.reshape(ws.S * ws.D, ws.k), parts_major=True)
 
 
 def tree_k(mode: str, budget: int, vocab: int, v_local: int, cap_k: Optional[int]) -> int:
@@ -179,7 +179,7 @@ class DecodeStep:
         self.cap_k = 0 if (mode != "ddtree" or cap_k is None) else int(cap_k)
         self.include_chain = bool(include_chain) and mode == "ddtree"
         self.k = 1 if root_only else tree_k(mode, budget, m.tcfg.vocab_size, m.V_local, cap_k)
-        self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k, fast=ddt.DEFAULT_VARIANT)
+        self.ws = ddt.DDTreeWorkspace(S, D, m.V_local, self.k)
         self.A = self.ws.A
         T = self.T = S * self.R
         i32 = cupy.int32

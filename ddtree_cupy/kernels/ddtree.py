@@ -13,8 +13,9 @@ Typical single-GPU step (all buffers preallocated in a ``DDTreeWorkspace``):
 Vocabulary-parallel: each rank runs ``ws.topk(local_logits, id_offset=rank * V_local)`` (its
 ``ws.keys`` [S*D, k] and ``ws.ms`` [S*D] are the shard's result), all-gathers them into
 keys [ranks, S*D, k] (uint64) and ms [ranks, S*D] (float32 pairs), then ``topk_merge(..., parts_major=True)``.
-The stage-1 buffer ``part_keys`` [rows, P, part_width(k)] holds per-chunk candidate lists (an internal
-format between ``topk_partial`` and ``topk_merge``; see cuda_src/ddtree.cu).
+The stage-1 buffer ``part_keys`` [rows, P, stage1_width(k, kind)] holds per-chunk group keys (the scan kind)
+or candidate lists (the list kind): an internal format between ``topk_partial`` and ``topk_merge`` of the
+same kind (see cuda_src/ddtree.cu).
 """
 from __future__ import annotations
 
@@ -35,69 +36,51 @@ MAX_CHUNK = 8192        # 256 threads x 4 vectors of 8 logits held in registers 
 DEFAULT_CHUNK = 8192    # logits per block in the first top-K stage
 MAX_MERGE_SMEM = 90 * 1024   # the merge gathers every list into shared memory (sm_120: 99 KB per block)
 
-_NAMES = ("ddt_topk_partial_f32", "ddt_topk_partial_bf16", "ddt_topk_merge", "ddt_build_tree",
-          "ddt_walk_commit")
-# Kernel variants (cuda_src/ddtree.cu, DDT_FAST), chosen by ``fast`` (a variant number) in every call below:
-# 8 (DEFAULT_VARIANT, "scan-rank-cache-regs") = the engine's: the streaming ("scan") top-K whose merge keeps
-# each thread's group keys in registers and places its output by rank, the sorted-cache builder (budgets <=
-# 64; larger ones run builder v3's loop in the same kernel) and the register walk; 3 ("v3") = the
-# candidate-list top-K with the merge's final sort sized to k, builder v3 and the plain walk: the engine
-# launches its top-K for small shapes (``topk_variant``). Same results by construction; the GPU tests run
-# both against the reference. fast_math stays off: tree scores reproduce the reference bit for bit. pdl:
-# every kernel waits (DDT_PDL_WAIT) before its first global access. The designs measured and removed
-# (variants 0-2, 4-7, 9-12) are in docs/history/2026-11-29-ddtree.md.
-DDTREE_V3_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "3"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels, builder v3 (scores in registers, warp-uniform pop), merge sort sized to k"))
-# Variant 8: the scan merge keeps each thread's group keys in registers (one batch of loads) and places the
-# selected groups and candidates by block scans of per-thread counts, rows of <= 20 chunks
-# (MERGE_REGS_MAX_P: V_local <= 163840; larger rows take the shared-memory scan merge); its cache loop
-# stores one info word per pop and its walk reads the tree from registers (one batch of loads).
+# the top-K kernels are templates over the logits' type and the kind (SCAN = the scan kind)
+_PARTIAL = {(kind, dt): f"ddt_topk_partial<{t}, {'true' if kind == 'scan' else 'false'}>"
+            for kind in ("scan", "list") for dt, t in ((np.float32, "float"), (np.uint16, "bf16_bits"))}
+_MERGE = {"scan": "ddt_topk_merge<true>", "list": "ddt_topk_merge<false>"}
+_NAMES = (*_PARTIAL.values(), *_MERGE.values(), "ddt_build_tree", "ddt_walk_commit")
+# One module. The top-K has two kinds (a template parameter of its kernels in ddtree.cu), chosen by ``kind``
+# in the top-K calls below: "scan" (the engine's) = the streaming top-K whose merge keeps each thread's group
+# keys in registers and places its output by rank (the merge of shards' exact lists, parts_major, is this
+# kernel too); "list" = the candidate-list top-K with the merge's final sort sized to k, which a workspace
+# launches for small shapes (``topk_kind``). Same results by construction; the GPU tests run both against
+# the reference. The builder pops from a sorted cache for budgets <= 64 (larger ones run builder v3's loop
+# in the same kernel) and the walk reads the tree from registers. fast_math stays off: tree scores
+# reproduce the reference bit for bit. pdl: every kernel waits (DDT_PDL_WAIT) before its first global
+# access. The designs measured and removed are in docs/history/2026-11-29-ddtree.md and
+# docs/history/2026-12-02-ddtree.md.
 DDTREE_SPEC = register(KernelSpec(
-    src="ddtree.cu", names=_NAMES, defines=(("DDT_FAST", "8"),), hot=True, fast_math=False, pdl=True,
-    doc="DDTree kernels: scan top-K (register merge, rank-placed output), sorted-cache builder, register walk"))
-_SPECS = {3: DDTREE_V3_SPEC, 8: DDTREE_SPEC}
-VARIANTS = {3: "v3", 8: "scan-rank-cache-regs"}   # ``fast`` -> its name in tests and bench
-SCAN_VARIANTS = (8,)             # variants whose stage 1 writes group keys (scan_width), not candidate lists
-CACHE_VARIANTS = (8,)            # variants with the sorted-cache builder
+    src="ddtree.cu", names=_NAMES, hot=True, fast_math=False, pdl=True,
+    doc="DDTree kernels: scan and list top-K, sorted-cache builder (v3 above budget 64), register walk"))
+TOPK_KINDS = tuple(_MERGE)       # ``kind`` of the top-K calls: "scan", "list"
 MERGE_REGS_MAX_P = 20            # DDT_MREG in ddtree.cu: the register merge for <= 20 chunks per row
 CACHE_MAX_BUDGET = 64         # DDT_CACHE_BUDGET in ddtree.cu: 32 cache entries cover budgets <= 2 * 32
-# The variant the engine uses; DDT_TREE_VARIANT (one of VARIANTS) overrides it (whole-engine checks of the
-# other build). 8: the integration run of 2026-11-29 (every DDTree GPU test passed): 10 x 64 bf16 total
-# 40.5 (the previous default) -> 35.8 us (PDL 35.2): build 15.9 -> 13.2, top-K 21.1 -> 18.1, walk 3.5 -> 2.8.
-DEFAULT_VARIANT = 8
-if knobs.get().tree_variant is not None:
-    DEFAULT_VARIANT = knobs.get().tree_variant
-    if DEFAULT_VARIANT not in VARIANTS:
-        raise ValueError(f"DDT_TREE_VARIANT: expected one of {sorted(VARIANTS)}, got {DEFAULT_VARIANT}")
 
 
-# The scan variant hands the top-K of small shapes to the candidate-list kernels (variant 3's module; the
-# builder and walk are the same code in both): on the H200 (bench/results/tree_h200.json) the list top-K
-# was faster only at 1 stream (7 rows) and k = 8 (11.8 vs 12.3 us; scan: k = 16 12.5 vs 12.8, 4 streams
-# k = 8 15.0 vs 21.8). Measured at V_local = 163840 only.
+# A workspace hands the top-K of small shapes to the candidate-list kernels: on the H200
+# (bench/results/tree_h200.json) the list top-K was faster only at 1 stream (7 rows) and k = 8 (11.8 vs
+# 12.3 us; scan: k = 16 12.5 vs 12.8, 4 streams k = 8 15.0 vs 21.8). Measured at V_local = 163840 only.
 LIST_TOPK_MAX_ROWS = 7
 LIST_TOPK_MAX_K = 8
 
 
-def topk_variant(rows: int, k: int, fast: int = DEFAULT_VARIANT) -> int:
-    """The kernel variant whose top-K a workspace of variant ``fast`` launches for ``rows`` rows of top-``k``
-    (rule above; every variant's top-K gives the same outputs bit for bit)."""
-    v = variant(fast)
-    if v in SCAN_VARIANTS and rows <= LIST_TOPK_MAX_ROWS and k <= LIST_TOPK_MAX_K:
-        return 3
-    return v
+def topk_kind(rows: int, k: int) -> str:
+    """The top-K kind a workspace launches for ``rows`` rows of top-``k`` (rule above; both kinds give
+    the same outputs bit for bit)."""
+    return "list" if rows <= LIST_TOPK_MAX_ROWS and k <= LIST_TOPK_MAX_K else "scan"
 
 
-def variant(fast: int) -> int:
-    """``fast``, a variant number (a key of VARIANTS), checked."""
-    if isinstance(fast, (bool, np.bool_)) or not isinstance(fast, (int, np.integer)) or int(fast) not in VARIANTS:
-        raise ValueError(f"fast: expected a variant number in {sorted(VARIANTS)}, got {fast!r}")
-    return int(fast)
+def _kind(kind: str) -> str:
+    """``kind``, a key of TOPK_KINDS, checked."""
+    if not isinstance(kind, str) or kind not in TOPK_KINDS:
+        raise ValueError(f"kind: expected one of {TOPK_KINDS}, got {kind!r}")
+    return kind
 
 
-def _fn(name, fast: int, max_dynamic_smem: int = 0):
-    return get_kernel(_SPECS[variant(fast)], name, max_dynamic_smem=max_dynamic_smem)
+def _fn(name, max_dynamic_smem: int = 0):
+    return get_kernel(DDTREE_SPEC, name, max_dynamic_smem=max_dynamic_smem)
 
 
 def n_chunks(vocab_local: int, chunk: int = DEFAULT_CHUNK) -> int:
@@ -117,21 +100,21 @@ def part_width(k: int) -> int:
 
 
 def scan_width(k: int) -> int:
-    """uint64 slots per chunk in the scan variant's ``part_keys`` (scan_width in ddtree.cu): a 3-slot
+    """uint64 slots per chunk in the scan kind's ``part_keys`` (scan_width in ddtree.cu): a 3-slot
     header (logits row address | bf16 flag, V_local | id_offset << 32, chunk) and the 256 threads'
-    largest keys; k == 1 is the chunk's largest key alone, as in the other variants."""
+    largest keys; k == 1 is the chunk's largest key alone, as in the list kind."""
     return 1 if k == 1 else 3 + TOPK_THREADS
 
 
-def stage1_width(k: int, fast: int = DEFAULT_VARIANT) -> int:
-    """Slots per chunk of ``part_keys`` for kernel variant ``fast``."""
-    return scan_width(k) if variant(fast) in SCAN_VARIANTS else part_width(k)
+def stage1_width(k: int, kind: str = "scan") -> int:
+    """Slots per chunk of ``part_keys`` for top-K kind ``kind``."""
+    return scan_width(k) if _kind(kind) == "scan" else part_width(k)
 
 
-def merge_smem(P: int, k: int, parts_major: bool, fast: int = DEFAULT_VARIANT) -> int:
-    """Dynamic shared memory of ``ddt_topk_merge``: every list's keys (capacity) plus P lengths; the scan
-    variant (k >= 2): max(256 P group keys, 32 cand_cap(k) candidates) plus cand_cap(k) group indices."""
-    if not parts_major and k > 1 and variant(fast) in SCAN_VARIANTS:
+def merge_smem(P: int, k: int, parts_major: bool, kind: str = "scan") -> int:
+    """Dynamic shared memory of the merge: every list's keys (capacity) plus P lengths; the scan kind
+    (k >= 2): max(256 P group keys, 32 cand_cap(k) candidates) plus cand_cap(k) group indices."""
+    if not parts_major and k > 1 and _kind(kind) == "scan":
         return max(P * TOPK_THREADS, 32 * cand_cap(k)) * 8 + cand_cap(k) * 4
     lcap = cand_cap(k) if (not parts_major and k > 1) else k
     return P * lcap * 8 + P * 4
@@ -141,18 +124,16 @@ def merge_smem(P: int, k: int, parts_major: bool, fast: int = DEFAULT_VARIANT) -
 # stage launches (checked; no allocation, no host sync)
 # ----------------------------------------------------------------------------------------------------
 def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: int = DEFAULT_CHUNK,
-                 fast: int = DEFAULT_VARIANT):
+                 kind: str = "scan"):
     """Per row of ``logits`` [rows, V_local] (float32, or uint16 = bf16 bits) and per chunk of ``chunk``
     logits (a multiple of 2048, <= 8192): the chunk's candidate list -> ``part_keys`` uint64
-    [rows, P, stage1_width(k, fast)] (the scan variant: its group keys and a header with the logits'
+    [rows, P, stage1_width(k, kind)] (the scan kind: its group keys and a header with the logits'
     address, so ``logits`` must stay unchanged until the merge) and its log-sum-exp partial
     (max, sum exp(x - max)) -> ``part_ms`` float32 [rows, P, 2]; P = ceil(V_local / chunk)."""
     dims: dict = {}
     dev = current_device()
-    if logits.dtype == np.float32:
-        name = "ddt_topk_partial_f32"
-    elif logits.dtype == np.uint16:
-        name = "ddt_topk_partial_bf16"
+    if logits.dtype in (np.float32, np.uint16):
+        name = _PARTIAL[(_kind(kind), logits.dtype.type)]
     else:
         raise ValueError(f"logits: expected float32 or uint16 (bf16 bits), got {logits.dtype}")
     check_array("logits", logits, logits.dtype, ("rows", "V"), dims, device=dev)
@@ -166,27 +147,28 @@ def topk_partial(logits, k: int, part_keys, part_ms, id_offset: int = 0, chunk: 
     if chunk % 2048:
         raise ValueError(f"chunk: must be a multiple of 2048, got {chunk}")
     P = n_chunks(V, chunk)
-    check_array("part_keys", part_keys, np.uint64, ("rows", P, stage1_width(k, fast)), dims, device=dev)
+    check_array("part_keys", part_keys, np.uint64, ("rows", P, stage1_width(k, kind)), dims, device=dev)
     check_array("part_ms", part_ms, np.float32, ("rows", P, 2), dims, device=dev)
     check_range("id_offset", id_offset, 0, (1 << 31) - 1 - V)
     rows = dims["rows"]
-    _fn(name, fast)((P, rows), (TOPK_THREADS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
+    _fn(name)((P, rows), (TOPK_THREADS,), (logits, np.int32(rows), np.int32(V), np.int32(id_offset),
                                           np.int32(k), np.int32(chunk), part_keys, part_ms))
 
 
 def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: bool = False,
-               fast: int = DEFAULT_VARIANT):
-    """Merge P partial lists per row. ``keys`` uint64 [rows, P, stage1_width(k, fast)] with ``ms`` float32
+               kind: str = "scan"):
+    """Merge P partial lists per row. ``keys`` uint64 [rows, P, stage1_width(k, kind)] with ``ms`` float32
     [rows, P, 2] (parts_major False, stage-1 output) or [P, rows, k] / [P, rows, 2] (parts_major True,
     an all-gather of shards' ``out_keys`` / ``out_ms``). Outputs: out_keys uint64 [rows, k], out_ms float32 [rows, 2], out_lp
     float32 [rows, k] (log-probs against the merged log-sum-exp), out_id int32 [rows, k]."""
     dims: dict = {}
     dev = current_device()
+    kind = _kind(kind)
     if parts_major:
         check_array("keys", keys, np.uint64, ("P", "rows", k), dims, device=dev)
         check_array("ms", ms, np.float32, ("P", "rows", 2), dims, device=dev)
     else:
-        check_array("keys", keys, np.uint64, ("rows", "P", stage1_width(k, fast)), dims, device=dev)
+        check_array("keys", keys, np.uint64, ("rows", "P", stage1_width(k, kind)), dims, device=dev)
         check_array("ms", ms, np.float32, ("rows", "P", 2), dims, device=dev)
     check_range("k", k, 1, MAX_K)
     check_array("out_keys", out_keys, np.uint64, ("rows", k), dims, device=dev)
@@ -194,17 +176,17 @@ def topk_merge(keys, ms, k: int, out_keys, out_ms, out_lp, out_id, parts_major: 
     check_array("out_lp", out_lp, np.float32, ("rows", k), dims, device=dev)
     check_array("out_id", out_id, np.int32, ("rows", k), dims, device=dev)
     rows, P = dims["rows"], dims["P"]
-    smem = merge_smem(P, k, parts_major, fast)
+    smem = merge_smem(P, k, parts_major, kind)
     if smem > MAX_MERGE_SMEM:
         raise ValueError(f"keys: {P} lists of top-{k} need {smem} B of shared memory in the merge "
                          f"(limit {MAX_MERGE_SMEM}); use fewer, larger chunks or shards")
-    _fn("ddt_topk_merge", fast, smem)((rows,), (TOPK_THREADS,), (
+    _fn(_MERGE[kind], smem)((rows,), (TOPK_THREADS,), (
         keys, ms, np.int32(rows), np.int32(P), np.int32(k), np.int32(1 if parts_major else 0), out_keys, out_ms,
         out_lp, out_id), shared_mem=smem)
 
 
 def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, depths, positions, n_rows,
-               mask, cap_k: int = 0, include_chain: bool = False, fast: int = DEFAULT_VARIANT):
+               mask, cap_k: int = 0, include_chain: bool = False):
     """The best-first tree of every stream: ``top_lp`` float32 / ``top_id`` int32 [S, D, K] (sorted
     descending per depth), ``budgets``/``prefix_len``/``bonus`` int32 [S] (read on the device; budgets
     clamp to [0, 128]). Outputs int32 [S, 129] tokens/parents/depths/positions, n_rows int32 [S] (= nodes
@@ -221,14 +203,13 @@ def build_tree(top_lp, top_id, budgets, prefix_len, bonus, tokens, parents, dept
         check_array(nm, a, np.int32, ("S", MAX_TREE_ROWS), dims, device=dev)
     check_array("mask", mask, np.uint32, ("S", MAX_TREE_ROWS, MASK_WORDS), dims, device=dev)
     check_range("cap_k", cap_k, 0, 1 << 30)
-    _fn("ddt_build_tree", fast)((dims["S"],), (32,), (
+    _fn("ddt_build_tree")((dims["S"],), (32,), (
         top_lp, top_id, np.int32(dims["D"]), np.int32(dims["K"]), budgets, prefix_len, bonus,
         np.int32(cap_k), np.int32(1 if include_chain else 0), tokens, parents, depths, positions, n_rows, mask))
 
 
 def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows, n_acc, kv_src, kv_dst,
-                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None,
-                fast: int = DEFAULT_VARIANT):
+                feat_rows, out_tokens, new_len, new_bonus, update_len=None, update_bonus=None):
     """Accept a path per stream and plan its commit. ``post`` int32 [S, 129]: the target's token at each
     tree row (argmax, or a sample). Outputs [S, A] int32 (A = max accepted, D + 1), padded with -1:
     acc_rows, kv_src (= prefix + row), kv_dst (= prefix + j), feat_rows (= row_offset + row); out_tokens
@@ -252,7 +233,7 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
             upd.append(np.uint64(0))    # null pointer
         else:
             upd.append(check_array(nm, a, np.int32, ("S",), dims, device=dev))
-    _fn("ddt_walk_commit", fast)((dims["S"],), (32,), (
+    _fn("ddt_walk_commit")((dims["S"],), (32,), (
         tokens, parents, n_rows, post, prefix_len, row_offset, np.int32(dims["A"]), acc_rows, n_acc, kv_src,
         kv_dst, feat_rows, out_tokens, new_len, new_bonus, upd[0], upd[1]))
 
@@ -262,14 +243,13 @@ def walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, acc_rows,
 # ----------------------------------------------------------------------------------------------------
 class DDTreeWorkspace:
     """Static buffers for ``streams`` streams, draft depth ``depth``, ``vocab_local`` logits per row and
-    top-``k`` per depth (k >= the largest budget, or the cap); ``fast`` picks the kernel variant (a key of
-    VARIANTS). Every method launches on the current
+    top-``k`` per depth (k >= the largest budget, or the cap); ``topk`` picks the top-K kind (a key of
+    TOPK_KINDS; None: DDT_TREE_TOPK if set, else ``topk_kind``'s rule). Every method launches on the current
     stream without allocating, so a sequence of calls can be captured in a CUDA graph."""
 
     def __init__(self, streams: int, depth: int, vocab_local: int, k: int, chunk: int = DEFAULT_CHUNK,
-                 fast: int = DEFAULT_VARIANT):
+                 topk: Optional[str] = None):
         import cupy
-        self.fast = variant(fast)   # a key of VARIANTS; passed to every launch
         check_range("streams", streams, 1, 1 << 16)
         check_range("depth", depth, 1, MAX_DEPTH)
         check_range("k", k, 1, MAX_K)
@@ -281,8 +261,11 @@ class DDTreeWorkspace:
         R, A = MAX_TREE_ROWS, depth + 1
         self.A = A
         i32 = lambda *s: cupy.empty(s, cupy.int32)   # noqa: E731
-        self.topk_fast = topk_variant(rows, k, self.fast)   # the top-K kernels' variant (topk_variant)
-        self.part_keys = cupy.empty((rows, self.P, stage1_width(k, self.topk_fast)), cupy.uint64)
+        # the top-K kernels' kind, passed to both top-K launches
+        if topk is None:
+            topk = knobs.get().tree_topk or topk_kind(rows, k)
+        self.topk_kind = _kind(topk)
+        self.part_keys = cupy.empty((rows, self.P, stage1_width(k, self.topk_kind)), cupy.uint64)
         self.part_ms = cupy.empty((rows, self.P, 2), cupy.float32)
         self.keys = cupy.empty((rows, k), cupy.uint64)
         self.ms = cupy.empty((rows, 2), cupy.float32)
@@ -300,19 +283,19 @@ class DDTreeWorkspace:
         dims: dict = {}
         check_array("logits", logits, logits.dtype, (self.S, self.D, self.V), dims)
         flat = logits.reshape(self.S * self.D, self.V)
-        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, fast=self.topk_fast)
+        topk_partial(flat, self.k, self.part_keys, self.part_ms, id_offset, self.chunk, kind=self.topk_kind)
         topk_merge(self.part_keys, self.part_ms, self.k, self.keys, self.ms,
                    self.top_lp.reshape(self.S * self.D, self.k), self.top_id.reshape(self.S * self.D, self.k),
-                   fast=self.topk_fast)
+                   kind=self.topk_kind)
 
     def build(self, budgets, prefix_len, bonus, cap_k: int = 0, include_chain: bool = False):
         build_tree(self.top_lp, self.top_id, budgets, prefix_len, bonus, self.tokens, self.parents,
-                   self.depths, self.positions, self.n_rows, self.mask, cap_k, include_chain, fast=self.fast)
+                   self.depths, self.positions, self.n_rows, self.mask, cap_k, include_chain)
 
     def walk_commit(self, post, prefix_len, row_offset, update_len=None, update_bonus=None):
         walk_commit(self.tokens, self.parents, self.n_rows, post, prefix_len, row_offset, self.acc_rows,
                     self.n_acc, self.kv_src, self.kv_dst, self.feat_rows, self.out_tokens, self.new_len,
-                    self.new_bonus, update_len, update_bonus, fast=self.fast)
+                    self.new_bonus, update_len, update_bonus)
 
     def outputs(self):
         """Every output buffer by name (tests poison them before launches)."""

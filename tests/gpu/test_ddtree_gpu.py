@@ -16,9 +16,10 @@ R = dd.MAX_TREE_ROWS
 W = dd.MASK_WORDS
 
 
-@pytest.fixture(params=[3, 8], ids=["v3", "scan-rank-cache-regs"])
-def fast(request):
-    """Every kernel variant (DDT_FAST = 3, 8, kernels/ddtree.py VARIANTS) must equal the reference."""
+@pytest.fixture(params=["scan", "list"])
+def topk(request):
+    """Both top-K kinds (the SCAN template parameter in ddtree.cu, kernels/ddtree.py TOPK_KINDS) must equal
+    the reference."""
     return request.param
 
 
@@ -105,7 +106,7 @@ def _check_tree(ws, top_lp, top_id, budgets, prefix, bonus, cap_k, chain):
                                       # short rows: 64 groups of 8 logits, fewer than k (the scan merge takes
                                       # every group), and 128 groups for k = 64 (half of them selected)
                                       (512, 128, "normal"), (1024, 64, "ties")])
-def test_topk_matches_reference(dtype, V, k, kind, fast):
+def test_topk_matches_reference(dtype, V, k, kind, topk):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(V + k)
@@ -117,7 +118,7 @@ def test_topk_matches_reference(dtype, V, k, kind, fast):
         dev = cp.asarray(bits)
     else:
         dev = cp.asarray(x)
-    ws = DDTreeWorkspace(S, D, V, k, fast=fast)
+    ws = DDTreeWorkspace(S, D, V, k, topk=topk)
     _poison(ws)
     ws.topk(dev)
     lp, ids = ws.top_lp.get(), ws.top_id.get()
@@ -137,7 +138,7 @@ def test_topk_matches_reference(dtype, V, k, kind, fast):
 
 @pytest.mark.parametrize("shards,k", [(2, 64), (4, 64), (8, 64), (4, 1), (8, 128)])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_topk_vocab_shards_merge(shards, k, dtype, fast):
+def test_topk_vocab_shards_merge(shards, k, dtype, topk):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace, topk_merge
     rng = np.random.default_rng(shards + k)
@@ -153,7 +154,7 @@ def test_topk_vocab_shards_merge(shards, k, dtype, fast):
     keys = cp.empty((shards, S * D, k), cp.uint64)
     ms = cp.empty((shards, S * D, 2), cp.float32)
     for r in range(shards):
-        ws = DDTreeWorkspace(S, D, Vl, k, fast=fast)
+        ws = DDTreeWorkspace(S, D, Vl, k, topk=topk)
         _poison(ws)
         ws.topk(cp.ascontiguousarray(full[:, :, r * Vl:(r + 1) * Vl]), id_offset=r * Vl)
         keys[r] = ws.keys
@@ -162,8 +163,8 @@ def test_topk_vocab_shards_merge(shards, k, dtype, fast):
     out_ms = cp.empty((S * D, 2), cp.float32)
     out_lp = cp.full((S * D, k), np.nan, cp.float32)
     out_id = cp.full((S * D, k), -7, cp.int32)
-    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True, fast=fast)
-    whole = DDTreeWorkspace(S, D, V, k, fast=fast)
+    topk_merge(keys, ms, k, out_keys, out_ms, out_lp, out_id, parts_major=True, kind=topk)
+    whole = DDTreeWorkspace(S, D, V, k, topk=topk)
     _poison(whole)
     whole.topk(full)
     np.testing.assert_array_equal(out_keys.get(), whole.keys.get())
@@ -188,16 +189,16 @@ def _tie_top(rng, S, D, K, levels=4, step=0.5):
 
 @pytest.mark.parametrize("source", ["logits", "ties", "sparse", "zero", "flat"])
 @pytest.mark.parametrize("cap_k,chain", [(0, False), (0, True), (8, False), (3, True), (1, False)])
-def test_build_tree_matches_reference(source, cap_k, chain, fast):
+def test_build_tree_matches_reference(source, cap_k, chain):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(11 + cap_k + 100 * chain + 1000 * len(source))
-    # budgets on both sides of the sorted-cache builder's limit (64, variant 8)
+    # budgets on both sides of the sorted-cache builder's limit (64; builder v3 above it)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7, 2, 100, 128, 96, 50, 127, 63, 65, 32, 40], np.int32)
     S, D, K = budgets.shape[0], 7, 128
     if source in ("sparse", "zero", "flat"):   # depth 8 (the most): the largest frontier (137 positions)
         D = 8
-    ws = DDTreeWorkspace(S, D, 8192, K, fast=fast)
+    ws = DDTreeWorkspace(S, D, 8192, K)
     _poison(ws)
     if source == "logits":
         ws.topk(cp.asarray(_random_logits(rng, S, D, 8192, "normal")))
@@ -224,7 +225,7 @@ def test_build_tree_matches_reference(source, cap_k, chain, fast):
 
 @pytest.mark.parametrize("D,K", [(1, 1), (1, 5), (3, 1), (2, 2), (8, 3), (5, 128)])
 @pytest.mark.parametrize("chain", [False, True])
-def test_build_tree_small_shapes(D, K, chain, fast):
+def test_build_tree_small_shapes(D, K, chain):
     """Depth 1, K = 1 and the like: the frontier's clamped log-prob indices (v3 carries the next sibling's
     and first child's log-probs in each entry) and budgets larger than the whole tree."""
     cp = _cp()
@@ -232,7 +233,7 @@ def test_build_tree_small_shapes(D, K, chain, fast):
     rng = np.random.default_rng(D * 1000 + K + 7 * chain)
     budgets = np.array([0, 1, 2, 5, 17, 128], np.int32)
     S = budgets.shape[0]
-    ws = DDTreeWorkspace(S, D, 4096, K, fast=fast)
+    ws = DDTreeWorkspace(S, D, 4096, K)
     lp, ids = _tie_top(rng, S, D, K, 8, 0.25)
     lp[1] = -np.sort(rng.random((D, K)).astype(np.float32) * 3, axis=-1)   # stream 1 without ties
     prefix = rng.integers(0, 5000, size=S).astype(np.int32)
@@ -283,13 +284,13 @@ def _check_walk(ws, tokens, parents, n_rows, post, prefix, row_off, D):
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_walk_commit_matches_reference(sampled, fast):
+def test_walk_commit_matches_reference(sampled):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(5 + sampled)
     budgets = np.array([64, 1, 0, 8, 128, 33, 16, 7], np.int32)
     S, D, K = budgets.shape[0], 7, 128
-    ws = DDTreeWorkspace(S, D, 4096, K, fast=fast)
+    ws = DDTreeWorkspace(S, D, 4096, K)
     _poison(ws)
     x = _random_logits(rng, S, D, 4096, "normal")
     x_dev = cp.asarray(x)
@@ -338,12 +339,12 @@ def _assert_same_candidate_sets(a, b, trial):
                                       err_msg=f"part_keys {idx} (trial {trial})")
 
 
-def test_graph_replay_equals_eager(fast):
+def test_graph_replay_equals_eager(topk):
     cp = _cp()
-    from ddtree_cupy.kernels.ddtree import SCAN_VARIANTS, DDTreeWorkspace
+    from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     rng = np.random.default_rng(99)
     S, D, V, K = 10, 7, 163840, 64
-    ws = DDTreeWorkspace(S, D, V, K, fast=fast)
+    ws = DDTreeWorkspace(S, D, V, K, topk=topk)
     logits = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
     budgets = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
     prefix = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
@@ -392,9 +393,9 @@ def test_graph_replay_equals_eager(fast):
         stream.synchronize()
         replay = snapshot()
         for k in eager:
-            # per-chunk candidate lists: a set, stored in atomic (run-dependent) order; the scan variant's
+            # per-chunk candidate lists: a set, stored in atomic (run-dependent) order; the scan kind's
             # group keys and header have fixed places: compared bit for bit below
-            if k == "part_keys" and ws.topk_fast not in SCAN_VARIANTS:
+            if k == "part_keys" and ws.topk_kind != "scan":
                 _assert_same_candidate_sets(replay[k], eager[k], trial)
                 continue
             np.testing.assert_array_equal(replay[k], eager[k], err_msg=f"{k} (trial {trial})")
@@ -432,8 +433,7 @@ def pdl_on():
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("V,K", [(163840, 64), (172032, 32), (163840, 1)])   # register merge / 21 chunks
 # (merge_scan) / k = 1 (the list merge)
-@pytest.mark.parametrize("variant", [8], ids=["scan-rank-cache-regs"])
-def test_topk_with_pdl_equals_without(variant, V, K, dtype, pdl_on):
+def test_topk_with_pdl_equals_without(V, K, dtype, pdl_on):
     """With PDL the merge may launch while stage 1 drains (10 x 7 rows x 20 chunks = 1400 blocks, several
     waves) and must wait before reading. Every round has new logits and poisoned outputs, stage-1 buffers
     included, so a merge that read a row before all of its chunks were written would give other keys. Each
@@ -443,9 +443,9 @@ def test_topk_with_pdl_equals_without(variant, V, K, dtype, pdl_on):
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace, topk_merge, topk_partial
     launch = pdl_on
-    rng = np.random.default_rng(321 + variant + (dtype == "f32") + V + K)
+    rng = np.random.default_rng(329 + (dtype == "f32") + V + K)
     S, D = 10, 7
-    ws = DDTreeWorkspace(S, D, V, K, fast=variant)
+    ws = DDTreeWorkspace(S, D, V, K)
     names = ("keys", "ms", "top_lp", "top_id")
     for rnd in range(3):
         x = _random_logits(rng, S, D, V, "normal" if rnd != 2 else "ties")
@@ -476,25 +476,24 @@ def test_topk_with_pdl_equals_without(variant, V, K, dtype, pdl_on):
     # stand-alone launches (no counters; the merge waits for the whole stage-1 grid)
     _poison(ws)
     flat = dev.reshape(S * D, V)
-    topk_partial(flat, K, ws.part_keys, ws.part_ms, fast=ws.topk_fast)
+    topk_partial(flat, K, ws.part_keys, ws.part_ms, kind=ws.topk_kind)
     topk_merge(ws.part_keys, ws.part_ms, K, ws.keys, ws.ms, ws.top_lp.reshape(S * D, K), ws.top_id.reshape(S * D, K),
-               fast=ws.topk_fast)
+               kind=ws.topk_kind)
     cp.cuda.get_current_stream().synchronize()
     for n in names:
         np.testing.assert_array_equal(getattr(ws, n).get(), plain[n], err_msg=f"{n} (stand-alone launches)")
 
 
-@pytest.mark.parametrize("variant", [8], ids=["scan-rank-cache-regs"])
-def test_step_graph_with_pdl_equals_eager(variant, pdl_on):
+def test_step_graph_with_pdl_equals_eager(pdl_on):
     """The whole step (top-K, builder, walk) captured with PDL and replayed several times with new logits
     written in place: equal to eager launches without PDL, bit for bit (stage-1 buffers included: the scan
     layout has fixed places)."""
     cp = _cp()
     from ddtree_cupy.kernels.ddtree import DDTreeWorkspace
     launch = pdl_on
-    rng = np.random.default_rng(77 + variant)
+    rng = np.random.default_rng(85)
     S, D, V, K = 10, 7, 163840, 64
-    ws = DDTreeWorkspace(S, D, V, K, fast=variant)
+    ws = DDTreeWorkspace(S, D, V, K)
     logits = cp.asarray(_to_bf16_bits(_random_logits(rng, S, D, V, "normal")))
     budgets = cp.asarray(rng.integers(0, 65, size=S).astype(np.int32))
     prefix = cp.asarray(rng.integers(0, 9000, size=S).astype(np.int32))
