@@ -1,7 +1,8 @@
 """Dry run of the GPU engine's own code (engine/step.py, engine/gpu_engine.py, the kernel wrappers it calls)
-on the CPU: CuPy is replaced by the numpy stand-in of tests/_fake_cupy.py, every kernel the step launches (DDTree top-K / builder /
-walk, KV compaction, the engine glue) by a numpy implementation that reads its raw launch arguments in the
-order of the .cu signature, and the target / drafter by toy models with the same interfaces. CUDA-graph
+on the CPU: CuPy is replaced by the numpy stand-in of tests/_fake_cupy.py, every kernel the step launches (DDTree
+top-K / builder / walk, KV compaction, the engine glue) by the numpy implementation of tests/_kernel_emul.py that
+reads its raw launch arguments in the order of the .cu signature, and the target / drafter by toy models with the
+same interfaces. CUDA-graph
 capture is emulated: launches during capture are recorded and replayed later against the same buffers
 (so a step whose host code depends on values, or passes a buffer that the replay does not see, fails).
 
@@ -23,151 +24,11 @@ import numpy as np
 import pytest
 
 import _fake_cupy as fake
+import _kernel_emul
 from _fake_cupy import run_or_record
 
-from ddtree_cupy.reference import ddtree as rdt
 from ddtree_cupy.reference.loop import DecodeLoop, Request
 from ddtree_cupy.tinymodel import TinySpec
-
-
-# ---------------------------------------------------------------------------------------------------
-# numpy implementations of the kernels the step launches, reading raw launch arguments
-# ---------------------------------------------------------------------------------------------------
-def _ordered(v):
-    bits = np.where(v == 0, np.float32(0), v).astype(np.float32).view(np.uint32).astype(np.uint64)
-    return np.where(bits >> 31 == 1, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
-
-
-def _unorder(o):
-    o = o.astype(np.uint64)
-    bits = np.where(o >> 31 == 1, o & 0x7FFFFFFF, (~o) & 0xFFFFFFFF).astype(np.uint32)
-    return bits.view(np.float32)
-
-
-def k_topk_partial(logits, rows, V, id_offset, k, chunk, part_keys, part_ms):
-    L = np.asarray(logits).reshape(int(rows), int(V)).astype(np.float32)
-    P = -(-int(V) // int(chunk))
-    for r in range(int(rows)):
-        for p in range(P):
-            x = L[r, p * chunk:(p + 1) * chunk]
-            ids = int(id_offset) + p * int(chunk) + np.arange(x.size)
-            keys = (_ordered(x) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
-            top = np.sort(keys)[::-1][:int(k)]
-            part_keys[r, p, :] = 0
-            part_keys[r, p, :top.size] = top
-            m = x.max()
-            part_ms[r, p] = (m, np.exp(x.astype(np.float64) - m).sum())
-
-
-def k_topk_merge(keys, ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id):
-    keys, ms = np.asarray(keys), np.asarray(ms)
-    if int(parts_major):
-        keys, ms = keys.transpose(1, 0, 2), ms.transpose(1, 0, 2)
-    for r in range(int(rows)):
-        top = np.sort(keys[r].reshape(-1))[::-1][:int(k)]
-        m = ms[r, :, 0].max()
-        s = (ms[r, :, 1] * np.exp(ms[r, :, 0].astype(np.float64) - m)).sum()
-        out_keys[r] = top
-        out_ms[r] = (m, s)
-        out_lp[r] = _unorder(top >> np.uint64(32)) - np.float32(m + np.log(s))
-        out_id[r] = (np.uint64(0xFFFFFFFF) - (top & np.uint64(0xFFFFFFFF))).astype(np.int64).astype(np.int32)
-
-
-def k_build_tree(top_lp, top_id, D, K, budgets, prefix_len, bonus, cap_k, include_chain, tokens, parents, depths,
-                 positions, n_rows, mask):
-    for s in range(top_lp.shape[0]):
-        b = int(np.clip(budgets[s], 0, 128))
-        tree = rdt.build_tree(np.asarray(top_lp[s]), np.asarray(top_id[s]), b, cap_k=int(cap_k) or None,
-                              include_chain=bool(include_chain))
-        flat = rdt.flatten(tree, int(bonus[s]), int(prefix_len[s]))
-        n = flat.n_rows
-        tokens[s], parents[s], depths[s], positions[s] = int(bonus[s]), -1, 0, int(prefix_len[s])
-        mask[s] = 0
-        mask[s, :, 0] = 1
-        r = np.arange(129)
-        mask[s, r, r // 32] |= (np.uint32(1) << (r % 32).astype(np.uint32))
-        tokens[s, :n], parents[s, :n], depths[s, :n], positions[s, :n] = (flat.tokens, flat.parents, flat.depths,
-                                                                          flat.positions)
-        mask[s, :n] = flat.mask_bits
-        n_rows[s] = n
-
-
-def k_walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, A, acc_rows, n_acc, kv_src, kv_dst,
-                  feat_rows, out_tokens, new_len, new_bonus, upd_len, upd_bonus):
-    A = int(A)
-    for s in range(tokens.shape[0]):
-        n = min(max(int(n_rows[s]), 1), 129)
-        rows, cur = [0], 0
-        while len(rows) < A:
-            ch = [c for c in range(cur + 1, n) if parents[s, c] == cur and tokens[s, c] == post[s, cur]]
-            if not ch:
-                break
-            cur = ch[0]
-            rows.append(cur)
-        a, pre = len(rows), int(prefix_len[s])
-        pad = lambda v: v + [-1] * (A - len(v))  # noqa: E731
-        acc_rows[s] = pad(rows)
-        kv_src[s] = pad([pre + r for r in rows])
-        kv_dst[s] = pad([pre + j for j in range(a)])
-        feat_rows[s] = pad([int(row_offset[s]) + r for r in rows])
-        out_tokens[s] = [int(tokens[s, r]) for r in rows] + [int(post[s, cur])] + [-1] * (A - a)
-        n_acc[s], new_len[s], new_bonus[s] = a, pre + a, int(post[s, cur])
-        assert isinstance(upd_len, np.uint64) and isinstance(upd_bonus, np.uint64)   # the engine passes null
-
-
-def k_kv_compact(pool_ptrs, block_table, maxpages, prefix_len, n_accept, acc_rows, A):
-    for pool in map(fake.array_at, np.asarray(pool_ptrs)):     # the pointer table, dereferenced
-        for s in range(block_table.shape[0]):
-            pre = int(prefix_len[s])
-            for j in range(1, int(n_accept[s])):
-                src, dst = pre + int(acc_rows[s, j]), pre + j
-                pool[block_table[s, dst // 64], dst % 64] = pool[block_table[s, src // 64], src % 64]
-
-
-def k_root_tree(ctrl, S, tokens, parents, depths, positions, n_rows, mask):
-    from ddtree_cupy.kernels import engine_glue as g
-    g.root_tree_ref(np.asarray(ctrl).reshape(5, int(S)), tokens, parents, depths, positions, n_rows, mask)
-
-
-def k_tree_to_batch(ctrl, S, R, trt, trp, trn, trm, tokens, positions, kv_pos, stream_ids, prefix_len, n_rows,
-                    row_start, mask_out):
-    from ddtree_cupy.kernels import engine_glue as g
-    o = g.tree_to_batch_ref(np.asarray(ctrl), int(R), np.asarray(trt), np.asarray(trp), np.asarray(trn),
-                            np.asarray(trm))
-    for k, a in (("tokens", tokens), ("positions", positions), ("kv_pos", kv_pos), ("stream_ids", stream_ids),
-                 ("prefix_len", prefix_len), ("n_rows", n_rows), ("row_start", row_start)):
-        a[...] = o[k]
-    if not isinstance(mask_out, np.uint64):
-        mask_out[...] = o["mask"]
-
-
-def k_post_scatter(ids, S, R, post):
-    from ddtree_cupy.kernels import engine_glue as g
-    post[...] = g.post_scatter_ref(np.asarray(ids), int(S), int(R))
-
-
-def k_after_walk(ctrl, S, A, n_acc, trn, out_tokens, feat_rows, features, width, app_feats, app_sid, app_pos,
-                 packed):
-    from ddtree_cupy.kernels import engine_glue as g
-    has = not isinstance(features, np.uint64)
-    o = g.after_walk_ref(np.asarray(ctrl), np.asarray(n_acc), np.asarray(trn), np.asarray(out_tokens),
-                         np.asarray(feat_rows), np.asarray(features) if has else None)
-    packed[...] = o["packed"]
-    if has:
-        assert int(width) == features.shape[1] * features.shape[2]
-        app_sid[...] = o["app_sid"]
-        app_pos[...] = o["app_pos"]
-        app_feats[o["use"]] = o["app_feats"][o["use"]]
-
-
-KERNELS = {"ddt_topk_partial_f32": k_topk_partial, "ddt_topk_merge": k_topk_merge, "ddt_build_tree": k_build_tree,
-           "ddt_walk_commit": k_walk_commit, "kv_compact_latent": k_kv_compact, "eg_root_tree": k_root_tree,
-           "eg_tree_to_batch": k_tree_to_batch, "eg_post_scatter": k_post_scatter, "eg_after_walk": k_after_walk}
-
-
-def fake_get_kernel(spec, name, max_dynamic_smem=0):
-    impl = KERNELS[name]
-    return fake.launcher(lambda grid, args: impl(*args))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,16 +191,14 @@ class FakeGpuDrafter:
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def fake_gpu(monkeypatch):
-    for name, mod in fake.MODULES.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    fake.patch_modules(monkeypatch)
     from ddtree_cupy.kernels import ddtree as kd
     from ddtree_cupy.kernels import engine_glue as kg
     from ddtree_cupy.kernels import kv_cache as kk
     from ddtree_cupy.models import drafter as md
     from ddtree_cupy.models import target as mt
     from ddtree_cupy.models import weights as mw
-    for mod in (kd, kg, kk):
-        monkeypatch.setattr(mod, "get_kernel", fake_get_kernel)
+    _kernel_emul.patch_get_kernel((kd, kg, kk), monkeypatch.setattr)
     monkeypatch.setattr(mw.GpuTargetWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=lambda: 0)))
     monkeypatch.setattr(md.GpuDrafterWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=0)))
     monkeypatch.setattr(mt, "GpuTarget", FakeGpuTarget)
@@ -452,8 +311,8 @@ def test_memory_sized_pool_and_cli_through_cupy_backend(fake_gpu, monkeypatch, t
 
 @pytest.mark.slow
 def test_engine_with_real_target_on_cpu_emulation():
-    """tests/_engine_target_emul.py in a subprocess: the engine around the REAL GpuTarget (kernels emulated by
-    tests/_target_shim.py), ar / ddtree / chain with an oracle drafter, graphs and eager, against the float64
+    """tests/_engine_target_emul.py in a subprocess: the engine around the REAL GpuTarget (every kernel emulated
+    by tests/_kernel_emul.py), ar / ddtree / chain with an oracle drafter, graphs and eager, against the float64
     reference's greedy tokens (fails, for instance, when the KV compaction is skipped)."""
     import os
     import subprocess
@@ -464,23 +323,6 @@ def test_engine_with_real_target_on_cpu_emulation():
     assert r.returncode == 0 and "ENGINE-EMUL OK" in r.stdout, tail
 
 
-def k_sample_params(ctrl, S, R, step_field, st, sk, sp, ss, temp, topk, topp, seeds, steps):
-    from ddtree_cupy.kernels import engine_glue as g
-    o = g.sample_params_ref(np.asarray(ctrl), int(R), np.asarray(st), np.asarray(sk), np.asarray(sp), np.asarray(ss))
-    assert int(step_field) == g.CTRL_STEP
-    for k, a in (("temp", temp), ("topk", topk), ("topp", topp), ("seeds", seeds), ("steps", steps)):
-        a[...] = o[k]
-
-
-KERNELS["eg_sample_params"] = k_sample_params
-
-
-def k_vocab_rows(parts, tp, T, Vl, out):
-    from ddtree_cupy.kernels import engine_glue as g
-    out[...] = g.vocab_rows_ref(np.asarray(parts))
-
-
-KERNELS["eg_vocab_rows"] = k_vocab_rows
 DRAWS: list = []
 
 

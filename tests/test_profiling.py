@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+import _kernel_emul
 import test_engine_cpu as emu
 from test_engine_cpu import fake_gpu  # noqa: F401  (the fixture)
 
@@ -143,7 +144,7 @@ def emulated(fake_gpu, monkeypatch):  # noqa: F811
     ran = []
     for n in ("input_norm", "qkv_a_gemm", "qkv_a_post", "q_b_gemm", "w_uk_rope", "attention", "w_uv", "o_proj",
               "post_norm", "gate_up_gemm", "silu", "down_gemm", "router_gate_up_gemm", "route_silu_down", "moe"):
-        monkeypatch.setitem(emu.KERNELS, _stage_kernel(n), lambda layer, n=n: ran.append((int(layer), n)))
+        monkeypatch.setitem(_kernel_emul.ENGINE_KERNELS, _stage_kernel(n), lambda layer, n=n: ran.append((int(layer), n)))
     yield ran
 
 
