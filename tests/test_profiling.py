@@ -349,3 +349,17 @@ def test_engine_doc_points_to_profiling_doc():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_session_without_a_gpu_says_there_is_none(monkeypatch):
+    """Without a usable GPU a session is refused with the reason in words (CuPy's own error on a machine
+    without a GPU would speak of an insufficient driver)."""
+    from ddtree_cupy import backend
+    from ddtree_cupy.profiling import ProfileSession
+    monkeypatch.setattr(backend, "gpu_status", lambda: (False, "no CUDA GPU found"))
+    with pytest.raises(backend.BackendError, match="ProfileSession.random needs a CUDA GPU: no CUDA GPU found"):
+        ProfileSession.random(KIMI, KIMI_DRAFTER, layers=1)
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    tdir, ddir = ensure_tiny_checkpoints()
+    with pytest.raises(backend.BackendError, match="ProfileSession.from_checkpoint needs a CUDA GPU"):
+        ProfileSession.from_checkpoint(tdir, ddir)
