@@ -1,4 +1,7 @@
-"""Shared helpers for the GPU kernel tests: bf16 random data, poisoned outputs, relative errors."""
+"""Shared helpers for the GPU kernel tests: bf16 random data, poisoned outputs, relative errors, recorded kernel
+fetches, and the GEMM tests' views, weights and checks."""
+import functools
+
 import numpy as np
 
 from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
@@ -32,3 +35,67 @@ def rel_err(got, ref):
 
 def f64(bits_dev):
     return bf16_bits_to_f32(bits_dev.get()).astype(np.float64)
+
+
+def record_kernels(monkeypatch, module) -> list:
+    """The names of the kernels ``module`` fetches from now on (one fetch per launch), in order."""
+    names = []
+    real = module.get_kernel
+
+    def recording(spec, name, **kw):
+        names.append(name)
+        return real(spec, name, **kw)
+    monkeypatch.setattr(module, "get_kernel", recording)
+    return names
+
+
+def gemm_views(cp, rng, xb, N, dt, strided, spare_rows=0):
+    """Device x [B, T, K] (the bits ``xb``) and a poisoned out [B, T, N] for a GEMM call; when ``strided``,
+    views of wider buffers as the engine passes them: x rows are columns 64.. of [T, B, K + 64] rows (drawn from
+    ``rng``), out is columns 16..16+N of a [T + spare_rows, B, N + 32] buffer, so the spare token rows after T
+    and the columns on both sides must stay poisoned. Returns (x_dev, out, obuf); obuf is None unless strided."""
+    B, T, K = xb.shape
+    if not strided:
+        return cp.asarray(xb), poisoned(cp, (B, T, N), dt), None
+    xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
+    xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
+    obuf = poisoned(cp, (T + spare_rows, B, N + 32), dt)
+    return xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:T, :, 16:16 + N].transpose(1, 0, 2), obuf
+
+
+def check_gemm(out, obuf, ref, f32, T, N, B):
+    """A GEMM's out against float64 ``ref`` [B, T, N]: relative error overall, per token and per 16-feature
+    block (a wrong row or block offset cannot hide); with ``obuf`` (``gemm_views``' buffer) nothing written
+    outside the view: no token row >= T, no column outside it."""
+    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
+    tol = 1e-5 if f32 else BF16_TOL           # fp32 out: only the accumulation order differs
+    assert rel_err(got, ref) < tol
+    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
+    assert err_bt.max() < 4 * tol, err_bt.max()
+    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731
+    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
+    assert err_blk.max() < 16 * tol, err_blk.max()
+    if obuf is not None:
+        pad = obuf.get()
+        bad = np.isnan(pad) if f32 else pad == POISON_BF16
+        assert bad[T:].all(), "wrote a token row >= T (padded token tile)"
+        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output columns"
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_weight(N, K, B):
+    """(device bits, float64 values) of a [B, N, K] GEMM weight, made once per shape (the inputs are fresh)."""
+    import cupy as cp
+    wb, w = rand_bf16(np.random.default_rng(N * 131 + K * 7 + B), (B, N, K), 0.05)
+    return cp.asarray(wb), w
+
+
+def gemm_twice(x_dev, w_dev, out, dt):
+    """``gemm_bf16`` twice with whatever kernel is forced, the second time into a re-poisoned ``out``; returns
+    the first result (the caller compares the bits: the summation order must be fixed)."""
+    from ddtree_cupy.kernels import gemm
+    gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    first = out.copy()
+    out.fill(np.nan if np.dtype(dt) == np.float32 else POISON_BF16)
+    gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+    return first
