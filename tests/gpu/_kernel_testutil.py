@@ -99,3 +99,41 @@ def gemm_twice(x_dev, w_dev, out, dt):
     out.fill(np.nan if np.dtype(dt) == np.float32 else POISON_BF16)
     gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
     return first
+
+
+# ---- the timing benches in the GPU test files (run as scripts) --------------------------------------------
+def copy_bandwidth(nbytes, reps):
+    """Device copy bandwidth in bytes/s (read + write) over ``reps`` copies of ``nbytes``, after one warm copy:
+    the ceiling of a pass that reads every weight once."""
+    import cupy as cp
+    buf = cp.empty(nbytes, cp.uint8)
+    dst = cp.empty_like(buf)
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    cp.copyto(dst, buf)
+    ev0.record()
+    for _ in range(reps):
+        cp.copyto(dst, buf)
+    ev1.record()
+    ev1.synchronize()
+    return 2 * nbytes * reps / (cp.cuda.get_elapsed_time(ev0, ev1) * 1e-3)
+
+
+def graph_us(fn, stream, reps):
+    """Microseconds per replay of ``fn`` captured as a CUDA graph on ``stream`` (one eager call first, one warm
+    replay, then ``reps`` back-to-back replays between two events)."""
+    import cupy as cp
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        g = stream.end_capture()
+        g.launch(stream)
+        stream.synchronize()
+        ev0.record(stream)
+        for _ in range(reps):
+            g.launch(stream)
+        ev1.record(stream)
+        ev1.synchronize()
+    return cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
