@@ -21,6 +21,7 @@ _kernel_emul.install()      # before anything imports cupy
 import numpy as np  # noqa: E402
 
 from _fake_cupy import run_or_record  # noqa: E402
+from _oracle_draft import oracle_draft_logits  # noqa: E402
 
 
 class OracleGpuDrafter:
@@ -45,19 +46,9 @@ class OracleGpuDrafter:
 
     def draft(self, bonus, start_pos, ctx_len, out):
         def op():
-            S, D, V = out.shape
-            host = self.rng.standard_normal((S, D, V)).astype(np.float32)
-            for b in range(S):
-                seq = self.seqs.get(b)
-                s = int(start_pos[b])
-                assert int(ctx_len[b]) == s
-                for d in range(1, D + 1):
-                    if seq is not None and s + d < len(seq):
-                        t = seq[s + d]
-                        host[b, d - 1, t] = 12.0
-                        if (s + d) % 3 == 0:        # a wrong top-1: the right token is rank 1, off the chain
-                            host[b, d - 1, (t + 5) % V] = 13.0
-            np.asarray(out).view(np.ndarray)[...] = host
+            assert all(int(c) == int(s) for c, s in zip(ctx_len, start_pos))
+            np.asarray(out).view(np.ndarray)[...] = oracle_draft_logits(self.rng, self.seqs, start_pos, out.shape,
+                                                                        off_chain_every=3)
         run_or_record(op)
         return out
 
