@@ -409,14 +409,11 @@ class ThreadComm:
         return buf
 
 
-@pytest.mark.parametrize("mode,budget", [("ddtree", 12), ("chain", 7), ("ar", 1)])
-def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
-    """Two engines (ranks 0 and 1 of TP = 2, one thread each) with vocabulary-split logits: the keys are
-    all-gathered and merged (parts-major) for the draft top-K and the target argmax; both ranks emit the
-    reference loop's tokens."""
+def two_ranks(work):
+    """``work(engine)`` on each of two engines, ranks 0 and 1 of TP = 2 over ``ThreadComm`` (one thread each,
+    the toy models, random weights); returns [rank 0's result, rank 1's], or raises the first rank's error."""
     shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
     out, errors = [None, None], []
-    _, rt, rd = make()
 
     def rank_main(r):
         try:
@@ -424,8 +421,7 @@ def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
             tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
             eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
                             kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
-            res = eng.generate(reqs(), mode, budget)
-            out[r] = ([s.output_ids for s in res.streams], res.accept_lens)
+            out[r] = work(eng)
         except BaseException as e:    # noqa: BLE001 - reported below
             errors.append(e)
             shared["barrier"].abort()
@@ -436,6 +432,20 @@ def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
         t.join()
     if errors:
         raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("mode,budget", [("ddtree", 12), ("chain", 7), ("ar", 1)])
+def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
+    """Two engines (ranks 0 and 1 of TP = 2, one thread each) with vocabulary-split logits: the keys are
+    all-gathered and merged (parts-major) for the draft top-K and the target argmax; both ranks emit the
+    reference loop's tokens."""
+    _, rt, rd = make()
+
+    def run(eng):
+        res = eng.generate(reqs(), mode, budget)
+        return [s.output_ids for s in res.streams], res.accept_lens
+    out = two_ranks(run)
     ref = DecodeLoop(rt, rd if mode != "ar" else None, mode, budget).run(reqs())
     assert out[0] == out[1]
     assert out[0][0] == [s.output_ids for s in ref.streams]
@@ -454,26 +464,7 @@ def test_tensor_parallel_sampling_equals_one_rank(fake_gpu, monkeypatch):
     DRAWS.clear()
     one = [s.output_ids for s in eng1.generate(mk(), "ddtree", 8).streams]
     draws_one = sorted(DRAWS)
-    shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
-    out, errors = [None, None], []
-
-    def rank_main(r):
-        try:
-            from ddtree_cupy.engine.gpu_engine import GpuEngine
-            tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
-            eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
-                            kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
-            out[r] = [s.output_ids for s in eng.generate(mk(), "ddtree", 8).streams]
-        except BaseException as e:    # noqa: BLE001 - reported below
-            errors.append(e)
-            shared["barrier"].abort()
     DRAWS.clear()
-    th = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    if errors:
-        raise errors[0]
+    out = two_ranks(lambda eng: [s.output_ids for s in eng.generate(mk(), "ddtree", 8).streams])
     assert out[0] == out[1] == one
     assert sorted(set(DRAWS)) == sorted(set(draws_one)) and len(draws_one) > 0   # the same keys were drawn
