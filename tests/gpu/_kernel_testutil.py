@@ -1,6 +1,7 @@
 """Shared helpers for the GPU kernel tests: bf16 random data, poisoned outputs, relative errors, recorded kernel
 fetches, and the GEMM tests' views, weights and checks."""
 import functools
+import math
 
 import numpy as np
 
@@ -137,3 +138,29 @@ def graph_us(fn, stream, reps):
         ev1.record(stream)
         ev1.synchronize()
     return cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
+
+
+# ---- the sampler's statistics ----------------------------------------------------------------------------
+def sample_target_probs(logits, temperature, top_k, top_p):
+    """The distribution the sampler draws from, float64 (as reference.ddtree.sample_from_logits): softmax(l / T)
+    sorted (ties: the lower id first), its first ``top_k``, then the shortest head reaching ``top_p`` of the
+    kept mass, renormalised. Returns (p over the vocabulary, the kept ids in sorted order)."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.lexsort((np.arange(len(p)), -p))
+    ps = p[order]
+    if top_k > 0:
+        ps = ps[:top_k]
+    if top_p < 1:
+        c = np.cumsum(ps)
+        ps = ps[:int(np.searchsorted(c, top_p * c[-1], side="left")) + 1]
+    out = np.zeros_like(p)
+    out[order[:len(ps)]] = ps / ps.sum()
+    return out, order[:len(ps)]
+
+
+def chi2_critical(df, z=3.719):
+    """Upper quantile of chi-square(df) at a 1e-4 false-alarm rate (z = 3.719), Wilson-Hilferty."""
+    a = 2.0 / (9.0 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
