@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 
 from ddtree_cupy import run  # noqa: E402
 
-from _serve_helpers import MODEL, LocalServer, demo_state  # noqa: E402
+from _serve_helpers import MODEL, LocalServer, demo_state, wait_drained  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 T = 120.0
@@ -77,9 +77,7 @@ def test_gpu_concurrent_streams_equal_solo_and_cancel_frees_pages(server):
     assert not errors, errors
     assert [got[k] for k in range(6)] == solo
     loop = server.state.loop
-    t_end = time.monotonic() + T
-    while (loop.sched.pool.free_pages != loop.sched.pool.num_pages or loop.running) and time.monotonic() < t_end:
-        time.sleep(0.05)
+    wait_drained(loop, T)
     assert loop.sched.pool.free_pages == loop.sched.pool.num_pages
 
 
