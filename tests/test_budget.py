@@ -209,7 +209,8 @@ def test_auto_sampling_matches_target_distribution(tmp_path_factory):
 # ---------------- the CLI -------------------------------------------------------------------------------
 def test_cli_budget_auto_default_and_statistics(tmp_path_factory, capsys, tmp_path):
     import json
-    from test_cli import SMALL as CLI_SMALL, call, last_json
+    from _specs import SMALL as CLI_SMALL
+    from test_cli import call, last_json
     from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
     t, d = ensure_tiny_checkpoints(str(tmp_path_factory.mktemp("cli_budget")), seed=5, spec=CLI_SMALL)
     base = ["--model", t, "--drafter", d, "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8,7", "--max-new-tokens", 16,

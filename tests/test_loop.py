@@ -10,19 +10,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from _specs import SMALL_256 as SMALL
+
 from ddtree_cupy.checkpoint import load_drafter_weights, load_reference_weights
 from ddtree_cupy.config import DrafterConfig, TargetConfig
 from ddtree_cupy.reference.drafter import ReferenceDrafter
 from ddtree_cupy.reference.loop import DecodeLoop, Request, generate
 from ddtree_cupy.reference.target import ReferenceTarget
 from ddtree_cupy.tinymodel import TinySpec, ensure_tiny_checkpoints
-
-# Small enough that a 100-token run takes a fraction of a second, big enough for real MoE routing and MLA.
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, num_shards=2,
-                 drafter_hidden_layers=1, drafter_attention_heads=4, drafter_kv_heads=2, drafter_head_dim=16,
-                 drafter_intermediate_size=128, drafter_target_layer_ids=(0, 1, 2), max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
