@@ -164,3 +164,12 @@ def chi2_critical(df, z=3.719):
     """Upper quantile of chi-square(df) at a 1e-4 false-alarm rate (z = 3.719), Wilson-Hilferty."""
     a = 2.0 / (9.0 * df)
     return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def logits_on_device(cp, x, dtype):
+    """float32 logits ``x`` as a kernel reads them: ``dtype`` 'bf16' rounds them to bf16 bits (the values the
+    kernel sees come back float32), anything else keeps float32. Returns (those values, the device array)."""
+    if dtype == "bf16":
+        bits = to_bf16_bits(x)
+        return bf16_bits_to_f32(bits), cp.asarray(bits)
+    return x, cp.asarray(x)

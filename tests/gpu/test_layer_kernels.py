@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from _kernel_testutil import BF16_TOL, chi2_critical, f64, poisoned, rand_bf16, rel_err, sample_target_probs
-from ddtree_cupy.bf16 import bf16_bits_to_f32, round_bf16, to_bf16_bits
+from _kernel_testutil import (BF16_TOL, chi2_critical, f64, logits_on_device, poisoned, rand_bf16, rel_err,
+                              sample_target_probs)
+from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.config import RopeConfig
 from ddtree_cupy.reference import apply_rope_adjacent, apply_rope_rotate_half, rms_norm, route, yarn_inv_freq
 
@@ -268,12 +269,7 @@ def test_topk_exact_with_ties(dtype, T, V, K):
         where = rng.choice(V, size=min(5, V), replace=False)
         x[t, where] = top
         x[t, rng.choice(V, size=min(40, V), replace=False)] = top - 0.5
-    if dtype == "bf16":
-        bits = to_bf16_bits(x)
-        x = bf16_bits_to_f32(bits)
-        dev = cp.asarray(bits)
-    else:
-        dev = cp.asarray(x)
+    x, dev = logits_on_device(cp, x, dtype)
     vals = poisoned(cp, (T, K), np.float32)
     ids = poisoned(cp, (T, K), np.int32)
     topk(dev, K, vals, ids)

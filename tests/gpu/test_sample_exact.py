@@ -5,8 +5,7 @@ replayed by the reference."""
 import numpy as np
 import pytest
 
-from _kernel_testutil import chi2_critical, poisoned, sample_target_probs
-from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
+from _kernel_testutil import chi2_critical, logits_on_device, poisoned, sample_target_probs
 from ddtree_cupy.reference.ddtree import philox_uniform, sample_counter, sample_from_logits, slot_seed
 
 pytestmark = pytest.mark.gpu
@@ -93,12 +92,7 @@ def test_equals_reference_sampler_same_uniform(dtype):
     rng = np.random.default_rng(11)
     T = 96
     x = _mixed_rows(rng, T)
-    if dtype == "bf16":
-        bits = to_bf16_bits(x)
-        x = bf16_bits_to_f32(bits)
-        dev = cp.asarray(bits)
-    else:
-        dev = cp.asarray(x)
+    x, dev = logits_on_device(cp, x, dtype)
     cases = [CASES[t % len(CASES)] for t in range(T)]
     seeds = np.array([slot_seed(int(rng.integers(0, 2 ** 63)), t) for t in range(T)], np.uint64)
     steps = np.array([sample_counter(int(rng.integers(0, 1000)), t % 129) for t in range(T)], np.int64)
