@@ -390,7 +390,7 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
     selection launch alone. ``old_src``: the previous router.cu (bf16 gate_up, no logits stride) compiled
     from that path, timed in the same process as the old chain (router GEMM fp32 + shared gate_up GEMM
     bf16 + the old route_silu). Ceiling: the head's weight bytes at the copy bandwidth of this run.
-    Revision 3 (E2): ``down`` = the same head with the shared down projection inside the route launch
+    E2 (docs/MODELS.md): ``down`` = the same head with the shared down projection inside the route launch
     (router_topk_down, no shared down GEMM) next to ``new`` (route + SwiGLU, then gemm_bf16) - the
     DDT_ROUTER_DOWN decision; ``old_norm_src``: the previous norm.cu, its rms_norm (with the residual add,
     as the layer runs it) timed against the current one in the same chain."""
