@@ -13,10 +13,10 @@ arguments in the order of the .cu signature (pointers, element strides, grid). T
   MoE is emulated at ``moe_forward`` level from the dequantised experts (``pack_moe_weights`` keeps them), after
   the real launch plan has checked the arguments.
 
-Users: the ``fake_gpu`` fixture of tests/_engine_toys.py (tests/test_engine_cpu.py and the tests built on its toy
-models) patches ``get_kernel`` into the engine's wrapper modules per test; the subprocess runs of tests/gpu/ files on the CPU (tests/test_models_cpu.py,
-tests/test_allreduce_fused_target_cpu.py) and tests/_engine_target_emul.py call ``install()`` before anything
-imports cupy. NCCL is absent (its tests skip).
+Users: the ``fake_gpu`` fixture of tests/_engine_toys.py (tests/test_engine_cpu.py and the tests built on its
+toy models) patches ``get_kernel`` into the engine's wrapper modules per test; the subprocess runs of tests/gpu/
+files on the CPU (tests/test_models_cpu.py, tests/test_allreduce_fused_target_cpu.py) and
+tests/_engine_target_emul.py call ``install()`` before anything imports cupy. NCCL is absent (its tests skip).
 """
 import ctypes
 
