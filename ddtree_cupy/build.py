@@ -182,7 +182,9 @@ def _print_progress(i: int, n: int, r: SpecReport) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.build", description=__doc__.splitlines()[0])
+    from .run import HelpWithDefaults
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.build", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpWithDefaults)
     ap.add_argument("--arch", nargs="+", default=["sm_120", "sm_90"], help="e.g. sm_120 sm_90")
     ap.add_argument("--hot-only", action="store_true", help="only the specs marked hot")
     ap.add_argument("--src", nargs="+", metavar="FILE.cu",

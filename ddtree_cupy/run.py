@@ -30,8 +30,9 @@ class UsageError(ValueError):
     """Bad input from the command line; the message names the option or file."""
 
 
-class _HelpWithDefaults(argparse.HelpFormatter):
-    """--help shows each option's default where it has one (not for unset options and flags)."""
+class HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each option's default where it has one (not for unset options and flags, nor where the help
+    already says it); every command line of the package uses it."""
 
     def _get_help_string(self, action):
         h = action.help or ""
@@ -42,7 +43,7 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run", formatter_class=_HelpWithDefaults,
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run", formatter_class=HelpWithDefaults,
                                  description="Generate text with DDTree speculative decoding (Kimi K2.6 + DFlash drafter).")
     m = ap.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="target checkpoint directory (config.json, safetensors, tokenizer)")

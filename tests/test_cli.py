@@ -269,3 +269,27 @@ def test_help_shows_defaults(capsys):
         seg = out[out.index("  " + opt + " "):]
         seg = seg[:seg.find("\n  --", 2) if seg.find("\n  --", 2) > 0 else len(seg)]
         assert f"(default: {default})" in " ".join(seg.split()), (opt, seg)
+
+
+@pytest.mark.parametrize("module,want", [
+    ("ddtree_cupy.serve.main", {"--port": "8000", "--host": "127.0.0.1", "--backend": "auto", "--mode": "ddtree",
+                                "--max-streams": "8", "--budget": "auto"}),
+    ("ddtree_cupy.build", {"--arch": "['sm_120', 'sm_90']"}),
+    ("ddtree_cupy.tinymodel", {"--seed": "0"})])
+def test_every_command_help_shows_defaults_once(capsys, module, want):
+    """The other command lines' --help as the CLI's: each default once, none for flags or unset options."""
+    import importlib
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit):
+        if hasattr(mod, "build_parser"):
+            mod.build_parser().parse_args(["--help"])
+        else:
+            mod.main(["--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out[out.index("options:"):].split())
+    assert "(default: None)" not in text and "(default: False)" not in text, text
+    for seg in re.split(r" (?=--[a-z])", text):             # a help that names its default gets no second one
+        assert seg.count("(default:") <= 1, seg
+    segs = re.split(r" (?=--[a-z])", text)
+    for opt, default in want.items():
+        assert any(seg.startswith(opt + " ") and f"(default: {default})" in seg for seg in segs), opt
