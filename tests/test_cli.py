@@ -293,3 +293,14 @@ def test_every_command_help_shows_defaults_once(capsys, module, want):
     segs = re.split(r" (?=--[a-z])", text)
     for opt, default in want.items():
         assert any(seg.startswith(opt + " ") and f"(default: {default})" in seg for seg in segs), opt
+
+
+def test_counts_are_singular_when_one(dirs, capsys):
+    """A one-token run says '1 token' and '0 steps'; the weights line says '1 rank'."""
+    t, d = dirs
+    rc, out, err = call(capsys, "--model", t, "--drafter", d, "--backend", "numpy", "--prompt-ids", "1,2,3",
+                        "--max-new-tokens", 1)
+    assert rc == 0
+    summary = [line for line in out.splitlines() + err.splitlines() if line.startswith("--- ")][-1]
+    assert summary.startswith("--- 1 token in ") and ", 0 steps," in summary, summary
+    assert "read by 1 rank in" in err, err
