@@ -130,6 +130,16 @@ def stop_process(p) -> None:
         p.wait(10)
 
 
+def run_threads(fns, timeout_s: float) -> None:
+    """Each of ``fns`` in its own thread, all started before any is joined (at most ``timeout_s`` each)."""
+    import threading
+    th = [threading.Thread(target=f) for f in fns]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(timeout_s)
+
+
 def wait_drained(loop, timeout_s: float) -> None:
     """Wait (at most ``timeout_s``) until the loop runs nothing and its KV pool is whole again; the caller
     asserts what it expects."""
@@ -140,4 +150,4 @@ def wait_drained(loop, timeout_s: float) -> None:
 
 
 __all__ = ["MODEL", "LocalServer", "demo_state", "scripted_state", "script_ids", "ScriptedExecutor", "free_port",
-           "start_server", "stop_process", "wait_drained"]
+           "start_server", "stop_process", "run_threads", "wait_drained"]

@@ -6,7 +6,6 @@ Loopback only; every client call has a timeout."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -16,7 +15,8 @@ openai = pytest.importorskip("openai")
 
 from ddtree_cupy import run  # noqa: E402
 
-from _serve_helpers import MODEL, LocalServer, demo_state, free_port, start_server, stop_process, wait_drained  # noqa: E402,E501
+from _serve_helpers import (MODEL, LocalServer, demo_state, free_port, run_threads, start_server,  # noqa: E402
+                            stop_process, wait_drained)
 
 pytestmark = pytest.mark.slow
 T = 120.0
@@ -150,11 +150,7 @@ def test_continuous_batching_equals_solo_and_cancel_frees_pages(server):
                 n += line.startswith("data: ")
                 if n >= 3:
                     break
-    th = [threading.Thread(target=run_one, args=(k,)) for k in range(8)] + [threading.Thread(target=cancelled)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(timeout=4 * T)
+    run_threads([lambda k=k: run_one(k) for k in range(8)] + [cancelled], 4 * T)
     assert not errors, errors
     assert [got[k] for k in range(8)] == solo
     loop = server.state.loop
