@@ -23,7 +23,8 @@ plan_mla picks an mla_attn_fwd tile, and the combine with one split per warp in 
 (TP1) shapes, prints was -> now, the modelled times and the ratio to the floor, and a summary (median
 speed-up, worst case, per row bucket); it skips the chain timings and the drafter to stay near a minute.
 --partial both times fp32 against bf16 split partials (each with its own plan) at the engine's decode shapes in
-the same run, without and with PDL, and prints the decision of docs/history/2026-11-29-attention.md "Revision 6" (~15 s);
+the same run, without and with PDL, and prints the decision of docs/history/2026-11-29-attention.md
+"bf16 split partials" (~15 s);
 --partial fp32 / bf16 runs every other mode with that dtype (default: the rule, DDT_MLA_PARTIAL_BF16).
 Prints tables; never asserts a speed.
 """
@@ -198,9 +199,9 @@ def partial_both(one, results, args, bw, num_sms):
 
 
 def partial_decision(results):
-    """docs/history/2026-11-29-attention.md "Revision 6" decision rule: flip PARTIAL_BF16 to True iff bf16 is >= 2% faster (ratio <=
-    0.98) at 1 x 8 and 4 x 8 @ 4K and no decode shape is > 1% slower (ratio > 1.01), in both columns (without
-    and with PDL)."""
+    """docs/history/2026-11-29-attention.md "bf16 split partials" decision rule: flip PARTIAL_BF16 to True iff
+    bf16 is >= 2% faster (ratio <= 0.98) at 1 x 8 and 4 x 8 @ 4K and no decode shape is > 1% slower (ratio >
+    1.01), in both columns (without and with PDL)."""
     rs = [r for r in results if "pdl_ratio" in r]
     key = [r for r in rs if (r["streams"], r["rows"], r["ctx"]) in PARTIAL_KEY_SHAPES]
     wins = all(r["ratio"] <= 0.98 and r["pdl_ratio"] <= 0.98 for r in key) and len(key) == len(PARTIAL_KEY_SHAPES)
@@ -332,7 +333,7 @@ def refit(paths):
 
 def refit_combine(paths):
     """Least squares on log time of the combine terms only (MLA_COMBINE_US, MLA_COMBINE_US_PER_ROW_SPLIT), the
-    tile / block / DRAM constants kept: for results whose plans all split (the revision 3 runs), where a full
+    tile / block / DRAM constants kept: for results whose plans all split (the H200 runs of the fixed-cost work), where a full
     refit trades the block and combine fixed costs against each other. Prints the constants, the fit error and
     the shapes of the benchmark grid whose "model" plan (H200) would change. Host only (needs scipy)."""
     from scipy.optimize import minimize
@@ -400,7 +401,8 @@ def main():
     ap.add_argument("--partial", choices=("fp32", "bf16", "both"), default=None,
                     help="split-partial dtype (default: the rule, kernels/attention.py mla_partial_bf16); both: time "
                          "fp32 vs bf16 partials at the engine's decode shapes in the same run, with and without "
-                         "PDL, and apply the decision rule of docs/history/2026-11-29-attention.md 'Revision 6'")
+                         "PDL, and apply the decision rule of docs/history/2026-11-29-attention.md "
+                         "'bf16 split partials'")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python -m bench.bulk_probe [--gb 1] [--json F]
 
-Why: the bulk-copy MoE GEMMs (cuda_src/moe_bulk.cu) and a bulk-copy skinny GEMM (revision 4, removed) streamed
+Why: the bulk-copy MoE GEMMs (cuda_src/moe_bulk.cu) and a bulk-copy skinny GEMM (removed) streamed
 far below the read ceiling, and the two readings -- the consumers' per-stage chain vs a fixed cost per copy
 request -- could not be told apart inside those kernels. This kernel has no arithmetic: a producer warp streams
 each block's contiguous region through an nst-deep ring of stages of ``copies`` copies of ``copy_bytes`` each

@@ -31,6 +31,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(os.path.dirname(HERE), "tests")]
 
+from _oracle_draft import OracleDraft  # noqa: E402  (tests/ on the path)
+
 N_NEW = 104
 PROMPT_LENS = (5, 40, 270)
 
@@ -49,26 +51,6 @@ def bits_to_bool(words: np.ndarray, n: int) -> np.ndarray:
     """uint32 [R, 5] packed mask -> bool [n, n] (row i sees row j)."""
     j = np.arange(n)
     return ((words[:n, j // 32] >> (j % 32).astype(np.uint32)) & 1).astype(bool)
-
-
-class OracleChain:
-    """drafter.draft stand-in: noise logits with the given continuation boosted at every depth, so the tree's
-    top path is that continuation (siblings from the noise fill the rest of the budget)."""
-
-    def __init__(self, seqs, seed=0):
-        self.seqs, self.rng = seqs, np.random.default_rng(seed)
-
-    def __call__(self, bonus, start_pos, ctx_len, out):
-        s = start_pos.get()
-        S, D, V = out.shape
-        host = self.rng.standard_normal((S, D, V)).astype(np.float32)
-        for b in range(S):
-            seq = self.seqs.get(b)
-            for d in range(1, D + 1):
-                if seq is not None and s[b] + d < len(seq):
-                    host[b, d - 1, seq[s[b] + d]] = 12.0
-        out.set(host)
-        return out
 
 
 def ref_router_record(ref):
@@ -142,7 +124,7 @@ def part_a(eng, ref, cfg, prompts, conts, use_drafter, report, tag_extra=""):
     key = ("A", use_drafter, tag_extra)
     step = DecodeStep(eng.models, S, "ddtree", budget, None, False, False)
     seqs = {sl: list(p) + list(c) for sl, p, c in zip(slots, prompts, conts)}
-    eng.drafter.draft = OracleChain(seqs)
+    eng.drafter.draft = OracleDraft(seqs)   # the continuation on the tree's top path
     ctrl = np.zeros((CTRL_FIELDS, S), np.int32)
     for sl, p, b in zip(slots, prompts, bonus):
         ctrl[CTRL_PREFIX, sl], ctrl[CTRL_BONUS, sl], ctrl[CTRL_ACTIVE, sl] = len(p), b, 1

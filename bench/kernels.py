@@ -19,13 +19,14 @@ cost shows in context; 'sweep' the split-K factor of a few GEMMs; 'configs' ever
 config (and split-K) forced at each shape and T, then the fastest per shape; 'wideconfigs' the rule's wide
 block shape, the 64-row block and (above 80 rows) the 4-warp 80-token block (T > 16), each with workspace splits
 around its model pick and with cluster splits of 2, 4, 8, plus split-K and the rule's own pick, then the
-fastest per shape (docs/KERNELS.md "Wide kernel: K split over a thread-block cluster"). --pdl: programmatic dependent launch off
-(0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew' (default) times every
-GEMM and chain with the previous revision's selection ('[old]': bench.kernels.old_choice) and with the
-current rule, same run, then a side-by-side table; or a comma list of families forced through
-gemm.set_variant ('[splitk]', '[dec]', '[wide]': the wide family above 16 rows; 'auto' is the rule), or
-'nocl' (the rule with gemm.WIDE_CLUSTER off: revision 7's). Revision 5's comparison: --parts gemm --pdl 1
---variant splitk,wide --rows 32,64,160; revision 8's: --parts gemm,chain --pdl 1 --variant nocl,auto.
+fastest per shape (docs/KERNELS.md "Wide kernel: K split over a thread-block cluster"). --pdl: programmatic
+dependent launch off (0), on (1) or both (default; '[pdl]' marks the rows with it). --variant: 'oldnew'
+(default) times every GEMM and chain with the decode rule before ``choose_decode`` ('[old]':
+bench.kernels.old_choice) and with the current rule, same run, then a side-by-side table; or a comma list of
+families forced through gemm.set_variant ('[splitk]', '[dec]', '[wide]': the wide family above 16 rows; 'auto'
+is the rule), or 'nocl' (the rule with gemm.WIDE_CLUSTER off: the rule before the cluster split). The wide-token
+kernel's comparison against split-K: --parts gemm --pdl 1 --variant splitk,wide --rows 32,64,160; the cluster
+split's: --parts gemm,chain --pdl 1 --variant nocl,auto.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _cfg_str(c):
     return f"dec nt{c.nt} s{c.stages} rt{c.rt} cs{c.cs}"
 
 
-# The previous revision's rule (commit bbf9da7), kept here only to time "was" against "now" in one run: the
+# The decode rule before ``choose_decode`` (commit bbf9da7), kept here only to time "was" against "now" in one run: the
 # decode kernel (RT = CS = 1, full ring) for T <= 8, for T = 9..16 unless its grid is below 0.2 x SMs or in
 # (1, 1.25] waves of 2 resident blocks per SM; the split-K kernel otherwise.
 def old_choice(T, N, K, B, sms, slots_per_sm):
@@ -145,7 +146,7 @@ def _with_variant(v, fn, shape=None):
                 gemm.gemm_bf16 = real
         return run_old
 
-    if v == "nocl":         # the rule without cluster splits (the revision 7 rule; gemm.WIDE_CLUSTER = False)
+    if v == "nocl":         # the rule without cluster splits (the rule before the cluster split; gemm.WIDE_CLUSTER = False)
         def run_nocl():
             old = gemm.WIDE_CLUSTER
             gemm.WIDE_CLUSTER = False
@@ -169,10 +170,10 @@ def _with_variant(v, fn, shape=None):
 
 
 def wide_candidates(T, N, K, B, sms, smem_per_sm):
-    """The wideconfigs sweep at one shape (revision 8): the rule's own (config, split) tagged; the rule's block
+    """The wideconfigs sweep at one shape (the cluster-split measurements): the rule's own (config, split) tagged; the rule's block
     shape, the 64-row block (``gemm.WIDE_BM64``) and, above 80 rows, the 4-warp 80-token block, each with
     workspace splits {s / 2, s, 2 s} (s: ``wide_split``'s pick for that shape) and with the K split over a
-    cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and split-K. (Revision 5's sweep of every shape x split
+    cluster of 2, 4, 8 blocks (where K / 64 >= 2 cs); and split-K. (The wide-token kernel's first sweep of every shape x split
     is in gemm_s5_wideconfigs_h200.json (in git history).)"""
     from ddtree_cupy.kernels import gemm
     rule = gemm.choose_wide(T, N, K, B, sms, smem_per_sm)
@@ -418,7 +419,7 @@ def main(argv=None):
     ap.add_argument("--pdl", default="both", choices=("0", "1", "both"),
                     help="programmatic dependent launch off, on, or both (rows marked [pdl]; sm_90+ only)")
     ap.add_argument("--variant", default="oldnew",
-                    help="GEMM kernel: 'oldnew' (the previous revision's rule [old] vs the current one, same run), "
+                    help="GEMM kernel: 'oldnew' (the decode rule before choose_decode [old] vs the current one, same run), "
                          "'auto', or a comma list of auto, old, splitk, decode, wide, nocl (the rule without "
                          "cluster splits of the wide family)")
     ap.add_argument("--rows", help="comma list of token counts for gemm and chain (overrides --quick)")

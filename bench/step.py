@@ -150,7 +150,7 @@ def project_pro6000(mem_s: float, bw: float, n_coll: int, reduce_bytes: int, lat
     """Seconds per step on 8x RTX PRO 6000: the step measured here without collectives (memory-bound: scaled by
     read bandwidth here / 1.79 TB/s), plus each collective's latency, plus the all-reduces' bytes on the bus.
     A ring all-reduce moves 2 (tp - 1) / tp of each payload through every GPU's link, so the bus term grows with
-    the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before revision 7 had the
+    the rows in the step: 14 KB per row per all-reduce, 2 per layer. (The model before 2026-11-29 had the
     latency term only, which is flat in the payload; measured on 2 H200s, the per-call cost inside the step went
     from 9.5 us at 8 rows to 30-35 us at 320 over NVLink, 23 -> 82 us at 8 -> 80 rows through host memory: it
     is not.)"""

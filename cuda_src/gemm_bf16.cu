@@ -379,7 +379,7 @@ __device__ __forceinline__ void gemm_decode_body(
 }
 
 // RT row tiles per block, no cluster. (OUT_F32 is the last template argument of every GEMM kernel: the CPU
-// emulation in tests/_target_shim.py reads the output type from it.)
+// emulation in tests/_kernel_emul.py reads the output type from it.)
 template <int NT, int STAGES, int RT, bool OUT_F32>
 __global__ void __launch_bounds__(DEC_THREADS, (DecOcc<NT, STAGES>::value))
 gemm_bf16_kernel_decode(const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
@@ -477,7 +477,7 @@ __device__ __forceinline__ void wide_cluster_reduce(
 //    memory and each block sums its CS-th of the tile in rank order: no workspace, no reduce launch, and no
 //    partials through L2 (o_proj at T = 32, split 4: 7 MB written and read against a 15 MB weight).
 // Same argument list as gemm_bf16_kernel, the last int being the split count (the K range of split s is
-// k tiles [s kt / split, (s + 1) kt / split)), output type last (tests/_target_shim.py).
+// k tiles [s kt / split, (s + 1) kt / split)), output type last (tests/_kernel_emul.py).
 template <int WM, int WN, int WARPS_M, int WARPS_N, int STAGES, bool OUT_F32, int CS>
 __device__ __forceinline__ void gemm_wide_body(
         const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ddtree_cupy.kernels import compile as kc
+from ddtree_cupy.run import plural
 
 # The per-block limit on the target (RTX PRO 6000, sm_120); the build flags kernels whose static shared
 # memory alone passes it (dynamic shared memory is a launch-time choice and checked by the wrappers).
@@ -170,19 +171,17 @@ def build(archs: Sequence[str], hot_only: bool = False, srcs: Optional[Sequence[
     return out
 
 
-def _n(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
 def _print_progress(i: int, n: int, r: SpecReport) -> None:
     defs = ",".join(f"{k}={v}" for k, v in sorted(r.defines.items()))
     print(f"[{i}/{n}] {r.arch} {r.src}{' ' + defs if defs else ''}: "
-          f"{_n(len(r.kernels), 'kernel') if r.ok else 'COMPILE ERROR'} in {r.seconds:.1f} s",
+          f"{plural(len(r.kernels), 'kernel') if r.ok else 'COMPILE ERROR'} in {r.seconds:.1f} s",
           file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.build", description=__doc__.splitlines()[0])
+    from .run import HelpWithDefaults
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.build", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpWithDefaults)
     ap.add_argument("--arch", nargs="+", default=["sm_120", "sm_90"], help="e.g. sm_120 sm_90")
     ap.add_argument("--hot-only", action="store_true", help="only the specs marked hot")
     ap.add_argument("--src", nargs="+", metavar="FILE.cu",
@@ -209,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{r.arch:7} {r.src:18} {name:64} {k.registers:4d} {spill:>7} {k.smem_static:6d} "
                       f"{k.stack:5d}{'  HOT' if r.hot else ''}")
         n_k = sum(len(r.kernels) for r in reports)
-        print(f"{_n(len(reports), 'spec build')}, {_n(n_k, 'kernel')}, {sum(r.seconds for r in reports):.1f} s")
+        print(f"{plural(len(reports), 'spec build')}, {plural(n_k, 'kernel')}, {sum(r.seconds for r in reports):.1f} s")
     for p in problems:
         print("ERROR:", p, file=sys.stderr)
     return 1 if problems else 0

@@ -30,8 +30,14 @@ class UsageError(ValueError):
     """Bad input from the command line; the message names the option or file."""
 
 
-class _HelpWithDefaults(argparse.HelpFormatter):
-    """--help shows each option's default where it has one (not for unset options and flags)."""
+def plural(n: int, word: str) -> str:
+    """'1 token', '2 tokens': a count and its noun, as every command line prints them."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each option's default where it has one (not for unset options and flags, nor where the help
+    already says it); every command line of the package uses it."""
 
     def _get_help_string(self, action):
         h = action.help or ""
@@ -42,7 +48,7 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run", formatter_class=_HelpWithDefaults,
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.run", formatter_class=HelpWithDefaults,
                                  description="Generate text with DDTree speculative decoding (Kimi K2.6 + DFlash drafter).")
     m = ap.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="target checkpoint directory (config.json, safetensors, tokenizer)")
@@ -174,7 +180,7 @@ def _check_gpu_memory(a, tcfg, dcfg, reqs, tp: int) -> None:
     wbytes = sum(_dir_weight_bytes(d) for d in (a.model, a.drafter if dcfg is not None else None) if d) // tp
     need = _context_needed(reqs, tcfg)
     if not context_fits(need, tcfg.num_hidden_layers, wbytes, total):
-        raise UsageError(f"a context of {need} tokens ({len(reqs)} stream(s)) does not fit in the GPU's "
+        raise UsageError(f"a context of {need} tokens ({plural(len(reqs), 'stream')}) does not fit in the GPU's "
                          f"{total / 2**30:.1f} GiB next to {wbytes / 2**30:.1f} GiB of weights per rank; "
                          f"shorten the prompt or --max-new-tokens, or use more GPUs")
 
@@ -488,7 +494,7 @@ def _report_load(a, err, loads, ranks: int) -> None:
     total = sum(b for b, _ in loads)
     wall = max(t for _, t in loads)
     if not a.json:
-        print(f"weights: {total / 1e9:.3f} GB read by {ranks} rank(s) in {wall:.2f} s "
+        print(f"weights: {total / 1e9:.3f} GB read by {plural(ranks, 'rank')} in {wall:.2f} s "
               f"({total / wall / 1e9 if wall > 0 else 0:.2f} GB/s aggregate)", file=err)
 
 
@@ -542,8 +548,8 @@ def _generate(a, err, engine, reqs, tok, backend, load_s, root: bool = True) -> 
         for i, s in enumerate(streams):
             out.write(f"--- stream {i} ({s['finish_reason']}): {s['text']!r}\n")
     ph = ", ".join(f"{k} {v:.0f} ms" for k, v in stats["phase_ms"].items())
-    out.write(f"--- {stats['new_tokens']} tokens in {stats['elapsed_s']:.2f} s ({stats['tokens_per_s']:.1f} tok/s), "
-              f"{stats['steps']} step{'' if stats['steps'] == 1 else 's'}, mean acceptance length {stats['mean_accept_len']:.2f}; {ph}\n")
+    out.write(f"--- {plural(stats['new_tokens'], 'token')} in {stats['elapsed_s']:.2f} s ({stats['tokens_per_s']:.1f} tok/s), "
+              f"{plural(stats['steps'], 'step')}, mean acceptance length {stats['mean_accept_len']:.2f}; {ph}\n")
     out.flush()
     return rc
 

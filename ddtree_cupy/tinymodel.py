@@ -479,10 +479,11 @@ def write_tokenizer(out_dir: str, spec: Optional[TinySpec] = None) -> None:
 # --------------------------------------------------------------------------------------------------
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.tinymodel",
+    from .run import HelpWithDefaults
+    ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.tinymodel", formatter_class=HelpWithDefaults,
                                  description="Write tiny Kimi-K2.6-format target and DFlash drafter checkpoints.")
     ap.add_argument("out_dir", help="writes OUT_DIR/target and OUT_DIR/drafter")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="weight seed")
     ap.add_argument("--plain", action="store_true",
                     help="plain DeepseekV3 config and unprefixed names (K2-Thinking style), no vision tensors")
     args = ap.parse_args(argv)

@@ -1,7 +1,8 @@
 """The GPU engine with the REAL GpuTarget on the CPU (run in a subprocess by tests/test_engine_cpu.py):
-tests/_target_shim.py installs the numpy CuPy stand-in (tests/_fake_cupy.py) and supplies the target's
-kernels (bf16 rounding where the kernels round); the step's own kernels (DDTree top-K / walk, engine glue) come from test_engine_cpu's
-emulations. Autoregressive greedy decoding of the tiny checkpoint (no drafter: its kernels are not emulated)
+tests/_kernel_emul.py installs the numpy CuPy stand-in (tests/_fake_cupy.py) and emulates every kernel, the
+target's (bf16 rounding where the kernels round) and the step's own (DDTree top-K / walk, KV compaction over the
+stand-in's allocation table, so it moves the real target's latent rows, engine glue). Autoregressive greedy
+decoding of the tiny checkpoint (no drafter: its kernels are not emulated)
 through chunked prefill and the captured step (graphs and eager) must give the float64 reference's tokens,
 a differing token only at a real near-tie. The same for 'ddtree' and 'chain' with an oracle drafter in the
 GpuDrafter interface (draft logits boosting the reference continuation, so walks accept long paths and the
@@ -13,26 +14,14 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-import _target_shim as shim  # noqa: E402  (installs the fake cupy first)
+import _kernel_emul  # noqa: E402
+
+_kernel_emul.install()      # before anything imports cupy
+
 import numpy as np  # noqa: E402
 
-import test_engine_cpu as emu  # noqa: E402
 from _fake_cupy import run_or_record  # noqa: E402
-
-
-def get_kernel(spec, name, max_dynamic_smem=0):
-    """The step's own kernels from test_engine_cpu (its kv_compact_latent dereferences the pool pointers
-    through the shared stand-in's allocation table, so it moves the real target's latent rows), the
-    target's from the shim."""
-    if name in emu.KERNELS:
-        return emu.fake_get_kernel(spec, name)
-    return shim._get_kernel(spec, name, max_dynamic_smem)
-
-
-from ddtree_cupy.kernels import ddtree as _kd, engine_glue as _kg, kv_cache as _kk  # noqa: E402
-
-for _m in (_kd, _kg, _kk):
-    _m.get_kernel = get_kernel
+from _oracle_draft import oracle_draft_logits  # noqa: E402
 
 
 class OracleGpuDrafter:
@@ -57,19 +46,9 @@ class OracleGpuDrafter:
 
     def draft(self, bonus, start_pos, ctx_len, out):
         def op():
-            S, D, V = out.shape
-            host = self.rng.standard_normal((S, D, V)).astype(np.float32)
-            for b in range(S):
-                seq = self.seqs.get(b)
-                s = int(start_pos[b])
-                assert int(ctx_len[b]) == s
-                for d in range(1, D + 1):
-                    if seq is not None and s + d < len(seq):
-                        t = seq[s + d]
-                        host[b, d - 1, t] = 12.0
-                        if (s + d) % 3 == 0:        # a wrong top-1: the right token is rank 1, off the chain
-                            host[b, d - 1, (t + 5) % V] = 13.0
-            np.asarray(out).view(np.ndarray)[...] = host
+            assert all(int(c) == int(s) for c, s in zip(ctx_len, start_pos))
+            np.asarray(out).view(np.ndarray)[...] = oracle_draft_logits(self.rng, self.seqs, start_pos, out.shape,
+                                                                        off_chain_every=3)
         run_or_record(op)
         return out
 

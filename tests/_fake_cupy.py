@@ -1,8 +1,8 @@
 """The one numpy-backed stand-in for the parts of CuPy that the engine and GpuTarget touch, shared by the CPU
-tests: tests/test_engine_cpu.py puts it into ``sys.modules`` per test (``MODULES`` via monkeypatch), and
-tests/_target_shim.py installs it for good in its subprocesses (``install()``) before anything imports cupy.
-The kernel emulations stay with their users (target kernels in _target_shim.py, engine kernels in
-test_engine_cpu.py); they reach this module through ``launcher`` / ``run_or_record`` / ``array_at``.
+tests (the base layer; tests/_kernel_emul.py, its one extension, emulates the kernels on top of it): a test puts
+it into ``sys.modules`` for its own duration (``patch_modules(monkeypatch)``), a subprocess for good
+(``install()``) before anything imports cupy. Kernel emulations reach it through ``launcher`` /
+``run_or_record`` / ``array_at``.
 
 What it checks, so that a step that would break as a CUDA graph breaks here:
 - arrays are an ndarray subclass whose ``.data.ptr`` is the real numpy buffer address, so the real kernel
@@ -231,3 +231,10 @@ def install():
     """For a whole process (the subprocess tests): every later ``import cupy`` gets this stand-in."""
     import sys
     sys.modules.update(MODULES)
+
+
+def patch_modules(monkeypatch):
+    """For one test: ``import cupy`` gets this stand-in until the test ends."""
+    import sys
+    for name, mod in MODULES.items():
+        monkeypatch.setitem(sys.modules, name, mod)

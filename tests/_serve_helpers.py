@@ -3,8 +3,12 @@ backend), or over a scripted executor that emits given token ids through the rea
 parsers (fast, and able to produce reasoning and tool-call output a random tiny model never writes)."""
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -87,4 +91,63 @@ def script_ids(tok, text: str, stop: bool = True):
     return ids + ([tok.token_id("<|im_end|>")] if stop else [])
 
 
-__all__ = ["MODEL", "LocalServer", "demo_state", "scripted_state", "script_ids", "ScriptedExecutor"]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd, port: int, timeout_s: float, poll_s: float):
+    """``cmd`` (a server command line listening on ``port``) started with the repository on PYTHONPATH, and
+    waited for until /health answers 200 (it must not exit first, nor take more than ``timeout_s``). Returns
+    (the process, its stdout and stderr merged into one text pipe; its base URL)."""
+    import httpx
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + timeout_s
+        while True:
+            assert p.poll() is None, p.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < t_end, "server did not come up"
+            time.sleep(poll_s)
+    except BaseException:
+        stop_process(p)
+        raise
+    return p, url
+
+
+def stop_process(p) -> None:
+    """Kill ``p`` if it still runs (a test's clean-up after a failure)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+
+
+def run_threads(fns, timeout_s: float) -> None:
+    """Each of ``fns`` in its own thread, all started before any is joined (at most ``timeout_s`` each)."""
+    import threading
+    th = [threading.Thread(target=f) for f in fns]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(timeout_s)
+
+
+def wait_drained(loop, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the loop runs nothing and its KV pool is whole again; the caller
+    asserts what it expects."""
+    pool = loop.sched.pool
+    t_end = time.monotonic() + timeout_s
+    while (pool.free_pages != pool.num_pages or loop.running) and time.monotonic() < t_end:
+        time.sleep(0.05)
+
+
+__all__ = ["MODEL", "LocalServer", "demo_state", "scripted_state", "script_ids", "ScriptedExecutor", "free_port",
+           "start_server", "stop_process", "run_threads", "wait_drained"]

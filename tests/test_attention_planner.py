@@ -218,7 +218,8 @@ def test_policy_switch(monkeypatch):
 
 def test_combine_unroll_rule_matches_the_h200_pairs():
     """combine_unroll: 4 splits per warp in flight while the combine grid fits 2 blocks per SM, 1 past that;
-    the shapes are the H200 run's measured pairs (docs/history/2026-11-29-attention.md, "Revision 3"): the faster variant there."""
+    the shapes are the H200 run's measured pairs (docs/history/2026-11-29-attention.md, "Fixed cost, combine,
+    drafter on tensor cores"): the faster variant there."""
     sms = H200[0]
     faster = {(1, 1): 4, (1, 8): 4, (4, 1): 4, (10, 1): 4, (1, 32): 4, (4, 8): 4,    # <= 256 packed rows
               (4, 16): 1, (10, 8): 1, (10, 16): 1, (4, 32): 1, (10, 32): 1}          # >= 512 packed rows
@@ -234,7 +235,7 @@ def test_every_sm120_candidate_and_the_drafter_fit_99_kb():
     assert A.MLA_CONFIGS["ks16_5stage"].smem <= H200[1]   # the H200-only deep tile still fits there
 
 
-# ---- bf16 split partials (PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16, docs/history/2026-11-29-attention.md "Revision 6") ----------------
+# ---- bf16 split partials (PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16, docs/history/2026-11-29-attention.md "bf16 split partials") ----------------
 
 def test_partial_bf16_env_parsing_and_rule(monkeypatch):
     for v in ("1", "true", "ON", " yes "):
@@ -245,7 +246,7 @@ def test_partial_bf16_env_parsing_and_rule(monkeypatch):
     for v in ("2", "bf16", "fp32", "-1"):
         with pytest.raises(ValueError, match="DDT_MLA_PARTIAL_BF16"):
             A.parse_partial_bf16(v)
-    assert A.PARTIAL_BF16 is False, "fp32 by default: bf16 failed an engine accuracy test (ATTENTION.md, revision 6)"
+    assert A.PARTIAL_BF16 is False, "fp32 by default: bf16 failed an engine accuracy test (ATTENTION.md, History)"
     monkeypatch.delenv("DDT_MLA_PARTIAL_BF16", raising=False)
     assert A.mla_partial_bf16() is False
     monkeypatch.setattr(A, "PARTIAL_BF16", True)

@@ -269,10 +269,8 @@ def test_run_gpu_groups_expand(tmp_path):
 # ---- the benchmarks' main loops, with the GPU parts replaced (control flow, records, refusals) -------------
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import sys
     import _fake_cupy as fake
-    for name, mod in fake.MODULES.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    fake.patch_modules(monkeypatch)
     monkeypatch.setattr(fake.runtime, "getDeviceProperties", lambda i: {"name": b"Fake H200"}, raising=False)
     monkeypatch.setattr(fake.runtime, "memGetInfo", lambda: (100 << 30, 141 * 10**9))
     import bench.ceilings

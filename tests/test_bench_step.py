@@ -1,6 +1,4 @@
 """bench/step.py's uniform-routing override (CPU, with the numpy stand-in for CuPy): what the MoE reads."""
-import sys
-
 import numpy as np
 import pytest
 
@@ -9,8 +7,7 @@ import _fake_cupy as fake
 
 @pytest.fixture
 def routing(monkeypatch):
-    for name, mod in fake.MODULES.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    fake.patch_modules(monkeypatch)
     from ddtree_cupy.kernels import moe as moe_mod
     seen = []
     monkeypatch.setattr(moe_mod, "moe_forward", lambda x, ids, wts, experts, ws, out=None, residual=None:
@@ -104,8 +101,7 @@ class _FakeNccl:
 
 
 def test_live_rank_comm_real_and_noop(monkeypatch):
-    for name, mod in fake.MODULES.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    fake.patch_modules(monkeypatch)
     from bench.step import LiveRankComm
     real = _FakeNccl(2)
     c = LiveRankComm(real)

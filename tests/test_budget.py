@@ -15,7 +15,7 @@ from ddtree_cupy.budget import (BudgetPolicy, Calibration, CostTable, make_polic
                                 truncate_tree)
 from ddtree_cupy.reference.ddtree import build_tree
 from ddtree_cupy.reference.loop import DecodeLoop, Request, generate
-from test_loop import OracleDrafter, _models, chi2_sf, exact_triples, outputs, prompts, run
+from test_loop import OracleDrafter, _models, chi2_sf, exact_triples, outputs, pooled_chi2, prompts, run
 
 
 # ---------------- pieces -------------------------------------------------------------------------------
@@ -190,26 +190,16 @@ def test_auto_sampling_matches_target_distribution(tmp_path_factory):
     assert res.mean_accept_len > 1.3 and max(res.tree_sizes) > 1
     counts = Counter(tuple(s.output_ids) for s in res.streams)
     assert set(counts) <= set(exact)
-    obs, exp, po, pe = [], [], 0, 0.0
-    for c in sorted(exact, key=exact.get, reverse=True):
-        if exact[c] * N >= 5:
-            obs.append(counts.get(c, 0))
-            exp.append(exact[c] * N)
-        else:
-            po += counts.get(c, 0)
-            pe += exact[c] * N
-    if pe > 0:
-        obs.append(po)
-        exp.append(pe)
+    stat, obs, _ = pooled_chi2(counts, exact, N)
     assert len(obs) >= 4
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     assert chi2_sf(stat, len(obs) - 1) > 1e-3
 
 
 # ---------------- the CLI -------------------------------------------------------------------------------
 def test_cli_budget_auto_default_and_statistics(tmp_path_factory, capsys, tmp_path):
     import json
-    from test_cli import SMALL as CLI_SMALL, call, last_json
+    from _specs import SMALL as CLI_SMALL
+    from test_cli import call, last_json
     from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
     t, d = ensure_tiny_checkpoints(str(tmp_path_factory.mktemp("cli_budget")), seed=5, spec=CLI_SMALL)
     base = ["--model", t, "--drafter", d, "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8,7", "--max-new-tokens", 16,

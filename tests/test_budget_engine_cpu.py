@@ -1,12 +1,12 @@
-"""``--budget auto`` through the GPU engine's own code on the CPU (the emulation of tests/test_engine_cpu.py):
-split steps (draft + top-K graph, host budgets, build + verify + accept graph) and root-only steps without
+"""``--budget auto`` through the GPU engine's own code on the CPU (the emulation of tests/test_engine_cpu.py, toy
+models of tests/_engine_toys.py): split steps (draft + top-K graph, host budgets, build + verify + accept graph) and root-only steps without
 the drafter give exactly the reference loop's tokens (lossless), with continuous batching, in graphs and eager."""
 import numpy as np
 import pytest
 
 from ddtree_cupy.budget import BudgetPolicy, CostTable
 from ddtree_cupy.reference.loop import DecodeLoop
-from test_engine_cpu import fake_gpu, make, reqs  # noqa: F401  (fixture and helpers)
+from _engine_toys import fake_gpu, make, reqs  # noqa: F401  (fixture and helpers)
 
 
 def flat_costs(per_row=2e-4):

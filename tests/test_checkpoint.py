@@ -7,6 +7,8 @@ import os
 import numpy as np
 import pytest
 
+from _specs import MICRO
+
 from ddtree_cupy.bf16 import bf16_bits_to_f32
 from ddtree_cupy.checkpoint import (INDEX_FILE, ST_DTYPES, Checkpoint, CheckpointError, expected_drafter_tensors,
                                     expected_target_tensors, load_drafter_weights, load_reference_weights,
@@ -17,12 +19,6 @@ from ddtree_cupy.tinymodel import (TinySpec, drafter_tensors, ensure_tiny_checkp
                                    write_tiny_drafter, write_tiny_target)
 
 SEED = 3
-# A much smaller spec for the malformed-file cases (copied and damaged many times). Still K multiple of 32.
-MICRO = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=64,
-                 moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, num_shards=3,
-                 drafter_hidden_layers=1, drafter_attention_heads=2, drafter_kv_heads=1, drafter_head_dim=32,
-                 drafter_intermediate_size=64, drafter_target_layer_ids=(0, 1))
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+from _specs import SMALL
+
 from ddtree_cupy.run import main
-from ddtree_cupy.tinymodel import TinySpec, ensure_tiny_checkpoints
+from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
 from ddtree_cupy.tokenizer import load_tokenizer
 
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, num_shards=2,
-                 drafter_hidden_layers=1, drafter_attention_heads=4, drafter_kv_heads=2, drafter_head_dim=16,
-                 drafter_intermediate_size=128, drafter_target_layer_ids=(0, 1, 2), max_position_embeddings=128)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -272,3 +269,38 @@ def test_help_shows_defaults(capsys):
         seg = out[out.index("  " + opt + " "):]
         seg = seg[:seg.find("\n  --", 2) if seg.find("\n  --", 2) > 0 else len(seg)]
         assert f"(default: {default})" in " ".join(seg.split()), (opt, seg)
+
+
+@pytest.mark.parametrize("module,want", [
+    ("ddtree_cupy.serve.main", {"--port": "8000", "--host": "127.0.0.1", "--backend": "auto", "--mode": "ddtree",
+                                "--max-streams": "8", "--budget": "auto"}),
+    ("ddtree_cupy.build", {"--arch": "['sm_120', 'sm_90']"}),
+    ("ddtree_cupy.tinymodel", {"--seed": "0"})])
+def test_every_command_help_shows_defaults_once(capsys, module, want):
+    """The other command lines' --help as the CLI's: each default once, none for flags or unset options."""
+    import importlib
+    mod = importlib.import_module(module)
+    with pytest.raises(SystemExit):
+        if hasattr(mod, "build_parser"):
+            mod.build_parser().parse_args(["--help"])
+        else:
+            mod.main(["--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out[out.index("options:"):].split())
+    assert "(default: None)" not in text and "(default: False)" not in text, text
+    for seg in re.split(r" (?=--[a-z])", text):             # a help that names its default gets no second one
+        assert seg.count("(default:") <= 1, seg
+    segs = re.split(r" (?=--[a-z])", text)
+    for opt, default in want.items():
+        assert any(seg.startswith(opt + " ") and f"(default: {default})" in seg for seg in segs), opt
+
+
+def test_counts_are_singular_when_one(dirs, capsys):
+    """A one-token run says '1 token' and '0 steps'; the weights line says '1 rank'."""
+    t, d = dirs
+    rc, out, err = call(capsys, "--model", t, "--drafter", d, "--backend", "numpy", "--prompt-ids", "1,2,3",
+                        "--max-new-tokens", 1)
+    assert rc == 0
+    summary = [line for line in out.splitlines() + err.splitlines() if line.startswith("--- ")][-1]
+    assert summary.startswith("--- 1 token in ") and ", 0 steps," in summary, summary
+    assert "read by 1 rank in" in err, err

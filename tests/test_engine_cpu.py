@@ -1,7 +1,8 @@
 """Dry run of the GPU engine's own code (engine/step.py, engine/gpu_engine.py, the kernel wrappers it calls)
-on the CPU: CuPy is replaced by the numpy stand-in of tests/_fake_cupy.py, every kernel the step launches (DDTree top-K / builder /
-walk, KV compaction, the engine glue) by a numpy implementation that reads its raw launch arguments in the
-order of the .cu signature, and the target / drafter by toy models with the same interfaces. CUDA-graph
+on the CPU: CuPy is replaced by the numpy stand-in of tests/_fake_cupy.py, every kernel the step launches (DDTree
+top-K / builder / walk, KV compaction, the engine glue) by the numpy implementation of tests/_kernel_emul.py that
+reads its raw launch arguments in the order of the .cu signature, and the target / drafter by toy models with the
+same interfaces (tests/_engine_toys.py). CUDA-graph
 capture is emulated: launches during capture are recorded and replayed later against the same buffers
 (so a step whose host code depends on values, or passes a buffer that the replay does not see, fails).
 
@@ -16,357 +17,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import _fake_cupy as fake
+from _engine_toys import SPEC, fake_gpu, make, reqs  # noqa: F401  (fake_gpu: the fixture)
 from _fake_cupy import run_or_record
 
-from ddtree_cupy.reference import ddtree as rdt
 from ddtree_cupy.reference.loop import DecodeLoop, Request
-from ddtree_cupy.tinymodel import TinySpec
-
-
-# ---------------------------------------------------------------------------------------------------
-# numpy implementations of the kernels the step launches, reading raw launch arguments
-# ---------------------------------------------------------------------------------------------------
-def _ordered(v):
-    bits = np.where(v == 0, np.float32(0), v).astype(np.float32).view(np.uint32).astype(np.uint64)
-    return np.where(bits >> 31 == 1, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
-
-
-def _unorder(o):
-    o = o.astype(np.uint64)
-    bits = np.where(o >> 31 == 1, o & 0x7FFFFFFF, (~o) & 0xFFFFFFFF).astype(np.uint32)
-    return bits.view(np.float32)
-
-
-def k_topk_partial(logits, rows, V, id_offset, k, chunk, part_keys, part_ms):
-    L = np.asarray(logits).reshape(int(rows), int(V)).astype(np.float32)
-    P = -(-int(V) // int(chunk))
-    for r in range(int(rows)):
-        for p in range(P):
-            x = L[r, p * chunk:(p + 1) * chunk]
-            ids = int(id_offset) + p * int(chunk) + np.arange(x.size)
-            keys = (_ordered(x) << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
-            top = np.sort(keys)[::-1][:int(k)]
-            part_keys[r, p, :] = 0
-            part_keys[r, p, :top.size] = top
-            m = x.max()
-            part_ms[r, p] = (m, np.exp(x.astype(np.float64) - m).sum())
-
-
-def k_topk_merge(keys, ms, rows, P, k, parts_major, out_keys, out_ms, out_lp, out_id):
-    keys, ms = np.asarray(keys), np.asarray(ms)
-    if int(parts_major):
-        keys, ms = keys.transpose(1, 0, 2), ms.transpose(1, 0, 2)
-    for r in range(int(rows)):
-        top = np.sort(keys[r].reshape(-1))[::-1][:int(k)]
-        m = ms[r, :, 0].max()
-        s = (ms[r, :, 1] * np.exp(ms[r, :, 0].astype(np.float64) - m)).sum()
-        out_keys[r] = top
-        out_ms[r] = (m, s)
-        out_lp[r] = _unorder(top >> np.uint64(32)) - np.float32(m + np.log(s))
-        out_id[r] = (np.uint64(0xFFFFFFFF) - (top & np.uint64(0xFFFFFFFF))).astype(np.int64).astype(np.int32)
-
-
-def k_build_tree(top_lp, top_id, D, K, budgets, prefix_len, bonus, cap_k, include_chain, tokens, parents, depths,
-                 positions, n_rows, mask):
-    for s in range(top_lp.shape[0]):
-        b = int(np.clip(budgets[s], 0, 128))
-        tree = rdt.build_tree(np.asarray(top_lp[s]), np.asarray(top_id[s]), b, cap_k=int(cap_k) or None,
-                              include_chain=bool(include_chain))
-        flat = rdt.flatten(tree, int(bonus[s]), int(prefix_len[s]))
-        n = flat.n_rows
-        tokens[s], parents[s], depths[s], positions[s] = int(bonus[s]), -1, 0, int(prefix_len[s])
-        mask[s] = 0
-        mask[s, :, 0] = 1
-        r = np.arange(129)
-        mask[s, r, r // 32] |= (np.uint32(1) << (r % 32).astype(np.uint32))
-        tokens[s, :n], parents[s, :n], depths[s, :n], positions[s, :n] = (flat.tokens, flat.parents, flat.depths,
-                                                                          flat.positions)
-        mask[s, :n] = flat.mask_bits
-        n_rows[s] = n
-
-
-def k_walk_commit(tokens, parents, n_rows, post, prefix_len, row_offset, A, acc_rows, n_acc, kv_src, kv_dst,
-                  feat_rows, out_tokens, new_len, new_bonus, upd_len, upd_bonus):
-    A = int(A)
-    for s in range(tokens.shape[0]):
-        n = min(max(int(n_rows[s]), 1), 129)
-        rows, cur = [0], 0
-        while len(rows) < A:
-            ch = [c for c in range(cur + 1, n) if parents[s, c] == cur and tokens[s, c] == post[s, cur]]
-            if not ch:
-                break
-            cur = ch[0]
-            rows.append(cur)
-        a, pre = len(rows), int(prefix_len[s])
-        pad = lambda v: v + [-1] * (A - len(v))  # noqa: E731
-        acc_rows[s] = pad(rows)
-        kv_src[s] = pad([pre + r for r in rows])
-        kv_dst[s] = pad([pre + j for j in range(a)])
-        feat_rows[s] = pad([int(row_offset[s]) + r for r in rows])
-        out_tokens[s] = [int(tokens[s, r]) for r in rows] + [int(post[s, cur])] + [-1] * (A - a)
-        n_acc[s], new_len[s], new_bonus[s] = a, pre + a, int(post[s, cur])
-        assert isinstance(upd_len, np.uint64) and isinstance(upd_bonus, np.uint64)   # the engine passes null
-
-
-def k_kv_compact(pool_ptrs, block_table, maxpages, prefix_len, n_accept, acc_rows, A):
-    for pool in map(fake.array_at, np.asarray(pool_ptrs)):     # the pointer table, dereferenced
-        for s in range(block_table.shape[0]):
-            pre = int(prefix_len[s])
-            for j in range(1, int(n_accept[s])):
-                src, dst = pre + int(acc_rows[s, j]), pre + j
-                pool[block_table[s, dst // 64], dst % 64] = pool[block_table[s, src // 64], src % 64]
-
-
-def k_root_tree(ctrl, S, tokens, parents, depths, positions, n_rows, mask):
-    from ddtree_cupy.kernels import engine_glue as g
-    g.root_tree_ref(np.asarray(ctrl).reshape(5, int(S)), tokens, parents, depths, positions, n_rows, mask)
-
-
-def k_tree_to_batch(ctrl, S, R, trt, trp, trn, trm, tokens, positions, kv_pos, stream_ids, prefix_len, n_rows,
-                    row_start, mask_out):
-    from ddtree_cupy.kernels import engine_glue as g
-    o = g.tree_to_batch_ref(np.asarray(ctrl), int(R), np.asarray(trt), np.asarray(trp), np.asarray(trn),
-                            np.asarray(trm))
-    for k, a in (("tokens", tokens), ("positions", positions), ("kv_pos", kv_pos), ("stream_ids", stream_ids),
-                 ("prefix_len", prefix_len), ("n_rows", n_rows), ("row_start", row_start)):
-        a[...] = o[k]
-    if not isinstance(mask_out, np.uint64):
-        mask_out[...] = o["mask"]
-
-
-def k_post_scatter(ids, S, R, post):
-    from ddtree_cupy.kernels import engine_glue as g
-    post[...] = g.post_scatter_ref(np.asarray(ids), int(S), int(R))
-
-
-def k_after_walk(ctrl, S, A, n_acc, trn, out_tokens, feat_rows, features, width, app_feats, app_sid, app_pos,
-                 packed):
-    from ddtree_cupy.kernels import engine_glue as g
-    has = not isinstance(features, np.uint64)
-    o = g.after_walk_ref(np.asarray(ctrl), np.asarray(n_acc), np.asarray(trn), np.asarray(out_tokens),
-                         np.asarray(feat_rows), np.asarray(features) if has else None)
-    packed[...] = o["packed"]
-    if has:
-        assert int(width) == features.shape[1] * features.shape[2]
-        app_sid[...] = o["app_sid"]
-        app_pos[...] = o["app_pos"]
-        app_feats[o["use"]] = o["app_feats"][o["use"]]
-
-
-KERNELS = {"ddt_topk_partial<float, true>": k_topk_partial, "ddt_topk_merge<true>": k_topk_merge,
-           "ddt_topk_partial<float, false>": k_topk_partial, "ddt_topk_merge<false>": k_topk_merge,   # same results
-           "ddt_build_tree": k_build_tree,
-           "ddt_walk_commit": k_walk_commit, "kv_compact_latent": k_kv_compact, "eg_root_tree": k_root_tree,
-           "eg_tree_to_batch": k_tree_to_batch, "eg_post_scatter": k_post_scatter, "eg_after_walk": k_after_walk}
-
-
-def fake_get_kernel(spec, name, max_dynamic_smem=0):
-    impl = KERNELS[name]
-    return fake.launcher(lambda grid, args: impl(*args))
-
-
-# ---------------------------------------------------------------------------------------------------
-# toy models: the GPU-side stand-ins and their reference-interface twins
-# ---------------------------------------------------------------------------------------------------
-def toy_next_logits(ctx, V):
-    """A deterministic 'LM' whose argmax depends on the last two tokens and the context length."""
-    t1 = ctx[-1] if len(ctx) else 0
-    t2 = ctx[-2] if len(ctx) > 1 else 0
-    target = (31 * int(t1) + 17 * int(t2) + 7 * len(ctx) + 3) % V
-    return (-1.0 * ((np.arange(V) - target) % V)).astype(np.float32)
-
-
-def toy_draft_logits(ctx, bonus, s, D, V):
-    """The true greedy continuation, except that at positions with (s + d) % 3 == 0 the top-1 is a wrong
-    token and the right one is ranked second (the tree must branch to accept it)."""
-    seq = list(ctx) + [int(bonus)]
-    out = np.zeros((D, V), np.float32)
-    for d in range(1, D + 1):
-        lg = toy_next_logits(seq, V)
-        t = int(np.argmax(lg))
-        if (s + d) % 3 == 0:
-            lg = lg.copy()
-            lg[(t + 5) % V] = lg[t] + 0.5
-        out[d - 1] = lg
-        seq.append(t)
-    return out
-
-
-class ToyCache:
-    def __init__(self):
-        self.tokens = []
-
-    @property
-    def length(self):
-        return len(self.tokens)
-
-    def commit(self, prefix_len, rows):
-        self.tokens = self.tokens[:prefix_len] + [self.tokens[r] for r in rows]
-
-
-class ToyRefTarget:
-    def __init__(self, cfg, n_feat, H):
-        self.cfg, self.n_feat, self.H = cfg, n_feat, H
-
-    def new_cache(self):
-        return ToyCache()
-
-    def forward(self, tokens, positions, cache, visible=None, capture_layers=()):
-        T, V = len(tokens), self.cfg.vocab_size
-        before = list(cache.tokens)
-        vis = np.tril(np.ones((T, T), bool)) if visible is None else np.asarray(visible)
-        logits = np.stack([toy_next_logits(before + [int(tokens[j]) for j in range(T) if vis[i, j]], V)
-                           for i in range(T)])
-        cache.tokens += [int(t) for t in tokens]
-        feats = np.zeros((T, len(capture_layers), self.H), np.float32)
-        if len(capture_layers):
-            feats[:, 0, 0] = tokens
-        return logits, feats
-
-
-class ToyRefDrafter:
-    def __init__(self, dcfg, V):
-        self.block_size, self.target_layer_ids, self.V = dcfg.block_size, dcfg.target_layer_ids, V
-
-    def new_cache(self):
-        return {}
-
-    def append_context(self, cache, feats, positions, tokens):
-        for p, t in zip(positions, tokens):
-            cache[int(p)] = int(t)
-
-    def draft(self, cache, bonus, s):
-        return toy_draft_logits([cache[p] for p in range(s)], bonus, s, self.block_size - 1, self.V)
-
-
-class FakeGpuTarget:
-    """GpuTarget's interface over the paged latent cache: writes each row's token into every layer's pool at
-    kv_pos (through the block table), and computes logits from exactly what the attention would see."""
-
-    def __init__(self, cfg, w, comm=None, max_tokens=256, feature_layers=()):
-        self.cfg, self.comm, self.max_tokens = cfg, comm, max_tokens
-        self.feature_layers = tuple(feature_layers)
-        self.w = w
-        self.calls = 0
-
-    def _slice(self, full):
-        """This rank's vocabulary columns (TP: the lm_head is split by vocabulary)."""
-        size = getattr(self.comm, "size", 1) if self.comm is not None else 1
-        rank = getattr(self.comm, "rank", 0) if self.comm is not None else 0
-        n = full.shape[-1] // size
-        return full[..., rank * n:(rank + 1) * n]
-
-    def forward(self, batch, kv):
-        assert batch.T <= self.max_tokens and batch.n_feat == len(self.feature_layers)
-        run_or_record(lambda: self._forward(batch, kv))
-
-    def _forward(self, b, kv):
-        self.calls += 1
-        V, R = self.cfg.vocab_size, b.R
-        bt = np.asarray(kv.block_table)
-        for s in range(b.S):
-            n = int(b.n_rows[s])
-            base = s * R
-            for r in range(R):
-                p = int(b.kv_pos[base + r])
-                if p >= 0:
-                    assert r < n
-                    for pool in kv.pools:
-                        pool[bt[s, p // 64], p % 64, 0] = b.tokens[base + r]
-            for r in range(R):
-                row = base + r
-                if r >= n:
-                    b.logits[row] = 0
-                    continue
-                pre = int(b.prefix_len[s])
-                ctx = [int(kv.pools[0][bt[s, q // 64], q % 64, 0]) for q in range(pre)]
-                if b.mask is None:
-                    vis = range(r + 1)
-                else:
-                    words = np.asarray(b.mask[s, r])
-                    vis = [j for j in range(R) if (int(words[j // 32]) >> (j % 32)) & 1]
-                ctx += [int(b.tokens[base + j]) for j in vis]
-                b.logits[row] = self._slice(toy_next_logits(ctx, V))
-            if b.n_feat:
-                b.features[base:base + R] = 0
-                b.features[base:base + R, 0, 0] = b.tokens[base:base + R]
-
-
-class FakeGpuDrafter:
-    def __init__(self, dcfg, w, target, comm=None, max_streams=1, max_ctx=4096, max_append=64):
-        self.cfg, self.S, self.C, self.N_max = dcfg, max_streams, max_ctx, max_append
-        self.ctx = np.full((max_streams, max_ctx), -1, np.int64)
-        self.V = target.cfg.vocab_size
-        self.target = target
-        self.k_cache, self.v_cache = [], []
-
-    def append_context(self, feats, stream_ids, positions):
-        assert feats.shape[0] <= self.N_max
-        run_or_record(lambda: self._append(feats, stream_ids, positions))
-
-    def _append(self, feats, sid, pos):
-        for i in range(feats.shape[0]):
-            if pos[i] >= 0:
-                self.ctx[sid[i], pos[i] % self.C] = feats[i, 0, 0]
-
-    def draft(self, bonus, start_pos, ctx_len, out):
-        run_or_record(lambda: self._draft(bonus, start_pos, ctx_len, out))
-        return out
-
-    def _draft(self, bonus, start, clen, out):
-        D = self.cfg.block_size - 1
-        for b in range(out.shape[0]):
-            n = int(clen[b])
-            ctx = [int(self.ctx[b, p % self.C]) for p in range(n)]
-            assert all(t >= 0 for t in ctx), "drafter context has a hole"
-            out[b] = self.target._slice(toy_draft_logits(ctx, int(bonus[b]), int(start[b]), D, self.V))
-
-
-# ---------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def fake_gpu(monkeypatch):
-    for name, mod in fake.MODULES.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    from ddtree_cupy.kernels import ddtree as kd
-    from ddtree_cupy.kernels import engine_glue as kg
-    from ddtree_cupy.kernels import kv_cache as kk
-    from ddtree_cupy.models import drafter as md
-    from ddtree_cupy.models import target as mt
-    from ddtree_cupy.models import weights as mw
-    for mod in (kd, kg, kk):
-        monkeypatch.setattr(mod, "get_kernel", fake_get_kernel)
-    monkeypatch.setattr(mw.GpuTargetWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=lambda: 0)))
-    monkeypatch.setattr(md.GpuDrafterWeights, "random", staticmethod(lambda *a, **k: SimpleNamespace(nbytes=0)))
-    monkeypatch.setattr(mt, "GpuTarget", FakeGpuTarget)
-    monkeypatch.setattr(md, "GpuDrafter", FakeGpuDrafter)
-    yield
-
-
-SPEC = TinySpec(max_position_embeddings=160)
-
-
-def make(max_streams=4, max_budget=12, kv_tokens=64 * 40, eager=False):
-    from ddtree_cupy.engine.gpu_engine import GpuEngine
-    tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
-    eng = GpuEngine(tcfg, None, dcfg, None, max_streams=max_streams, max_budget=max_budget, kv_tokens=kv_tokens,
-                    eager=eager, random_weights=0, prefill_chunk=32)
-    ref_t = ToyRefTarget(SimpleNamespace(vocab_size=tcfg.vocab_size,
-                                         max_position_embeddings=tcfg.max_position_embeddings),
-                         len(dcfg.target_layer_ids), tcfg.hidden_size)
-    return eng, ref_t, ToyRefDrafter(dcfg, tcfg.vocab_size)
-
-
-def reqs(lens=(3, 40, 70, 9), n_new=(50, 30, 200, 12), stop=None):
-    rng = np.random.default_rng(1)
-    return [Request(rng.integers(0, 700, n).tolist(), m, stop_ids=stop or (), sample_stream=i)
-            for i, (n, m) in enumerate(zip(lens, n_new))]
 
 
 @pytest.mark.parametrize("mode,budget,cap_k,chain", [("ddtree", 12, None, False), ("ddtree", 6, 2, True),
@@ -454,8 +114,8 @@ def test_memory_sized_pool_and_cli_through_cupy_backend(fake_gpu, monkeypatch, t
 
 @pytest.mark.slow
 def test_engine_with_real_target_on_cpu_emulation():
-    """tests/_engine_target_emul.py in a subprocess: the engine around the REAL GpuTarget (kernels emulated by
-    tests/_target_shim.py), ar / ddtree / chain with an oracle drafter, graphs and eager, against the float64
+    """tests/_engine_target_emul.py in a subprocess: the engine around the REAL GpuTarget (every kernel emulated
+    by tests/_kernel_emul.py), ar / ddtree / chain with an oracle drafter, graphs and eager, against the float64
     reference's greedy tokens (fails, for instance, when the KV compaction is skipped)."""
     import os
     import subprocess
@@ -466,23 +126,6 @@ def test_engine_with_real_target_on_cpu_emulation():
     assert r.returncode == 0 and "ENGINE-EMUL OK" in r.stdout, tail
 
 
-def k_sample_params(ctrl, S, R, step_field, st, sk, sp, ss, temp, topk, topp, seeds, steps):
-    from ddtree_cupy.kernels import engine_glue as g
-    o = g.sample_params_ref(np.asarray(ctrl), int(R), np.asarray(st), np.asarray(sk), np.asarray(sp), np.asarray(ss))
-    assert int(step_field) == g.CTRL_STEP
-    for k, a in (("temp", temp), ("topk", topk), ("topp", topp), ("seeds", seeds), ("steps", steps)):
-        a[...] = o[k]
-
-
-KERNELS["eg_sample_params"] = k_sample_params
-
-
-def k_vocab_rows(parts, tp, T, Vl, out):
-    from ddtree_cupy.kernels import engine_glue as g
-    out[...] = g.vocab_rows_ref(np.asarray(parts))
-
-
-KERNELS["eg_vocab_rows"] = k_vocab_rows
 DRAWS: list = []
 
 
@@ -569,14 +212,11 @@ class ThreadComm:
         return buf
 
 
-@pytest.mark.parametrize("mode,budget", [("ddtree", 12), ("chain", 7), ("ar", 1)])
-def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
-    """Two engines (ranks 0 and 1 of TP = 2, one thread each) with vocabulary-split logits: the keys are
-    all-gathered and merged (parts-major) for the draft top-K and the target argmax; both ranks emit the
-    reference loop's tokens."""
+def two_ranks(work):
+    """``work(engine)`` on each of two engines, ranks 0 and 1 of TP = 2 over ``ThreadComm`` (one thread each,
+    the toy models, random weights); returns [rank 0's result, rank 1's], or raises the first rank's error."""
     shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
     out, errors = [None, None], []
-    _, rt, rd = make()
 
     def rank_main(r):
         try:
@@ -584,8 +224,7 @@ def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
             tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
             eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
                             kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
-            res = eng.generate(reqs(), mode, budget)
-            out[r] = ([s.output_ids for s in res.streams], res.accept_lens)
+            out[r] = work(eng)
         except BaseException as e:    # noqa: BLE001 - reported below
             errors.append(e)
             shared["barrier"].abort()
@@ -596,6 +235,20 @@ def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
         t.join()
     if errors:
         raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("mode,budget", [("ddtree", 12), ("chain", 7), ("ar", 1)])
+def test_tensor_parallel_two_ranks_equal_reference(fake_gpu, mode, budget):
+    """Two engines (ranks 0 and 1 of TP = 2, one thread each) with vocabulary-split logits: the keys are
+    all-gathered and merged (parts-major) for the draft top-K and the target argmax; both ranks emit the
+    reference loop's tokens."""
+    _, rt, rd = make()
+
+    def run(eng):
+        res = eng.generate(reqs(), mode, budget)
+        return [s.output_ids for s in res.streams], res.accept_lens
+    out = two_ranks(run)
     ref = DecodeLoop(rt, rd if mode != "ar" else None, mode, budget).run(reqs())
     assert out[0] == out[1]
     assert out[0][0] == [s.output_ids for s in ref.streams]
@@ -614,26 +267,7 @@ def test_tensor_parallel_sampling_equals_one_rank(fake_gpu, monkeypatch):
     DRAWS.clear()
     one = [s.output_ids for s in eng1.generate(mk(), "ddtree", 8).streams]
     draws_one = sorted(DRAWS)
-    shared = {"barrier": threading.Barrier(2, timeout=60), "parts": [None, None]}
-    out, errors = [None, None], []
-
-    def rank_main(r):
-        try:
-            from ddtree_cupy.engine.gpu_engine import GpuEngine
-            tcfg, dcfg = SPEC.target_config(), SPEC.drafter_config()
-            eng = GpuEngine(tcfg, None, dcfg, None, comm=ThreadComm(r, 2, shared), max_streams=4, max_budget=12,
-                            kv_tokens=64 * 40, random_weights=0, prefill_chunk=32)
-            out[r] = [s.output_ids for s in eng.generate(mk(), "ddtree", 8).streams]
-        except BaseException as e:    # noqa: BLE001 - reported below
-            errors.append(e)
-            shared["barrier"].abort()
     DRAWS.clear()
-    th = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    if errors:
-        raise errors[0]
+    out = two_ranks(lambda eng: [s.output_ids for s in eng.generate(mk(), "ddtree", 8).streams])
     assert out[0] == out[1] == one
     assert sorted(set(DRAWS)) == sorted(set(draws_one)) and len(draws_one) > 0   # the same keys were drawn

@@ -72,6 +72,20 @@ def ckpt(tmp_path_factory):
     return ensure_tiny_checkpoints(str(tmp_path_factory.mktemp("faults_ckpt")))
 
 
+def _signal_rank(proc, pid: int, sig) -> tuple:
+    """Send ``sig`` to one rank's process and wait for the job to end: (its stderr, seconds it took)."""
+    t0 = time.time()
+    os.kill(pid, sig)
+    _, err = proc.communicate(timeout=HANG_S)
+    return err, time.time() - t0
+
+
+def _kill_if_running(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def _prog(case, timeout=HANG_S):
     t0 = time.time()
     p = subprocess.run([_mpirun(), "-np", "2", sys.executable, str(PROGS / "fault_guard.py"), case], env=_env(),
@@ -109,14 +123,9 @@ def test_sigterm_to_one_rank_blocked_in_a_collective():
             if len(pids) == 2:
                 break
         time.sleep(0.5)
-        t0 = time.time()
-        os.kill(pids[1], signal.SIGTERM)
-        _, err = proc.communicate(timeout=HANG_S)
-        dt = time.time() - t0
+        err, dt = _signal_rank(proc, pids[1], signal.SIGTERM)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_if_running(proc)
     assert proc.returncode == 143 and dt < PROMPT_S, (proc.returncode, dt, err)
     assert "error on rank 1/2: interrupted by SIGTERM" in err
 
@@ -154,13 +163,8 @@ def test_sigint_to_one_rank_mid_generation(ckpt):
         time.sleep(1.0)
         pids = _rank_pids(proc.pid, b"ddtree_cupy.run")
         assert set(pids) == {0, 1}, pids
-        t0 = time.time()
-        os.kill(pids[1], signal.SIGINT)
-        _, err = proc.communicate(timeout=HANG_S)
-        dt = time.time() - t0
+        err, dt = _signal_rank(proc, pids[1], signal.SIGINT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        _kill_if_running(proc)
     assert proc.returncode == 130 and dt < PROMPT_S, (proc.returncode, dt, err[-2000:])
     assert "error on rank 1/2: interrupted by SIGINT" in err

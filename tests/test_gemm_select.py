@@ -161,8 +161,8 @@ def test_wide_pick_serves_and_fits_the_workspace(dev, name, N, K, B):
 
 
 def test_wide_cluster_picks_h200():
-    """Revision 8 (gemm_s8_wideconfigs_h200.json (in git history) and gemm_s8_wide160_h200.json, docs/KERNELS.md
-    "Revision 8"): short-K weights take the cluster split that measured fastest (o_proj, dense down: 4 blocks up
+    """The cluster split's H200 sweeps (gemm_s8_wideconfigs_h200.json (in git history) and gemm_s8_wide160_h200.json,
+    docs/KERNELS.md "Wide kernel: K split over a thread-block cluster"): short-K weights take the cluster split that measured fastest (o_proj, dense down: 4 blocks up
     to 80 rows, 2 above; q_b 8), long-K narrow ones keep the workspace split (their best splits, 14-28, exceed
     a cluster's 8); above 128 rows the 4-warp 80-token block (two token tiles), each pick the sweep's fastest."""
     pick = {(n, T): ("cl" if c.cs > 1 else "k") + str(s)
@@ -180,14 +180,15 @@ def test_wide_cluster_picks_h200():
 
 
 def test_wide_picks_h200():
-    """The H200 picks at the issue's shapes, pinned to the revision 5 sweep's fastest (config, split) where the
-    rule reaches it (gemm_s5_wideconfigs_h200.json (in git history); docs/history/2026-11-29-kernels.md "Revision 5: confirmed").
+    """The H200 picks at the engine's shapes, pinned to the wide-token kernel's first sweep's fastest (config,
+    split) where the rule reaches it (gemm_s5_wideconfigs_h200.json (in git history);
+    docs/history/2026-11-29-kernels.md "Wide rule confirmed").
     Exceptions, within 3%: o_proj T = 64 (k 4 here: 13.0 us; k 1 12.6), gate+up and down at T = 160 (BT 64 x 3
     tiles: 64.1 / 37.6 us; the fastest, BT 80: 62.2 / 36.4); drafter qkv T = 64 (k 23, not in the sweep; k 26
-    13.6 us, BT 32 k 12 12.0). Revision 8 moved T = 129-160 to the 4-warp BT 80 block (two token tiles), which
+    13.6 us, BT 32 k 12 12.0). The cluster split moved T = 129-160 to the 4-warp BT 80 block (two token tiles), which
     that sweep measured fastest at 6 of 7 shapes; the T = 160 rows below are its workspace picks."""
     old = gemm.WIDE_CLUSTER
-    gemm.WIDE_CLUSTER = False           # revision 5's rule (workspace splits only), as pinned then
+    gemm.WIDE_CLUSTER = False           # the rule before the cluster split (workspace splits only), as pinned then
     try:
         got = {(n, T): (c.bt(), c.threads(), s) for n, N, K in (("q_a", 2112, 7168), ("o_proj", 7168, 1024),
                                                                 ("gate+up", 4608, 7168), ("down", 7168, 2304),
@@ -208,7 +209,7 @@ def test_wide_range_and_switches(monkeypatch):
     monkeypatch.delenv("DDT_GEMM_WIDE", raising=False)
     old_w, old_v = gemm.set_wide(None), gemm.set_variant("auto")
     try:
-        assert gemm.wide_enabled() is gemm.WIDE_DEFAULT is True       # on since the revision 5 H200 run
+        assert gemm.wide_enabled() is gemm.WIDE_DEFAULT is True       # on since its first H200 run
         assert gemm.use_wide(40)
         monkeypatch.setenv("DDT_GEMM_WIDE", "1")
         assert gemm.use_wide(17) and gemm.use_wide(160) and not gemm.use_wide(16)

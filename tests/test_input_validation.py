@@ -15,16 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _specs import SMALL
+
 from ddtree_cupy.checkpoint import CheckpointError, read_safetensors_header, save_safetensors
 from ddtree_cupy.config import ConfigError, TargetConfig
 from ddtree_cupy.run import EXIT_REFUSED, main
-from ddtree_cupy.tinymodel import TinySpec, ensure_tiny_checkpoints
-
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, num_shards=2,
-                 drafter_hidden_layers=1, drafter_attention_heads=4, drafter_kv_heads=2, drafter_head_dim=16,
-                 drafter_intermediate_size=128, drafter_target_layer_ids=(0, 1, 2), max_position_embeddings=128)
+from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from _specs import SMALL_256 as SMALL
+
 from ddtree_cupy.checkpoint import load_drafter_weights, load_reference_weights
 from ddtree_cupy.config import DrafterConfig, TargetConfig
 from ddtree_cupy.reference.drafter import ReferenceDrafter
 from ddtree_cupy.reference.loop import DecodeLoop, Request, generate
 from ddtree_cupy.reference.target import ReferenceTarget
 from ddtree_cupy.tinymodel import TinySpec, ensure_tiny_checkpoints
-
-# Small enough that a 100-token run takes a fraction of a second, big enough for real MoE routing and MLA.
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, num_shards=2,
-                 drafter_hidden_layers=1, drafter_attention_heads=4, drafter_kv_heads=2, drafter_head_dim=16,
-                 drafter_intermediate_size=128, drafter_target_layer_ids=(0, 1, 2), max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +321,24 @@ def chi2_sf(x, k):
     return s
 
 
+def pooled_chi2(counts, exact, n):
+    """Chi-square of ``n`` sampled outcomes (``counts``: outcome -> times drawn) against their exact
+    probabilities, outcomes expecting fewer than 5 draws pooled into one cell. Returns (statistic, observed
+    cells, expected cells)."""
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for c in sorted(exact, key=exact.get, reverse=True):
+        if exact[c] * n >= 5:
+            obs.append(counts.get(c, 0))
+            exp.append(exact[c] * n)
+        else:
+            pool_o += counts.get(c, 0)
+            pool_e += exact[c] * n
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    return sum((o - e) ** 2 / e for o, e in zip(obs, exp)), obs, exp
+
+
 def test_chi2_sf_known_values():
     # table values: chi2_{0.05} critical points
     for k, crit in ((1, 3.841459), (2, 5.991465), (5, 11.070498), (10, 18.307038)):
@@ -367,20 +380,8 @@ def test_sampling_matches_target_distribution(ckpt_dir):
         assert set(counts) <= set(exact)
         if mode == "ddtree":
             assert res.mean_accept_len > 1.5     # the walk really took multi-token paths
-        cells = sorted(exact, key=exact.get, reverse=True)
-        obs, exp, pool_o, pool_e = [], [], 0, 0.0
-        for c in cells:
-            if exact[c] * N >= 5:
-                obs.append(counts.get(c, 0))
-                exp.append(exact[c] * N)
-            else:
-                pool_o += counts.get(c, 0)
-                pool_e += exact[c] * N
-        if pool_e > 0:
-            obs.append(pool_o)
-            exp.append(pool_e)
+        stat, obs, exp = pooled_chi2(counts, exact, N)
         assert len(obs) >= 4
-        stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
         p = chi2_sf(stat, len(obs) - 1)
         assert p > 1e-3, (mode, stat, p, obs, exp)
 

@@ -146,12 +146,13 @@ def test_rank_checks_and_cache_bytes():
 @pytest.mark.slow
 def test_gpu_target_tests_on_cpu_emulation():
     """tests/gpu/test_target_model.py (all but the Kimi-size test) through the CPU stand-in for CuPy and the
-    kernels (tests/_target_shim.py), in a subprocess: GpuTarget's plumbing (views, strides, buffers, feature
+    kernels (tests/_kernel_emul.py), in a subprocess: GpuTarget's plumbing (views, strides, buffers, feature
     copies, graph capture without allocation, TP partial sums) against the float64 reference without a GPU."""
     import subprocess
     import sys
     root = os.path.dirname(HERE)
-    code = ("import sys; sys.path[:0] = [%r, %r]; import _target_shim, pytest; "
+    code = ("import sys; sys.path[:0] = [%r, %r]; import _kernel_emul; _kernel_emul.install(); "
+            "import pytest; "
             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not kimi', %r]))"
             % (root, HERE, os.path.join(HERE, "gpu", "test_target_model.py")))
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=170)

@@ -1,5 +1,5 @@
 """The profiling API's bookkeeping on the CPU (docs/PROFILING.md): CuPy is the numpy stand-in of
-tests/_fake_cupy.py, the target and drafter are test_engine_cpu's toy models (the target given the real layer
+tests/_fake_cupy.py, the target and drafter are the engine tests' toy models (tests/_engine_toys.py) (the target given the real layer
 stage sequence, each stage one emulated kernel launch), the ceilings a fixed pair (no kernels to measure
 with). Checked: the block table and control block the session sets up, the stream its graphs run on, the
 floor arithmetic against sums written out by hand, kernel selection, the timeline / Chrome trace, errors
@@ -14,11 +14,13 @@ import sys
 import numpy as np
 import pytest
 
-import test_engine_cpu as emu
-from test_engine_cpu import fake_gpu  # noqa: F401  (the fixture)
+import _engine_toys as emu
+import _kernel_emul
+from _engine_toys import fake_gpu  # noqa: F401  (the fixture)
 
 from ddtree_cupy.profiling.ceilings import Ceilings
 from ddtree_cupy.profiling.floors import Floor, StepFloors, expected_unique_experts
+from ddtree_cupy.reference.loop import DecodeLoop, Request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI = os.path.join(ROOT, "tests", "data", "kimi-k2.6-text.json")
@@ -143,7 +145,7 @@ def emulated(fake_gpu, monkeypatch):  # noqa: F811
     ran = []
     for n in ("input_norm", "qkv_a_gemm", "qkv_a_post", "q_b_gemm", "w_uk_rope", "attention", "w_uv", "o_proj",
               "post_norm", "gate_up_gemm", "silu", "down_gemm", "router_gate_up_gemm", "route_silu_down", "moe"):
-        monkeypatch.setitem(emu.KERNELS, _stage_kernel(n), lambda layer, n=n: ran.append((int(layer), n)))
+        monkeypatch.setitem(_kernel_emul.ENGINE_KERNELS, _stage_kernel(n), lambda layer, n=n: ran.append((int(layer), n)))
     yield ran
 
 
@@ -307,7 +309,7 @@ def test_cli_profile_through_cupy_backend(emulated, monkeypatch, tmp_path, capsy
     tr = json.loads(trace.read_text())
     assert any(e.get("name") == "L3.moe" for e in tr["traceEvents"])
     # the run's tokens are those of a run without --profile
-    want = emu.DecodeLoop(*emu.make()[1:], "ddtree", 6).run([emu.Request([5, 6, 7], 12), emu.Request([9, 10], 12)])
+    want = DecodeLoop(*emu.make()[1:], "ddtree", 6).run([Request([5, 6, 7], 12), Request([9, 10], 12)])
     assert [s["output_ids"] for s in js["streams"]] == [s.output_ids for s in want.streams]
 
 
@@ -348,3 +350,17 @@ def test_engine_doc_points_to_profiling_doc():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_session_without_a_gpu_says_there_is_none(monkeypatch):
+    """Without a usable GPU a session is refused with the reason in words (CuPy's own error on a machine
+    without a GPU would speak of an insufficient driver)."""
+    from ddtree_cupy import backend
+    from ddtree_cupy.profiling import ProfileSession
+    monkeypatch.setattr(backend, "gpu_status", lambda: (False, "no CUDA GPU found"))
+    with pytest.raises(backend.BackendError, match="ProfileSession.random needs a CUDA GPU: no CUDA GPU found"):
+        ProfileSession.random(KIMI, KIMI_DRAFTER, layers=1)
+    from ddtree_cupy.tinymodel import ensure_tiny_checkpoints
+    tdir, ddir = ensure_tiny_checkpoints()
+    with pytest.raises(backend.BackendError, match="ProfileSession.from_checkpoint needs a CUDA GPU"):
+        ProfileSession.from_checkpoint(tdir, ddir)

@@ -16,7 +16,8 @@ from ddtree_cupy.engine.scheduler import (EngineStream, Scheduler, bucket_for, e
                                           pack_control)
 from ddtree_cupy.reference.loop import DecodeLoop, Request, StreamState
 
-from test_loop import SMALL, _models, prompts
+from _specs import SMALL_256 as SMALL
+from test_loop import _models, prompts
 
 
 def make_pool(num_pages=64, max_streams=4, max_pages=8, tree_rows=9):

@@ -6,7 +6,6 @@ Loopback only; every client call has a timeout."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -16,7 +15,8 @@ openai = pytest.importorskip("openai")
 
 from ddtree_cupy import run  # noqa: E402
 
-from _serve_helpers import MODEL, LocalServer, demo_state  # noqa: E402
+from _serve_helpers import (MODEL, LocalServer, demo_state, free_port, run_threads, start_server,  # noqa: E402
+                            stop_process, wait_drained)
 
 pytestmark = pytest.mark.slow
 T = 120.0
@@ -150,18 +150,12 @@ def test_continuous_batching_equals_solo_and_cancel_frees_pages(server):
                 n += line.startswith("data: ")
                 if n >= 3:
                     break
-    th = [threading.Thread(target=run_one, args=(k,)) for k in range(8)] + [threading.Thread(target=cancelled)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(timeout=4 * T)
+    run_threads([lambda k=k: run_one(k) for k in range(8)] + [cancelled], 4 * T)
     assert not errors, errors
     assert [got[k] for k in range(8)] == solo
     loop = server.state.loop
     pool = loop.sched.pool
-    t_end = time.monotonic() + T
-    while (pool.free_pages != pool.num_pages or loop.running) and time.monotonic() < t_end:
-        time.sleep(0.05)
+    wait_drained(loop, T)
     assert pool.free_pages == pool.num_pages and loop.running == 0 and loop.queued == 0
     pool.check_invariants()
     m = httpx.get(server.url + "/metrics", timeout=T).text
@@ -170,41 +164,19 @@ def test_continuous_batching_equals_solo_and_cancel_frees_pages(server):
 
 def test_command_line_server_start_talk_stop(tmp_path):
     """What a new user does: start ``python -m ddtree_cupy.serve --demo``, talk to it, Ctrl-C."""
-    import os
     import signal
-    import socket
-    import subprocess
     import sys
-    from pathlib import Path
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, "-m", "ddtree_cupy.serve", "--demo", "--backend", "numpy", "--port",
-                          str(port), "--budget", "8"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
+    p, url = start_server([sys.executable, "-m", "ddtree_cupy.serve", "--demo", "--backend", "numpy", "--port",
+                           str(port), "--budget", "8"], port, timeout_s=120, poll_s=0.3)
     try:
-        t_end = time.monotonic() + 120
-        while True:
-            assert p.poll() is None, p.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < t_end
-            time.sleep(0.3)
         r = httpx.post(url + "/v1/chat/completions", timeout=T,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=30) == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+        stop_process(p)
 
 
 def test_bad_option_is_one_line_error(capsys):

@@ -3,31 +3,19 @@ step's admissions and cancellations; the tokens equal those of one process, for 
 Ctrl-C (SIGINT to mpirun) ends every rank within seconds."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from _serve_helpers import MODEL, LocalServer, demo_state
+from _serve_helpers import MODEL, LocalServer, demo_state, free_port, start_server, stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 ARGS = ["--demo", "--backend", "numpy", "--dtype", "float64", "--budget", "8", "--max-streams", "4"]
 JOBS = [([5, 6, 7, 8, 9], 14), ([11, 12], 9), ([30, 2, 2], 11)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(url, prompt, n):
@@ -55,22 +43,10 @@ def test_two_ranks_serve_the_tokens_of_one_process():
     finally:
         srv.close()
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [shutil.which("mpirun") or shutil.which("mpiexec"), "-np", "2", sys.executable, "-m", "ddtree_cupy.serve",
            *ARGS, "--port", str(port)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    p, url = start_server(cmd, port, timeout_s=240, poll_s=0.5)
     try:
-        t_end = time.monotonic() + 240
-        while True:
-            assert p.poll() is None, p.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < t_end, "server did not come up"
-            time.sleep(0.5)
         many = ask_all_concurrently(url)
         solo = [ask(url, *j) for j in JOBS]
         assert many == one and solo == one
@@ -80,6 +56,4 @@ def test_two_ranks_serve_the_tokens_of_one_process():
         assert rc == 0, out
         assert out.count("serving 'ddtree-demo'") == 1        # rank 0 alone talks
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+        stop_process(p)

@@ -10,6 +10,8 @@ import re
 import numpy as np
 import pytest
 
+from _specs import MICRO
+
 from ddtree_cupy.bf16 import bf16_bits_to_f32
 from ddtree_cupy.checkpoint import (INDEX_FILE, Checkpoint, expected_drafter_tensors, expected_target_tensors,
                                     load_reference_weights, read_safetensors_header)
@@ -17,12 +19,6 @@ from ddtree_cupy.config import DrafterConfig, TargetConfig
 from ddtree_cupy.int4 import unpack_int4
 from ddtree_cupy.tinymodel import (SPECIAL_OFFSETS, TinySpec, bpe_ranks, ensure_tiny_checkpoints, main,
                                    target_tensors, write_tiny_drafter, write_tiny_target)
-
-SMALL = TinySpec(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=32,
-                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=64,
-                 moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, num_shards=3,
-                 drafter_hidden_layers=1, drafter_attention_heads=2, drafter_kv_heads=1, drafter_head_dim=32,
-                 drafter_intermediate_size=64, drafter_target_layer_ids=(0, 1))
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +31,26 @@ def _files(d):
 
 
 def test_deterministic_bytes(tmp_path):
-    a = _files(write_tiny_target(str(tmp_path / "a"), 5, SMALL))
-    b = _files(write_tiny_target(str(tmp_path / "b"), 5, SMALL))
-    c = _files(write_tiny_target(str(tmp_path / "c"), 6, SMALL))
+    a = _files(write_tiny_target(str(tmp_path / "a"), 5, MICRO))
+    b = _files(write_tiny_target(str(tmp_path / "b"), 5, MICRO))
+    c = _files(write_tiny_target(str(tmp_path / "c"), 6, MICRO))
     assert a == b
     assert set(a) == set(c)
     shards = [f for f in a if f.endswith(".safetensors")]
     assert len(shards) == 3 and all(a[f] != c[f] for f in shards)
     assert a["tiktoken.model"] == c["tiktoken.model"]            # the tokenizer does not depend on the seed
-    da = _files(write_tiny_drafter(str(tmp_path / "da"), 5, SMALL))
-    db = _files(write_tiny_drafter(str(tmp_path / "db"), 5, SMALL))
-    dc = _files(write_tiny_drafter(str(tmp_path / "dc"), 6, SMALL))
+    da = _files(write_tiny_drafter(str(tmp_path / "da"), 5, MICRO))
+    db = _files(write_tiny_drafter(str(tmp_path / "db"), 5, MICRO))
+    dc = _files(write_tiny_drafter(str(tmp_path / "dc"), 6, MICRO))
     assert da == db and da["model.safetensors"] != dc["model.safetensors"]
 
 
 def test_ensure_reuses_cache(tmp_path):
-    t1, d1 = ensure_tiny_checkpoints(str(tmp_path), seed=2, spec=SMALL)
+    t1, d1 = ensure_tiny_checkpoints(str(tmp_path), seed=2, spec=MICRO)
     stamp = os.stat(os.path.join(t1, INDEX_FILE)).st_mtime_ns
-    t2, d2 = ensure_tiny_checkpoints(str(tmp_path), seed=2, spec=SMALL)
+    t2, d2 = ensure_tiny_checkpoints(str(tmp_path), seed=2, spec=MICRO)
     assert (t1, d1) == (t2, d2) and os.stat(os.path.join(t2, INDEX_FILE)).st_mtime_ns == stamp
-    t3, _ = ensure_tiny_checkpoints(str(tmp_path), seed=3, spec=SMALL)
+    t3, _ = ensure_tiny_checkpoints(str(tmp_path), seed=3, spec=MICRO)
     assert t3 != t1
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tiny-")]     # no temporaries left
 

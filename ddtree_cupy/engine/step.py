@@ -46,8 +46,8 @@ def top_k_i32(top_k: int, vocab_size: int) -> int:
 
 # Programmatic dependent launch (kernels/launch.py) for captured decode steps of at most this many verify
 # rows: measured on the H200 (bench/step.py, docs/ENGINE.md) 3-8% faster at 8-64 rows, where the step is
-# launch-latency bound; at 80-320 rows 0-3.5% slower in revision 4, 1.5-2.1% faster since revision 5 (wide-token
-# GEMMs and bulk-copy MoE GEMMs there); outputs bit-identical with and without. Larger steps: unmeasured.
+# launch-latency bound; at 80-320 rows 0-3.5% slower before the wide-token GEMMs and bulk-copy MoE GEMMs there,
+# 1.5-2.1% faster with them; outputs bit-identical with and without. Larger steps: unmeasured.
 PDL_MAX_ROWS = 320
 
 

@@ -73,7 +73,7 @@ class DecodeConfig(NamedTuple):
 
     def name(self, out_f32: bool) -> str:
         f = "true" if out_f32 else "false"
-        if self.cs == 1:      # the output type last, as in every GEMM kernel (tests/_target_shim.py reads it)
+        if self.cs == 1:      # the output type last, as in every GEMM kernel (tests/_kernel_emul.py reads it)
             return f"gemm_bf16_kernel_decode<{self.nt}, {self.stages}, {self.rt}, {f}>"
         return f"gemm_bf16_kernel_decode_cl<{self.nt}, {self.stages}, {self.cs}, {f}>"
 

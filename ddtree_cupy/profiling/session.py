@@ -149,6 +149,15 @@ def step_rows(mode: str, rows: int, depth: int) -> int:
     return 1
 
 
+def _require_gpu(who: str) -> None:
+    """A session measures a GPU: without one, say so (CuPy's own error on a machine without a GPU speaks of an
+    insufficient driver)."""
+    from ..backend import BackendError, gpu_status
+    usable, why = gpu_status()
+    if not usable:
+        raise BackendError(f"{who} needs a CUDA GPU: {why}")
+
+
 class ProfileSession:
     """A decode step of one engine, set up for timing. Build it with ``random`` (rank-shaped random weights),
     ``from_checkpoint`` or around an existing ``GpuEngine`` (``ProfileSession(engine, ...)``: the CLI's
@@ -225,6 +234,7 @@ class ProfileSession:
         if routing not in ("uniform", "model"):
             raise ValueError(f"ProfileSession.random: routing must be 'uniform' or 'model', got {routing!r}")
         tcfg, dcfg = load_configs(target, drafter, layers, ctx)
+        _require_gpu("ProfileSession.random")
         if ceilings is None:        # before the weights take the memory the streaming buffer needs
             ceilings = measure_ceilings()
         router = None
@@ -243,6 +253,7 @@ class ProfileSession:
         """Rank ``rank`` of TP ``tp`` of a checkpoint (that rank's shard only; collectives without peers)."""
         from ..engine.gpu_engine import GpuEngine
         tcfg, dcfg = load_configs(model_dir, drafter_dir, None, None)
+        _require_gpu("ProfileSession.from_checkpoint")
         if ceilings is None:
             ceilings = measure_ceilings()
         eng = GpuEngine(tcfg, model_dir, dcfg, drafter_dir, progress=progress,

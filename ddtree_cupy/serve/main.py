@@ -23,9 +23,10 @@ EXIT_BAD_INPUT = 2
 
 def build_parser() -> argparse.ArgumentParser:
     from ..api import MAX_BUDGET, MODES
+    from ..run import HelpWithDefaults
     ap = argparse.ArgumentParser(prog="python -m ddtree_cupy.serve",
                                  description="OpenAI-compatible server: Kimi K2.6 with DDTree speculative decoding.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpWithDefaults)
     m = ap.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="target checkpoint directory (config.json, safetensors, tokenizer)")
     m.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (needed for --mode ddtree/chain)")
@@ -33,13 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model id clients send (default: the --model directory's name, 'ddtree-demo' with --demo)")
     h = ap.add_argument_group("http")
-    h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    h.add_argument("--port", type=int, default=8000, help="TCP port")
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: open)")
     g = ap.add_argument_group("engine")
-    g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"))
+    g.add_argument("--backend", default="auto", choices=("auto", "cupy", "numpy"),
+                   help="auto: the GPU engine where a CUDA GPU is usable, else the numpy reference")
     g.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="numpy backend precision")
-    g.add_argument("--mode", default="ddtree", choices=MODES)
+    g.add_argument("--mode", default="ddtree", choices=MODES,
+                   help="ddtree: tree speculation; chain: the drafter's top-1 path; ar: no speculation")
     g.add_argument("--budget", default="auto", metavar="N|auto",
                    help=f"DDTree node budget: 'auto' (chosen per step and stream from a cost model, docs/BUDGET.md), "
                         f"'auto:N' (at most N nodes), or a fixed N in 1..{MAX_BUDGET}")

@@ -3,34 +3,24 @@ mpirun (NCCL agreement, identical bits, fused add + norm, 10^4 graph replays), a
 ending the job with a clear error within seconds, and the engine's TP = 2 tokens with the custom path on
 (bench/tp_check.py with DDT_ALLREDUCE=custom)."""
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _multi_gpu import ROOT, gpu_count, mpi_setup, run_tp_check
+
 PROG = os.path.join(ROOT, "tests", "mpi_progs", "p2p_allreduce.py")
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
-def _setup(n=2):
-    import cupy
-    if cupy.cuda.runtime.getDeviceCount() < n:
-        pytest.skip(f"needs {n} GPUs")
-    launcher = os.environ.get("MPIRUN") or shutil.which("mpirun") or shutil.which("mpiexec")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=ROOT)
-    return launcher, env
-
-
 def _np():
-    import cupy
-    return min(8, cupy.cuda.runtime.getDeviceCount())
+    return min(8, gpu_count())
 
 
 def test_p2p_allreduce_across_gpus():
-    launcher, env = _setup()
+    launcher, env = mpi_setup()
     n = _np()
     p = subprocess.run([launcher, "-np", str(n), os.path.join(ROOT, "launcher", "bind.sh"), sys.executable, PROG],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -41,7 +31,7 @@ def test_p2p_allreduce_across_gpus():
 
 
 def test_dead_peer_ends_the_job():
-    launcher, env = _setup()
+    launcher, env = mpi_setup()
     env["DDT_AR_TIMEOUT_S"] = "3"
     t0 = time.time()
     p = subprocess.run([launcher, "-np", "2", os.path.join(ROOT, "launcher", "bind.sh"), sys.executable, PROG,
@@ -55,11 +45,6 @@ def test_dead_peer_ends_the_job():
 
 
 def test_engine_tp2_custom_allreduce_tokens(tmp_path):
-    launcher, env = _setup()
+    launcher, env = mpi_setup()
     env["DDT_ALLREDUCE"] = "custom"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "tp_check.py"), "--np", "2", "--mpirun", launcher,
-                        "--out", str(tmp_path), "--tokens", "64", "--budget", "8"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode != 2, "the launcher did not form one MPI world of 2 ranks:\n" + out[-3000:]
-    assert p.returncode == 0 and "ALL OK" in p.stdout, out[-4000:]
+    run_tp_check(tmp_path, launcher, env)

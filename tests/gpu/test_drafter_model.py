@@ -482,6 +482,7 @@ class _RankComm:
 
 def bench(streams=(1, 4, 8, 16), ctx=4096, reps=20):
     import cupy as cp
+    from _kernel_testutil import copy_bandwidth, graph_us
     from ddtree_cupy.models.drafter import GpuDrafter, GpuDrafterWeights
     cfg = DrafterConfig.load(os.path.join(os.path.dirname(__file__), "..", "data", "kimi-k2.5-dflash-drafter.json"))
     cfg = cfg.with_options(draft_window=ctx)
@@ -493,17 +494,7 @@ def bench(streams=(1, 4, 8, 16), ctx=4096, reps=20):
     lm = f32_to_bf16_bits_gpu(rs.standard_normal((V, H), dtype=cp.float32) * np.float32(H ** -0.5))
     tgt = StandInTarget(emb, lm)
     # copy bandwidth measured here: the ceiling for a pass that must read every weight once
-    buf = cp.empty(1 << 29, cp.uint8)
-    dst = cp.empty_like(buf)
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    cp.copyto(dst, buf)
-    ev0.record()
-    for _ in range(10):
-        cp.copyto(dst, buf)
-    ev1.record()
-    ev1.synchronize()
-    bw = 2 * buf.nbytes * 10 / (cp.cuda.get_elapsed_time(ev0, ev1) * 1e-3)
-    del buf, dst
+    bw = copy_bandwidth(1 << 29, 10)
     layer_bytes = w.nbytes - w.fc.nbytes - w.ctx_kv.nbytes
     print(f"Kimi drafter TP8 rank: weights {w.nbytes / 1e6:.0f} MB (block layers {layer_bytes / 1e6:.0f} MB, "
           f"fc shard {w.fc.nbytes / 1e6:.0f} MB, ctx k/v {w.ctx_kv.nbytes / 1e6:.0f} MB), lm_head slice "
@@ -522,21 +513,7 @@ def bench(streams=(1, 4, 8, 16), ctx=4096, reps=20):
         for name, fn in (("draft", lambda: dr.draft(bonus, start, clen, out)),
                          ("append", lambda: dr.append_context(f, sid, pos))):
             fn()
-            st = cp.cuda.Stream(non_blocking=True)
-            with st:
-                fn()
-                st.synchronize()
-                st.begin_capture()
-                fn()
-                g = st.end_capture()
-                g.launch(st)
-                st.synchronize()
-                ev0.record(st)
-                for _ in range(reps):
-                    g.launch(st)
-                ev1.record(st)
-                ev1.synchronize()
-            times[name] = cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
+            times[name] = graph_us(fn, cp.cuda.Stream(non_blocking=True), reps)
         kv_read = 2 * S * min(ctx, cfg.draft_window or ctx) * 128 * 2 * cfg.num_hidden_layers
         ceil_d = (layer_bytes + lm.nbytes + kv_read) / bw * 1e6
         ceil_a = (w.fc.nbytes + w.ctx_kv.nbytes) / bw * 1e6

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _oracle_draft  # noqa: E402
 import _teacher_forced as tf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -189,29 +190,12 @@ def test_ddtree_equals_ar_on_gpu(tiny, engine):
     print(f"ddtree vs GPU ar: equal tokens before the first difference {same} of {N_NEW}")
 
 
-class OracleDraft:
+def oracle_draft(seqs):
     """Stands in for GpuDrafter.draft in eager mode: noise logits with the reference continuation's token
     boosted at every depth, so the tree contains the target's greedy path (acceptance up to D + 1). At every
     third position a wrong token is the top-1 and the right one rank 1: accepted paths leave the chain and
     the KV compaction moves rows."""
-
-    def __init__(self, seqs, seed=0):
-        self.seqs, self.rng = seqs, np.random.default_rng(seed)
-
-    def __call__(self, bonus, start_pos, ctx_len, out):
-        s = start_pos.get()
-        S, D, V = out.shape
-        host = self.rng.standard_normal((S, D, V)).astype(np.float32)
-        for b in range(S):
-            seq = self.seqs.get(b)
-            for d in range(1, D + 1):
-                if seq is not None and s[b] + d < len(seq):
-                    t = seq[s[b] + d]
-                    host[b, d - 1, t] = 12.0
-                    if (s[b] + d) % 3 == 0:
-                        host[b, d - 1, (t + 5) % V] = 13.0
-        out.set(host)
-        return out
+    return _oracle_draft.OracleDraft(seqs, off_chain_every=3)
 
 
 def on_path_accepts(res, want):
@@ -233,7 +217,7 @@ def on_path_accepts(res, want):
 def test_oracle_drafter_long_acceptance(tiny, engine):
     seqs = {i: list(p) + list(w) for i, (p, w) in enumerate(zip(tiny["prompts"], tiny["want"]))}
     engine.eager = True
-    engine.drafter.draft = OracleDraft(seqs)
+    engine.drafter.draft = oracle_draft(seqs)
     try:
         for mode, budget in (("ddtree", 16), ("chain", 8)):
             res = engine.generate(requests(tiny["prompts"]), mode, budget)
@@ -343,7 +327,7 @@ def test_budget_auto_on_gpu(tiny, engine, eager):
               f"mean budget {np.mean([b for s in st['steps'] for b in s['budgets'].values()]):.2f}")
         if eager:
             seqs = {i: list(p) + list(w) for i, (p, w) in enumerate(zip(tiny["prompts"], tiny["want"]))}
-            engine.drafter.draft = OracleDraft(seqs)
+            engine.drafter.draft = oracle_draft(seqs)
             try:
                 res = engine.generate(requests(tiny["prompts"]), "ddtree", BudgetPolicy(16))
             finally:

@@ -4,7 +4,7 @@ and bit for bit against the chains of unfused kernels they replace."""
 import numpy as np
 import pytest
 
-from _kernel_testutil import BF16_TOL, POISON_BF16, f64, poisoned, rand_bf16, rel_err
+from _kernel_testutil import BF16_TOL, POISON_BF16, copy_bandwidth, f64, graph_us, poisoned, rand_bf16, rel_err
 from ddtree_cupy.bf16 import bf16_bits_to_f32
 from ddtree_cupy.config import RopeConfig
 from ddtree_cupy.reference import apply_rope_adjacent, rms_norm, yarn_inv_freq
@@ -390,7 +390,7 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
     selection launch alone. ``old_src``: the previous router.cu (bf16 gate_up, no logits stride) compiled
     from that path, timed in the same process as the old chain (router GEMM fp32 + shared gate_up GEMM
     bf16 + the old route_silu). Ceiling: the head's weight bytes at the copy bandwidth of this run.
-    Revision 3 (E2): ``down`` = the same head with the shared down projection inside the route launch
+    E2 (docs/MODELS.md): ``down`` = the same head with the shared down projection inside the route launch
     (router_topk_down, no shared down GEMM) next to ``new`` (route + SwiGLU, then gemm_bf16) - the
     DDT_ROUTER_DOWN decision; ``old_norm_src``: the previous norm.cu, its rms_norm (with the residual add,
     as the layer runs it) timed against the current one in the same chain."""
@@ -413,17 +413,7 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
                norm=bf(H)) for _ in range(layers)]
     for W in Ws:    # the old chain's two weights: views of the same rows (same bytes read)
         W["router"], W["gu"] = W["rgu"][:E], W["rgu"][E:]
-    big = cp.empty(1 << 30, np.uint8)
-    big2 = cp.empty_like(big)
-    cp.copyto(big2, big)
-    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
-    ev0.record()
-    for _ in range(5):
-        cp.copyto(big2, big)
-    ev1.record()
-    ev1.synchronize()
-    bw = 2 * 5 * big.nbytes / (cp.cuda.get_elapsed_time(ev0, ev1) / 1e3)
-    del big, big2
+    bw = copy_bandwidth(1 << 30, 5)
     old_k = old_norm_k = None
     if old_norm_src:
         nspec = KernelSpec(os.path.relpath(os.path.abspath(old_norm_src), CUDA_SRC_DIR), ("rmsnorm_kernel",),
@@ -441,20 +431,7 @@ def bench(old_src=None, out_json=None, layers=8, reps=20, old_norm_src=None):
                                          np.int64(2 * Is), act, np.int64(Is), np.int32(Is)))
 
     def timed(fn, st):
-        with st:
-            fn()
-            st.synchronize()
-            st.begin_capture()
-            fn()
-            g = st.end_capture()
-            g.launch(st)
-            st.synchronize()
-            ev0.record(st)
-            for _ in range(reps):
-                g.launch(st)
-            ev1.record(st)
-            ev1.synchronize()
-        return cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / reps
+        return graph_us(fn, st, reps)
 
     rows, res = [], []
     st = cp.cuda.Stream(non_blocking=True)

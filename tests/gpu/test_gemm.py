@@ -5,12 +5,12 @@ can choose, forced, at edge shapes (odd T, strided and batched views, K not a mu
 clusters and warps with empty K ranges), bit-identical across repeats and under graph replay.
 Every output buffer is filled on the stream that launches the GEMM (a fill on the legacy default stream
 is not ordered before work on a non-blocking stream)."""
-import functools
-
 import numpy as np
 import pytest
 
-from _kernel_testutil import BF16_TOL, f64, poisoned, rand_bf16, rel_err
+from _kernel_testutil import (BF16_TOL, check_gemm, f64, gemm_twice, gemm_views, poisoned, rand_bf16, record_kernels,
+                              rel_err)
+from _kernel_testutil import gemm_weight as _weight
 
 pytestmark = pytest.mark.gpu
 
@@ -158,25 +158,11 @@ ENGINE = [  # (name, N, K, batch, fp32 out): one TP=8 rank's GEMMs (bench/kernel
 DECODE_T = (1, 2, 5, 8, 13, 16)
 
 
-@functools.lru_cache(maxsize=None)
-def _weight(N, K, B):
-    """(device bits, float64 values) of a [B, N, K] weight, made once per shape (the inputs are fresh)."""
-    import cupy as cp
-    wb, w = rand_bf16(np.random.default_rng(N * 131 + K * 7 + B), (B, N, K), 0.05)
-    return cp.asarray(wb), w
-
-
 @pytest.fixture(params=["splitk", "decode"])
 def variant(request, monkeypatch):
     """Forces one kernel; yields (variant, names of the kernels launched since)."""
     from ddtree_cupy.kernels import gemm
-    launched = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        launched.append(name)
-        return real(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
+    launched = record_kernels(monkeypatch, gemm)
     old = gemm.set_variant(request.param)
     yield request.param, launched
     gemm.set_variant(old)
@@ -202,47 +188,33 @@ def test_engine_shapes_both_kernels(variant, name, N, K, B, f32, T):
     dt = np.float32 if f32 else np.uint16
     strided = B > 1 or T % 2 == 1
     xb, x = rand_bf16(rng, (B, T, K))
-    if strided:     # x: [T, B, K + 64] rows, the view skips the first 64 columns; out: [T, B, N + 32]
-        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
-        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
-        obuf = poisoned(cp, (T, B, N + 32), dt)
-        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:, :, 16:16 + N].transpose(1, 0, 2)
-    else:
-        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
+    x_dev, out, obuf = gemm_views(cp, rng, xb, N, dt, strided)
     if B == 1:
         x_dev, out = x_dev[0], out[0]
     gemm_bf16(x_dev, w_dev if B > 1 else w_dev[0], out, out_dtype=dt)
     _assert_kernel(v, launched)
-    ref = np.matmul(x, w.transpose(0, 2, 1))     # BLAS: einsum would take seconds at 4608 x 7168
-    got = out.get().astype(np.float64) if f32 else f64(out)
-    got = got.reshape(B, T, N)
-    tol = 1e-5 if f32 else BF16_TOL           # fp32 out: only the accumulation order differs
-    assert rel_err(got, ref) < tol
-    # per token and per 16-feature block (one decode block): a wrong row or block offset cannot hide
-    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
-    assert err_bt.max() < 4 * tol, err_bt.max()
-    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731
-    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
-    assert err_blk.max() < 16 * tol, err_blk.max()
-    if strided:
-        pad = obuf.get()
-        if f32:
-            assert np.all(np.isnan(pad[:, :, :16])) and np.all(np.isnan(pad[:, :, 16 + N:])), "wrote outside"
-        else:
-            assert np.all(pad[:, :, :16] == 0xFFFF) and np.all(pad[:, :, 16 + N:] == 0xFFFF), "wrote outside"
+    check_gemm(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)   # BLAS: einsum takes seconds here
 
 
 @pytest.mark.parametrize("T,N,K,f32", [(8, 2112, 7168, False), (13, 384, 7168, True), (16, 7168, 1024, False)])
 def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
     """Captured once, replayed with new inputs written into the static buffer: bit-identical to an eager
     call on the same inputs (both kernels are deterministic), and right against float64."""
-    import cupy as cp
-    from ddtree_cupy.kernels.gemm import gemm_bf16
     v, launched = variant
     rng = np.random.default_rng(T + N)
     w_dev, w = _weight(N, K, 1)
-    w_dev, w = w_dev[0], w[0]
-    dt = np.float32 if f32 else np.uint16
+    _graph_replay_equals_eager(w_dev[0], w[0], T, np.float32 if f32 else np.uint16, rng, rounds=3)
+    _assert_kernel(v, launched)
+
+
+def _graph_replay_equals_eager(w_dev, w, T, dt, rng, rounds):
+    """x [T, K] @ w: one eager call into a poisoned out, then the call captured on a non-blocking stream and
+    replayed ``rounds`` times with new inputs written into the static x, each replay bit-identical to an eager
+    call on the same inputs and right against float64 (``w``: the weight's float64 values)."""
+    import cupy as cp
+    from ddtree_cupy.kernels.gemm import gemm_bf16
+    f32 = np.dtype(dt) == np.float32
+    N, K = w.shape
     x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
     x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
     gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
@@ -252,8 +224,7 @@ def test_engine_graph_replay_equals_eager(variant, T, N, K, f32):
         s.begin_capture()
         gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
         g = s.end_capture()
-    _assert_kernel(v, launched)
-    for _ in range(3):
+    for _ in range(rounds):
         xb, x = rand_bf16(rng, (T, K))
         with s:
             x_dev.set(xb)
@@ -275,13 +246,7 @@ def test_engine_pdl_chain_equals_plain(monkeypatch, v, T):
     every launch went through the PDL path (sm_90+)."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm, launch
-    launched = []
-    real_get = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        launched.append(name)
-        return real_get(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
+    launched = record_kernels(monkeypatch, gemm)
     rng = np.random.default_rng(77 + T)
     ws = {k: _weight(*s, 1) for k, s in dict(qa=(2112, 7168), qb=(7168, 1536), gu=(4608, 7168),
                                              dn=(7168, 2304), rt=(896, 7168)).items()}
@@ -351,51 +316,23 @@ def _run_forced(monkeypatch, variant, setter, cfg, T, N, K, B, f32, rng, strided
     launched kernel is the forced config's."""
     import cupy as cp
     from ddtree_cupy.kernels import gemm
-    launched = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        launched.append(name)
-        return real(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
+    launched = record_kernels(monkeypatch, gemm)
     dt = np.float32 if f32 else np.uint16
     xb, x = rand_bf16(rng, (B, T, K))
     wb, w = rand_bf16(rng, (B, N, K), 0.05)
     w_dev = cp.asarray(wb)
-    if strided:     # x rows inside wider [T, B, K + 64] rows, out inside [T, B, N + 32] rows
-        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
-        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
-        obuf = poisoned(cp, (T, B, N + 32), dt)
-        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:, :, 16:16 + N].transpose(1, 0, 2)
-    else:
-        obuf = None
-        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
+    x_dev, out, obuf = gemm_views(cp, rng, xb, N, dt, strided)
     if B == 1:
         x_dev, out, w_dev = x_dev[0], out[0], w_dev[0]
     old, old_v = setter(cfg), gemm.set_variant(variant)
     try:
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-        first = out.copy()
-        out.fill(np.nan if f32 else 0xFFFF)
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        first = gemm_twice(x_dev, w_dev, out, dt)
     finally:
         setter(old)
         gemm.set_variant(old_v)
     assert launched == [cfg.name(f32)] * 2, launched
     assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
-    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
-    ref = np.matmul(x, w.transpose(0, 2, 1))
-    tol = 1e-5 if f32 else BF16_TOL
-    assert rel_err(got, ref) < tol
-    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
-    assert err_bt.max() < 4 * tol, err_bt.max()
-    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731   (a wrong 16-feature offset cannot hide)
-    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
-    assert err_blk.max() < 16 * tol, err_blk.max()
-    if obuf is not None:
-        pad = obuf.get()
-        bad = np.isnan(pad) if f32 else pad == 0xFFFF
-        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output view"
+    check_gemm(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
 
 
 def _dec_cases():
@@ -428,32 +365,12 @@ def test_auto_pick_graph_replay_equals_eager(T, N, K, f32):
     fp32 out included, above) captured once and replayed with new inputs: bit-identical to an eager call, right
     against float64, with PDL on as the engine runs it."""
     import cupy as cp
-    from ddtree_cupy.kernels import gemm, launch
+    from ddtree_cupy.kernels import launch
     rng = np.random.default_rng(T * 3 + N)
     wb, w = rand_bf16(rng, (N, K), 0.05)
     w_dev = cp.asarray(wb)
-    dt = np.float32 if f32 else np.uint16
-    x_dev, out, eager = cp.empty((T, K), np.uint16), poisoned(cp, (T, N), dt), cp.empty((T, N), dt)
-    x_dev[:] = cp.asarray(rand_bf16(rng, (T, K))[0])
     launch.set_pdl(True)
     try:
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-        cp.cuda.Device().synchronize()  # default-stream work is not ordered before the non-blocking stream
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
-            gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-            g = s.end_capture()
-        for _ in range(2):
-            xb, x = rand_bf16(rng, (T, K))
-            with s:
-                x_dev.set(xb)
-                out.fill(np.nan if f32 else 0xFFFF)
-                g.launch(s)
-                gemm.gemm_bf16(x_dev, w_dev, eager, out_dtype=dt)
-            s.synchronize()
-            assert cp.array_equal(out, eager)
-            got = out.get().astype(np.float64) if f32 else f64(out)
-            assert rel_err(got, x @ w.T) < (1e-5 if f32 else BF16_TOL)
+        _graph_replay_equals_eager(w_dev, w, T, np.float32 if f32 else np.uint16, rng, rounds=2)
     finally:
         launch.set_pdl(False)

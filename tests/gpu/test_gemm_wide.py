@@ -7,69 +7,28 @@ rule's picks and the PDL chain of engine shapes are in test_gemm.py, shared with
 "auto" switch (DDT_GEMM_WIDE / set_wide) routing T > 16 to the wide or the split-K family. The cluster
 configs (K split over cs = 2, 4, 8 blocks, reduced through distributed shared memory) run the same cases with
 split = cs, including K = 128 (2 k tiles) where some blocks of the cluster get no k tile. Every output buffer is filled on the stream that launches the GEMM."""
-import functools
-
 import numpy as np
 import pytest
 
-from _kernel_testutil import BF16_TOL, f64, poisoned, rand_bf16, rel_err
+from _kernel_testutil import (BF16_TOL, check_gemm, f64, gemm_twice, gemm_views, poisoned, rand_bf16, record_kernels,
+                              rel_err)
+from _kernel_testutil import gemm_weight as _weight
 
 pytestmark = pytest.mark.gpu
-
-
-@functools.lru_cache(maxsize=None)
-def _weight(N, K, B):
-    """(device bits, float64 values) of a [B, N, K] weight, made once per shape (the inputs are fresh)."""
-    import cupy as cp
-    wb, w = rand_bf16(np.random.default_rng(N * 131 + K * 7 + B), (B, N, K), 0.05)
-    return cp.asarray(wb), w
 
 
 @pytest.fixture
 def launched(monkeypatch):
     """Names of the GEMM kernels fetched since the test began (one fetch per launch)."""
     from ddtree_cupy.kernels import gemm
-    names = []
-    real = gemm.get_kernel
-
-    def recording(spec, name, **kw):
-        names.append(name)
-        return real(spec, name, **kw)
-    monkeypatch.setattr(gemm, "get_kernel", recording)
-    return names
+    return record_kernels(monkeypatch, gemm)
 
 
 def _views(cp, rng, T, N, K, B, dt, strided):
-    """x [B, T, K] and a poisoned out [B, T, N] (views of wider buffers when ``strided``: x rows are columns
-    64.. of [T, B, K + 64] rows, out is columns 16..16+N of a [T + 8, B, N + 32] buffer, so 8 spare token
-    rows after T and columns on both sides must stay poisoned). Returns (x_dev, out, obuf, x64)."""
+    """x [B, T, K] and a poisoned out [B, T, N] (``gemm_views`` with 8 spare token rows after T that must stay
+    poisoned: padded token tiles). Returns (x_dev, out, obuf, x64)."""
     xb, x = rand_bf16(rng, (B, T, K))
-    if strided:
-        xbuf = cp.asarray(rand_bf16(rng, (T, B, K + 64))[0])
-        xbuf[:, :, 64:] = cp.asarray(xb.transpose(1, 0, 2))
-        obuf = poisoned(cp, (T + 8, B, N + 32), dt)
-        x_dev, out = xbuf[:, :, 64:].transpose(1, 0, 2), obuf[:T, :, 16:16 + N].transpose(1, 0, 2)
-    else:
-        obuf = None
-        x_dev, out = cp.asarray(xb), poisoned(cp, (B, T, N), dt)
-    return x_dev, out, obuf, x
-
-
-def _check(out, obuf, ref, f32, T, N, B):
-    """Relative error vs float64 overall, per token, per 16-feature block; nothing written outside the view."""
-    got = (out.get().astype(np.float64) if f32 else f64(out)).reshape(B, T, N)
-    tol = 1e-5 if f32 else BF16_TOL
-    assert rel_err(got, ref) < tol
-    err_bt = np.linalg.norm(got - ref, axis=2) / np.linalg.norm(ref, axis=2)
-    assert err_bt.max() < 4 * tol, err_bt.max()
-    blk = lambda a: a.reshape(B, T, N // 16, 16)  # noqa: E731   (a wrong 16-feature offset cannot hide)
-    err_blk = np.linalg.norm(blk(got - ref), axis=3) / np.linalg.norm(blk(ref), axis=3)
-    assert err_blk.max() < 16 * tol, err_blk.max()
-    if obuf is not None:
-        pad = obuf.get()
-        bad = np.isnan(pad) if f32 else pad == 0xFFFF
-        assert bad[T:].all(), "wrote a token row >= T (padded token tile)"
-        assert bad[:, :, :16].all() and bad[:, :, 16 + N:].all(), "wrote outside the output columns"
+    return (*gemm_views(cp, rng, xb, N, dt, strided, spare_rows=8), x)
 
 
 def _cases():
@@ -109,10 +68,7 @@ def test_every_wide_config(launched, ci, T, N, K, B, split, f32, strided):
         split = cfg.cs              # a cluster config splits K over its blocks (some get no k tile at K = 128)
     old_c, old_v = gemm.set_wide_config((cfg, split)), gemm.set_variant("wide")
     try:
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
-        first = out.copy()
-        out.fill(np.nan if f32 else 0xFFFF)
-        gemm.gemm_bf16(x_dev, w_dev, out, out_dtype=dt)
+        first = gemm_twice(x_dev, w_dev, out, dt)
     finally:
         gemm.set_wide_config(old_c)
         gemm.set_variant(old_v)
@@ -120,7 +76,7 @@ def test_every_wide_config(launched, ci, T, N, K, B, split, f32, strided):
     red = f"gemm_splitk_reduce<{'true' if f32 else 'false'}>"
     assert launched == ([cfg.name(f32)] + ([red] if eff > 1 else [])) * 2, launched
     assert cp.array_equal(first, out), "repeat differs: the summation order must be fixed"
-    _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
+    check_gemm(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
 
 
 ENGINE = [  # (name, N, K, batch, fp32 out): the engine's GEMMs at T > 16 (bench/kernels.py GEMMS, lm_head aside)
@@ -152,7 +108,7 @@ def test_engine_shapes_rule_pick(launched, name, N, K, B, f32, T):
         gemm.set_variant(old)
     cfg, split = gemm.choose_wide(T, N, K, B, gemm._sm_count(), gemm._smem_per_sm())
     assert launched[0] == cfg.name(f32) and len(launched) == (2 if split > 1 and cfg.cs == 1 else 1), launched
-    _check(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
+    check_gemm(out, obuf, np.matmul(x, w.transpose(0, 2, 1)), f32, T, N, B)
 
 
 # Graph replay of the rule's wide picks: tests/gpu/test_gemm.py::test_auto_pick_graph_replay_equals_eager.

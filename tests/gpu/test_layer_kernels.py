@@ -1,14 +1,14 @@
 """Layer kernels against float64 numpy references (ddtree_cupy.reference where it has one): RMSNorm
 (+ residual, scatter), RoPE (adjacent / NeoX, table / inv_freq, cache-row scatter), silu_mul, embedding,
 router, exact top-K / argmax (with constructed ties and a shard merge), sampling."""
-import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from _kernel_testutil import BF16_TOL, f64, poisoned, rand_bf16, rel_err
-from ddtree_cupy.bf16 import bf16_bits_to_f32, round_bf16, to_bf16_bits
+from _kernel_testutil import (BF16_TOL, chi2_critical, f64, logits_on_device, poisoned, rand_bf16, rel_err,
+                              sample_target_probs)
+from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.config import RopeConfig
 from ddtree_cupy.reference import apply_rope_adjacent, apply_rope_rotate_half, rms_norm, route, yarn_inv_freq
 
@@ -269,12 +269,7 @@ def test_topk_exact_with_ties(dtype, T, V, K):
         where = rng.choice(V, size=min(5, V), replace=False)
         x[t, where] = top
         x[t, rng.choice(V, size=min(40, V), replace=False)] = top - 0.5
-    if dtype == "bf16":
-        bits = to_bf16_bits(x)
-        x = bf16_bits_to_f32(bits)
-        dev = cp.asarray(bits)
-    else:
-        dev = cp.asarray(x)
+    x, dev = logits_on_device(cp, x, dtype)
     vals = poisoned(cp, (T, K), np.float32)
     ids = poisoned(cp, (T, K), np.int32)
     topk(dev, K, vals, ids)
@@ -314,31 +309,6 @@ def test_argmax_and_shard_merge():
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _target_probs(logits, temperature, top_k, top_p):
-    """The distribution sample() draws from (float64): softmax(l / T), top-k, nucleus relative to the
-    kept mass (as ddtree_cupy.reference.ddtree.sample_from_logits)."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.lexsort((np.arange(len(p)), -p))
-    ps = p[order]
-    if top_k > 0:
-        ps = ps[:top_k]
-    if top_p < 1:
-        c = np.cumsum(ps)
-        keep = int(np.searchsorted(c, top_p * c[-1], side="left")) + 1
-        ps = ps[:keep]
-    out = np.zeros_like(p)
-    out[order[:len(ps)]] = ps / ps.sum()
-    return out
-
-
-def _chi2_critical(df, z=3.719):
-    """Upper quantile of chi-square(df) at false-alarm rate 1e-4 (z = 3.719), Wilson-Hilferty."""
-    a = 2.0 / (9.0 * df)
-    return df * (1 - a + z * math.sqrt(a)) ** 3
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.6), (1.5, 10, 0.7)])
 def test_sampling_distribution(temperature, top_k, top_p):
     """20000 independent draws (one per seed) from one logit row vs the target distribution: chi-square
@@ -353,7 +323,7 @@ def test_sampling_distribution(temperature, top_k, top_p):
     sample(L, cp.full(R, temperature, np.float32), cp.full(R, top_k, np.int32), cp.full(R, top_p, np.float32),
            cp.arange(R, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15 % 2**63), cp.full(R, 3, np.int64), out)
     got = out.get()
-    p = _target_probs(logits, temperature, top_k, top_p)
+    p, _ = sample_target_probs(logits, temperature, top_k, top_p)
     assert np.all(p[got] > 0), "sampled a token outside the allowed set"
     counts = np.bincount(got, minlength=V).astype(np.float64)
     exp = p * R
@@ -364,7 +334,7 @@ def test_sampling_distribution(temperature, top_k, top_p):
     chi2 = float(((obs_b[keep] - exp_b[keep]) ** 2 / exp_b[keep]).sum())
     df = int(keep.sum()) - 1
     assert df >= 2, "test case too peaked to test a distribution"
-    assert chi2 < _chi2_critical(df), f"chi2 {chi2:.1f} with {df} dof"
+    assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} with {df} dof"
 
 
 def test_sampling_reproducible_and_greedy():

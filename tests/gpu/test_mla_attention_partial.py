@@ -1,5 +1,6 @@
 """GPU: MLA split-KV with bf16 partials (kernels/attention.py PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16, the
-MLA_PART_BF16 build of cuda_src/mla_attention.cu) next to today's fp32 partials, docs/history/2026-11-29-attention.md "Revision 6".
+MLA_PART_BF16 build of cuda_src/mla_attention.cu) next to today's fp32 partials,
+docs/history/2026-11-29-attention.md "bf16 split partials".
 
 Every test runs both variants (parameter ``part``). Besides the float64 reference (relative norm per stream,
 the same TOL as test_mla_attention.py), the bf16 runs are checked against the fp32 build at the same plan:

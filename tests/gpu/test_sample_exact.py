@@ -2,40 +2,14 @@
 target distribution for every temperature / top-k / top-p (chi-square), and token-for-token equality with the
 reference sampler fed the same Philox uniform (reference.ddtree.philox_uniform), so a sampled GPU run can be
 replayed by the reference."""
-import math
-
 import numpy as np
 import pytest
 
-from _kernel_testutil import poisoned
-from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
+from _kernel_testutil import chi2_critical, logits_on_device, poisoned, sample_target_probs
 from ddtree_cupy.reference.ddtree import philox_uniform, sample_counter, sample_from_logits, slot_seed
 
 pytestmark = pytest.mark.gpu
 V = 163840
-
-
-def _target_probs(logits, temperature, top_k, top_p):
-    """float64: softmax(l / T) sorted (ties: lower id), first top_k, shortest head reaching top_p."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.lexsort((np.arange(len(p)), -p))
-    ps = p[order]
-    if top_k > 0:
-        ps = ps[:top_k]
-    if top_p < 1:
-        c = np.cumsum(ps)
-        ps = ps[:int(np.searchsorted(c, top_p * c[-1], side="left")) + 1]
-    out = np.zeros_like(p)
-    out[order[:len(ps)]] = ps / ps.sum()
-    return out, order[:len(ps)]
-
-
-def _chi2_critical(df, z=3.719):
-    """Upper quantile of chi-square(df) at a 1e-4 false-alarm rate (Wilson-Hilferty)."""
-    a = 2.0 / (9.0 * df)
-    return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
 def _draw(cp, logits_row, temperature, top_k, top_p, n_draws, rows=2048):
@@ -85,11 +59,11 @@ def test_full_vocabulary_distribution(temperature, top_k, top_p, min_kept):
     import cupy as cp
     rng = np.random.default_rng(7)
     logits = (rng.standard_normal(V) * 2.0).astype(np.float32)
-    p, kept = _target_probs(logits, temperature, top_k, top_p)
+    p, kept = sample_target_probs(logits, temperature, top_k, top_p)
     assert kept.size >= min_kept
     got = _draw(cp, logits, temperature, top_k, top_p, 2048 * 100)
     chi2, df = _chi2_ok(got, p, kept)
-    assert chi2 < _chi2_critical(df), f"chi2 {chi2:.1f} with {df} dof"
+    assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} with {df} dof"
 
 
 def _mixed_rows(rng, T):
@@ -118,12 +92,7 @@ def test_equals_reference_sampler_same_uniform(dtype):
     rng = np.random.default_rng(11)
     T = 96
     x = _mixed_rows(rng, T)
-    if dtype == "bf16":
-        bits = to_bf16_bits(x)
-        x = bf16_bits_to_f32(bits)
-        dev = cp.asarray(bits)
-    else:
-        dev = cp.asarray(x)
+    x, dev = logits_on_device(cp, x, dtype)
     cases = [CASES[t % len(CASES)] for t in range(T)]
     seeds = np.array([slot_seed(int(rng.integers(0, 2 ** 63)), t) for t in range(T)], np.uint64)
     steps = np.array([sample_counter(int(rng.integers(0, 1000)), t % 129) for t in range(T)], np.int64)

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 
 from ddtree_cupy import run  # noqa: E402
 
-from _serve_helpers import MODEL, LocalServer, demo_state  # noqa: E402
+from _serve_helpers import MODEL, LocalServer, demo_state, run_threads, wait_drained  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 T = 120.0
@@ -69,17 +69,11 @@ def test_gpu_concurrent_streams_equal_solo_and_cancel_frees_pages(server):
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 6:
                     break
-    th = [threading.Thread(target=one, args=(k,)) for k in range(6)] + [threading.Thread(target=cancelled)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(4 * T)
+    run_threads([lambda k=k: one(k) for k in range(6)] + [cancelled], 4 * T)
     assert not errors, errors
     assert [got[k] for k in range(6)] == solo
     loop = server.state.loop
-    t_end = time.monotonic() + T
-    while (loop.sched.pool.free_pages != loop.sched.pool.num_pages or loop.running) and time.monotonic() < t_end:
-        time.sleep(0.05)
+    wait_drained(loop, T)
     assert loop.sched.pool.free_pages == loop.sched.pool.num_pages
 
 
