@@ -44,7 +44,7 @@ mla_qkv_a_post(const bf16_bits* __restrict__ qkv, long long qkv_stride, int ql,
     DDT_PDL_WAIT();
 
     const bf16_bits* row = qkv + t * qkv_stride;
-    // Every load of the row first (revision 6, measured faster in revision 7; docs/history/2026-11-29-kernels.md "Revision 6" and "Revision 7"): with
+    // Every load of the row first (measured faster; docs/history/2026-11-29-kernels.md "Row loads issued one at a time" and "The row-preload builds measured"): with
     // the loads inside the loops ptxas issued the second c_q vector, the kv vector and the cache slot's loads
     // after the first vector's fmas (SASS), a chain of round trips.
     uint4 qa[FL_QMAXV], kva = make_uint4(0, 0, 0, 0);

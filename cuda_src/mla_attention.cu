@@ -36,7 +36,7 @@
 // Element type of the split partials O (kernels/attention.py PARTIAL_BF16 / DDT_MLA_PARTIAL_BF16 pick the
 // build): fp32 by default; bf16 halves the bytes the main kernels write and the combine reads back. Each
 // partial row is a normalised (convex-combination) O row, so rounding it to bf16 costs at most 2^-8 relative
-// per element before the weighted merge (docs/history/2026-11-29-attention.md, "Revision 6"). The log2-sum-exp stays fp32.
+// per element before the weighted merge (docs/history/2026-11-29-attention.md, "bf16 split partials"). The log2-sum-exp stays fp32.
 #ifndef MLA_PART_BF16
 #define MLA_PART_BF16 0
 #endif
@@ -720,7 +720,7 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
 // before the first use), i.e. one L2 round trip per split, the serial pattern attn_combine.cuh exists to
 // avoid. With (256, 2) all 8 are issued first (SASS checked on both, 72 registers on sm_90). The fp32 build on
 // sm_90 keeps its bounds (its code issues all 16 loads first; unchanged PTX); on sm_120 the fp32 U = 4 issued 2 of
-// its 16 loads before the first fma and with (256, 2) all 16 (revision 6, SASS only: no sm_120 device to time it).
+// its 16 loads before the first fma and with (256, 2) all 16 (SASS only: no sm_120 device to time it).
 #if MLA_PART_BF16 || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000)
 #define MLA_COMBINE_BOUNDS __launch_bounds__(MLA_COMBINE_THREADS, 2)
 #else

@@ -28,9 +28,9 @@ __device__ __forceinline__ void rmsnorm_row(
     wait_inputs();                          // earlier kernels' (or items') outputs from here on
     const uint4* xr = (const uint4*)(x + t * x_stride);
     const uint4* rr = res_in ? (const uint4*)(res_in + t * res_in_stride) : nullptr;
-    // Every row vector (and its residual) is requested before any is used (revision 6; docs/KERNELS.md
-    // "Revision 6/7"): written as one loop, ptxas (sm_90 and sm_120) issued x[j + 1] only after vector j's
-    // fmas, one round trip per vector, 4 per row at H = 7168 (SASS). Measured on the H200 (revision 7): the
+    // Every row vector (and its residual) is requested before any is used (docs/history/2026-11-29-kernels.md
+    // "Row loads issued one at a time"): written as one loop, ptxas (sm_90 and sm_120) issued x[j + 1] only after vector j's
+    // fmas, one round trip per vector, 4 per row at H = 7168 (SASS). Measured on the H200: the
     // step 1 x 8 -2.7 to -3.7%, every shape faster or equal.
     uint4 xa[NORM_MAXV], ra[NORM_MAXV];
 #pragma unroll

@@ -22,7 +22,7 @@
 // the fp32 accumulators to bf16 first reproduces the bf16-output GEMM + silu_mul chain bit for bit
 // (same f32_to_bf16, same silu_mul8 arithmetic as act.cu).
 //
-// router_topk_down<KS> (revision 3, E2) goes one step further at small T: its extra blocks compute the
+// router_topk_down<KS> (E2 of docs/MODELS.md) goes one step further at small T: its extra blocks compute the
 // shared expert's DOWN projection out[t, n] = act[t, :] . W_down[n, :] with the SwiGLU formed on the fly
 // from the fp32 gate|up (per element the same arithmetic as above, so act holds the same bf16 values),
 // which removes the shared down GEMM's launch. A down block owns 32 output columns and a 16-token tile:
@@ -69,7 +69,7 @@ __device__ __forceinline__ void load_bias(const float* __restrict__ bias, int E,
 
 // The lane's best live candidate: highest key, ties to the lower j (= lower expert id); best_j = -1 when
 // none is live. A linear scan (16 dependent compare-selects). A 4-level tournament with a ballot pick was
-// tried in revision 3 and measured slower on the H200 (route launch 5.6 -> 9.6 us; docs/MODELS.md), so removed.
+// tried and measured slower on the H200 (route launch 5.6 -> 9.6 us; docs/MODELS.md), so removed.
 __device__ __forceinline__ void lane_best(const uint32_t (&key)[ROUTER_PER_LANE], const float (&s_r)[ROUTER_PER_LANE],
                                           uint32_t live, uint32_t& best_key, int& best_j, float& best_s) {
     best_key = 0;

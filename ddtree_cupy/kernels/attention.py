@@ -81,7 +81,7 @@ MLA_CONFIGS = {
     "ks16": MlaTileConfig(mg=1, vg=0, bn=32, stages=3, ksplit=True),         # 121 KB
     "ks16_2stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=2, ksplit=True),  # 84 KB (sm_120)
     # a deeper cp.async pipeline (H200 only): 4 tiles in flight per block instead of 2. H200 run: 0.92-1.01x
-    # the 3-stage tile's time at the same splits (docs/history/2026-11-29-attention.md "Revision 3"); the model policy's
+    # the 3-stage tile's time at the same splits (docs/history/2026-11-29-attention.md "Fixed cost, combine, drafter on tensor cores"); the model policy's
     # 16-row tile on the H200. (ks32 with 4 stages measured 0.99-1.01x and 64-token 16-row tiles 0.96-1.14x:
     # both deleted.)
     "ks16_5stage": MlaTileConfig(mg=1, vg=0, bn=32, stages=5, ksplit=True),  # 194 KB
@@ -108,11 +108,11 @@ MLA_SPEC_BF16 = register(KernelSpec(
 
 
 # ---- split-partial element type: one rule ----------------------------------------------------------------
-# PARTIAL_BF16 is the module default: fp32 partials. bf16 partials met the SPEED rule written before the revision 6
+# PARTIAL_BF16 is the module default: fp32 partials. bf16 partials met the SPEED rule written before the bf16-partials
 # H200 run (bf16 / fp32 0.91 median over the decode shapes; PDL step 1 x 8 8.54 -> 8.30 ms), but with them the
 # engine's GPU test test_oracle_drafter_long_acceptance failed on the tiny checkpoints: the outputs left the float64
 # reference's argmax path at near-ties within 1-10 tokens (fp32: the test passes), so the default stays fp32
-# until the error budget is settled on a real checkpoint (docs/history/2026-11-29-attention.md "Revision 6"). The environment
+# until the error budget is settled on a real checkpoint (docs/history/2026-11-29-attention.md "bf16 split partials"). The environment
 # variable DDT_MLA_PARTIAL_BF16=0/1 overrides it. mla_partial_bf16() is the rule MlaWorkspace, plan_mla and
 # mla_attention read when not told explicitly.
 PARTIAL_BF16 = False
@@ -272,7 +272,7 @@ MLA_COMBINE_US_PER_ROW_SPLIT = 0.98e-3    # 4 KB of fp32 partials written + read
 # bf16 partials: the per-(packed row, split) term x MLA_COMBINE_BF16_SCALE, the bytes ratio
 # mla_partial_row_bytes(True) / mla_partial_row_bytes(False) = 1028 / 2052 = 0.501 (the term was fitted on fp32
 # partials as bytes written by the main kernel + read by the combine; it also holds per-split latency that does
-# not shrink, so this is the optimistic end: docs/history/2026-11-29-attention.md "Revision 6"). 1.0 prices bf16 like fp32 (same
+# not shrink, so this is the optimistic end: docs/history/2026-11-29-attention.md "bf16 split partials"). 1.0 prices bf16 like fp32 (same
 # plans for both dtypes). MLA_COMBINE_US (the combine's fixed cost) is unchanged.
 MLA_COMBINE_BF16_SCALE = (LATENT_DIM * 2 + 4) / (LATENT_DIM * 4 + 4)
 MLA_DRAM_GBPS = 2626.0                    # what the 2-3-stage tiles stream from DRAM with every SM busy

@@ -14,7 +14,7 @@ Two kernel families serve a call, chosen by ``use_decode`` (overridable with ``s
    split-K across blocks through the same workspace + reduce) and ``gemm_bf16_kernel_wide_cl`` (the K split
    over a thread-block cluster, reduced through distributed shared memory: one launch, no workspace; revision
    8); ``choose_wide`` picks block shape and split.
-   The default above 16 tokens since the revision 5 H200 run (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1,
+   The default above 16 tokens since the H200 run that confirmed the wide rule (``WIDE_DEFAULT``; env DDT_GEMM_WIDE=0/1,
    ``set_variant("wide")``; docs/KERNELS.md "Wide-token kernel").
 Every kernel obeys the PDL rule (``pdl=True``): with ``launch.set_pdl(True)`` they launch through
 cuLaunchKernelEx with programmatic dependent launch (kernels/launch.py).
@@ -106,7 +106,7 @@ def _slots(c: DecodeConfig, sm_count: int, smem_per_sm: int) -> int:
 
 def choose_decode(T: int, N: int, K: int, batch: int = 1, sm_count: int = 132,
                   smem_per_sm: int = 228 * 1024) -> Optional[DecodeConfig]:
-    """The decode config for a call (docs/history/2026-11-29-kernels.md "Revision 3: decode configs"), a rule fitted to the H200 run of every
+    """The decode config for a call (docs/history/2026-11-29-kernels.md "Decode configs"), a rule fitted to the H200 run of every
     config at the engine's shapes. With B = N / 16 x batch base blocks (one m16 tile each) and W waves of
     resident full-ring blocks:
      * B < SMs: a cluster K split: among CS in 2, 4 that keep >= DEC_CS_MIN_K_TILES k tiles per block and
@@ -186,10 +186,10 @@ def _wide(wm: int, wn: int, warps_m: int, warps_n: int) -> WideConfig:
 
 # 8 warps (4 x 2, 32-row warp tiles): BM 128 x BT 32 (4 stages, 80 KB), 64 (4, 96 KB), 80 (3, 78 KB); 4 warps
 # (2 x 2, 64-row warp tiles: 0.375 / 0.35 ldmatrix per mma instead of 0.5): BT 64 (the rule's pick for 81-128
-# tokens) and 80 (129-160, revision 8). Every compiled config; the tests run each one. (BT 160 with 8 warps,
+# tokens) and 80 (129-160). Every compiled config; the tests run each one. (BT 160 with 8 warps,
 # WN 10, was built and dropped: 80 accumulators per thread spill on sm_90 under the 128-register cap.)
 WIDE_RULE_CONFIGS = (_wide(2, 2, 4, 2), _wide(2, 4, 4, 2), _wide(2, 5, 4, 2), _wide(4, 4, 2, 2), _wide(4, 5, 2, 2))
-# Revision 8: every block shape also with its K split over a cluster of 2, 4 or 8 blocks (in-kernel reduction
+# Every block shape also with its K split over a cluster of 2, 4 or 8 blocks (in-kernel reduction
 # through distributed shared memory instead of the workspace + reduce launch), and a 64-row x 32-token block of
 # 4 warps (2 x 2, 32 x 16 warp tiles, 48 KB) for narrow weights (q_a+kv_a 2112 rows: 33 row blocks) under the
 # cluster's split cap of 8. The 64-row block won only q_b and drafter qkv at some T, by <= 20% (sweep only).
@@ -203,16 +203,16 @@ WIDE_TILE_US = 1.1           # cost model (H200 fit): one k tile of one wave of 
 WIDE_REDUCE_LAUNCH_US = 2.0  # cost model: the split-K reduce launch, us
 WIDE_REDUCE_BPS = 3e12       # cost model: bytes/s of the partials' write + read
 WIDE_MIN_K_TILES = 4         # a split keeps >= 4 k tiles per block
-WIDE_CL_TILE_FACTOR = 1.2    # cost model (H200 fit, revision 8): a k tile of a cluster-split block, x the others'
+WIDE_CL_TILE_FACTOR = 1.2    # cost model (H200 fit): a k tile of a cluster-split block, x the others'
 WIDE_CL_MIN_K_TILES = 2      # a cluster split keeps >= 2 k tiles per block (q_b, 24 k tiles: 8 x 3 won)
-# Whether choose_wide may pick a cluster split (revision 8). False is the measuring baseline (the revision 7
-# rule): `bench.step --no-wide-cluster`, `bench.kernels --variant nocl` set it to compare in one process.
+# Whether choose_wide may pick a cluster split. False is the measuring baseline (the rule before the cluster
+# split): `bench.step --no-wide-cluster`, `bench.kernels --variant nocl` set it to compare in one process.
 WIDE_CLUSTER = True
 
 
 def wide_config_for(T: int) -> WideConfig:
-    """The block shape for T tokens, fitted to the revision 5 H200 sweep (docs/history/2026-11-29-kernels.md "Revision 5: confirmed")
-    and, above 128 rows, the revision 8 one: one token tile of 32 / 64 / 80 (8 warps, 32-row warp tiles) up to
+    """The block shape for T tokens, fitted to the H200 sweep of docs/history/2026-11-29-kernels.md "Wide rule confirmed"
+    and, above 128 rows, the cluster-split sweep: one token tile of 32 / 64 / 80 (8 warps, 32-row warp tiles) up to
     T = 80, then two token tiles of the 4-warp block (64-row warp tiles: fewer ldmatrix per mma), 64 wide up
     to 128 rows and 80 wide above (T = 144-160: three 64-token tiles measured 7-52% slower than two of 80,
     6 of the 7 shapes; gemm_s8_wide160_h200.json (in git history))."""
@@ -234,7 +234,7 @@ def wide_split(cfg: WideConfig, T: int, N: int, K: int, batch: int = 1, sm_count
     ceil(B s / slots) x (ceil(kt / s) + WIDE_FILL_TILES) x WIDE_TILE_US -- waves of resident blocks times the
     k tiles each streams plus its fill -- plus, for s > 1, the reduce: its launch and the fp32 partials written
     and read (2 s T N 4 bytes at WIDE_REDUCE_BPS); over s <= kt / WIDE_MIN_K_TILES, ties -> the smaller s.
-    Fitted to the revision 5 H200 sweep (docs/history/2026-11-29-kernels.md "Revision 5: confirmed"): the fastest split of a shape
+    Fitted to the H200 sweep of docs/history/2026-11-29-kernels.md "Wide rule confirmed": the fastest split of a shape
     fills the 2 x 132 slots once (224-260 blocks) unless its partials are large (T = 160: s 1-2). The first
     version counted one block per SM and split half as far (up to 40% slower). Workspaces are sized with
     ``workspace_split``."""
@@ -248,7 +248,7 @@ def _wide_cost_us(cfg: WideConfig, s: int, T: int, N: int, K: int, batch: int, s
                   smem_per_sm: int) -> float:
     """The split model of ``wide_split`` for split s of block shape cfg: waves of resident blocks x (k tiles
     per block + fill) x WIDE_TILE_US, plus the reduce for a workspace split (cfg.cs == 1, s > 1); a cluster
-    split (cfg.cs == s) has no reduce but its k tiles cost WIDE_CL_TILE_FACTOR x (fitted to the revision 8
+    split (cfg.cs == s) has no reduce but its k tiles cost WIDE_CL_TILE_FACTOR x (fitted to the cluster-split
     sweep: its blocks are co-scheduled in cluster groups and end in the DSMEM exchange)."""
     k_tiles = K // BK
     blocks = math.ceil(T / cfg.bt()) * math.ceil(N / cfg.bm()) * batch
@@ -304,8 +304,8 @@ VARIANTS = ("auto", "splitk", "decode", "wide")
 _VARIANT = ["auto"]
 _FORCED_DEC = [None]
 _FORCED_WIDE = [None]
-# Whether "auto" sends T = 17..160 to the wide family: on since the revision 5 H200 run (docs/KERNELS.md
-# "Revision 5: measured"); env DDT_GEMM_WIDE=0/1 overrides, set_wide(b) too.
+# Whether "auto" sends T = 17..160 to the wide family: on since the H200 run of docs/history/2026-11-29-kernels.md
+# "Wide rule confirmed"; env DDT_GEMM_WIDE=0/1 overrides, set_wide(b) too.
 WIDE_DEFAULT = True
 _WIDE = [None]
 

@@ -39,7 +39,7 @@ MAX_E = 512
 WARPS = 4          # tokens per block (one warp each)
 DOWN_MAX_T = 32    # the rule's limit (each column block recomputes its tile's SwiGLU, see router.cu): on the
                    # H200 the fused launch beat route + SwiGLU then gemm_bf16 at T = 1 / 8 / 32 by 2.1 / 2.1 / 0.4 us
-                   # per layer and lost at 64 by ~1.7 us (revision 3 integration run, docs/MODELS.md)
+                   # per layer and lost at 64 by ~1.7 us (the 2026-11 integration run, docs/MODELS.md)
 DOWN_TILE = 16
 
 
