@@ -4,9 +4,9 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
-        [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
-    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
-        # revision 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
+        [--ts '256:1,8,64;2048:8'] [--variants lean1,lean2]   # a subset (sizes; variants besides "now")
+    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulkL*'
+        # the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256 and their candidate blocks; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
     PYTHONPATH=$PWD python -m bench.moe --timeline 256 8 [--routing skewed] [--tl-out F.npz]
         # revision 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
@@ -151,8 +151,6 @@ def bench_width(I, read_gbs, rows, quick):
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
                     variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)
-                if T == 256:
-                    variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
                 for name, kw in variants.items():
                     vplan = moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw)
                     stages["variant_" + name] = time_graph(lambda vp=vplan: [f() for _, f in vp], iters=20, reps=5)
@@ -222,9 +220,9 @@ def _prev_plan(prev_src, *args, **kw):
 
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
-    """The table ("now") against prefetch variants, the three k loops ("loop0"/"lean1"/"lean2": the table's
-    tiles with lean = 0/1/2) and, with ``prev_src``, the same launches through another kernel
-    file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"lean2". ``only_ts``: the T values to
+    """The table ("now") against prefetch variants, the register ring's two k loops ("lean1"/"lean2": the table's
+    tiles with lean = 1/2) and, with ``prev_src``, the same launches through another kernel
+    file ("prev"), all in one process; stage prefixes of "now"/"lean2". ``only_ts``: the T values to
     run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
     w = _make_layer(I)
@@ -248,14 +246,13 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
             out = cp.empty((T, H), cp.uint16)
             tab = moe.select_tiles(arch, T, I)
-            variants = {"now": {}, "loop0": dict(tiles=moe.with_lean(tab, 0)),
-                        "lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
-                        "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
-                        "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
-            if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
+            variants = {"now": {}}
+            if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the register ring and the bulk-copy GEMMs (moe_bulk.cu)
+                variants.update({"lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
+                                 "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
+                                 "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)})
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
-                variants["bulk_down"] = dict(bulk="down")
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
                     # revision 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
                     key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
@@ -266,10 +263,8 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
                 variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
             else:
-                # revision 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
-                # ("now" is the ring unless DDT_MOE_BULK_LARGE=1); the route's L2 prefetch flipped from its rule
-                # (on from T = 64), and the large-T candidate blocks
-                variants["ring"] = dict(bulk=False)
+                # the bulk-copy GEMMs fed by moe_route's chunk list (G = 1, the only ones there: "now"); the route's
+                # L2 prefetch flipped from its rule (on from T = 64), and the large-T candidate blocks
                 variants["bulkL"] = dict(bulk=True)
                 variants["bulkL_pf" if T < 64 else "bulkL_nopf"] = dict(bulk=True, l2_prefetch=T < 64)
                 for i, t in enumerate(moe.BULK_GATEUP_LARGE_CANDIDATES):
@@ -285,7 +280,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans] + \
+            for key in [k for k in ("now", "lean2", "bulk", "bulkL") if k in plans] + \
                     [k for k in plans if k.startswith("bulk_xr")]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
@@ -299,7 +294,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac,
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
-                             stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
                              stages_bulk_us_cumulative=stage_sets.get("bulk"),
                              stages_bulkL_us_cumulative=stage_sets.get("bulkL"),
@@ -332,9 +326,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | now us | % ceiling prev -> now "
-             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | lean1 us | lean2 us | now us | % ceiling prev -> now "
+             "| stages now (route/gu/dn/cb) | stages lean2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -345,10 +339,10 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2"))
+        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("lean1", "lean2"))
         lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
+                     f"{st(r.get('stages_lean2_us_cumulative'))} |")
     return "\n".join(lines)
 
 
@@ -498,7 +492,7 @@ def main():
     ap.add_argument("--ts", default=None, metavar="I:T,T[;I:T,..]",
                     help="with --focus: only these widths and T values, e.g. '256:1,8,64;2048:8'")
     ap.add_argument("--variants", default=None, metavar="NAME,..",
-                    help="with --focus: only these variants besides 'now' (e.g. 'loop0'; '' for none)")
+                    help="with --focus: only these variants besides 'now' (e.g. 'lean1'; '' for none)")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     ap.add_argument("--timeline", nargs=2, type=int, metavar=("I", "T"),

@@ -218,12 +218,11 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
-// LEAN: 0 = the previous k loop; 1, 2 = the same arithmetic in the same order
-// (bit-identical results) with ~30% fewer instructions per k64 step -- no zeroing of absent token columns, loads
-// from running pointers with immediate offsets, one predicated per-step L2 prefetch from a per-lane pointer
-// instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
-// and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
-// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, revision 4.
+// LEAN, the k loop's memory pattern (the arithmetic and its order are the same in both, so results are
+// bit-identical): absent token columns are not zeroed, loads come from running pointers with immediate offsets,
+// and one predicated L2 prefetch per step from a per-lane pointer. LEAN 1 loads activations one step ahead and
+// prefetches the next unit at the unit start (the table's loop at T = 1); LEAN 2 loads activations U steps ahead
+// with the weights and lets the rolling prefetch cross the unit boundary (from T = 2 up). docs/MOE.md.
 // Dynamic shared memory: the SortSmem of the gate/up kernel with fuse_route (none otherwise). (An S-deep
 // per-warp cp.async ring for the weights measured 3-15% slower on the H200 and was removed:
 // docs/history/2026-11-29-moe.md.)
@@ -238,6 +237,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
         float* __restrict__ y, int pf_steps, int pf_next) {
+    static_assert(LEAN == 1 || LEAN == 2, "moe_gemm: the k loop is 1 or 2");
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
@@ -326,31 +326,11 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 const int row = bval[nt] ? (MODE == 0 ? spair[slot0 + j] / k : slot0 + j) : 0;
                 pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
             }
-            // Group prefetch of 4 k64 steps with one instruction per warp for the weights (lane l: step
-            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7). Steps past this
-            // unit's end continue into the next unit's tiles (same K slice, same step count).
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
-            auto prefetch_group = [&](int j0) {
-                const int sw = j0 + (lane >> 3);
-                const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
-                if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);
-                else if (nx && sw - nsteps < nsteps)
-                    prefetch_l2(wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32 + woff + (size_t)(sw - nsteps) * 32);
-                const int ss = j0 + (lane >> 1);
-                const size_t soff = (size_t)(lane & 1) * KS * 8;
-                if (lane < 8) {
-                    if (ss < nsteps) prefetch_l2(st0 + soff + (size_t)ss * 8);
-                    else if (nx && ss - nsteps < nsteps)
-                        prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
-                }
-            };
-            if (!LEAN) for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
-            if (!LEAN && pf_steps > 0) {
-                // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
-                const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
-                next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
-            }
+            uint4 rb[U][NT][2];
+            // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
+            // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
@@ -363,7 +343,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        if (nt * 8 < ntok) {
+                        if (nt == 0 || nt * 8 < ntok) {    // ntok >= 1: token tile 0 always exists
                             float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
                             mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
                             mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
@@ -377,178 +357,104 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     }
                 }
             };
-            auto load_b = [&](uint4 (&b)[NT][2], int i) {
+            // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
+            // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
+            // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
+            // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
+            // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
+            // unit boundary.
+            const unsigned pstride = lane < 8 ? 512u : 64u;
+            const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                       : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
+            auto next_unit_ptr = [&]() {   // this lane's line of the next unit's first step
+                const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
+                return lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
+            };
+            if constexpr (LEAN == 1) {
+                // LEAN 1: the next unit's first steps are requested here, once per unit
+                const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                for (int s = pf_done; s < pf_steps; ++s)
+                    if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+                next_done = 0;
+                if (nx && pf_steps > 0) {
+                    const char* pn = next_unit_ptr();
+                    next_done = min(nsteps, pf_steps);
+                    for (int s = 0; s < next_done; ++s)
+                        if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                }
+            }
+            // LEAN 2: the rolling prefetch runs on across the unit boundary (the same
+            // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
+            const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
+            auto prefetch_step = [&](int s) {
+                if constexpr (LEAN == 2) {
+                    if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
+                        ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
+                }
+                if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+            };
+            if constexpr (LEAN == 2) {
+                for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
+                next_done = nx ? min(nsteps, pf_steps) : 0;
+            }
+
+            uint4 ra[U][2];
+            uint2 rs[U][2];
+            // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
+            // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
+            // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
+            const uint4* qa0 = pa0;
+            const uint4* qa1 = pa1;
+            const uint2* qs0 = ps0;
+            const uint2* qs1 = ps1;
+            const bf16_bits* qb[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
+            // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
+            // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
+            // ahead with the weights (measured on the H200: LEAN 1 wins at T = 1 and loses 1-17% from T = 8 up).
+            auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
+                ra[r][0] = ld_stream_v4(qa0 + i * 32);
+                ra[r][1] = ld_stream_v4(qa1 + i * 32);
+                rs[r][0] = ld_stream_v2(qs0 + i * 8);
+                rs[r][1] = ld_stream_v2(qs1 + i * 8);
+            };
+            auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    if (bval[nt]) {
-                        const uint4* p = reinterpret_cast<const uint4*>(pb[nt] + (size_t)i * 64);
-                        b[nt][0] = __ldg(p);
-                        b[nt][1] = __ldg(p + 4);   // +32 bf16
-                    } else {
-                        b[nt][0] = make_uint4(0, 0, 0, 0);
-                        b[nt][1] = make_uint4(0, 0, 0, 0);
+                    if (nt == 0 || nt * 8 < ntok) {
+                        const uint4* p = reinterpret_cast<const uint4*>(qb[nt] + i * 64);
+                        rb[r][nt][0] = __ldg(p);
+                        rb[r][nt][1] = __ldg(p + 4);
                     }
                 }
             };
-            uint4 rb[U][NT][2];
-            if (!LEAN) {
+            auto advance = [&]() {
+                qa0 += U * 32; qa1 += U * 32; qs0 += U * 8; qs1 += U * 8;
 #pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_b(rb[i], i);
-            }
-            if constexpr (LEAN != 0) {
-                // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
-                // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
-                auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
+                for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
+            };
+            // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
+            if (LEAN == 1) load_x(0, 0);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        uint32_t A[4][4];
-                        dequant_word(a[mt].x, A[0]);
-                        dequant_word(a[mt].y, A[1]);
-                        dequant_word(a[mt].z, A[2]);
-                        dequant_word(a[mt].w, A[3]);
-                        const float s00 = bf_lo(sc[mt].x), s08 = bf_hi(sc[mt].x);
-                        const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
+            for (int i = 0; i < U; ++i)
+                if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
+            if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
+            // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
+            // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
+            // 128-register cap (sm_90 and sm_120), so there is none.
+            for (int base = 0; base < nsteps; base += U) {     // ring slot i holds step base + i
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            if (nt == 0 || nt * 8 < ntok) {    // ntok >= 1: token tile 0 always exists
-                                float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-                                mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
-                                mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
-                                mma_bf16(d1, A[2], b[nt][1].x, b[nt][1].y);
-                                mma_bf16(d1, A[3], b[nt][1].z, b[nt][1].w);
-                                // same expression as compute(): bit-identical to the LEAN = 0 loop
-                                acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
-                                acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
-                                acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
-                                acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
-                            }
-                        }
-                    }
-                };
-                // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
-                // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
-                // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
-                // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
-                // unit boundary like the LEAN = 0 one.
-                const unsigned pstride = lane < 8 ? 512u : 64u;
-                const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
-                                           : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
-                auto next_unit_ptr = [&]() {   // this lane's line of the next unit's first step
-                    const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
-                    return lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
-                                    : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
-                };
-                if constexpr (LEAN == 1) {
-                    // LEAN 1: the next unit's first steps are requested here, once per unit
-                    const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
-                    for (int s = pf_done; s < pf_steps; ++s)
-                        if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
-                    next_done = 0;
-                    if (nx && pf_steps > 0) {
-                        const char* pn = next_unit_ptr();
-                        next_done = min(nsteps, pf_steps);
-                        for (int s = 0; s < next_done; ++s)
-                            if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                for (int i = 0; i < U; ++i) {
+                    if (base + i < nsteps) {
+                        if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
+                        compute(ra[i], rs[i], rb[i]);
+                        if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
+                        prefetch_step(base + i + pf_steps);
                     }
                 }
-                // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
-                // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
-                const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
-                auto prefetch_step = [&](int s) {
-                    if constexpr (LEAN == 2) {
-                        if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
-                            ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
-                    }
-                    if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
-                };
-                if constexpr (LEAN == 2) {
-                    for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
-                    next_done = nx ? min(nsteps, pf_steps) : 0;
-                }
-
-                uint4 ra[U][2];
-                uint2 rs[U][2];
-                // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
-                // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
-                // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
-                const uint4* qa0 = pa0;
-                const uint4* qa1 = pa1;
-                const uint2* qs0 = ps0;
-                const uint2* qs1 = ps1;
-                const bf16_bits* qb[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
-                // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
-                // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
-                // ahead like the LEAN = 0 loop (H200, revision 4: LEAN 1 lost 1-17% from T = 8 up; this and the
-                // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
-                auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
-                    ra[r][0] = ld_stream_v4(qa0 + i * 32);
-                    ra[r][1] = ld_stream_v4(qa1 + i * 32);
-                    rs[r][0] = ld_stream_v2(qs0 + i * 8);
-                    rs[r][1] = ld_stream_v2(qs1 + i * 8);
-                };
-                auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        if (nt == 0 || nt * 8 < ntok) {
-                            const uint4* p = reinterpret_cast<const uint4*>(qb[nt] + i * 64);
-                            rb[r][nt][0] = __ldg(p);
-                            rb[r][nt][1] = __ldg(p + 4);
-                        }
-                    }
-                };
-                auto advance = [&]() {
-                    qa0 += U * 32; qa1 += U * 32; qs0 += U * 8; qs1 += U * 8;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
-                };
-                // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
-                if (LEAN == 1) load_x(0, 0);
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
-                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
-                // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
-                // 128-register cap (sm_90 and sm_120), so there is none.
-                for (int base = 0; base < nsteps; base += U) {     // ring slot i holds step base + i
-#pragma unroll
-                    for (int i = 0; i < U; ++i) {
-                        if (base + i < nsteps) {
-                            if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
-                            compute_lean(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
-                            prefetch_step(base + i + pf_steps);
-                        }
-                    }
-                    advance();
-                }
-            } else {
-                uint4 ra[U][2];
-                uint2 rs[U][2];
-                auto load_a = [&](int r, int i) {
-                    ra[r][0] = ld_stream_v4(pa0 + (size_t)i * 32);
-                    ra[r][1] = ld_stream_v4(pa1 + (size_t)i * 32);
-                    rs[r][0] = ld_stream_v2(ps0 + (size_t)i * 8);
-                    rs[r][1] = ld_stream_v2(ps1 + (size_t)i * 8);
-                };
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_a(i, i);
-                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                for (int base = 0; base < nsteps; base += U) {
-#pragma unroll
-                    for (int i = 0; i < U; ++i) {
-                        if (base + i < nsteps) {
-                            compute(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_a(i, base + i + U); load_b(rb[i], base + i + U); }
-                            if (pf_steps > 0 && ((base + i) & 3) == 0) prefetch_group(base + i + pf_steps);
-                        }
-                    }
-                }
+                advance();
             }
         }
         pf_done = next_done;

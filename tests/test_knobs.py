@@ -74,18 +74,18 @@ def test_defaults_and_parsing():
     k = knobs.from_env({})
     assert k == knobs.Knobs()
     assert k.pdl is False and k.mla_policy == "auto" and k.tree_variant is None and k.moe_bulk is None
-    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_VARIANT": "3", "DDT_MOE_BULK": "down", "DDT_MLA_PARTIAL_BF16": "on",
-                        "DDT_GEMM_WIDE": " 0 ", "DDT_MOE_GU_2X4_MIN_T": "0", "DDT_ROUTER_DOWN": ""})
-    assert (k.pdl, k.tree_variant, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.moe_gu_2x4_min_t, k.router_down) \
-        == (True, 3, "down", True, False, 0, None)
+    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_VARIANT": "0", "DDT_MOE_BULK": "0", "DDT_MLA_PARTIAL_BF16": "on",
+                        "DDT_GEMM_WIDE": " 0 ", "DDT_ROUTER_DOWN": ""})
+    assert (k.pdl, k.tree_variant, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.router_down) \
+        == (True, 0, "0", True, False, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.pdl = False
 
 
 @pytest.mark.parametrize("env,value", [("DDT_PDL", "yes"), ("DDT_MLA_POLICY", "fast"), ("DDT_TREE_VARIANT", "eight"),
-                                       ("DDT_TREE_VARIANT", "-1"), ("DDT_MOE_LEAN", "3"), ("DDT_MOE_BULK", "2"),
-                                       ("DDT_MOE_BULK_LARGE", "down"), ("DDT_GEMM_WIDE", "2"),
-                                       ("DDT_MLA_PARTIAL_BF16", "maybe"), ("DDT_MOE_GU_2X4_MIN_T", "-4")])
+                                       ("DDT_TREE_VARIANT", "-1"), ("DDT_MOE_BULK", "2"),
+                                       ("DDT_MOE_BULK", "down"), ("DDT_GEMM_WIDE", "2"),
+                                       ("DDT_MLA_PARTIAL_BF16", "maybe")])
 def test_bad_values_name_the_variable(env, value):
     with pytest.raises(ValueError, match=env):
         knobs.from_env({env: value})

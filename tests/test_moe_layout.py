@@ -164,33 +164,30 @@ def test_tile_table_fits_sm120_shared_memory():
             assert moe.SORT_SMEM + tile.smem_static(tiles.nt) <= 99 * 1024      # the gate/up's fused sort
             assert tile.threads <= 1024
     assert moe.select_tiles("sm_90", 1, 256).nt == 1
-    assert moe.select_tiles("sm_120", 650, 2048).nt == 4
+    assert {t.nt for t in moe.all_table_tiles()} == {1}      # one token tile of 8 at every T the ring runs
 
 
 def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
-    # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above, DDT_MOE_LEAN overrides);
-    # all three loops of every register-ring table entry are compiled (registry names)
-    monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above); both loops of every
+    # register-ring table entry are compiled (registry names)
     names = moe._all_gemm_names()
-    for T, inter in ((1, 256), (1, 2048), (8, 256), (64, 2048), (300, 256), (650, 2048)):
+    for T, inter in ((1, 256), (1, 2048), (2, 256), (8, 256), (32, 2048)):
         for arch in ("sm_90", "sm_120"):
             t = moe.select_tiles(arch, T, inter)
             want = moe.LEAN_T1 if T == 1 else moe.LEAN_T_GE_2
             assert t.gateup.lean == t.down.lean == want == moe.lean_for(T)
-            for lean in (0, 1, 2):
+            for lean in (1, 2):
                 v = moe.with_lean(t, lean)
                 assert v.gateup.lean == v.down.lean == lean
                 assert (v.gateup.wm, v.gateup.wk, v.gateup.u) == (t.gateup.wm, t.gateup.wk, t.gateup.u)
                 for mode, tile in ((0, v.gateup), (1, v.down)):
                     assert moe._gemm_name(mode, tile, v.nt) in names
-    monkeypatch.setattr(moe, "LEAN_T_GE_2", 2)
-    assert moe.select_tiles("sm_90", 8, 256).down.lean == 2
-    monkeypatch.setattr(moe, "LEAN_LOOP", 0)
-    assert moe.select_tiles("sm_90", 1, 256).gateup.lean == 0
-    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0>"
-    monkeypatch.setattr(moe, "LEAN_LOOP", 3)
-    with pytest.raises(ValueError, match="DDT_MOE_LEAN"):
-        moe.select_tiles("sm_90", 8, 256)
+    assert len(names) == 2 * 2 * 2          # (1 x 8 | 8 x 1) and (2 x 4 | 2 x 4) blocks x 2 modes x 2 loops
+    monkeypatch.setattr(moe, "LEAN_T_GE_2", 1)
+    assert moe.select_tiles("sm_90", 8, 256).down.lean == 1
+    assert moe._gemm_name(1, moe.select_tiles("sm_90", 1, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 1>"
+    with pytest.raises(ValueError, match="lean"):
+        moe.with_lean(moe.select_tiles("sm_90", 8, 256), 0)
 
 
 def test_fused_sort_model_contract():
@@ -215,40 +212,6 @@ def test_fused_sort_model_contract():
             pe = slot_pair[flat[slot_pair] == e]
             assert (np.diff(pe) > 0).all()
     assert moe.fuse_route_default(32, 8) and not moe.fuse_route_default(33, 8)
-
-
-def test_gateup_block_switch(monkeypatch):
-    # GU_2X4_MIN_T (env DDT_MOE_GU_2X4_MIN_T, 0 = never): the 2 x 4 gate/up block at I <= 512 from T = N up
-    # (nt = 1 only); its kernels are registered (the I = 2048 entry's), the down and the k loop are untouched,
-    # wide and nt > 1 shapes are unaffected
-    monkeypatch.setattr(moe, "LEAN_LOOP", None)
-    monkeypatch.setattr(moe, "GU_2X4_ENV", None)
-    names = moe._all_gemm_names()
-    assert moe.GU_2X4_MIN_T == 64
-    for arch in ("sm_90", "sm_120"):
-        for T in (1, 8, 63):
-            t = moe.select_tiles(arch, T, 256)
-            assert (t.gateup.wm, t.gateup.wk) == (1, 8), (arch, T)
-        for T in (64, 160, 256):
-            t = moe.select_tiles(arch, T, 256)
-            assert (t.nt, t.gateup.wm, t.gateup.wk, t.gateup.lean, t.gateup.u) == (1, 2, 4, 2, 3), (arch, T)
-            assert (t.down.wm, t.down.wk) == (8, 1)
-            assert moe._gemm_name(0, t.gateup, t.nt) in names
-            back = moe.with_gateup_block(t, 1, 8)
-            assert (back.gateup.wm, back.gateup.wk, back.down) == (1, 8, t.down)
-        assert moe.select_tiles(arch, 300, 256).nt == 2
-        assert moe.select_tiles(arch, 8, 2048).gateup.wk == 4
-    monkeypatch.setattr(moe, "GU_2X4_ENV", 0)
-    assert moe.select_tiles("sm_90", 64, 256).gateup.wk == 8
-    monkeypatch.setattr(moe, "GU_2X4_ENV", 8)
-    assert moe.select_tiles("sm_90", 4, 256).gateup.wk == 8 and moe.select_tiles("sm_90", 8, 256).gateup.wk == 4
-    with pytest.raises(ValueError, match="wm, wk"):
-        moe.with_gateup_block(moe.select_tiles("sm_90", 8, 256), 1, 16)
-    with pytest.raises(ValueError, match="wm, wk"):
-        moe.with_gateup_block(moe.select_tiles("sm_90", 650, 256), 1, 8)
-    monkeypatch.setattr(moe, "GU_2X4_ENV", -1)
-    with pytest.raises(ValueError, match="DDT_MOE_GU_2X4_MIN_T"):
-        moe.select_tiles("sm_90", 8, 256)
 
 
 def test_bulk_tiles_fit_sm120_and_the_producer_warp():
@@ -283,27 +246,13 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
     assert moe.BULK_GATEUP in moe._bulk_compiled(1)["gu"] and moe.BULK_DOWN in moe._bulk_compiled(1)["dn"]
 
 
-def test_large_t_bulk_rule_is_its_own_switch(monkeypatch):
-    # above FUSED_MAX_PAIRS only BULK_LARGE_DEFAULT / DDT_MOE_BULK_LARGE decide; DDT_MOE_BULK keeps its range
+def test_large_t_always_runs_the_bulk_gemms(monkeypatch):
+    # above FUSED_MAX_PAIRS the bulk-copy GEMMs fed by moe_route are the only implementation; DDT_MOE_BULK keeps
+    # its range (T*k <= FUSED_MAX_PAIRS)
     monkeypatch.setattr(moe, "BULK_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
-    assert moe.bulk_for(33, 8) is False and moe.bulk_for(320, 8) is False and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", True)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 64)
-    assert moe.bulk_for(63, 8) is False and moe.bulk_for(64, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 0)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
-    assert moe.bulk_for(33, 8) is False and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "1")
-    assert moe.bulk_for(33, 8) is True and moe.bulk_for(1, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "0")
-    assert moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "down")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE"):
-        moe.bulk_for(64, 8)
+    assert moe.bulk_for(33, 8) is True and moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
 
 
 def test_large_t_bulk_tiles_env_override(monkeypatch):
@@ -318,19 +267,15 @@ def test_large_t_bulk_tiles_env_override(monkeypatch):
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
     monkeypatch.setattr(moe, "BULK_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
     assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
-    assert moe.bulk_for(33, 8) is False
     monkeypatch.setattr(moe, "BULK_ENV", "1")
-    assert moe.bulk_for(32, 8) is True and moe.bulk_for(33, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "down")
-    assert moe.bulk_for(8, 8) == "down" and moe.bulk_for(40, 8) is False
+    assert moe.bulk_for(1, 8) is True and moe.bulk_for(32, 8) is True
     monkeypatch.setattr(moe, "BULK_ENV", "0")
-    assert not moe.bulk_for(1, 8)
-    monkeypatch.setattr(moe, "BULK_ENV", "yes")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK"):
-        moe.bulk_for(1, 8)
+    assert not moe.bulk_for(1, 8) and not moe.bulk_for(32, 8)
+    for bad in ("yes", "down"):
+        monkeypatch.setattr(moe, "BULK_ENV", bad)
+        with pytest.raises(ValueError, match="DDT_MOE_BULK"):
+            moe.bulk_for(1, 8)
 
 
 def test_bulk_tiles_env_override(monkeypatch):

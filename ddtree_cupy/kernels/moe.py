@@ -47,7 +47,7 @@ class Tile:
     wm: int
     wk: int
     u: int              # depth of the register ring the weights stream through
-    lean: int = 0       # the k loop: 0 previous, 1/2 reduced-instruction (bit-identical results)
+    lean: int = 2       # the k loop's memory pattern: 1 or 2 (bit-identical results; moe_int4.cu)
 
     @property
     def threads(self) -> int:
@@ -59,78 +59,32 @@ class Tile:
 
 @dataclass(frozen=True)
 class MoETiles:
-    nt: int        # token tiles of 8 per chunk (shared by both GEMMs: the routing sort cuts chunks of nt*8)
+    nt: int        # token tiles of 8 per chunk (1: the routing sort cuts chunks of 8 for both GEMMs)
     gateup: Tile
     down: Tile
 
 
-def _nt_for(T: int) -> int:
-    # Uniform routing gives T*k/E tokens per expert (5.3 at T=256, E=384); wider token tiles only pay off
-    # when many tokens share an expert (prefill, skewed routing), so they are picked by T.
-    if T <= 256:
-        return 1
-    if T <= 400:
-        return 2
-    return 4
-
-
-def _u_for(nt: int) -> int:
-    return {1: 3, 2: 3, 4: 2}[nt]      # ring of 60-90 registers; the L2 prefetch covers DRAM latency
-
+# The register ring runs at decode sizes only (T < BULK_MIN_T by default: the bulk-copy GEMMs take over from 4
+# tokens up, and above FUSED_MAX_PAIRS pairs always), so one token tile of 8 per chunk and a 3-deep ring.
+RING_NT = 1
+RING_U = 3
 
 # The k loop of the register-ring GEMMs (moe_gemm's LEAN parameter; the arithmetic and its order are the same
-# in all three, so outputs are bit-identical): 0 = the previous loop; 1 = the reduced-instruction loop (revision 4:
-# -28..-31% SASS instructions per k64 step; activations one step ahead, the next unit prefetched at the unit
-# start); 2 = loop 1 with the previous memory pattern (activations U steps ahead, rolling prefetch across the unit
-# boundary). Measured on the H200 (docs/history/2026-11-29-moe.md, "Revision 4" and the integration run): 1 wins at T = 1 at I = 256
-# (20.7 -> 19.4 us), loses 1-17% from T = 8 up; 2 wins from T = 2 up (I = 256, T = 8: 89.2 -> 82.8 us, T = 64:
-# 353 -> 332; I = 2048, T = 8: 524 -> 486) and ties 0 at I = 2048, T = 64 (2420 vs 2415), where 0 stays
-# reachable. Environment DDT_MOE_LEAN=0/1/2 forces one loop everywhere.
-LEAN_LOOP: Optional[int] = knobs.get().moe_lean
+# in both, so outputs are bit-identical): 1 = activations one step ahead, the next unit prefetched at the unit
+# start; 2 = activations U steps ahead, rolling prefetch across the unit boundary. Measured on the H200
+# (docs/history/2026-11-29-moe.md, "Revision 4" and the integration run): 1 is the faster at T = 1 (I = 256:
+# 19.4 us) and loses 1-17% from T = 8 up, where 2 wins (I = 256, T = 8: 82.8 us).
 LEAN_T1 = 1         # the table's loop at T = 1
 LEAN_T_GE_2 = 2     # ... and from T = 2 up
 
 
 def lean_for(T: int) -> int:
-    """The k loop the table uses for T tokens (LEAN_LOOP, when set, overrides the rule)."""
-    if LEAN_LOOP is not None:
-        if LEAN_LOOP not in (0, 1, 2):
-            raise ValueError(f"DDT_MOE_LEAN: must be 0, 1 or 2, got {LEAN_LOOP}")
-        return LEAN_LOOP
+    """The k loop the table uses for T tokens."""
     return LEAN_T1 if T <= 1 else LEAN_T_GE_2
 
 
-# The gate/up block at I <= 512: 1 x 8 (16 units per chunk, K in 8 slices) or, from T = GU_2X4_MIN_T up, the
-# 2 x 4 block of the I = 2048 entry (8 units per chunk, 4 slices: half the unit boundaries -- empty ring, K
-# reduction, epilogue -- per byte). Another K split, so not bit-identical to 1 x 8 (bf16 tolerance of the
-# float64 reference). Measured on the H200 (docs/MOE.md, revision 3, the unit-boundary table): layer -3.7% at
-# T = 64 with uniform and -3.8% with skewed routing; at T = 8 -3.5% uniform but +3.0% skewed; T <= 2 +12-26%.
-# Environment DDT_MOE_GU_2X4_MIN_T=N overrides (0 = never).
-GU_2X4_MIN_T: Optional[int] = 64
-GU_2X4_ENV: Optional[int] = knobs.get().moe_gu_2x4_min_t
-
-
-def gu_wide_block_for(T: int) -> bool:
-    """Whether the table's gate/up uses the 2 x 4 block at I <= 512 for T tokens."""
-    lim = GU_2X4_MIN_T
-    if GU_2X4_ENV is not None:
-        if GU_2X4_ENV < 0:
-            raise ValueError(f"DDT_MOE_GU_2X4_MIN_T: must be >= 0 (0 = never), got {GU_2X4_ENV}")
-        lim = GU_2X4_ENV or None
-    return lim is not None and T >= lim
-
-
-def with_gateup_block(t: MoETiles, wm: int, wk: int) -> MoETiles:
-    """The same tiles with the gate/up block wm x wk (1 x 8 or 2 x 4, the compiled ones), same loop and depth."""
-    if (wm, wk) not in ((1, 8), (2, 4)):
-        raise ValueError(f"wm, wk: the gate/up block must be 1 x 8 or 2 x 4, got {wm} x {wk}")
-    if (wm, wk) == (1, 8) and t.nt == 4:
-        raise ValueError("wm, wk: the 1 x 8 gate/up block spills at nt = 4 on sm_120 (not compiled)")
-    return MoETiles(t.nt, replace(t.gateup, wm=wm, wk=wk), t.down)
-
-
 def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
-    """The tile table, keyed by (architecture, T bucket, expert width I).
+    """The register ring's tile table, keyed by (architecture, expert width I) and T (the k loop).
 
     gate/up: K = H = 7168 is long and N = 2I short, so a block splits K over its warps (wk) and reduces in
     shared memory; down: N = H is wide, K = I short, so a narrow expert (I <= 512, K <= 8 steps) gives each
@@ -138,8 +92,7 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
     sm_90 and sm_120 currently share the entries (all fit sm_120's 99 KB per block); the key keeps them
     separable. Measured on the H200: docs/MOE.md.
     """
-    nt = _nt_for(T)
-    u = _u_for(nt)
+    u = RING_U
     family = "sm_120" if arch.startswith("sm_12") else "sm_90"
     narrow = inter <= 512
     table = {
@@ -150,32 +103,27 @@ def select_tiles(arch: str, T: int, inter: int) -> MoETiles:
         ("sm_120", False): (Tile(2, 4, u), Tile(2, 4, u)),
     }
     gu, dn = table[(family, narrow)]
-    if narrow and nt == 1 and gu_wide_block_for(T):
-        gu = Tile(2, 4, u)     # GU_2X4_MIN_T: the 2 x 4 gate/up block at I <= 512
-    if nt == 4 and gu.wm == 1:
-        # measured with ptxas: the 1x8 block at nt = 4 spills on sm_120 (255 registers); 2x4 does not
-        gu = Tile(2, 4, u)
     # the k loop (lean_for): the same on both architectures (all spill-free; measured on the H200 only)
     lean = lean_for(T)
-    return MoETiles(nt, replace(gu, lean=lean), replace(dn, lean=lean))
+    return MoETiles(RING_NT, replace(gu, lean=lean), replace(dn, lean=lean))
 
 
 def with_lean(t: MoETiles, lean: int) -> MoETiles:
-    """The same tiles with the register-ring k loop ``lean`` (0 previous, 1 and 2 reduced-instruction) in both
-    GEMMs."""
+    """The same tiles with the register-ring k loop ``lean`` (1 or 2) in both GEMMs."""
+    if lean not in (1, 2):
+        raise ValueError(f"lean: the register ring's k loop is 1 or 2, got {lean}")
     return MoETiles(t.nt, replace(t.gateup, lean=lean), replace(t.down, lean=lean))
 
 
 def all_table_tiles() -> Tuple[MoETiles, ...]:
     seen = []
     for arch in ("sm_90", "sm_120"):
-        for T in (1, 64, 300, 650):         # 64: the 2 x 4 gate/up block at I <= 512 (GU_2X4_MIN_T)
-            for inter in (256, 2048):
-                t = select_tiles(arch, T, inter)
-                # every k loop of the register ring (the table's and the alternatives)
-                for v in (with_lean(t, 0), with_lean(t, 1), with_lean(t, 2)):
-                    if v not in seen:
-                        seen.append(v)
+        for inter in (256, 2048):
+            t = select_tiles(arch, 1, inter)
+            # both k loops of the register ring (the table's at T = 1 and from T = 2 up)
+            for v in (with_lean(t, 1), with_lean(t, 2)):
+                if v not in seen:
+                    seen.append(v)
     return tuple(seen)
 
 
@@ -398,37 +346,27 @@ SPEC_BULK_TIMELINE = register(KernelSpec(
     pdl=True,      # the same waits as the production kernels
     doc="moe_gemm_bulk with per-warp cycle stamps at the barrier waits, releases, copy issues and epilogues"))
 
-# The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up wherever they apply (T*k <= FUSED_MAX_PAIRS); the
-# register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied; T = 8 80.0 -> 73.2,
-# T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md revision 4). Environment DDT_MOE_BULK=1 / down / 0 forces both / the down only / none
-# wherever they apply (any T).
+# The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up to FUSED_MAX_PAIRS pairs (both kernels sort the routing
+# in shared memory), the register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied;
+# T = 8 80.0 -> 73.2, T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md revision 4). Above FUSED_MAX_PAIRS both
+# GEMMs always bulk-copy, fed by moe_route's chunk list (G = 1; docs/history/2026-11-29-moe.md "Revision 5: bulk
+# GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256, T = 48..320, -1 to -4% at I = 2048).
+# Environment DDT_MOE_BULK=1 / 0 (measuring) forces both / none up to FUSED_MAX_PAIRS pairs.
 BULK_DEFAULT = True
 BULK_MIN_T = 4
 BULK_ENV: Optional[str] = knobs.get().moe_bulk
-# Above FUSED_MAX_PAIRS (revision 5): both GEMMs bulk-copy fed by moe_route (G = 1) when BULK_LARGE_DEFAULT, else the
-# register ring. On since the H200 run (docs/history/2026-11-29-moe.md "Revision 5: bulk GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256,
-# T = 48..320, -1 to -4% at I = 2048). Environment DDT_MOE_BULK_LARGE=1 / 0 forces it on / off.
-BULK_LARGE_DEFAULT = True
-BULK_LARGE_MIN_T = 0        # with BULK_LARGE_DEFAULT: only from this T up (if the H200 run shows a crossover)
-BULK_LARGE_ENV: Optional[str] = knobs.get().moe_bulk_large
 
 
-def bulk_for(T: int, top_k: int):
-    """Which GEMMs the table runs bulk-copy for T tokens: True (both), "down" or False. Up to FUSED_MAX_PAIRS
-    pairs the kernels sort in shared memory (BULK_DEFAULT / BULK_MIN_T, DDT_MOE_BULK); above, they read
-    moe_route's chunk list (BULK_LARGE_DEFAULT, DDT_MOE_BULK_LARGE; no "down"-only there)."""
+def bulk_for(T: int, top_k: int) -> bool:
+    """Whether the table runs both GEMMs bulk-copy for T tokens: always above FUSED_MAX_PAIRS pairs (moe_route's
+    chunk list), from BULK_MIN_T tokens up below (the kernels sort in shared memory; DDT_MOE_BULK overrides)."""
     if T * top_k > FUSED_MAX_PAIRS:
-        on = BULK_LARGE_DEFAULT and T >= BULK_LARGE_MIN_T
-        if BULK_LARGE_ENV is not None:
-            if BULK_LARGE_ENV not in ("0", "1"):
-                raise ValueError(f"DDT_MOE_BULK_LARGE: must be 0 or 1, got {BULK_LARGE_ENV!r}")
-            on = BULK_LARGE_ENV == "1"
-        return on
+        return True
     on = BULK_DEFAULT and T >= BULK_MIN_T
     if BULK_ENV is not None:
-        if BULK_ENV not in ("0", "1", "down"):
-            raise ValueError(f"DDT_MOE_BULK: must be 0, 1 or down, got {BULK_ENV!r}")
-        on = {"0": False, "1": True, "down": "down"}[BULK_ENV]
+        if BULK_ENV not in ("0", "1"):
+            raise ValueError(f"DDT_MOE_BULK: must be 0 or 1, got {BULK_ENV!r}")
+        on = BULK_ENV == "1"
     return on
 
 
@@ -724,9 +662,8 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
     and ``fuse_route`` is not False, else the routing kernel runs first and both read its chunk list, with
-    ``l2_prefetch`` as for the register ring: None = from T = 64);
-    "down": the register-ring gate/up (fused sort, the table's tiles) and the bulk-copy down (it re-derives the
-    same slots); False: both register-ring; None: ``bulk_for`` when no register-ring option is given. The bulk
+    ``l2_prefetch`` as for the register ring: None = from T = 64); False: both register-ring (T*k <=
+    FUSED_MAX_PAIRS only); None: ``bulk_for`` when no register-ring option is given. The bulk
     kernels take none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks
     (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above).
     ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
@@ -761,8 +698,8 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     ring_options = tiles is not None or l2_prefetch or fuse_route is False
     if bulk is None:
         bulk = False if ring_options else bulk_for(T, k)
-    if bulk not in (True, False, "down"):
-        raise ValueError(f"bulk: must be True, False or 'down', got {bulk!r}")
+    if bulk not in (True, False):
+        raise ValueError(f"bulk: must be True or False, got {bulk!r}")
     if bulk is True:
         if tiles is not None:
             raise ValueError("bulk: the bulk-copy GEMMs take no tiles (bulk_tiles picks their blocks)")
@@ -777,12 +714,9 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
                           timeline)
     if timeline is not None:
         raise ValueError("timeline: only the bulk-copy GEMMs have a timeline build (bulk=True)")
-    if bulk == "down":
-        if fuse_route is False or l2_prefetch:
-            raise ValueError("bulk: 'down' needs the gate/up kernel's fused sort (no fuse_route=False / l2_prefetch)")
-        if T * k > FUSED_MAX_PAIRS:
-            raise ValueError(f"bulk: 'down' needs T*k = {T * k} <= {FUSED_MAX_PAIRS} (both kernels sort in shared memory)")
-        fuse_route = True
+    if T * k > FUSED_MAX_PAIRS:
+        raise ValueError(f"bulk: the register-ring GEMMs run at T*k <= {FUSED_MAX_PAIRS} pairs, got {T * k} "
+                         "(above, the bulk-copy GEMMs)")
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
@@ -793,8 +727,6 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     for tl, dyn in ((tiles.gateup, dyn_gu), (tiles.down, dyn_dn)):
         if dyn + tl.smem_static(tiles.nt) > SMEM_LIMIT:
             raise ValueError(f"tiles: {tl} needs {dyn + tl.smem_static(tiles.nt)} B of shared memory > {SMEM_LIMIT}")
-    if fuse_route and T * k > FUSED_MAX_PAIRS:
-        raise ValueError(f"fuse_route: T*k = {T * k} pairs > {FUSED_MAX_PAIRS} sorted in shared memory")
     if l2_prefetch is None:
         l2_prefetch = T >= 64 and not fuse_route
     if fuse_route and l2_prefetch:
@@ -827,10 +759,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
     dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
         common[6:] + (ws.h, i32(Ip)) + tail
-    if bulk == "down":
-        plan.append(_bulk_plan(x, topk_ids, topk_weights, weights, ws, out, residual, T, bulk_tiles)[1])
-    else:
-        plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)))
+    plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
 
