@@ -121,7 +121,6 @@ def bench_width(I, read_gbs, rows, quick):
                                     "float gf = (float)g; h = (half)(gf / (1.f + expf(-gf)) * (float)u);",
                                     "moe_bench_silu_mul")
     rng = np.random.default_rng(I)
-    arch = f"sm_{cp.cuda.Device().compute_capability}"
     for mode in ("uniform", "skewed"):
         for T in (TS if not quick else (1, 8, 64)):
             ids, wts = routing(rng, T, mode)
@@ -206,17 +205,17 @@ def _prev_plan(prev_src, *args, **kw):
     def prev_name(name):   # that file runs its only k loop: drop ", lean>" from the name
         return name.rsplit(",", 1)[0] + ">" if six else name
     spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in moe._all_gemm_names())))
-    orig = moe.get_kernel
+    orig = moe.forward.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
         if name.startswith("moe_gemm"):
             return orig(spec, prev_name(name), max_dynamic_smem)
         return orig(sp, name, max_dynamic_smem)
-    moe.get_kernel = patched
+    moe.forward.get_kernel = patched
     try:
         return moe.moe_launch_plan(*args, **kw)
     finally:
-        moe.get_kernel = orig
+        moe.forward.get_kernel = orig
 
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):

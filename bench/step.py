@@ -216,7 +216,7 @@ def apply_baselines(a) -> None:
     if a.no_dec_spread:
         gemm.DEC_SPREAD = False
     if a.no_bulk_whole:
-        moe.BULK_WHOLE = False
+        moe.forward.BULK_WHOLE = False
 
 
 def cost_tables(results):
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     m.add_argument("--no-dec-spread", action="store_true",
                    help="decode GEMM grids of <= one block per SM may share SMs (gemm.DEC_SPREAD = False)")
     m.add_argument("--no-bulk-whole", action="store_true",
-                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.BULK_WHOLE = False)")
+                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.forward.BULK_WHOLE = False)")
     a = ap.parse_args(argv)
     apply_baselines(a)
     collectives_source = "assumed (command line / defaults)"

@@ -231,9 +231,10 @@ import ddtree_cupy.kernels.gemm as _gemm_mod  # noqa: E402
 import ddtree_cupy.kernels.kv_cache as _kv_cache  # noqa: E402
 import ddtree_cupy.kernels.layers as _layers  # noqa: E402
 import ddtree_cupy.kernels.moe as _moe  # noqa: E402
+import ddtree_cupy.kernels.moe.forward as _moe_forward_mod  # noqa: E402
 import ddtree_cupy.kernels.router as _router_mod  # noqa: E402
 
-for _m in (_gemm_mod, _layers, _router_mod, _attention, _kv_cache, _moe, _fused):
+for _m in (_gemm_mod, _layers, _router_mod, _attention, _kv_cache, _moe_forward_mod, _fused):
     _m.get_kernel = _get_kernel
 _compile.device_arch = lambda: "sm_90"
 _orig_pack, _orig_plan = _moe.pack_moe_weights, _moe.moe_launch_plan

@@ -165,9 +165,9 @@ def test_measuring_baselines_are_bench_arguments(monkeypatch):
 
     from bench import step as bench_step
     from ddtree_cupy.kernels import gemm, moe
-    for mod, attr in ((gemm, "WIDE_CLUSTER"), (gemm, "DEC_SPREAD"), (moe, "BULK_WHOLE")):
+    for mod, attr in ((gemm, "WIDE_CLUSTER"), (gemm, "DEC_SPREAD"), (moe.forward, "BULK_WHOLE")):
         monkeypatch.setattr(mod, attr, True)
     bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=False, no_dec_spread=True, no_bulk_whole=False))
-    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (True, False, True)
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.forward.BULK_WHOLE) == (True, False, True)
     bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=True, no_dec_spread=True, no_bulk_whole=True))
-    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (False, False, False)
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.forward.BULK_WHOLE) == (False, False, False)

@@ -183,7 +183,7 @@ def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
                 for mode, tile in ((0, v.gateup), (1, v.down)):
                     assert moe._gemm_name(mode, tile, v.nt) in names
     assert len(names) == 2 * 2 * 2          # (1 x 8 | 8 x 1) and (2 x 4 | 2 x 4) blocks x 2 modes x 2 loops
-    monkeypatch.setattr(moe, "LEAN_T_GE_2", 1)
+    monkeypatch.setattr(moe.tables, "LEAN_T_GE_2", 1)
     assert moe.select_tiles("sm_90", 8, 256).down.lean == 1
     assert moe._gemm_name(1, moe.select_tiles("sm_90", 1, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 1>"
     with pytest.raises(ValueError, match="lean"):
@@ -249,9 +249,9 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
 def test_large_t_always_runs_the_bulk_gemms(monkeypatch):
     # above FUSED_MAX_PAIRS the bulk-copy GEMMs fed by moe_route are the only implementation; DDT_MOE_BULK keeps
     # its range (T*k <= FUSED_MAX_PAIRS)
-    monkeypatch.setattr(moe, "BULK_ENV", None)
+    monkeypatch.setattr(moe.tables, "BULK_ENV", None)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_ENV", "0")
+    monkeypatch.setattr(moe.tables, "BULK_ENV", "0")
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
 
 
@@ -266,14 +266,14 @@ def test_large_t_bulk_tiles_env_override(monkeypatch):
 
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
-    monkeypatch.setattr(moe, "BULK_ENV", None)
+    monkeypatch.setattr(moe.tables, "BULK_ENV", None)
     assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "1")
+    monkeypatch.setattr(moe.tables, "BULK_ENV", "1")
     assert moe.bulk_for(1, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_ENV", "0")
+    monkeypatch.setattr(moe.tables, "BULK_ENV", "0")
     assert not moe.bulk_for(1, 8) and not moe.bulk_for(32, 8)
     for bad in ("yes", "down"):
-        monkeypatch.setattr(moe, "BULK_ENV", bad)
+        monkeypatch.setattr(moe.tables, "BULK_ENV", bad)
         with pytest.raises(ValueError, match="DDT_MOE_BULK"):
             moe.bulk_for(1, 8)
 

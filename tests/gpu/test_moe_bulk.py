@@ -180,7 +180,7 @@ def test_down_whole_k_stage_is_bit_identical_to_per_tile_copies(layer_name, T, r
     # with BULK_WHOLE off, one copy per tile and token row: same data, same arithmetic, same bits
     layer = request.getfixturevalue(layer_name)
     o1, y1, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
-    monkeypatch.setattr(moe, "BULK_WHOLE", False)
+    monkeypatch.setattr(moe.forward, "BULK_WHOLE", False)
     o0, y0, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(o1, o0)
@@ -202,12 +202,12 @@ def wide2k():    # I = 2048 (the down GEMM's K is 32 steps: 8 stages per unit) w
 def _kernel_names(monkeypatch):
     """Record the kernel names moe.py asks for (which GEMM family and routing source actually ran)."""
     seen = []
-    orig = moe.get_kernel
+    orig = moe.forward.get_kernel
 
     def spy(spec, name, **kw):
         seen.append(name)
         return orig(spec, name, **kw)
-    monkeypatch.setattr(moe, "get_kernel", spy)
+    monkeypatch.setattr(moe.forward, "get_kernel", spy)
     return seen
 
 
