@@ -14,35 +14,59 @@
 // 16-row tiles: fused tile 2r = src0 tile r, 2r+1 = src1 tile r) -> wp [E][Nf/16][Kp/64][32][4] uint32.
 // One thread per output word. Padding columns (k >= K) get nibble 8 (q = 0).
 // ---------------------------------------------------------------------------------------------------------
+
+// One 16 x 64 block of the repacked layout, [E][ntiles][KS] in that order, from its flat index.
+struct LayoutBlock {
+    int e, tile, step;
+};
+
+__device__ __forceinline__ LayoutBlock layout_block(long long blk, int KS, int ntiles) {
+    LayoutBlock b;
+    b.step = (int)(blk % KS); blk /= KS;
+    b.tile = (int)(blk % ntiles);
+    b.e = (int)(blk / ntiles);
+    return b;
+}
+
+// One grid-stride pass over a repacked tensor of 2^SHIFT elements per 16 x 64 block: f(i, r, block, src, stile)
+// for output element i, its index r inside the block, the block, and the source tensor and 16-row tile the block
+// reads (fused: tile 2r is src0's tile r, 2r+1 src1's tile r; else src0's own tile).
+template <int SHIFT, typename T, typename F>
+__device__ __forceinline__ void repack_elements(const T* src0, const T* src1, int E, int Nsrc, int KS, int fused,
+                                                F&& f) {
+    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
+    const long long total = ((long long)E * ntiles * KS) << SHIFT;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const LayoutBlock b = layout_block(i >> SHIFT, KS, ntiles);
+        const int stile = fused ? b.tile >> 1 : b.tile;
+        const T* src = (fused && (b.tile & 1)) ? src1 : src0;
+        f(i, (int)(i & ((1 << SHIFT) - 1)), b, src, stile);
+    }
+}
+
 extern "C" __global__ void moe_repack_weights(const uint32_t* __restrict__ src0, const uint32_t* __restrict__ src1,
                                               int E, int Nsrc, int K, int KS, int fused,
                                               uint32_t* __restrict__ dst) {
     DDT_PDL_WAIT();
-    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
-    const long long total = (long long)E * ntiles * KS * 128;
     const int kw = K / 8;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int w = (int)(i & 3), lane = (int)((i >> 2) & 31);
-        long long rest = i >> 7;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
-        const uint32_t* src = (fused && (tile & 1)) ? src1 : src0;
-        const int stile = fused ? tile >> 1 : tile;
+    // 128 words per block: word w = r & 3 of lane r >> 2
+    repack_elements<7>(src0, src1, E, Nsrc, KS, fused,
+                       [&](long long i, int r, const LayoutBlock& b, const uint32_t* src, int stile) {
+        const int w = r & 3, lane = r >> 2;
         const int g = lane >> 2, t = lane & 3;
         uint32_t out = 0;
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             const int idx = 2 * (p & 3) + (p >> 2);
             const int n = stile * 16 + frag_row(g, idx);
-            const int k = step * 64 + nat_k(w, frag_col(t, idx));
+            const int k = b.step * 64 + nat_k(w, frag_col(t, idx));
             uint32_t nib = 8u;
-            if (k < K) nib = (src[((long long)e * Nsrc + n) * kw + (k >> 3)] >> (4 * (k & 7))) & 0xFu;
+            if (k < K) nib = (src[((long long)b.e * Nsrc + n) * kw + (k >> 3)] >> (4 * (k & 7))) & 0xFu;
             out |= nib << (4 * p);
         }
         dst[i] = out;
-    }
+    });
 }
 
 // Scales: weight_scale [E][Nsrc][K/32] bf16 -> sp [E][Nf/16][Kp/64][8][4] bf16. Padding groups get 0.
@@ -50,22 +74,15 @@ extern "C" __global__ void moe_repack_scales(const bf16_bits* __restrict__ src0,
                                              int E, int Nsrc, int K, int KS, int fused,
                                              bf16_bits* __restrict__ dst) {
     DDT_PDL_WAIT();
-    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
-    const long long total = (long long)E * ntiles * KS * 32;
     const int kg = K / 32;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int q = (int)(i & 3), g = (int)((i >> 2) & 7);
-        long long rest = i >> 5;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
-        const bf16_bits* src = (fused && (tile & 1)) ? src1 : src0;
-        const int stile = fused ? tile >> 1 : tile;
+    // 32 scales per block: entry q = r & 3 of row group g = r >> 2
+    repack_elements<5>(src0, src1, E, Nsrc, KS, fused,
+                       [&](long long i, int r, const LayoutBlock& b, const bf16_bits* src, int stile) {
+        const int q = r & 3, g = r >> 2;
         const int n = stile * 16 + g + 8 * (q & 1);
-        const int grp = 2 * step + (q >> 1);
-        dst[i] = grp < kg ? src[((long long)e * Nsrc + n) * kg + grp] : (bf16_bits)0;
-    }
+        const int grp = 2 * b.step + (q >> 1);
+        dst[i] = grp < kg ? src[((long long)b.e * Nsrc + n) * kg + grp] : (bf16_bits)0;
+    });
 }
 
 // Self-check: decode the repacked tensors through the GEMM's own data path (dequant_word + fp32 scale) into
@@ -78,12 +95,9 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int lane = (int)(i & 31);
-        long long rest = i >> 5;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
+        const long long blk = i >> 5;          // = (e * ntiles + tile) * KS + step
+        const LayoutBlock b = layout_block(blk, KS, ntiles);
         const int g = lane >> 2, t = lane & 3;
-        const long long blk = ((long long)e * ntiles + tile) * KS + step;
         const uint4 a = wp[blk * 32 + lane];
         const uint2 s = sp[blk * 8 + g];
         const float sc[4] = {bf_lo(s.x), bf_hi(s.x), bf_lo(s.y), bf_hi(s.y)};
@@ -98,8 +112,8 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
                 const float q = (idx & 1) ? bf_hi(reg) : bf_lo(reg);
                 const int row = frag_row(g, idx);
                 const float v = q * sc[(w >> 1) * 2 + ((idx >> 1) & 1)];
-                const int k = step * 64 + nat_k(w, frag_col(t, idx));
-                out[((long long)e * Nf + tile * 16 + row) * Kp + k] = v;
+                const int k = b.step * 64 + nat_k(w, frag_col(t, idx));
+                out[((long long)b.e * Nf + b.tile * 16 + row) * Kp + k] = v;
             }
         }
     }
