@@ -187,23 +187,31 @@ def test_duplicate_ids_in_a_token(tiny256, fuse_route):
 def test_fused_sort_publishes_the_model(narrow, T, mode):
     # block 0 of the gate/up kernel publishes its shared-memory sort; every block computes the same one, so
     # it must equal the deterministic numpy model exactly (and the layer must still be right)
-    import cupy as cp
     rng = np.random.default_rng(1500 + T)
     ids, wts = _routing(rng, T, narrow.E, 8, mode)
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
-    ws = moe.MoEWorkspace(T, 8, narrow.w)
-    ws.chunks.fill(-7)
-    ws.slot_pair.fill(-7)
-    out = moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, fuse_route=True)
-    # the chunk size of the sort that ran: the table's bulk gate/up block's token rows, the ring's 8
+    # the chunk size of the sort that runs: the table's bulk gate/up block's token rows, the ring's 8
     chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr if moe.bulk_for(T, 8) else 8
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, chunk)
-    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
-    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
-    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+    out, _ = _assert_publishes_the_sort(narrow, x, ids, wts, chunk, fuse_route=True)
     ref = narrow.reference(x, ids, wts)
     got = bf16_bits_to_f32(out.get()).astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def _assert_publishes_the_sort(layer, x, ids, wts, chunk, **kw):
+    """One call with the chunk list and the slot map poisoned: block 0 of the gate/up published its shared-memory
+    sort, equal to the numpy model with chunks of ``chunk`` tokens exactly. -> (out, the model's chunks)."""
+    import cupy as cp
+    T, k = ids.shape
+    ws = moe.MoEWorkspace(T, k, layer.w)
+    ws.chunks.fill(-7)
+    ws.slot_pair.fill(-7)
+    out = moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, **kw)
+    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, layer.E, chunk)
+    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
+    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
+    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+    return out, chunks
 
 
 def test_fused_route_every_table_configuration(tiny256):
@@ -272,6 +280,39 @@ def test_small_t_in_large_workspace(narrow):
     assert _run(narrow, 3, 8, seed=500, t_max=650) < TOL
 
 
+def _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, mode, **kw):
+    """moe_forward(..., **kw) run once on a non-blocking stream, then captured there: the replay equals ``eager``
+    bit for bit; then new routing (``mode``) written into the same ids / wts buffers and replayed: right against
+    the float64 reference (the sort / route runs inside the graph)."""
+    import cupy as cp
+    T, k = ids.shape
+    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
+    with stream:
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **kw)
+        stream.synchronize()
+        stream.begin_capture()
+        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **kw)
+        graph = stream.end_capture()
+        out.fill(0xFFFF)
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(out.get(), eager.get())
+    ids2, wts2 = _routing(rng, T, layer.E, k, mode)
+    ids[...] = cp.asarray(ids2)
+    wts[...] = cp.asarray(wts2)
+    cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
+    with stream:
+        out.fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = layer.reference(x.get(), ids2, wts2)
+    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
 @pytest.mark.parametrize("fused,bulk", [(True, False), (False, False), (True, True)])
 def test_graph_replay_equals_eager(tiny256, fused, bulk):
     import cupy as cp
@@ -283,59 +324,48 @@ def test_graph_replay_equals_eager(tiny256, fused, bulk):
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k))
     ws = moe.MoEWorkspace(T, k, layer.w)
     eager = moe.moe_forward(x, ids, wts, layer.w, ws, **fz)
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
-    with stream:
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
-        stream.synchronize()
-        stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **fz)
-        graph = stream.end_capture()
-        out.fill(0xFFFF)
-        stream.synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(out.get(), eager.get())
-    # new routing written into the same static buffers is picked up by the replay
-    ids2, wts2 = _routing(rng, T, layer.E, k)
-    ids[...] = cp.asarray(ids2)
-    wts[...] = cp.asarray(wts2)
-    cp.cuda.Stream.null.synchronize()  # the null-stream writes above are not ordered before a non-blocking stream
-    with stream:
-        graph.launch(stream)
-        stream.synchronize()
-    ref = layer.reference(x.get(), ids2, wts2)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
+    _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "uniform", **fz)
+
+
+def _bad_id_inputs(layer, T, k, seed, mode="uniform", more=()):
+    """Inputs with out-of-range expert ids: ids[1, 2] = E, -3 at each (t, j) of ``more``, and token 3 with no valid id
+    at all (its out must be its residual). -> (x, res, ids, wts, n_bad, reference)."""
+    rng = np.random.default_rng(seed)
+    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
+    ids, wts = _routing(rng, T, layer.E, k, mode)
+    ids[1, 2] = layer.E          # out of range
+    for t, j in more:
+        ids[t, j] = -3
+    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
+    w_ref, ids_ref = wts.copy(), ids.copy()
+    for t, j in ((1, 2),) + tuple(more):
+        w_ref[t, j], ids_ref[t, j] = 0.0, 0
+    w_ref[3, :] = 0.0
+    ids_ref[3, :] = np.arange(k)
+    return x, res, ids, wts, 1 + len(more) + k, layer.reference(x, ids_ref, w_ref, res)
+
+
+def _assert_bad_ids_skipped(out_bits, res, ref):
+    """The layer's output with bad ids: right against the reference that gives them weight 0, and token 3 (no valid
+    id) exactly its residual (bf16(0 + residual) == residual)."""
+    got = bf16_bits_to_f32(out_bits).astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+    np.testing.assert_array_equal(out_bits[3], res[3])
 
 
 @pytest.mark.parametrize("fuse_route,bulk", [(True, False), (False, False), (True, True)])
 def test_bad_ids_are_counted_and_skipped(tiny256, fuse_route, bulk):
     import cupy as cp
     layer = tiny256
-    rng = np.random.default_rng(700)
     T, k = 4, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k)
-    ids[1, 2] = layer.E          # out of range
-    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
+    x, res, ids, wts, n_bad, ref = _bad_id_inputs(layer, T, k, 700)
     ws = moe.MoEWorkspace(T, k, layer.w)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
                     residual=cp.asarray(res), fuse_route=fuse_route, l2_prefetch=False, bulk=bulk)
-    assert ws.bad_ids() == 1 + k
-    w_ref = wts.copy()
-    w_ref[1, 2] = 0.0
-    w_ref[3, :] = 0.0
-    ids_ref = ids.copy()
-    ids_ref[1, 2] = 0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-    np.testing.assert_array_equal(out.get()[3], res[3])      # bf16(0 + residual) == residual exactly
+    assert ws.bad_ids() == n_bad == 1 + k
+    _assert_bad_ids_skipped(out.get(), res, ref)
 
 
 def test_argument_errors_name_the_argument(tiny256):

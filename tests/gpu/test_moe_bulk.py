@@ -23,7 +23,8 @@ import pytest
 from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.kernels import moe
 
-from test_moe import TOL, Layer, _out_and_y, _routing, _run
+from test_moe import (TOL, Layer, _assert_bad_ids_skipped, _assert_publishes_the_sort, _bad_id_inputs, _out_and_y,
+                      _replay_with_new_routing, _routing, _run)
 from test_moe import narrow, tiny, tiny256, wide  # noqa: F401  (the same layer fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -57,22 +58,14 @@ def test_bulk_is_deterministic_and_agrees_with_the_ring(narrow):
 
 
 def test_bulk_publishes_the_sort(narrow):
-    import cupy as cp
     T = 20
     rng = np.random.default_rng(3300)
     ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
-    ws = moe.MoEWorkspace(T, 8, narrow.w)
-    ws.chunks.fill(-7)
-    ws.slot_pair.fill(-7)
-    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True)
     # block 0 of the gate/up publishes its sort: chunks of the table block's token rows (4 at I <= 512)
     chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr
     assert chunk == moe.BULK_GATEUP_COMPACT.xr
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, chunk)
-    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
-    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
-    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+    _assert_publishes_the_sort(narrow, x, ids, wts, chunk, bulk=True)
 
 
 COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # revision 5: xr = 4, 2
@@ -167,11 +160,17 @@ def test_bulk_argument_errors(tiny256):
 @pytest.mark.parametrize("layer_name,T", [("tiny", 13), ("narrow", 8)])
 def test_every_compiled_bulk_block(layer_name, T, request):
     # the benchmark's alternatives (other stage depths / splits / the polling wait) are right too
-    layer = request.getfixturevalue(layer_name)
-    for gu in (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES:
-        assert _run(layer, T, 8, seed=3700 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN)) < TOL, gu
-    for dn in moe.BULK_DOWN_CANDIDATES:
-        assert _run(layer, T, 8, seed=3800 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP, dn)) < TOL, dn
+    _each_block_is_right(request.getfixturevalue(layer_name), T, 3700 + T, (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES,
+                         (moe.BULK_DOWN,) + moe.BULK_DOWN_CANDIDATES)
+
+
+def _each_block_is_right(layer, T, seed, gate_ups, downs):
+    """Every gate/up block with the first down block (inputs of ``seed``), then every other down block with the first
+    gate/up block (``seed`` + 100), against the float64 reference."""
+    for gu in gate_ups:
+        assert _run(layer, T, 8, seed=seed, bulk=True, bulk_tiles=(gu, downs[0])) < TOL, gu
+    for dn in downs[1:]:
+        assert _run(layer, T, 8, seed=seed + 100, bulk=True, bulk_tiles=(gate_ups[0], dn)) < TOL, dn
 
 
 @pytest.mark.parametrize("layer_name,T", [("narrow", 8), ("tiny256", 29)])
@@ -257,39 +256,23 @@ def test_bulk_large_t_is_deterministic(layer_name, T, request):
 
 @pytest.mark.parametrize("layer_name,T", [("e384", 80), ("wide2k", 40)])
 def test_every_compiled_large_t_bulk_block(layer_name, T, request):
-    layer = request.getfixturevalue(layer_name)
-    for gu in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES:
-        assert _run(layer, T, 8, seed=5300 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN_LARGE)) < TOL, gu
-    for dn in moe.BULK_DOWN_LARGE_CANDIDATES:
-        assert _run(layer, T, 8, seed=5400 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP_LARGE, dn)) < TOL, dn
+    _each_block_is_right(request.getfixturevalue(layer_name), T, 5300 + T,
+                         (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES,
+                         (moe.BULK_DOWN_LARGE,) + moe.BULK_DOWN_LARGE_CANDIDATES)
 
 
 def test_bulk_large_t_bad_ids_are_counted_and_skipped(e384):
     import cupy as cp
     layer = e384
-    rng = np.random.default_rng(5500)
     T, k = 50, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k)
-    ids[1, 2] = layer.E          # out of range
-    ids[7, 5] = -3
-    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
+    x, res, ids, wts, n_bad, ref = _bad_id_inputs(layer, T, k, 5500, more=((7, 5),))
     ws = moe.MoEWorkspace(T, k, layer.w)
     ws.y.fill(np.nan)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
                     residual=cp.asarray(res), bulk=True)
-    assert ws.bad_ids() == 2 + k
-    w_ref, ids_ref = wts.copy(), ids.copy()
-    for t, j in ((1, 2), (7, 5)):
-        w_ref[t, j], ids_ref[t, j] = 0.0, 0
-    w_ref[3, :] = 0.0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-    np.testing.assert_array_equal(out.get()[3], res[3])      # bf16(0 + residual) == residual exactly
+    assert ws.bad_ids() == n_bad == 2 + k
+    _assert_bad_ids_skipped(out.get(), res, ref)
 
 
 def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
@@ -310,37 +293,6 @@ def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
     ids, wts = (cp.asarray(a) for a in _routing(rng, T, layer.E, k, "one_expert"))
     eager = moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True)
     _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "uniform", bulk=True)
-
-
-def _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, mode, **kw):
-    """moe_forward(..., **kw) captured once on a non-blocking stream: the replay equals ``eager`` bit for bit;
-    then new routing (``mode``) written into the same ids / wts buffers and replayed: right against the float64
-    reference (the sort / route runs inside the graph)."""
-    import cupy as cp
-    T, k = ids.shape
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
-    with stream:
-        stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **kw)
-        graph = stream.end_capture()
-        out.fill(0xFFFF)
-        stream.synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(out.get(), eager.get())
-    ids2, wts2 = _routing(rng, T, layer.E, k, mode)
-    ids[...] = cp.asarray(ids2)
-    wts[...] = cp.asarray(wts2)
-    cp.cuda.Stream.null.synchronize()
-    with stream:
-        out.fill(0xFFFF)
-        graph.launch(stream)
-        stream.synchronize()
-    ref = layer.reference(x.get(), ids2, wts2)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
 
 
 def test_bulk_large_t_is_the_plain_call(e384, monkeypatch):
@@ -416,48 +368,25 @@ def test_compact_gateup_every_pair_on_one_expert(tiny256):
 
 def test_compact_gateup_bad_ids_are_counted_and_skipped(narrow):
     layer = narrow
-    rng = np.random.default_rng(7200)
     T, k = 12, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k, "one_expert")
-    ids[1, 2] = layer.E
-    ids[7, 5] = -3
-    ids[3, :] = -1                  # token 3 has no valid expert: out = residual
+    x, res, ids, wts, n_bad, ref = _bad_id_inputs(layer, T, k, 7200, "one_expert", more=((7, 5),))
     o8, *_ = _compact_call(layer, x, ids, wts, moe.BULK_GATEUP, res)
-    w_ref, ids_ref = wts.copy(), ids.copy()
-    for t, j in ((1, 2), (7, 5)):
-        w_ref[t, j], ids_ref[t, j] = 0.0, 0
-    w_ref[3, :] = 0.0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
     for gu in COMPACT:
         o, y, h, ws = _compact_call(layer, x, ids, wts, gu, res)
-        assert ws.bad_ids() == 2 + k, gu
+        assert ws.bad_ids() == n_bad == 2 + k, gu
         np.testing.assert_array_equal(o, o8, err_msg=str(gu))
-        np.testing.assert_array_equal(o[3], res[3])
-        got = bf16_bits_to_f32(o).astype(np.float64)
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL, gu
+        _assert_bad_ids_skipped(o, res, ref)
 
 
 @pytest.mark.parametrize("gu", COMPACT)
 def test_compact_gateup_publishes_its_chunks(narrow, gu):
     # block 0 publishes the gate/up's own sort: chunks of <= xr tokens, the same slots as with chunks of 8
-    import cupy as cp
     T = 20
     rng = np.random.default_rng(7300)
     ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
-    ws = moe.MoEWorkspace(T, 8, narrow.w)
-    ws.chunks.fill(-7)
-    ws.slot_pair.fill(-7)
-    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True,
-                    bulk_tiles=(gu, moe.BULK_DOWN))
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, gu.xr)
-    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
+    _, chunks = _assert_publishes_the_sort(narrow, x, ids, wts, gu.xr, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
     assert chunks[:, 2].max() == gu.xr
-    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
-    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
 @pytest.mark.parametrize("gu", COMPACT)
