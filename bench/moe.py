@@ -41,31 +41,34 @@ h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
 """
 
 
-def _random_words(shape, seed):
+def _hashed(shape, seed, ctype, expr, name):
+    """A cupy array of ``shape`` whose element i is ``expr`` of the 32-bit hash h of (i, seed) (``ctype`` out)."""
     import cupy as cp
-    k = cp.ElementwiseKernel("uint32 seed", "int32 out", _HASH + "out = (int)h;", "moe_bench_words")
-    out = cp.empty(shape, dtype=cp.int32)
+    k = cp.ElementwiseKernel("uint32 seed", f"{ctype} out", _HASH + f"out = {expr};", name)
+    out = cp.empty(shape, dtype={"int32": cp.int32, "uint16": cp.uint16}[ctype])
     k(np.uint32(seed), out)
     return out
+
+
+def _random_words(shape, seed):
+    return _hashed(shape, seed, "int32", "(int)h", "moe_bench_words")
 
 
 def _random_scales(shape, seed):
-    import cupy as cp
     # bf16 in [2^-8, 2^-6): exponent fixed range, random mantissa
-    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x3B80u + (h & 0xFFu));",
-                             "moe_bench_scales")
-    out = cp.empty(shape, dtype=cp.uint16)
-    k(np.uint32(seed), out)
-    return out
+    return _hashed(shape, seed, "uint16", "(unsigned short)(0x3B80u + (h & 0xFFu))", "moe_bench_scales")
 
 
 def _random_half(shape, seed):
     import cupy as cp
-    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x2000u | (h & 0x83FFu));",
-                             "moe_bench_half")
-    out = cp.empty(shape, dtype=cp.uint16)
-    k(np.uint32(seed), out)
-    return out.view(cp.float16)
+    return _hashed(shape, seed, "uint16", "(unsigned short)(0x2000u | (h & 0x83FFu))", "moe_bench_half").view(cp.float16)
+
+
+def _random_sources(I):
+    """One layer's compressed-tensors experts with random contents: [(gate packed, scales), (up ...), (down ...)]."""
+    return [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
+            (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
+            (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
 
 
 def routing(rng, T, mode):
@@ -99,9 +102,7 @@ def _event_us(fn, reps=5):
 def bench_width(I, read_gbs, rows, quick):
     import cupy as cp
     t0 = time.perf_counter()
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    src = _random_sources(I)
     cp.cuda.Device().synchronize()
     t1 = time.perf_counter()
     w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
@@ -183,9 +184,7 @@ FOCUS = {256: (("uniform", (1, 2, 4, 8, 16, 32, 64, 128, 256)), ("skewed", (8, 6
 
 def _make_layer(I):
     import cupy as cp
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    src = _random_sources(I)
     w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
     del src
     cp.get_default_memory_pool().free_all_blocks()
@@ -348,11 +347,7 @@ def focus_table(res):
 def profile(I, T, mode="uniform", calls=1):
     """A few eager calls of one configuration, for Nsight Compute (``ncu -k regex:moe_gemm ...``)."""
     import cupy as cp
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
-    w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
-    del src
+    w = _make_layer(I)
     ws = moe.MoEWorkspace(T, K_TOP, w)
     rng = np.random.default_rng(I)
     ids, wts = routing(rng, T, mode)
