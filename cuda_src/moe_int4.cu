@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
 // fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
-// Revision 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
+// The first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
 // any is added (the loop over a runtime k issued one dependent ids -> y round trip per pair: 3.5 us at T = 8 on
 // the H200 for 1.8 MB); the sum keeps the pair order, so the output is the same bits.
 #define COMBINE_KU 8

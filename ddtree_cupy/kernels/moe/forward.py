@@ -301,7 +301,7 @@ def _blocks_per_sm(fn, bt: BulkTile, dyn: int) -> int:
     """Blocks of the compiled bulk kernel ``fn`` resident per SM, from the driver's occupancy calculator (its
     registers, static and dynamic shared memory and threads). Counting shared memory alone is not enough: the
     register file is allocated per SM quadrant, so a 9-warp block of 99 registers fits once per H200 SM although
-    two fit by shared memory (revision 6: the compact gate/up's timeline build ran in two waves that way)."""
+    two fit by shared memory (the compact gate/up's timeline build ran in two waves that way)."""
     import cupy
     key = ("occ", fn.kernel.ptr, bt.threads, dyn, cupy.cuda.Device().id)
     if key not in _SM:

@@ -54,7 +54,7 @@ RING_U = 3
 # The k loop of the register-ring GEMMs (moe_gemm's LEAN parameter; the arithmetic and its order are the same
 # in both, so outputs are bit-identical): 1 = activations one step ahead, the next unit prefetched at the unit
 # start; 2 = activations U steps ahead, rolling prefetch across the unit boundary. Measured on the H200
-# (docs/history/2026-11-29-moe.md, "Revision 4" and the integration run): 1 is the faster at T = 1 (I = 256:
+# (docs/history/2026-11-29-moe.md, the lean k loop and the bulk-copy runs): 1 is the faster at T = 1 (I = 256:
 # 19.4 us) and loses 1-17% from T = 8 up, where 2 wins (I = 256, T = 8: 82.8 us).
 LEAN_T1 = 1         # the table's loop at T = 1
 LEAN_T_GE_2 = 2     # ... and from T = 2 up
@@ -178,7 +178,7 @@ class BulkTile:
 # gate/up: 1 x 8 warps: one tile pair per unit, K split eight ways with two k64 steps per warp in each 16-step
 # stage, reduced at the unit's end; down: K = I is short (4 steps at I = 256), so each warp owns a tile pair over
 # the whole stage (no reduction; at I <= 256 the stage is the whole K: three copies). Measured on the H200
-# (docs/MOE.md, revision 4): the consumers' per-stage chain, not the bytes in flight, bounds these kernels: more
+# (docs/MOE.md "Bulk-copy GEMMs"): the consumers' per-stage chain, not the bytes in flight, bounds these kernels: more
 # k64 steps per warp and stage won (1 x 8 warps, 1 step, 4 stages: I = 256 T = 8 layer 95.2 us; 2 steps, 2 stages:
 # 73.2); the 2 x 4 gate/up block ties it alone (73.6; 112.7 vs 119.8 at T = 16) but costs the PDL step 1 x 8
 # 9.10 -> 9.74 ms (3 blocks per SM leave the down kernel no room to start early); the down's 2 stages beat 3.
@@ -186,20 +186,20 @@ BULK_GATEUP = BulkTile(wm=1, wk=8, spw=2, nst=2)
 BULK_DOWN = BulkTile(wm=4, wk=1, spw=4, nst=2)
 # Compiled alternatives the benchmark times against the table's (bench/moe.py --focus, "bulk_gu*" / "bulk_dn*").
 BULK_GATEUP_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(1, 4, 4, 2)) + (
-    # revision 5, docs/MOE.md "Compact token rows": the table's block with stages of 4 (2) token rows
+    # docs/MOE.md "Compact token rows": the table's block with stages of 4 (2) token rows
     # instead of 8 and a third stage in the space freed (two blocks per H200 SM, one fits sm_120's 99 KB);
     # bit-identical to BULK_GATEUP. The routing chunk becomes 4 (2) tokens: an expert with more tokens has its
     # weights streamed once per chunk.
     BulkTile(1, 8, 2, 3, 4), BulkTile(1, 8, 2, 3, 2))
 BULK_DOWN_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 # The table's gate/up at expert widths <= BULK_COMPACT_MAX_I (a TP >= 4 shard of Kimi's 2048; the TP = 8 rank's is
-# 256): the compact block (docs/history/2026-11-29-moe.md "Revision 5: compact token rows -- measured"): -1.1 to -4.5% per MoE layer at
+# 256): the compact block (docs/history/2026-11-29-moe.md, "compact token rows -- measured"): -1.1 to -4.5% per MoE layer at
 # I = 256, T = 4..32, uniform and skewed; PDL step 1 x 8 9.03 -> 8.91 ms; at I = 2048 it lost (+1%, skewed +13.6%).
 BULK_GATEUP_COMPACT = BulkTile(1, 8, 2, 3, 4)
 BULK_COMPACT_MAX_I = 512
 
 
-# Large T (T*k > FUSED_MAX_PAIRS, revision 5; docs/MOE.md "Bulk-copy GEMMs at large T"): the same kernels fed
+# Large T (T*k > FUSED_MAX_PAIRS; docs/MOE.md "Bulk-copy GEMMs at large T"): the same kernels fed
 # by moe_route's global chunk list (template G = 1: no sort arrays in shared memory). Units are plentiful there
 # (~300-384 experts x chunks of <= 8 tokens x 16-56 m-groups), so the table starts from the decode blocks and the
 # benchmark times the candidates against them ("bulkL_gu*" / "bulkL_dn*").
@@ -289,8 +289,8 @@ SPEC_BULK = register(KernelSpec(
 
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up to FUSED_MAX_PAIRS pairs (both kernels sort the routing
 # in shared memory), the register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied;
-# T = 8 80.0 -> 73.2, T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; MOE.md revision 4). Above FUSED_MAX_PAIRS both
-# GEMMs always bulk-copy, fed by moe_route's chunk list (G = 1; docs/history/2026-11-29-moe.md "Revision 5: bulk
+# T = 8 80.0 -> 73.2, T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; docs/history/2026-11-29-moe.md). Above FUSED_MAX_PAIRS both
+# GEMMs always bulk-copy, fed by moe_route's chunk list (G = 1; docs/history/2026-11-29-moe.md, "bulk
 # GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256, T = 48..320, -1 to -4% at I = 2048).
 # Environment DDT_MOE_BULK=1 / 0 (measuring) forces both / none up to FUSED_MAX_PAIRS pairs.
 BULK_DEFAULT = True

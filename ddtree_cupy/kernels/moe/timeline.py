@@ -11,7 +11,7 @@ from ..compile import KernelSpec, register
 from .tables import BULK_DOWN, BULK_DOWN_LARGE, BULK_GATEUP, BULK_GATEUP_COMPACT, BULK_GATEUP_LARGE, BulkTile, \
     _bulk_names
 
-# The timeline build (docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): the same source with
+# The timeline build (docs/history/2026-11-29-moe.md, "a timeline build"): the same source with
 # -DDDT_MOE_TIMELINE, one more kernel argument (an int64 buffer) into which lane 0 of each warp of the first
 # TL_BLOCKS blocks stores SM cycle stamps at fixed events (the layout: the .cu file's "Timeline build" comment,
 # bench/moe_timeline.py reads it). A profiling tool, never run by the engine: only ``timeline=`` in
