@@ -255,7 +255,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                     # revision 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
                     key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
                     variants[key] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
-                # the table's block named explicitly, whatever DDT_MOE_BULK_TILES says ("bulk" follows it)
+                # the 8-row block named explicitly, whatever moe.tables.BULK_TILES says ("bulk" follows it)
                 variants["bulk_xr8"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, moe.BULK_DOWN))
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
@@ -374,7 +374,7 @@ def timeline_run(I, T, mode="uniform", out_path="bench/results/moe_timeline.npz"
     x = (x >> 16).astype(cp.uint16)
     d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
     glob = T * K_TOP > moe.FUSED_MAX_PAIRS
-    gu, dn = moe._env_bulk_tiles(glob, None if glob else I)
+    gu, dn = moe._bulk_tiles_for(glob, None if glob else I)
     bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))
     ws = moe.MoEWorkspace(T, K_TOP, w)
     outs = {k: cp.empty((T, H), cp.uint16) for k in ("prod", "timeline")}

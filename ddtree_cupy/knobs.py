@@ -100,13 +100,6 @@ KNOBS: tuple = (
     Knob("DDT_TREE_VARIANT", "tree_variant", _int_in(0), None, "3/8",
          "the DDTree kernels' build (unset: 8; 3 = the list top-K with builder v3)",
          "docs/DDTREE.md"),
-    Knob("DDT_MOE_BULK", "moe_bulk", _choice("0", "1"), None, "0/1",
-         "the INT4 MoE GEMMs at T*k <= 256: the register-ring ones / the ones streamed by the bulk copy engine "
-         "(unset: bulk-copy from 4 tokens up)", "docs/MOE.md", measuring=True),
-    Knob("DDT_MOE_BULK_TILES", "moe_bulk_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
-         "another compiled block of the bulk-copy MoE GEMMs at T*k <= 256", "docs/MOE.md", measuring=True),
-    Knob("DDT_MOE_BULK_LARGE_TILES", "moe_bulk_large_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
-         "another compiled block of the bulk-copy MoE GEMMs above T*k = 256", "docs/MOE.md", measuring=True),
     Knob("DDT_GEMM_WIDE", "gemm_wide", _bit, None, "0/1",
          "bf16 GEMMs of 17-160 rows: split-K kernel / wide-token kernel (unset: wide)", "docs/KERNELS.md"),
     Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
@@ -143,9 +136,6 @@ class Knobs:
     mla_policy: str = "auto"
     mla_partial_bf16: Optional[bool] = None
     tree_variant: Optional[int] = None
-    moe_bulk: Optional[str] = None
-    moe_bulk_tiles: str = ""
-    moe_bulk_large_tiles: str = ""
     gemm_wide: Optional[bool] = None
     router_down: Optional[bool] = None
     allreduce: Optional[str] = None

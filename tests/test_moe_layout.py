@@ -247,46 +247,42 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
 
 
 def test_large_t_always_runs_the_bulk_gemms(monkeypatch):
-    # above FUSED_MAX_PAIRS the bulk-copy GEMMs fed by moe_route are the only implementation; DDT_MOE_BULK keeps
+    # above FUSED_MAX_PAIRS the bulk-copy GEMMs fed by moe_route are the only implementation; BULK_FORCE keeps
     # its range (T*k <= FUSED_MAX_PAIRS)
-    monkeypatch.setattr(moe.tables, "BULK_ENV", None)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", None)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe.tables, "BULK_ENV", "0")
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", False)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
 
 
-def test_large_t_bulk_tiles_env_override(monkeypatch):
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=2,4,2,3;dn=4,1,4,3")
-    assert moe._env_bulk_tiles(True) == (moe.BulkTile(2, 4, 2, 3), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,4,4,2")     # a decode-only block
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
-        moe._env_bulk_tiles(True)
-    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
-    assert moe._env_bulk_tiles(True) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+def test_large_t_bulk_tiles_override(monkeypatch):
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=2,4,2,3;dn=4,1,4,3")
+    assert moe._bulk_tiles_for(True) == (moe.BulkTile(2, 4, 2, 3), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=1,4,4,2")     # a decode-only block
+    with pytest.raises(ValueError, match="BULK_LARGE_TILES.*compiled"):
+        moe._bulk_tiles_for(True)
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "")
+    assert moe._bulk_tiles_for(True) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
 
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
-    monkeypatch.setattr(moe.tables, "BULK_ENV", None)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", None)
     assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
-    monkeypatch.setattr(moe.tables, "BULK_ENV", "1")
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", True)
     assert moe.bulk_for(1, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe.tables, "BULK_ENV", "0")
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", False)
     assert not moe.bulk_for(1, 8) and not moe.bulk_for(32, 8)
-    for bad in ("yes", "down"):
-        monkeypatch.setattr(moe.tables, "BULK_ENV", bad)
-        with pytest.raises(ValueError, match="DDT_MOE_BULK"):
-            moe.bulk_for(1, 8)
 
 
-def test_bulk_tiles_env_override(monkeypatch):
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2;dn=4,1,4,3")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 2), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=3,3,3,3")
+def test_bulk_tiles_override(monkeypatch):
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,2;dn=4,1,4,3")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=3,3,3,3")
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,x")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_TILES"):
-        moe._env_bulk_tiles()
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,x")
+    with pytest.raises(ValueError, match="BULK_TILES"):
+        moe._bulk_tiles_for()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,30 +342,30 @@ def test_slots_do_not_depend_on_the_chunk_size(seed):
         assert len(c) == sum(-(-int(n) // xr) for n in np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E))
 
 
-def test_compact_blocks_env_override(monkeypatch):
-    # DDT_MOE_BULK_TILES takes an optional fifth number, the token rows (gu=1,8,2,3,4)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,2;dn=4,1,4,3")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 2), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,8")          # xr = 8 with 3 stages: not compiled
+def test_compact_blocks_override(monkeypatch):
+    # BULK_TILES takes an optional fifth number, the token rows (gu=1,8,2,3,4)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,4")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,2;dn=4,1,4,3")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 3, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,8")          # xr = 8 with 3 stages: not compiled
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "dn=4,1,4,2,4")          # the down kernel keeps chunks of 8
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "dn=4,1,4,2,4")          # the down kernel keeps chunks of 8
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,8,2,3,4")    # decode only
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
-        moe._env_bulk_tiles(True)
-    monkeypatch.delenv("DDT_MOE_BULK_TILES")
-    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
-    assert moe._env_bulk_tiles() == (moe.BULK_GATEUP, moe.BULK_DOWN)
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=1,8,2,3,4")    # decode only
+    with pytest.raises(ValueError, match="BULK_LARGE_TILES.*compiled"):
+        moe._bulk_tiles_for(True)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "")
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "")
+    assert moe._bulk_tiles_for() == (moe.BULK_GATEUP, moe.BULK_DOWN)
     assert moe.BULK_GATEUP.xr == 8 and moe.BULK_GATEUP.nst == 2
     # the table by expert width: the compact gate/up up to BULK_COMPACT_MAX_I (shared-memory sort only)
-    assert moe._env_bulk_tiles(False, 256) == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
-    assert moe._env_bulk_tiles(False, moe.BULK_COMPACT_MAX_I)[0] == moe.BULK_GATEUP_COMPACT
-    assert moe._env_bulk_tiles(False, 2048) == (moe.BULK_GATEUP, moe.BULK_DOWN)
-    assert moe._env_bulk_tiles(True, 256) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+    assert moe._bulk_tiles_for(False, 256) == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    assert moe._bulk_tiles_for(False, moe.BULK_COMPACT_MAX_I)[0] == moe.BULK_GATEUP_COMPACT
+    assert moe._bulk_tiles_for(False, 2048) == (moe.BULK_GATEUP, moe.BULK_DOWN)
+    assert moe._bulk_tiles_for(True, 256) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
     assert moe.BULK_GATEUP_COMPACT in moe.BULK_GATEUP_CANDIDATES
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2")             # the environment still decides
-    assert moe._env_bulk_tiles(False, 256)[0] == moe.BULK_GATEUP
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,2")             # the environment still decides
+    assert moe._bulk_tiles_for(False, 256)[0] == moe.BULK_GATEUP

@@ -191,7 +191,7 @@ def test_fused_sort_publishes_the_model(narrow, T, mode):
     ids, wts = _routing(rng, T, narrow.E, 8, mode)
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
     # the chunk size of the sort that runs: the table's bulk gate/up block's token rows, the ring's 8
-    chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr if moe.bulk_for(T, 8) else 8
+    chunk = moe._bulk_tiles_for(False, narrow.w.inter)[0].xr if moe.bulk_for(T, 8) else 8
     out, _ = _assert_publishes_the_sort(narrow, x, ids, wts, chunk, fuse_route=True)
     ref = narrow.reference(x, ids, wts)
     got = bf16_bits_to_f32(out.get()).astype(np.float64)

@@ -63,7 +63,7 @@ def test_bulk_publishes_the_sort(narrow):
     ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
     # block 0 of the gate/up publishes its sort: chunks of the table block's token rows (4 at I <= 512)
-    chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr
+    chunk = moe._bulk_tiles_for(False, narrow.w.inter)[0].xr
     assert chunk == moe.BULK_GATEUP_COMPACT.xr
     _assert_publishes_the_sort(narrow, x, ids, wts, chunk, bulk=True)
 
@@ -406,16 +406,16 @@ def test_compact_gateup_graph_replay(narrow, gu):
     _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "one_expert", bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
 
 
-def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
-    # DDT_MOE_BULK_TILES="gu=1,8,2,3,4" runs the compact block through the plain call (what bench.step uses);
+def test_compact_gateup_override_and_errors(tiny256, monkeypatch):
+    # BULK_TILES = "gu=1,8,2,3,4" runs the compact block through the plain call (what bench.step --moe-bulk-tiles sets);
     # the compact blocks are decode-only (no moe_route feed)
     import cupy as cp
     names = _kernel_names(monkeypatch)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,4")
     assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
     assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)) in names and moe._bulk_name(1, moe.BULK_DOWN) in names
     assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)).endswith(", 0, 4>")
-    monkeypatch.delenv("DDT_MOE_BULK_TILES")
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "")
     names.clear()
     assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
     assert moe._bulk_name(0, moe.BULK_GATEUP_COMPACT) in names   # the table's gate/up at I <= BULK_COMPACT_MAX_I
@@ -461,7 +461,7 @@ def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mod
     x = to_bf16_bits(rng.standard_normal((T, layer.H)))
     ids, wts = _routing(rng, T, layer.E, 8, mode)
     glob = T * 8 > moe.FUSED_MAX_PAIRS
-    gu, dn = moe._env_bulk_tiles(glob, None if glob else layer.I)
+    gu, dn = moe._bulk_tiles_for(glob, None if glob else layer.I)
     if which == "xr8":
         gu = moe.BULK_GATEUP
     bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))

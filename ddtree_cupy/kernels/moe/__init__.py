@@ -19,8 +19,8 @@ Modules, by concern:
   timeline  the bulk GEMMs' profiling build (``moe_forward(..., timeline=)``)
   forward   weights, workspace and launches (``pack_moe_weights``, ``MoEWorkspace``, ``moe_launch_plan``,
             ``moe_forward``)
-The names below are importable from this package; module switches (``tables.BULK_ENV``, ``forward.BULK_WHOLE``)
-are set where they live.
+The names below are importable from this package; module switches (``tables.BULK_FORCE`` / ``BULK_TILES``, ``forward.BULK_WHOLE``:
+bench.step's measuring arguments) are set where they live.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .tables import (BULK_COMPACT_MAX_I, BULK_DEFAULT, BULK_DOWN, BULK_DOWN_CAND
                      BULK_DOWN_LARGE_CANDIDATES, BULK_GATEUP, BULK_GATEUP_CANDIDATES, BULK_GATEUP_COMPACT,
                      BULK_GATEUP_LARGE, BULK_GATEUP_LARGE_CANDIDATES, BULK_META, BULK_MIN_T, FUSED_MAX_PAIRS,
                      LEAN_T1, LEAN_T_GE_2, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, SPEC_BULK, BulkTile,
-                     MoETiles, Tile, _all_gemm_names, _bulk_compiled, _bulk_name, _env_bulk_tiles, _gemm_name,
+                     MoETiles, Tile, _all_gemm_names, _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name,
                      all_table_tiles, bulk_for, fuse_route_default, lean_for, select_tiles, with_lean)
 from .timeline import SPEC_BULK_TIMELINE, TL_BLOCKS, TL_STAGES, TL_UNITS, _check_timeline, timeline_words
 

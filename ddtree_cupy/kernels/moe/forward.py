@@ -12,7 +12,7 @@ from ..checks import check_array
 from ..compile import get_kernel
 from .layout import GROUP, KSTEP, _padded_k
 from .tables import FUSED_MAX_PAIRS, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, SPEC_BULK, BulkTile, \
-    MoETiles, Tile, _bulk_compiled, _bulk_name, _env_bulk_tiles, _gemm_name, bulk_for, fuse_route_default, \
+    MoETiles, Tile, _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name, bulk_for, fuse_route_default, \
     select_tiles
 from .timeline import SPEC_BULK_TIMELINE, _check_timeline
 
@@ -320,7 +320,7 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
     large = T * k > FUSED_MAX_PAIRS
     allowed = _bulk_compiled(g)
     # the table by size (the decode blocks up to FUSED_MAX_PAIRS pairs, also when fed by moe_route there)
-    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _env_bulk_tiles(large, None if glob else I)
+    gu_tile, dn_tile = bulk_tiles if bulk_tiles is not None else _bulk_tiles_for(large, None if glob else I)
     if gu_tile not in allowed["gu"] or dn_tile not in allowed["dn"]:
         raise ValueError(f"bulk_tiles: {(gu_tile, dn_tile)} are not compiled with routing source G = {g} "
                          f"({allowed})")

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from ... import knobs
 from ..compile import KernelSpec, register
 
 MAX_EXPERTS = 1024  # routing sort: one thread per expert in a 1024-thread block
@@ -212,10 +211,14 @@ BULK_GATEUP_LARGE_CANDIDATES = (BulkTile(2, 4, 2, 2), BulkTile(2, 4, 2, 3), Bulk
 BULK_DOWN_LARGE_CANDIDATES = (BulkTile(4, 1, 4, 3),)
 
 
-# Environment overrides for measuring (bench.step has no per-call knobs): DDT_MOE_BULK_TILES="gu=2,4,2,2;dn=4,1,4,2"
-# picks compiled blocks (the table's or a candidate) for T*k <= FUSED_MAX_PAIRS, DDT_MOE_BULK_LARGE_TILES (same
-# syntax) above; an optional fifth number is the token rows per stage (xr, default 8: "gu=1,8,2,3,4" is the compact
-# gate/up block with 4 rows and 3 stages).
+# Overrides for measuring, set by bench.step (--moe-bulk-tiles / --moe-bulk-large-tiles, its engine runs have no
+# per-call arguments): "gu=2,4,2,2;dn=4,1,4,2" picks compiled blocks (the table's or a candidate) for T*k <=
+# FUSED_MAX_PAIRS (BULK_TILES), above (BULK_LARGE_TILES); an optional fifth number is the token rows per stage (xr,
+# default 8: "gu=1,8,2,3,4" is the compact gate/up block with 4 rows and 3 stages). Empty: the table.
+BULK_TILES = ""
+BULK_LARGE_TILES = ""
+
+
 def _bulk_allowed(large: bool):
     if large:
         return {"gu": (BULK_GATEUP_LARGE,) + BULK_GATEUP_LARGE_CANDIDATES,
@@ -223,15 +226,15 @@ def _bulk_allowed(large: bool):
     return {"gu": (BULK_GATEUP,) + BULK_GATEUP_CANDIDATES, "dn": (BULK_DOWN,) + BULK_DOWN_CANDIDATES}
 
 
-def _env_bulk_tiles(large: bool = False, inter: Optional[int] = None) -> Tuple[BulkTile, BulkTile]:
+def _bulk_tiles_for(large: bool = False, inter: Optional[int] = None) -> Tuple[BulkTile, BulkTile]:
     """The table's (gate/up, down) blocks -- the compact gate/up for the shared-memory sort at expert widths
-    ``inter`` <= BULK_COMPACT_MAX_I -- unless the environment names compiled blocks."""
-    var = "DDT_MOE_BULK_LARGE_TILES" if large else "DDT_MOE_BULK_TILES"
+    ``inter`` <= BULK_COMPACT_MAX_I -- unless BULK_LARGE_TILES / BULK_TILES name compiled blocks."""
+    var = "BULK_LARGE_TILES" if large else "BULK_TILES"
     allowed = _bulk_allowed(large)
     gu, dn = allowed["gu"][0], allowed["dn"][0]
     if not large and inter is not None and inter <= BULK_COMPACT_MAX_I:
         gu = BULK_GATEUP_COMPACT
-    v = knobs.get().moe_bulk_large_tiles if large else knobs.get().moe_bulk_tiles     # read at every call
+    v = BULK_LARGE_TILES if large else BULK_TILES     # read at every call
     for part in filter(None, v.split(";")):
         key, _, nums = part.partition("=")
         try:
@@ -292,23 +295,20 @@ SPEC_BULK = register(KernelSpec(
 # T = 8 80.0 -> 73.2, T = 16 134.0 -> 119.8, T = 32 213.3 -> 189.4; docs/history/2026-11-29-moe.md). Above FUSED_MAX_PAIRS both
 # GEMMs always bulk-copy, fed by moe_route's chunk list (G = 1; docs/history/2026-11-29-moe.md, "bulk
 # GEMMs at large T -- measured": -7 to -33% per MoE layer at I = 256, T = 48..320, -1 to -4% at I = 2048).
-# Environment DDT_MOE_BULK=1 / 0 (measuring) forces both / none up to FUSED_MAX_PAIRS pairs.
+# BULK_FORCE = True / False (measuring: bench.step --moe-bulk 1 / 0) forces both / none up to FUSED_MAX_PAIRS pairs.
 BULK_DEFAULT = True
 BULK_MIN_T = 4
-BULK_ENV: Optional[str] = knobs.get().moe_bulk
+BULK_FORCE: Optional[bool] = None
 
 
 def bulk_for(T: int, top_k: int) -> bool:
     """Whether the table runs both GEMMs bulk-copy for T tokens: always above FUSED_MAX_PAIRS pairs (moe_route's
-    chunk list), from BULK_MIN_T tokens up below (the kernels sort in shared memory; DDT_MOE_BULK overrides)."""
+    chunk list), from BULK_MIN_T tokens up below (the kernels sort in shared memory; BULK_FORCE overrides)."""
     if T * top_k > FUSED_MAX_PAIRS:
         return True
-    on = BULK_DEFAULT and T >= BULK_MIN_T
-    if BULK_ENV is not None:
-        if BULK_ENV not in ("0", "1"):
-            raise ValueError(f"DDT_MOE_BULK: must be 0 or 1, got {BULK_ENV!r}")
-        on = BULK_ENV == "1"
-    return on
+    if BULK_FORCE is not None:
+        return bool(BULK_FORCE)
+    return BULK_DEFAULT and T >= BULK_MIN_T
 
 
 def fuse_route_default(T: int, top_k: int) -> bool:
