@@ -1,4 +1,4 @@
-"""Benchmark of the fused INT4 MoE layer (ddtree_cupy/kernels/moe.py) against the read ceiling measured in
+"""Benchmark of the fused INT4 MoE layer (ddtree_cupy/kernels/moe/) against the read ceiling measured in
 the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for comparison.
 
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]

@@ -2,7 +2,7 @@
 // in the epilogue (at small T with the routing sort in its prologue) -> down grouped GEMM with the routing
 // weight -> deterministic per-token sum (+ residual).
 // Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
-// ddtree_cupy/kernels/moe.py (repack_numpy), checked by tests/test_moe_layout.py.
+// ddtree_cupy/kernels/moe/layout.py (repack_numpy), checked by tests/test_moe_layout.py.
 //
 // mma.sync.m16n8k16 with the WEIGHT in the 16-row A slot and up to 8 tokens in the 8-wide B slot: at decode
 // sizes an expert sees 1..8 tokens, so the 16-row slot is always full of useful weight rows and only the

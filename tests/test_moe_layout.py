@@ -1,4 +1,4 @@
-"""CPU checks of the INT4 MoE weight layout (ddtree_cupy/kernels/moe.py, cuda_src/moe_int4.cu).
+"""CPU checks of the INT4 MoE weight layout (ddtree_cupy/kernels/moe/layout.py, cuda_src/moe_int4.cu).
 
 The decisive test emulates the GEMM's inner loop on the CPU: repacked words -> lop3/fma dequantisation ->
 A fragments, natural activation rows -> B fragments as the kernel loads them, mma.sync m16n8k16 assembled

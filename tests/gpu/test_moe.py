@@ -1,4 +1,4 @@
-"""GPU tests of the fused INT4 MoE (ddtree_cupy/kernels/moe.py) against a float64 numpy reference.
+"""GPU tests of the fused INT4 MoE (ddtree_cupy/kernels/moe/) against a float64 numpy reference.
 
 Fresh random INT4 weights/scales and bf16 activations every case; outputs (and the y workspace) poisoned
 with NaN before each launch; error in relative Frobenius norm. bf16 output + bf16 h give ~3e-3; a wrong
