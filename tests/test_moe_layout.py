@@ -232,7 +232,7 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
         assert 4 * bt.wm + 8 <= 32 and bt.stage_bytes() % 128 == 0
         assert bt.smem_dyn(1) == bt.smem_dyn(0) - moe.BULK_META
         assert bt.smem_dyn(1) + bt.smem_static <= moe.SMEM_LIMIT, bt
-    names = moe.SPEC_BULK.names
+    names = moe._all_bulk_names()
     assert len(set(names)) == len(names)
     for mode, bt in [(0, b) for b in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES] + \
             [(1, b) for b in (moe.BULK_DOWN_LARGE,) + moe.BULK_DOWN_LARGE_CANDIDATES]:
@@ -244,6 +244,27 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
     # the decode table's blocks also run fed by moe_route (fuse_route=False): compiled with G = 1 too
     assert moe._bulk_name(0, moe.BULK_GATEUP, 1) in names and moe._bulk_name(1, moe.BULK_DOWN, 1) in names
     assert moe.BULK_GATEUP in moe._bulk_compiled(1)["gu"] and moe.BULK_DOWN in moe._bulk_compiled(1)["dn"]
+
+
+def test_the_production_spec_compiles_the_tables_blocks_alone():
+    # the registered spec compiles every bulk-copy block (the build CLI checks them all); the production one, the same
+    # source and options, holds the blocks the tables pick (every width, both routing sources) and nothing else
+    prod, every = set(moe.SPEC_BULK.names), set(moe.SPEC_BULK_ALL.names)
+    assert prod < every and every == set(moe._all_bulk_names())
+    assert (moe.SPEC_BULK.src, moe.SPEC_BULK.defines, moe.SPEC_BULK.pdl) == \
+        (moe.SPEC_BULK_ALL.src, moe.SPEC_BULK_ALL.defines, moe.SPEC_BULK_ALL.pdl)
+    assert moe.SPEC_BULK.options("sm_90") == moe.SPEC_BULK_ALL.options("sm_90")
+    table = set()
+    for large in (False, True):
+        for inter in (256, 512, 2048):
+            gu, dn = moe._bulk_tiles_for(large, None if large else inter)
+            g = 1 if large else 0
+            table |= {moe._bulk_name(0, gu, g), moe._bulk_name(1, dn, g)}
+    assert table == prod and len(prod) == 5
+    for n in every:
+        assert moe.bulk_spec(n) is (moe.SPEC_BULK if n in prod else moe.SPEC_BULK_ALL)
+    from ddtree_cupy.kernels import compile as kc
+    assert moe.SPEC_BULK_ALL in kc.registered_specs()
 
 
 def test_large_t_always_runs_the_bulk_gemms(monkeypatch):
@@ -301,10 +322,10 @@ def test_compact_gateup_blocks_fit_and_are_named_apart():
         # the K-split partials hold only the 4*xr lanes whose columns can be tokens
         assert bt.smem_static == moe.BULK_GATEUP.smem_static * bt.xr // 8
         name = moe._bulk_name(0, bt)
-        assert name == f"moe_gemm_bulk<0, 1, 8, 2, {bt.nst}, 0, {bt.xr}>" and name in moe.SPEC_BULK.names
+        assert name == f"moe_gemm_bulk<0, 1, 8, 2, {bt.nst}, 0, {bt.xr}>" and name in moe._all_bulk_names()
         # decode only: moe_route's chunks are 8 tokens (G = 1 is not compiled with xr < 8)
         assert bt not in moe._bulk_compiled(1)["gu"]
-        assert not any(n.endswith(f", 1, {bt.xr}>") for n in moe.SPEC_BULK.names)
+        assert not any(n.endswith(f", 1, {bt.xr}>") for n in moe._all_bulk_names())
     # xr = 8 keeps the previous names (the template's default)
     assert moe._bulk_name(0, moe.BULK_GATEUP) == "moe_gemm_bulk<0, 1, 8, 2, 2, 0>"
     assert moe.BulkTile(1, 8, 2, 2) == moe.BULK_GATEUP and moe.BULK_GATEUP.xr == 8

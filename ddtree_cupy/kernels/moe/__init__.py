@@ -31,9 +31,10 @@ from .layout import (GROUP, KSTEP, dequant_numpy, frag_col, frag_row, fused_sort
 from .tables import (BULK_COMPACT_MAX_I, BULK_DEFAULT, BULK_DOWN, BULK_DOWN_CANDIDATES, BULK_DOWN_LARGE,
                      BULK_DOWN_LARGE_CANDIDATES, BULK_GATEUP, BULK_GATEUP_CANDIDATES, BULK_GATEUP_COMPACT,
                      BULK_GATEUP_LARGE, BULK_GATEUP_LARGE_CANDIDATES, BULK_META, BULK_MIN_T, FUSED_MAX_PAIRS,
-                     LEAN_T1, LEAN_T_GE_2, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, SPEC_BULK, BulkTile,
-                     MoETiles, Tile, _all_gemm_names, _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name,
-                     all_table_tiles, bulk_for, fuse_route_default, lean_for, select_tiles, with_lean)
+                     LEAN_T1, LEAN_T_GE_2, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, SPEC_BULK,
+                     SPEC_BULK_ALL, BulkTile, MoETiles, Tile, _all_bulk_names, _all_gemm_names, _bulk_compiled,
+                     _bulk_name, _bulk_tiles_for, _gemm_name, all_table_tiles, bulk_for, bulk_spec, fuse_route_default,
+                     lean_for, select_tiles, with_lean)
 from .timeline import SPEC_BULK_TIMELINE, TL_BLOCKS, TL_STAGES, TL_UNITS, _check_timeline, timeline_words
 
 __all__ = [n for n in dir() if not n.startswith("__")]

@@ -11,9 +11,8 @@ import numpy as np
 from ..checks import check_array
 from ..compile import get_kernel
 from .layout import GROUP, KSTEP, _padded_k
-from .tables import FUSED_MAX_PAIRS, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, SPEC_BULK, BulkTile, \
-    MoETiles, Tile, _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name, bulk_for, fuse_route_default, \
-    select_tiles
+from .tables import FUSED_MAX_PAIRS, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, BulkTile, MoETiles, Tile, \
+    _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name, bulk_for, bulk_spec, fuse_route_default, select_tiles
 from .timeline import SPEC_BULK_TIMELINE, _check_timeline
 
 # BULK_WHOLE = False (`bench.step --no-bulk-whole`, a measuring baseline) turns off the bulk-copy down GEMM's whole-K
@@ -352,7 +351,8 @@ def _bulk_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorkspace,
             ("gate_up", 0, gu_tile, weights.w13, weights.s13, 2 * I, H // KSTEP, x, H, tl_bufs[0]),
             ("down", 1, dn_tile, weights.w2, weights.s2, H, Ip // KSTEP, ws.h, Ip, tl_bufs[1])):
         dyn = bt.smem_dyn(g)
-        fn = get_kernel(SPEC_BULK if tl is None else SPEC_BULK_TIMELINE, _bulk_name(mode, bt, g), max_dynamic_smem=dyn)
+        name = _bulk_name(mode, bt, g)
+        fn = get_kernel(bulk_spec(name) if tl is None else SPEC_BULK_TIMELINE, name, max_dynamic_smem=dyn)
         # chunks of <= bt.xr tokens (the compact gate/up blocks cut more of them than the down's 8)
         chunks_max = min(pairs, min(pairs, E) + pairs // bt.xr)
         units = chunks_max * -(-(N // 32) // bt.wm)

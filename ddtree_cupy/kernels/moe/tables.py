@@ -282,13 +282,31 @@ def _all_bulk_names() -> Tuple[str, ...]:
     return _bulk_names({g: _bulk_compiled(g) for g in (0, 1)})
 
 
-SPEC_BULK = register(KernelSpec(
+def _table_bulk_blocks():
+    """The blocks the tables run, by routing source: the production spec compiles these alone."""
+    return {0: {"gu": (BULK_GATEUP, BULK_GATEUP_COMPACT), "dn": (BULK_DOWN,)},
+            1: {"gu": (BULK_GATEUP_LARGE,), "dn": (BULK_DOWN_LARGE,)}}
+
+
+# Two modules of moe_bulk.cu, the same source and options (each instantiation is the same code in either): SPEC_BULK_ALL
+# compiles every block (registered: the build CLI reports and checks all of them), SPEC_BULK the tables' five alone,
+# which is what a production run compiles. The candidates (and the decode blocks fed by moe_route) only tests and
+# benchmarks select, through SPEC_BULK_ALL, compiled the first time one of them runs.
+SPEC_BULK_ALL = register(KernelSpec(
     src="moe_bulk.cu",
     names=_all_bulk_names(),
     hot=True,
     pdl=True,      # gate/up waits first; down waits before its first read of h (see the .cu header)
     doc="INT4 W4A16 MoE gate/up and down GEMMs streamed by cp.async.bulk (routing sorted in the block or "
-        "from moe_route)"))
+        "from moe_route): every compiled block"))
+SPEC_BULK = KernelSpec(src=SPEC_BULK_ALL.src, names=_bulk_names(_table_bulk_blocks()), hot=True, pdl=True,
+                       doc="moe_gemm_bulk: the tables' blocks")
+
+
+def bulk_spec(name: str) -> KernelSpec:
+    """The spec that compiles bulk-copy kernel ``name``: the tables' module, else the one of every block."""
+    return SPEC_BULK if name in SPEC_BULK.names else SPEC_BULK_ALL
+
 
 # The rule: both GEMMs bulk-copy from BULK_MIN_T tokens up to FUSED_MAX_PAIRS pairs (both kernels sort the routing
 # in shared memory), the register-ring GEMMs below (I = 256: T = 1 19.0 vs 20.9 us, T = 2 27.4 vs 29.6; T = 4 tied;

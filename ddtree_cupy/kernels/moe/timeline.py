@@ -8,8 +8,7 @@ from typing import Tuple
 import numpy as np
 
 from ..compile import KernelSpec, register
-from .tables import BULK_DOWN, BULK_DOWN_LARGE, BULK_GATEUP, BULK_GATEUP_COMPACT, BULK_GATEUP_LARGE, BulkTile, \
-    _bulk_names
+from .tables import BulkTile, _bulk_names, _table_bulk_blocks
 
 # The timeline build (docs/history/2026-11-29-moe.md, "a timeline build"): the same source with
 # -DDDT_MOE_TIMELINE, one more kernel argument (an int64 buffer) into which lane 0 of each warp of the first
@@ -32,8 +31,7 @@ def timeline_words(bt: BulkTile) -> int:
 
 
 def _timeline_compiled():
-    return {0: {"gu": (BULK_GATEUP, BULK_GATEUP_COMPACT), "dn": (BULK_DOWN,)},
-            1: {"gu": (BULK_GATEUP_LARGE,), "dn": (BULK_DOWN_LARGE,)}}
+    return _table_bulk_blocks()
 
 
 def _all_timeline_names() -> Tuple[str, ...]:
