@@ -9,8 +9,8 @@ the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for
         # the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256 and their candidate blocks; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
     PYTHONPATH=$PWD python -m bench.moe --timeline 256 8 [--routing skewed] [--tl-out F.npz]
-        # revision 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
-        # stage, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): production vs timeline layer time and outputs in the
+        # the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
+        # stage, docs/MOE.md "Profiling build"): production vs timeline layer time and outputs in the
         # same process, then bench/moe_timeline.py's analysis of the gate/up and the down; raw buffers to F.npz
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
@@ -194,7 +194,7 @@ def _make_layer(I):
 def _prev_plan(prev_src, *args, **kw):
     """moe_launch_plan with the two GEMMs taken from another kernel file (``prev_src``, e.g. the previous
     commit's cuda_src/moe_int4.cu saved with ``git show``): the same argument list, layout and workspace are
-    required. Used to measure was -> now in ONE process: revision 3 found that figures of two device runs
+    required. Used to measure was -> now in ONE process: figures of two device runs
     differ by up to 15% at the same code (moe_h200_s3_run*.json (in git history))."""
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
@@ -252,7 +252,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
-                    # revision 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
+                    # the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
                     key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
                     variants[key] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
                 # the 8-row block named explicitly, whatever moe.tables.BULK_TILES says ("bulk" follows it)

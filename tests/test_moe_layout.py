@@ -307,7 +307,7 @@ def test_bulk_tiles_override(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
+# Compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
 # ---------------------------------------------------------------------------------------------------------
 def test_compact_gateup_blocks_fit_and_are_named_apart():
     compact = [bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8]

@@ -5,13 +5,13 @@ experts with several chunks, duplicate and bad ids, graph replay, and a PDL chai
 pre-wait reads (ids and routing weights written two kernels earlier) would see stale values if the reasoning
 in the kernel's header were wrong.
 
-Revision 5: the same kernels fed by moe_route's global chunk list (template G = 1; T*k > 256, or fuse_route=False
+Above 256 pairs: the same kernels fed by moe_route's global chunk list (template G = 1; T*k > 256, or fuse_route=False
 at any T): T = 33 .. 320 with E = 384 and small E, one expert holding every token, bad ids, I = 32 / 256 / 2048,
 bit-identity with the shared-memory sort (G = 0: only the slot order differs, every output column's arithmetic
 is the same), every compiled large-T block, graph replay, a workspace reused from a larger T, and the PDL chain
 (the down kernel reads moe_route's chunk list before its wait).
 
-Revision 5, compact token rows: the gate/up blocks with stages of xr = 4 / 2 token rows (chunks of xr tokens, a
+Compact token rows: the gate/up blocks with stages of xr = 4 / 2 token rows (chunks of xr tokens, a
 third stage) against the float64 reference at T = 4 .. 32 and bit for bit against the table's block (h, y, out),
 experts with many chunks, every pair on one expert, bad ids, graph replay, the published sort, the environment
 override and the PDL chain."""
@@ -68,7 +68,7 @@ def test_bulk_publishes_the_sort(narrow):
     _assert_publishes_the_sort(narrow, x, ids, wts, chunk, bulk=True)
 
 
-COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # revision 5: xr = 4, 2
+COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # xr = 4, 2
 
 
 @pytest.mark.parametrize("T,gu", [(16, None), (40, None), (16, COMPACT[0]), (8, COMPACT[-1])])
@@ -186,7 +186,7 @@ def test_down_whole_k_stage_is_bit_identical_to_per_tile_copies(layer_name, T, r
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: large T (moe_route's global chunk list, G = 1)
+# Large T (moe_route's global chunk list, G = 1)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def e384():      # Kimi's expert count with a short hidden size (the reference dequantises all 384 experts)
@@ -304,7 +304,7 @@ def test_bulk_large_t_is_the_plain_call(e384, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: compact token rows (docs/MOE.md "Compact token rows")
+# Compact token rows (docs/MOE.md "Compact token rows")
 # ---------------------------------------------------------------------------------------------------------
 def _compact_call(layer, x, ids, wts, gu, residual=None, ws=None):
     """One bulk call with gate/up block ``gu`` and poisoned h / y / out: (out, y bits, h bits, ws)."""
@@ -430,7 +430,7 @@ def test_compact_gateup_override_and_errors(tiny256, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: the timeline build (docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): the same kernels
+# The timeline build (docs/MOE.md "Profiling build"): the same kernels
 # with per-warp cycle stamps (-DDDT_MOE_TIMELINE, moe_launch_plan timeline=); bench/moe_timeline.py reads them.
 # ---------------------------------------------------------------------------------------------------------
 def _timeline_call(layer, x, ids, wts, tiles, glob, timeline):
