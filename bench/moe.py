@@ -147,7 +147,7 @@ def bench_width(I, read_gbs, rows, quick):
                 stages[plan[-1][0]] = us
                 # variants, to attribute time to the fusions, the prefetch paths and the token-tile choice
                 variants = {"pf_next_off": dict(pf_next=False), "pf_steps_0": dict(pf_steps=0)}
-                if moe.fuse_route_default(T, K_TOP):
+                if moe.fuse_route_default(T, K_TOP):     # the routing kernel and the bulk-copy GEMMs it feeds
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
                     variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)

@@ -1,6 +1,6 @@
-// Fused INT4 (W4A16) routed-expert MoE for one layer: [routing sort ->] gate/up grouped GEMM with SiLU(gate)*up
-// in the epilogue (at small T with the routing sort in its prologue) -> down grouped GEMM with the routing
-// weight -> deterministic per-token sum (+ residual).
+// Fused INT4 (W4A16) routed-expert MoE for one layer: register-ring gate/up grouped GEMM (the routing sorted in its
+// prologue) with SiLU(gate)*up in the epilogue -> down grouped GEMM with the routing weight -> deterministic
+// per-token sum (+ residual); moe_route, the routing kernel of the bulk-copy GEMMs (moe_bulk.cu) above 256 pairs.
 // Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
 // ddtree_cupy/kernels/moe/layout.py (repack_numpy), checked by tests/test_moe_layout.py.
 //
@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns the m32 unit
 // (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
 // MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
-//   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
+//   the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it for the down kernel.
 // MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32.
 // Weights stream global -> registers through a U-stage register ring; partials over K meet in shared
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // and one predicated L2 prefetch per step from a per-lane pointer. LEAN 1 loads activations one step ahead and
 // prefetches the next unit at the unit start (the table's loop at T = 1); LEAN 2 loads activations U steps ahead
 // with the weights and lets the rolling prefetch cross the unit boundary (from T = 2 up). docs/MOE.md.
-// Dynamic shared memory: the SortSmem of the gate/up kernel with fuse_route (none otherwise). (An S-deep
+// Dynamic shared memory: the SortSmem of the gate/up kernel (none in the down kernel). (An S-deep
 // per-warp cp.async ring for the weights measured 3-15% slower on the H200 and was removed:
 // docs/history/2026-11-29-moe.md.)
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
@@ -247,7 +247,7 @@ template <int MODE, int WM, int WK, int NT, int U, int LEAN>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
-        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
+        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
         float* __restrict__ y, int pf_steps, int pf_next) {
@@ -270,20 +270,16 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
     const int* spair = slot_pair;
     int n_chunks;
     if constexpr (MODE == 0) {
-        if (fuse_route) {
-            SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn);
-            sort_pairs_block(ids, T * k, E, 8 * NT, so);
-            n_chunks = so.total.y;
-            if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
-                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
-                for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
-                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
-            }
-            chs = so.chunks;
-            spair = so.slot_pair;
-        } else {
-            n_chunks = meta[0];
+        SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn);
+        sort_pairs_block(ids, T * k, E, 8 * NT, so);
+        n_chunks = so.total.y;
+        if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
+            for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
+            for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
+            if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
         }
+        chs = so.chunks;
+        spair = so.slot_pair;
     } else {
         n_chunks = meta[0];
     }

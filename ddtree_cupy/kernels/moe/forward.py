@@ -12,7 +12,7 @@ from ..checks import check_array
 from ..compile import get_kernel
 from .layout import GROUP, KSTEP, _padded_k
 from .tables import FUSED_MAX_PAIRS, MAX_EXPERTS, PF_STEPS, SMEM_LIMIT, SORT_SMEM, SPEC, BulkTile, MoETiles, Tile, \
-    _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name, bulk_for, bulk_spec, fuse_route_default, select_tiles
+    _bulk_compiled, _bulk_name, _bulk_tiles_for, _gemm_name, bulk_for, bulk_spec, select_tiles
 from .timeline import SPEC_BULK_TIMELINE, _check_timeline
 
 # BULK_WHOLE = False (`bench.step --no-bulk-whole`, a measuring baseline) turns off the bulk-copy down GEMM's whole-K
@@ -183,16 +183,16 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     prefixes of this list to attribute time to stages): [route,] gate_up, down, combine.
     ``bulk``: True: both GEMMs bulk-copy (moe_bulk.cu; both sort the routing themselves where T*k <= FUSED_MAX_PAIRS
     and ``fuse_route`` is not False, else the routing kernel runs first and both read its chunk list, with
-    ``l2_prefetch`` as for the register ring: None = from T = 64); False: both register-ring (T*k <=
-    FUSED_MAX_PAIRS only); None: ``bulk_for`` when no register-ring option is given. The bulk
-    kernels take none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks
-    (None: the table's, BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above).
-    ``fuse_route``: the gate/up kernel sorts the routing in its prologue (T*k <= FUSED_MAX_PAIRS), no route
-    kernel (None: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing
-    kernel prefetch the touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None:
-    only for T >= 64, where it measured up to 5% faster); ``pf_steps``: how many k64 steps each GEMM warp
-    prefetches into L2 ahead of its register ring; ``pf_next``: that prefetch runs on into the warp's next
-    unit.
+    ``l2_prefetch``: None = from T = 64); False: both register-ring (T*k <= FUSED_MAX_PAIRS only; the gate/up sorts
+    the routing in its prologue, so no ``fuse_route=False`` / ``l2_prefetch``); None: ``bulk_for``, or the register
+    ring when ``tiles`` are given, the bulk-copy GEMMs when the routing kernel is asked for. The bulk kernels take
+    none of ``tiles``, ``pf_steps``, ``pf_next``; ``bulk_tiles``: their (gate/up, down) blocks (None: the table's,
+    BULK_* up to FUSED_MAX_PAIRS pairs, BULK_*_LARGE above).
+    ``fuse_route``: False: the routing kernel sorts and the bulk-copy GEMMs read its chunk list at any T (None /
+    True: the table, ``fuse_route_default``). ``l2_prefetch``: extra blocks of the routing kernel prefetch the
+    touched experts' weights into L2 (up to a third of L2) while block 0 sorts (None: only for T >= 64, where it
+    measured up to 5% faster); ``pf_steps``: how many k64 steps each register-ring warp prefetches into L2 ahead of
+    its ring; ``pf_next``: that prefetch runs on into the warp's next unit.
     ``timeline``: None (production), or (gate/up buffer, down buffer), each a 1-D int64 cupy array of at least
     TL_BLOCKS * timeline_words(block) words or None: that bulk GEMM runs the timeline build (SPEC_BULK_TIMELINE;
     bulk=True only, the table's blocks of ``_timeline_compiled``) and writes its event record there (poison the
@@ -216,9 +216,8 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
         check_array("residual", residual, np.uint16, (T, weights.hidden))
     check_array("out", out, np.uint16, (T, weights.hidden))
     H, I, E, k = weights.hidden, weights.inter, weights.n_experts, ws.top_k
-    ring_options = tiles is not None or l2_prefetch or fuse_route is False
     if bulk is None:
-        bulk = False if ring_options else bulk_for(T, k)
+        bulk = False if tiles is not None else (fuse_route is False or bool(l2_prefetch) or bulk_for(T, k))
     if bulk not in (True, False):
         raise ValueError(f"bulk: must be True or False, got {bulk!r}")
     if bulk is True:
@@ -238,35 +237,24 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     if T * k > FUSED_MAX_PAIRS:
         raise ValueError(f"bulk: the register-ring GEMMs run at T*k <= {FUSED_MAX_PAIRS} pairs, got {T * k} "
                          "(above, the bulk-copy GEMMs)")
+    if fuse_route is False or l2_prefetch:
+        raise ValueError("fuse_route, l2_prefetch: the register-ring gate/up sorts the routing in its prologue "
+                         "(the routing kernel feeds the bulk-copy GEMMs only)")
     if tiles is None:
         tiles = select_tiles(device_arch(), T, weights.inter)
     Ip = weights.inter_padded
-    fuse_route = fuse_route_default(T, k) if fuse_route is None else bool(fuse_route)
-    # dynamic shared memory: the gate/up's fused sort arrays
-    dyn_gu = SORT_SMEM if fuse_route else 0
-    dyn_dn = 0
+    # dynamic shared memory: the gate/up's sort arrays
+    dyn_gu, dyn_dn = SORT_SMEM, 0
     for tl, dyn in ((tiles.gateup, dyn_gu), (tiles.down, dyn_dn)):
         if dyn + tl.smem_static(tiles.nt) > SMEM_LIMIT:
             raise ValueError(f"tiles: {tl} needs {dyn + tl.smem_static(tiles.nt)} B of shared memory > {SMEM_LIMIT}")
-    if l2_prefetch is None:
-        l2_prefetch = T >= 64 and not fuse_route
-    if fuse_route and l2_prefetch:
-        raise ValueError("l2_prefetch: needs the routing kernel (fuse_route=False)")
     chunk = 8 * tiles.nt
-    i32, i64 = np.int32, np.int64
+    i32 = np.int32
     pairs = T * k
     chunks_max = min(pairs, min(pairs, E) + pairs // chunk)
 
     plan = []
-    if not fuse_route:
-        k_route = get_kernel(SPEC, "moe_route")
-        eb = [a.nbytes // E for a in (weights.w13, weights.s13, weights.w2, weights.s2)]
-        route_args = (topk_ids, i32(T), i32(k), i32(E), i32(chunk), ws.slot_pair, ws.rank, ws.chunks, ws.meta,
-                      weights.w13, weights.s13, weights.w2, weights.s2, *(i64(b) for b in eb),
-                      i64(_l2_budget() if l2_prefetch else 0))
-        route_grid = 1 + (_sm_count() if l2_prefetch else 0)
-        plan.append(("route", lambda: k_route((route_grid,), (1024,), route_args)))
-    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), i32(fuse_route), ws.slot_pair, ws.chunks, ws.meta)
+    common = (topk_ids, topk_weights, i32(T), i32(k), i32(E), ws.slot_pair, ws.chunks, ws.meta)
     tail = (ws.y, i32(pf_steps), i32(pf_next))
     # gate/up: N = 2I fused rows, K = H
     tg = tiles.gateup
@@ -278,8 +266,7 @@ def moe_launch_plan(x, topk_ids, topk_weights, weights: MoEWeights, ws: MoEWorks
     td = tiles.down
     k_dn = get_kernel(SPEC, _gemm_name(1, td, tiles.nt))
     grid_dn = _grid(chunks_max * -(-(H // 32) // td.wm), td)
-    dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common[:5] + (i32(0),) + \
-        common[6:] + (ws.h, i32(Ip)) + tail
+    dn_args = (weights.w2, weights.s2, i32(H), i32(Ip // KSTEP), ws.h, i32(Ip)) + common + (ws.h, i32(Ip)) + tail
     plan.append(("down", lambda: k_dn((grid_dn,), (td.threads,), dn_args)))
     plan.append(_combine_launch(topk_ids, weights, ws, out, residual, T))
     return plan
