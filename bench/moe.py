@@ -1,16 +1,16 @@
-"""Benchmark of the fused INT4 MoE layer (ddtree_cupy/kernels/moe.py) against the read ceiling measured in
+"""Benchmark of the fused INT4 MoE layer (ddtree_cupy/kernels/moe/) against the read ceiling measured in
 the same run, with cuBLAS (fp16, outside graphs) on the same touched experts for comparison.
 
     PYTHONPATH=$PWD python -m bench.moe [--out bench/results/moe_h200.json] [--quick]
     PYTHONPATH=$PWD python -m bench.moe --focus [--prev OLD_moe_int4.cu] --out F.json   # decode sizes, variants,
                                                                   # and was -> now against another kernel file
-        [--ts '256:1,8,64;2048:8'] [--variants loop0,lean1,lean2]   # a subset (sizes; variants besides "now")
-    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulk*,ring'
-        # revision 5: register ring vs the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256; --ts may name
+        [--ts '256:1,8,64;2048:8'] [--variants lean1,lean2]   # a subset (sizes; variants besides "now")
+    PYTHONPATH=$PWD python -m bench.moe --focus --ts '256:64,160,320;2048:64' --variants 'bulkL*'
+        # the bulk-copy GEMMs fed by moe_route ("bulkL*") at T*k > 256 and their candidate blocks; --ts may name
         # T values outside the default list (uniform routing; skewed where the list has them)
     PYTHONPATH=$PWD python -m bench.moe --timeline 256 8 [--routing skewed] [--tl-out F.npz]
-        # revision 5: the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
-        # stage, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): production vs timeline layer time and outputs in the
+        # the table's bulk GEMMs at I, T through their timeline build (cycle stamps per warp and
+        # stage, docs/MOE.md "Profiling build"): production vs timeline layer time and outputs in the
         # same process, then bench/moe_timeline.py's analysis of the gate/up and the down; raw buffers to F.npz
 
 E = 384, top-8, H = 7168, I in {256 (TP8 shard), 2048 (TP1)}, T in {1..256}, routing uniform or skewed
@@ -41,31 +41,34 @@ h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
 """
 
 
-def _random_words(shape, seed):
+def _hashed(shape, seed, ctype, expr, name):
+    """A cupy array of ``shape`` whose element i is ``expr`` of the 32-bit hash h of (i, seed) (``ctype`` out)."""
     import cupy as cp
-    k = cp.ElementwiseKernel("uint32 seed", "int32 out", _HASH + "out = (int)h;", "moe_bench_words")
-    out = cp.empty(shape, dtype=cp.int32)
+    k = cp.ElementwiseKernel("uint32 seed", f"{ctype} out", _HASH + f"out = {expr};", name)
+    out = cp.empty(shape, dtype={"int32": cp.int32, "uint16": cp.uint16}[ctype])
     k(np.uint32(seed), out)
     return out
+
+
+def _random_words(shape, seed):
+    return _hashed(shape, seed, "int32", "(int)h", "moe_bench_words")
 
 
 def _random_scales(shape, seed):
-    import cupy as cp
     # bf16 in [2^-8, 2^-6): exponent fixed range, random mantissa
-    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x3B80u + (h & 0xFFu));",
-                             "moe_bench_scales")
-    out = cp.empty(shape, dtype=cp.uint16)
-    k(np.uint32(seed), out)
-    return out
+    return _hashed(shape, seed, "uint16", "(unsigned short)(0x3B80u + (h & 0xFFu))", "moe_bench_scales")
 
 
 def _random_half(shape, seed):
     import cupy as cp
-    k = cp.ElementwiseKernel("uint32 seed", "uint16 out", _HASH + "out = (unsigned short)(0x2000u | (h & 0x83FFu));",
-                             "moe_bench_half")
-    out = cp.empty(shape, dtype=cp.uint16)
-    k(np.uint32(seed), out)
-    return out.view(cp.float16)
+    return _hashed(shape, seed, "uint16", "(unsigned short)(0x2000u | (h & 0x83FFu))", "moe_bench_half").view(cp.float16)
+
+
+def _random_sources(I):
+    """One layer's compressed-tensors experts with random contents: [(gate packed, scales), (up ...), (down ...)]."""
+    return [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
+            (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
+            (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
 
 
 def routing(rng, T, mode):
@@ -99,9 +102,7 @@ def _event_us(fn, reps=5):
 def bench_width(I, read_gbs, rows, quick):
     import cupy as cp
     t0 = time.perf_counter()
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    src = _random_sources(I)
     cp.cuda.Device().synchronize()
     t1 = time.perf_counter()
     w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
@@ -121,7 +122,6 @@ def bench_width(I, read_gbs, rows, quick):
                                     "float gf = (float)g; h = (half)(gf / (1.f + expf(-gf)) * (float)u);",
                                     "moe_bench_silu_mul")
     rng = np.random.default_rng(I)
-    arch = f"sm_{cp.cuda.Device().compute_capability}"
     for mode in ("uniform", "skewed"):
         for T in (TS if not quick else (1, 8, 64)):
             ids, wts = routing(rng, T, mode)
@@ -147,12 +147,10 @@ def bench_width(I, read_gbs, rows, quick):
                 stages[plan[-1][0]] = us
                 # variants, to attribute time to the fusions, the prefetch paths and the token-tile choice
                 variants = {"pf_next_off": dict(pf_next=False), "pf_steps_0": dict(pf_steps=0)}
-                if moe.fuse_route_default(T, K_TOP):
+                if moe.fuse_route_default(T, K_TOP):     # the routing kernel and the bulk-copy GEMMs it feeds
                     variants["separate_route"] = dict(fuse_route=False, l2_prefetch=False)
                 else:
                     variants["route_l2_prefetch_off"] = dict(l2_prefetch=False)
-                if T == 256:
-                    variants["nt2"] = dict(tiles=moe.select_tiles(arch, 300, I))
                 for name, kw in variants.items():
                     vplan = moe.moe_launch_plan(x, d_ids, d_wts, w, ws, out, **kw)
                     stages["variant_" + name] = time_graph(lambda vp=vplan: [f() for _, f in vp], iters=20, reps=5)
@@ -186,9 +184,7 @@ FOCUS = {256: (("uniform", (1, 2, 4, 8, 16, 32, 64, 128, 256)), ("skewed", (8, 6
 
 def _make_layer(I):
     import cupy as cp
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
+    src = _random_sources(I)
     w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
     del src
     cp.get_default_memory_pool().free_all_blocks()
@@ -198,7 +194,7 @@ def _make_layer(I):
 def _prev_plan(prev_src, *args, **kw):
     """moe_launch_plan with the two GEMMs taken from another kernel file (``prev_src``, e.g. the previous
     commit's cuda_src/moe_int4.cu saved with ``git show``): the same argument list, layout and workspace are
-    required. Used to measure was -> now in ONE process: revision 3 found that figures of two device runs
+    required. Used to measure was -> now in ONE process: figures of two device runs
     differ by up to 15% at the same code (moe_h200_s3_run*.json (in git history))."""
     from ddtree_cupy.kernels import compile as kc
     rel = os.path.relpath(os.path.abspath(prev_src), str(kc.CUDA_SRC_DIR))
@@ -208,23 +204,23 @@ def _prev_plan(prev_src, *args, **kw):
     def prev_name(name):   # that file runs its only k loop: drop ", lean>" from the name
         return name.rsplit(",", 1)[0] + ">" if six else name
     spec = kc.KernelSpec(src=rel, names=tuple(dict.fromkeys(prev_name(n) for n in moe._all_gemm_names())))
-    orig = moe.get_kernel
+    orig = moe.forward.get_kernel
 
     def patched(sp, name, max_dynamic_smem=0):
         if name.startswith("moe_gemm"):
             return orig(spec, prev_name(name), max_dynamic_smem)
         return orig(sp, name, max_dynamic_smem)
-    moe.get_kernel = patched
+    moe.forward.get_kernel = patched
     try:
         return moe.moe_launch_plan(*args, **kw)
     finally:
-        moe.get_kernel = orig
+        moe.forward.get_kernel = orig
 
 
 def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=None):
-    """The table ("now") against prefetch variants, the three k loops ("loop0"/"lean1"/"lean2": the table's
-    tiles with lean = 0/1/2) and, with ``prev_src``, the same launches through another kernel
-    file ("prev"), all in one process; stage prefixes of "now"/"loop0"/"lean2". ``only_ts``: the T values to
+    """The table ("now") against prefetch variants, the register ring's two k loops ("lean1"/"lean2": the table's
+    tiles with lean = 1/2) and, with ``prev_src``, the same launches through another kernel
+    file ("prev"), all in one process; stage prefixes of "now"/"lean2". ``only_ts``: the T values to
     run (None: FOCUS); ``only_variants``: the variant names to time besides "now" (None: all)."""
     import cupy as cp
     w = _make_layer(I)
@@ -248,28 +244,25 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
             out = cp.empty((T, H), cp.uint16)
             tab = moe.select_tiles(arch, T, I)
-            variants = {"now": {}, "loop0": dict(tiles=moe.with_lean(tab, 0)),
-                        "lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
-                        "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
-                        "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)}
-            if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the bulk-copy GEMMs (moe_bulk.cu) where they apply
+            variants = {"now": {}}
+            if T * K_TOP <= moe.FUSED_MAX_PAIRS:       # the register ring and the bulk-copy GEMMs (moe_bulk.cu)
+                variants.update({"lean1": dict(tiles=moe.with_lean(tab, 1)), "lean2": dict(tiles=moe.with_lean(tab, 2)),
+                                 "pf_steps_0": dict(pf_steps=0), "pf_steps_4": dict(pf_steps=4),
+                                 "pf_steps_16": dict(pf_steps=16), "pf_next_off": dict(pf_next=False)})
                 variants["bulk"] = dict(bulk=True)
                 variants["ring"] = dict(bulk=False)
-                variants["bulk_down"] = dict(bulk="down")
                 for i, t in enumerate(moe.BULK_GATEUP_CANDIDATES):
-                    # revision 5: the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
+                    # the compact token-row blocks by their rows ("bulk_xr4", "bulk_xr2")
                     key = f"bulk_xr{t.xr}" if t.xr != 8 else f"bulk_gu{i}"
                     variants[key] = dict(bulk=True, bulk_tiles=(t, moe.BULK_DOWN))
-                # the table's block named explicitly, whatever DDT_MOE_BULK_TILES says ("bulk" follows it)
+                # the 8-row block named explicitly, whatever moe.tables.BULK_TILES says ("bulk" follows it)
                 variants["bulk_xr8"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, moe.BULK_DOWN))
                 for i, t in enumerate(moe.BULK_DOWN_CANDIDATES):
                     variants[f"bulk_dn{i}"] = dict(bulk=True, bulk_tiles=(moe.BULK_GATEUP, t))
                 variants["bulkG"] = dict(bulk=True, fuse_route=False)      # fed by moe_route (G = 1): its cost
             else:
-                # revision 5: the bulk-copy GEMMs fed by moe_route's chunk list (G = 1) against the register ring
-                # ("now" is the ring unless DDT_MOE_BULK_LARGE=1); the route's L2 prefetch flipped from its rule
-                # (on from T = 64), and the large-T candidate blocks
-                variants["ring"] = dict(bulk=False)
+                # the bulk-copy GEMMs fed by moe_route's chunk list (G = 1, the only ones there: "now"); the route's
+                # L2 prefetch flipped from its rule (on from T = 64), and the large-T candidate blocks
                 variants["bulkL"] = dict(bulk=True)
                 variants["bulkL_pf" if T < 64 else "bulkL_nopf"] = dict(bulk=True, l2_prefetch=T < 64)
                 for i, t in enumerate(moe.BULK_GATEUP_LARGE_CANDIDATES):
@@ -285,7 +278,7 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
             res = {name: time_graph(lambda p=plan: [f() for _, f in p], iters=20, reps=5)
                    for name, plan in plans.items()}
             stage_sets = {}
-            for key in [k for k in ("now", "loop0", "lean2", "bulk", "bulkL") if k in plans] + \
+            for key in [k for k in ("now", "lean2", "bulk", "bulkL") if k in plans] + \
                     [k for k in plans if k.startswith("bulk_xr")]:
                 plan, st = plans[key], {}
                 for n in range(1, len(plan) + 1):
@@ -299,7 +292,6 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
                              frac_read_ceiling=frac["now"], variants_us=res, variants_frac=frac,
                              stages_us_cumulative=stage_sets["now"],
                              stages_prev_us_cumulative=stage_sets.get("prev"),
-                             stages_loop0_us_cumulative=stage_sets.get("loop0"),
                              stages_lean2_us_cumulative=stage_sets.get("lean2"),
                              stages_bulk_us_cumulative=stage_sets.get("bulk"),
                              stages_bulkL_us_cumulative=stage_sets.get("bulkL"),
@@ -332,9 +324,9 @@ def focus_width(I, read_gbs, rows, prev_src=None, only_ts=None, only_variants=No
 
 
 def focus_table(res):
-    lines = ["| I | routing | T | experts | prev us | loop0 us | lean1 us | lean2 us | now us | % ceiling prev -> now "
-             "| stages now (route/gu/dn/cb) | stages loop0 | stages lean2 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| I | routing | T | experts | prev us | lean1 us | lean2 us | now us | % ceiling prev -> now "
+             "| stages now (route/gu/dn/cb) | stages lean2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def st(d):
         if not d:
@@ -345,21 +337,17 @@ def focus_table(res):
         vu, vf = r["variants_us"], r["variants_frac"]
         prev = f"{vu['prev']:.1f}" if "prev" in vu else "-"
         pf = f"{100 * vf['prev']:.1f} -> " if "prev" in vf else ""
-        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("loop0", "lean1", "lean2"))
+        var = " | ".join(f"{vu[k]:.1f}" if k in vu else "-" for k in ("lean1", "lean2"))
         lines.append(f"| {r['I']} | {r['routing']} | {r['T']} | {r['experts']} | {prev} | {var} | {r['us']:.1f} | "
                      f"{pf}{100 * r['frac_read_ceiling']:.1f} | {st(r['stages_us_cumulative'])} | "
-                     f"{st(r.get('stages_loop0_us_cumulative'))} | {st(r.get('stages_lean2_us_cumulative'))} |")
+                     f"{st(r.get('stages_lean2_us_cumulative'))} |")
     return "\n".join(lines)
 
 
 def profile(I, T, mode="uniform", calls=1):
     """A few eager calls of one configuration, for Nsight Compute (``ncu -k regex:moe_gemm ...``)."""
     import cupy as cp
-    src = [(_random_words((E, I, H // 8), 1 + I), _random_scales((E, I, H // 32), 2 + I)),
-           (_random_words((E, I, H // 8), 3 + I), _random_scales((E, I, H // 32), 4 + I)),
-           (_random_words((E, H, I // 8), 5 + I), _random_scales((E, H, I // 32), 6 + I))]
-    w = moe.pack_moe_weights(*src[0], *src[1], *src[2])
-    del src
+    w = _make_layer(I)
     ws = moe.MoEWorkspace(T, K_TOP, w)
     rng = np.random.default_rng(I)
     ids, wts = routing(rng, T, mode)
@@ -386,7 +374,7 @@ def timeline_run(I, T, mode="uniform", out_path="bench/results/moe_timeline.npz"
     x = (x >> 16).astype(cp.uint16)
     d_ids, d_wts = cp.asarray(ids), cp.asarray(wts)
     glob = T * K_TOP > moe.FUSED_MAX_PAIRS
-    gu, dn = moe._env_bulk_tiles(glob, None if glob else I)
+    gu, dn = moe._bulk_tiles_for(glob, None if glob else I)
     bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))
     ws = moe.MoEWorkspace(T, K_TOP, w)
     outs = {k: cp.empty((T, H), cp.uint16) for k in ("prod", "timeline")}
@@ -498,7 +486,7 @@ def main():
     ap.add_argument("--ts", default=None, metavar="I:T,T[;I:T,..]",
                     help="with --focus: only these widths and T values, e.g. '256:1,8,64;2048:8'")
     ap.add_argument("--variants", default=None, metavar="NAME,..",
-                    help="with --focus: only these variants besides 'now' (e.g. 'loop0'; '' for none)")
+                    help="with --focus: only these variants besides 'now' (e.g. 'lean1'; '' for none)")
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "SVG"), help="only draw the SVG from a result file")
     ap.add_argument("--profile", nargs="+", metavar="I T", help="only run I T [I T ...] a few times (for ncu)")
     ap.add_argument("--timeline", nargs=2, type=int, metavar=("I", "T"),

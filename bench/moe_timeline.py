@@ -1,4 +1,4 @@
-"""Analysis of the bulk-copy MoE GEMMs' timeline build (numpy only; docs/history/2026-11-29-moe.md "Revision 5: a timeline build").
+"""Analysis of the bulk-copy MoE GEMMs' timeline build (numpy only; docs/MOE.md "Profiling build").
 
 The timeline build of ``moe_gemm_bulk`` (cuda_src/moe_bulk.cu with -DDDT_MOE_TIMELINE, moe.SPEC_BULK_TIMELINE)
 writes one record per block (blockIdx.x < moe.TL_BLOCKS) of SM cycle stamps, layout in the .cu file's "Timeline

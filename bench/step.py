@@ -216,7 +216,13 @@ def apply_baselines(a) -> None:
     if a.no_dec_spread:
         gemm.DEC_SPREAD = False
     if a.no_bulk_whole:
-        moe.BULK_WHOLE = False
+        moe.forward.BULK_WHOLE = False
+    if a.moe_bulk is not None:
+        moe.tables.BULK_FORCE = a.moe_bulk == 1
+    for spec, attr, large in ((a.moe_bulk_tiles, "BULK_TILES", False), (a.moe_bulk_large_tiles, "BULK_LARGE_TILES", True)):
+        if spec:
+            setattr(moe.tables, attr, spec)
+            moe.tables._bulk_tiles_for(large)        # a block that is not compiled stops here, not in the capture
 
 
 def cost_tables(results):
@@ -307,7 +313,14 @@ def main(argv=None) -> int:
     m.add_argument("--no-dec-spread", action="store_true",
                    help="decode GEMM grids of <= one block per SM may share SMs (gemm.DEC_SPREAD = False)")
     m.add_argument("--no-bulk-whole", action="store_true",
-                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.BULK_WHOLE = False)")
+                   help="the bulk-copy MoE down GEMM copies per tile and token row (moe.forward.BULK_WHOLE = False)")
+    m.add_argument("--moe-bulk", type=int, choices=(0, 1), default=None,
+                   help="the INT4 MoE GEMMs at T*k <= 256: 0 the register-ring ones, 1 the bulk-copy ones at every T "
+                        "(moe.tables.BULK_FORCE; unset: the table, bulk-copy from 4 tokens up)")
+    m.add_argument("--moe-bulk-tiles", default="", metavar="gu=w,k,s,n[,xr];dn=...",
+                   help="another compiled block of the bulk-copy MoE GEMMs at T*k <= 256 (moe.tables.BULK_TILES)")
+    m.add_argument("--moe-bulk-large-tiles", default="", metavar="gu=w,k,s,n[,xr];dn=...",
+                   help="another compiled block of the bulk-copy MoE GEMMs above T*k = 256 (moe.tables.BULK_LARGE_TILES)")
     a = ap.parse_args(argv)
     apply_baselines(a)
     collectives_source = "assumed (command line / defaults)"

@@ -51,7 +51,7 @@ __shared__ long long mtl_sort_marks[6];
 
 // ---------------------------------------------------------------------------------------------------------
 // Timeline build (revision 5, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"). Only with
-// -DDDT_MOE_TIMELINE (moe.py's SPEC_BULK_TIMELINE): the kernel takes one more argument, `tl`, and lane 0 of every
+// -DDDT_MOE_TIMELINE (kernels/moe/timeline.py's SPEC_BULK_TIMELINE): the kernel takes one more argument, `tl`, and lane 0 of every
 // warp of the blocks blockIdx.x < DDT_MOE_TL_BLOCKS stores SM cycle stamps (%clock64) at fixed events into it.
 // Without the macro every MB_TL(...) is empty and the parameter list is the production one: the production
 // PTX does not change (checked by diffing it before / after, line info stripped).

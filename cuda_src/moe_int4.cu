@@ -1,8 +1,8 @@
-// Fused INT4 (W4A16) routed-expert MoE for one layer: [routing sort ->] gate/up grouped GEMM with SiLU(gate)*up
-// in the epilogue (at small T with the routing sort in its prologue) -> down grouped GEMM with the routing
-// weight -> deterministic per-token sum (+ residual).
+// Fused INT4 (W4A16) routed-expert MoE for one layer: register-ring gate/up grouped GEMM (the routing sorted in its
+// prologue) with SiLU(gate)*up in the epilogue -> down grouped GEMM with the routing weight -> deterministic
+// per-token sum (+ residual); moe_route, the routing kernel of the bulk-copy GEMMs (moe_bulk.cu) above 256 pairs.
 // Layout, pipeline and partitioning are described in docs/MOE.md; the numpy model of the weight layout is
-// ddtree_cupy/kernels/moe.py (repack_numpy), checked by tests/test_moe_layout.py.
+// ddtree_cupy/kernels/moe/layout.py (repack_numpy), checked by tests/test_moe_layout.py.
 //
 // mma.sync.m16n8k16 with the WEIGHT in the 16-row A slot and up to 8 tokens in the 8-wide B slot: at decode
 // sizes an expert sees 1..8 tokens, so the 16-row slot is always full of useful weight rows and only the
@@ -14,35 +14,59 @@
 // 16-row tiles: fused tile 2r = src0 tile r, 2r+1 = src1 tile r) -> wp [E][Nf/16][Kp/64][32][4] uint32.
 // One thread per output word. Padding columns (k >= K) get nibble 8 (q = 0).
 // ---------------------------------------------------------------------------------------------------------
+
+// One 16 x 64 block of the repacked layout, [E][ntiles][KS] in that order, from its flat index.
+struct LayoutBlock {
+    int e, tile, step;
+};
+
+__device__ __forceinline__ LayoutBlock layout_block(long long blk, int KS, int ntiles) {
+    LayoutBlock b;
+    b.step = (int)(blk % KS); blk /= KS;
+    b.tile = (int)(blk % ntiles);
+    b.e = (int)(blk / ntiles);
+    return b;
+}
+
+// One grid-stride pass over a repacked tensor of 2^SHIFT elements per 16 x 64 block: f(i, r, block, src, stile)
+// for output element i, its index r inside the block, the block, and the source tensor and 16-row tile the block
+// reads (fused: tile 2r is src0's tile r, 2r+1 src1's tile r; else src0's own tile).
+template <int SHIFT, typename T, typename F>
+__device__ __forceinline__ void repack_elements(const T* src0, const T* src1, int E, int Nsrc, int KS, int fused,
+                                                F&& f) {
+    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
+    const long long total = ((long long)E * ntiles * KS) << SHIFT;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const LayoutBlock b = layout_block(i >> SHIFT, KS, ntiles);
+        const int stile = fused ? b.tile >> 1 : b.tile;
+        const T* src = (fused && (b.tile & 1)) ? src1 : src0;
+        f(i, (int)(i & ((1 << SHIFT) - 1)), b, src, stile);
+    }
+}
+
 extern "C" __global__ void moe_repack_weights(const uint32_t* __restrict__ src0, const uint32_t* __restrict__ src1,
                                               int E, int Nsrc, int K, int KS, int fused,
                                               uint32_t* __restrict__ dst) {
     DDT_PDL_WAIT();
-    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
-    const long long total = (long long)E * ntiles * KS * 128;
     const int kw = K / 8;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int w = (int)(i & 3), lane = (int)((i >> 2) & 31);
-        long long rest = i >> 7;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
-        const uint32_t* src = (fused && (tile & 1)) ? src1 : src0;
-        const int stile = fused ? tile >> 1 : tile;
+    // 128 words per block: word w = r & 3 of lane r >> 2
+    repack_elements<7>(src0, src1, E, Nsrc, KS, fused,
+                       [&](long long i, int r, const LayoutBlock& b, const uint32_t* src, int stile) {
+        const int w = r & 3, lane = r >> 2;
         const int g = lane >> 2, t = lane & 3;
         uint32_t out = 0;
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             const int idx = 2 * (p & 3) + (p >> 2);
             const int n = stile * 16 + frag_row(g, idx);
-            const int k = step * 64 + nat_k(w, frag_col(t, idx));
+            const int k = b.step * 64 + nat_k(w, frag_col(t, idx));
             uint32_t nib = 8u;
-            if (k < K) nib = (src[((long long)e * Nsrc + n) * kw + (k >> 3)] >> (4 * (k & 7))) & 0xFu;
+            if (k < K) nib = (src[((long long)b.e * Nsrc + n) * kw + (k >> 3)] >> (4 * (k & 7))) & 0xFu;
             out |= nib << (4 * p);
         }
         dst[i] = out;
-    }
+    });
 }
 
 // Scales: weight_scale [E][Nsrc][K/32] bf16 -> sp [E][Nf/16][Kp/64][8][4] bf16. Padding groups get 0.
@@ -50,22 +74,15 @@ extern "C" __global__ void moe_repack_scales(const bf16_bits* __restrict__ src0,
                                              int E, int Nsrc, int K, int KS, int fused,
                                              bf16_bits* __restrict__ dst) {
     DDT_PDL_WAIT();
-    const int ntiles = (fused ? 2 * Nsrc : Nsrc) / 16;
-    const long long total = (long long)E * ntiles * KS * 32;
     const int kg = K / 32;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int q = (int)(i & 3), g = (int)((i >> 2) & 7);
-        long long rest = i >> 5;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
-        const bf16_bits* src = (fused && (tile & 1)) ? src1 : src0;
-        const int stile = fused ? tile >> 1 : tile;
+    // 32 scales per block: entry q = r & 3 of row group g = r >> 2
+    repack_elements<5>(src0, src1, E, Nsrc, KS, fused,
+                       [&](long long i, int r, const LayoutBlock& b, const bf16_bits* src, int stile) {
+        const int q = r & 3, g = r >> 2;
         const int n = stile * 16 + g + 8 * (q & 1);
-        const int grp = 2 * step + (q >> 1);
-        dst[i] = grp < kg ? src[((long long)e * Nsrc + n) * kg + grp] : (bf16_bits)0;
-    }
+        const int grp = 2 * b.step + (q >> 1);
+        dst[i] = grp < kg ? src[((long long)b.e * Nsrc + n) * kg + grp] : (bf16_bits)0;
+    });
 }
 
 // Self-check: decode the repacked tensors through the GEMM's own data path (dequant_word + fp32 scale) into
@@ -78,12 +95,9 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int lane = (int)(i & 31);
-        long long rest = i >> 5;
-        const int step = (int)(rest % KS); rest /= KS;
-        const int tile = (int)(rest % ntiles);
-        const int e = (int)(rest / ntiles);
+        const long long blk = i >> 5;          // = (e * ntiles + tile) * KS + step
+        const LayoutBlock b = layout_block(blk, KS, ntiles);
         const int g = lane >> 2, t = lane & 3;
-        const long long blk = ((long long)e * ntiles + tile) * KS + step;
         const uint4 a = wp[blk * 32 + lane];
         const uint2 s = sp[blk * 8 + g];
         const float sc[4] = {bf_lo(s.x), bf_hi(s.x), bf_lo(s.y), bf_hi(s.y)};
@@ -98,8 +112,8 @@ extern "C" __global__ void moe_dequant_check(const uint4* __restrict__ wp, const
                 const float q = (idx & 1) ? bf_hi(reg) : bf_lo(reg);
                 const int row = frag_row(g, idx);
                 const float v = q * sc[(w >> 1) * 2 + ((idx >> 1) & 1)];
-                const int k = step * 64 + nat_k(w, frag_col(t, idx));
-                out[((long long)e * Nf + tile * 16 + row) * Kp + k] = v;
+                const int k = b.step * 64 + nat_k(w, frag_col(t, idx));
+                out[((long long)b.e * Nf + b.tile * 16 + row) * Kp + k] = v;
             }
         }
     }
@@ -212,19 +226,18 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(
 // Grouped GEMM over (chunk, m-group) units. Block = WM x WK warps; warp (wm, kw) owns the m32 unit
 // (m16 tiles 2r, 2r+1 with r = mg*WM + wm) over the kw-th slice of K, for up to NT*8 tokens of the chunk.
 // MODE 0 (gate/up, fused tiles 2r = gate rows 16r.., 2r+1 = up rows 16r..): h[slot][row] = silu(g)*u, bf16;
-//   with fuse_route the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it.
+//   the block sorts the routing itself first (sort_pairs_block) and block 0 publishes it for the down kernel.
 // MODE 1 (down): y[pair][row] = wts[pair] * acc, fp32.
 // Weights stream global -> registers through a U-stage register ring; partials over K meet in shared
 // memory in a fixed order (deterministic). A rolling L2 prefetch runs pf_steps ahead of the ring and, with
 // pf_next, carries on into the warp's tiles of its next unit, so a unit starts on L2 hits instead of
 // one DRAM round trip.
-// LEAN: 0 = the previous k loop; 1, 2 = the same arithmetic in the same order
-// (bit-identical results) with ~30% fewer instructions per k64 step -- no zeroing of absent token columns, loads
-// from running pointers with immediate offsets, one predicated per-step L2 prefetch from a per-lane pointer
-// instead of the 4-step group with its address selection. LEAN 1 also loads activations one step ahead (not U)
-// and prefetches the next unit at the unit start; LEAN 2 keeps the previous memory pattern (activations U steps
-// ahead, rolling prefetch across the unit boundary). Measured and chosen per T: docs/MOE.md, revision 4.
-// Dynamic shared memory: the SortSmem of the gate/up kernel with fuse_route (none otherwise). (An S-deep
+// LEAN, the k loop's memory pattern (the arithmetic and its order are the same in both, so results are
+// bit-identical): absent token columns are not zeroed, loads come from running pointers with immediate offsets,
+// and one predicated L2 prefetch per step from a per-lane pointer. LEAN 1 loads activations one step ahead and
+// prefetches the next unit at the unit start (the table's loop at T = 1); LEAN 2 loads activations U steps ahead
+// with the weights and lets the rolling prefetch cross the unit boundary (from T = 2 up). docs/MOE.md.
+// Dynamic shared memory: the SortSmem of the gate/up kernel (none in the down kernel). (An S-deep
 // per-warp cp.async ring for the weights measured 3-15% slower on the H200 and was removed:
 // docs/history/2026-11-29-moe.md.)
 // Two resident 256-thread blocks per SM (16 warps) for the one-token-tile configurations.
@@ -234,10 +247,11 @@ template <int MODE, int WM, int WK, int NT, int U, int LEAN>
 __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 1) moe_gemm(
         const uint4* __restrict__ wp, const uint2* __restrict__ sp, int N, int KS,
         const bf16_bits* __restrict__ act, int act_stride,
-        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E, int fuse_route,
+        const int* __restrict__ ids, const float* __restrict__ wts, int T, int k, int E,
         int* __restrict__ slot_pair, int4* __restrict__ chunks, int* __restrict__ meta,
         bf16_bits* __restrict__ h_out, int h_stride,
         float* __restrict__ y, int pf_steps, int pf_next) {
+    static_assert(LEAN == 1 || LEAN == 2, "moe_gemm: the k loop is 1 or 2");
     // pf_steps (multiple of 4, 0 = off): how far the L2 prefetch runs ahead of the register ring.
     constexpr int RED = WK > 1 ? WM * WK * 2 * NT * 4 * 32 : 1;
     __shared__ float red[RED];
@@ -256,20 +270,16 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
     const int* spair = slot_pair;
     int n_chunks;
     if constexpr (MODE == 0) {
-        if (fuse_route) {
-            SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn);
-            sort_pairs_block(ids, T * k, E, 8 * NT, so);
-            n_chunks = so.total.y;
-            if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
-                for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
-                for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
-                if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
-            }
-            chs = so.chunks;
-            spair = so.slot_pair;
-        } else {
-            n_chunks = meta[0];
+        SortSmem& so = *reinterpret_cast<SortSmem*>(moe_dyn);
+        sort_pairs_block(ids, T * k, E, 8 * NT, so);
+        n_chunks = so.total.y;
+        if (blockIdx.x == 0) {     // publish for the down kernel (same deterministic result in every block)
+            for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) chunks[c] = so.chunks[c];
+            for (int s = threadIdx.x; s < so.total.x; s += blockDim.x) slot_pair[s] = so.slot_pair[s];
+            if (threadIdx.x == 0) { meta[0] = n_chunks; meta[1] = so.bad; }
         }
+        chs = so.chunks;
+        spair = so.slot_pair;
     } else {
         n_chunks = meta[0];
     }
@@ -326,31 +336,11 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                 const int row = bval[nt] ? (MODE == 0 ? spair[slot0 + j] / k : slot0 + j) : 0;
                 pb[nt] = act + (size_t)row * act_stride + (size_t)sb * 64 + 8 * t;
             }
-            // Group prefetch of 4 k64 steps with one instruction per warp for the weights (lane l: step
-            // +l/8, tile (l/4)%2, 128-byte line l%4) and one for the scales (lanes 0..7). Steps past this
-            // unit's end continue into the next unit's tiles (same K slice, same step count).
             const uint4* pt0 = wp + blk0 * 32;
             const uint2* st0 = sp + blk0 * 8;
-            auto prefetch_group = [&](int j0) {
-                const int sw = j0 + (lane >> 3);
-                const size_t woff = (size_t)((lane >> 2) & 1) * KS * 32 + (lane & 3) * 8;
-                if (sw < nsteps) prefetch_l2(pt0 + woff + (size_t)sw * 32);
-                else if (nx && sw - nsteps < nsteps)
-                    prefetch_l2(wp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 32 + woff + (size_t)(sw - nsteps) * 32);
-                const int ss = j0 + (lane >> 1);
-                const size_t soff = (size_t)(lane & 1) * KS * 8;
-                if (lane < 8) {
-                    if (ss < nsteps) prefetch_l2(st0 + soff + (size_t)ss * 8);
-                    else if (nx && ss - nsteps < nsteps)
-                        prefetch_l2(sp + (((size_t)nx_e * ntiles + nx_t) * KS + sb) * 8 + soff + (size_t)(ss - nsteps) * 8);
-                }
-            };
-            if (!LEAN) for (int j = pf_done; j < pf_steps; j += 4) prefetch_group(j);
-            if (!LEAN && pf_steps > 0) {
-                // what the rolling prefetch (groups at j + pf_steps, j = 0, 4, ... < nsteps) reaches of the next unit
-                const int reach = ((nsteps - 1) & ~3) + pf_steps + 4;
-                next_done = nx ? min(nsteps, max(0, reach - nsteps)) : 0;
-            }
+            uint4 rb[U][NT][2];
+            // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
+            // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
             auto compute = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
@@ -363,7 +353,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        if (nt * 8 < ntok) {
+                        if (nt == 0 || nt * 8 < ntok) {    // ntok >= 1: token tile 0 always exists
                             float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
                             mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
                             mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
@@ -377,178 +367,104 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
                     }
                 }
             };
-            auto load_b = [&](uint4 (&b)[NT][2], int i) {
+            // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
+            // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
+            // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
+            // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
+            // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
+            // unit boundary.
+            const unsigned pstride = lane < 8 ? 512u : 64u;
+            const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                       : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
+            auto next_unit_ptr = [&]() {   // this lane's line of the next unit's first step
+                const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
+                return lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
+                                : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
+            };
+            if constexpr (LEAN == 1) {
+                // LEAN 1: the next unit's first steps are requested here, once per unit
+                const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
+                for (int s = pf_done; s < pf_steps; ++s)
+                    if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+                next_done = 0;
+                if (nx && pf_steps > 0) {
+                    const char* pn = next_unit_ptr();
+                    next_done = min(nsteps, pf_steps);
+                    for (int s = 0; s < next_done; ++s)
+                        if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                }
+            }
+            // LEAN 2: the rolling prefetch runs on across the unit boundary (the same
+            // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
+            const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
+            auto prefetch_step = [&](int s) {
+                if constexpr (LEAN == 2) {
+                    if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
+                        ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
+                }
+                if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
+            };
+            if constexpr (LEAN == 2) {
+                for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
+                next_done = nx ? min(nsteps, pf_steps) : 0;
+            }
+
+            uint4 ra[U][2];
+            uint2 rs[U][2];
+            // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
+            // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
+            // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
+            const uint4* qa0 = pa0;
+            const uint4* qa1 = pa1;
+            const uint2* qs0 = ps0;
+            const uint2* qs1 = ps1;
+            const bf16_bits* qb[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
+            // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
+            // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
+            // ahead with the weights (measured on the H200: LEAN 1 wins at T = 1 and loses 1-17% from T = 8 up).
+            auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
+                ra[r][0] = ld_stream_v4(qa0 + i * 32);
+                ra[r][1] = ld_stream_v4(qa1 + i * 32);
+                rs[r][0] = ld_stream_v2(qs0 + i * 8);
+                rs[r][1] = ld_stream_v2(qs1 + i * 8);
+            };
+            auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    if (bval[nt]) {
-                        const uint4* p = reinterpret_cast<const uint4*>(pb[nt] + (size_t)i * 64);
-                        b[nt][0] = __ldg(p);
-                        b[nt][1] = __ldg(p + 4);   // +32 bf16
-                    } else {
-                        b[nt][0] = make_uint4(0, 0, 0, 0);
-                        b[nt][1] = make_uint4(0, 0, 0, 0);
+                    if (nt == 0 || nt * 8 < ntok) {
+                        const uint4* p = reinterpret_cast<const uint4*>(qb[nt] + i * 64);
+                        rb[r][nt][0] = __ldg(p);
+                        rb[r][nt][1] = __ldg(p + 4);
                     }
                 }
             };
-            uint4 rb[U][NT][2];
-            if (!LEAN) {
+            auto advance = [&]() {
+                qa0 += U * 32; qa1 += U * 32; qs0 += U * 8; qs1 += U * 8;
 #pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_b(rb[i], i);
-            }
-            if constexpr (LEAN != 0) {
-                // Absent token columns (j >= ntok) load token 0's row (pb[] points there, and it exists): MMA
-                // columns are independent, so whatever they hold never reaches a stored column (no zeroing).
-                auto compute_lean = [&](const uint4 (&a)[2], const uint2 (&sc)[2], const uint4 (&b)[NT][2]) {
+                for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
+            };
+            // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
+            if (LEAN == 1) load_x(0, 0);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        uint32_t A[4][4];
-                        dequant_word(a[mt].x, A[0]);
-                        dequant_word(a[mt].y, A[1]);
-                        dequant_word(a[mt].z, A[2]);
-                        dequant_word(a[mt].w, A[3]);
-                        const float s00 = bf_lo(sc[mt].x), s08 = bf_hi(sc[mt].x);
-                        const float s10 = bf_lo(sc[mt].y), s18 = bf_hi(sc[mt].y);
+            for (int i = 0; i < U; ++i)
+                if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
+            if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
+            // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
+            // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
+            // 128-register cap (sm_90 and sm_120), so there is none.
+            for (int base = 0; base < nsteps; base += U) {     // ring slot i holds step base + i
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            if (nt == 0 || nt * 8 < ntok) {    // ntok >= 1: token tile 0 always exists
-                                float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-                                mma_bf16(d0, A[0], b[nt][0].x, b[nt][0].y);
-                                mma_bf16(d0, A[1], b[nt][0].z, b[nt][0].w);
-                                mma_bf16(d1, A[2], b[nt][1].x, b[nt][1].y);
-                                mma_bf16(d1, A[3], b[nt][1].z, b[nt][1].w);
-                                // same expression as compute(): bit-identical to the LEAN = 0 loop
-                                acc[mt][nt][0] += s00 * d0[0] + s10 * d1[0];
-                                acc[mt][nt][1] += s00 * d0[1] + s10 * d1[1];
-                                acc[mt][nt][2] += s08 * d0[2] + s18 * d1[2];
-                                acc[mt][nt][3] += s08 * d0[3] + s18 * d1[3];
-                            }
-                        }
-                    }
-                };
-                // Per-step L2 prefetch, one predicated instruction per warp and step: lanes 0..7 request the
-                // step's 8 weight lines (tile lane>>2, 128-B line lane&3), lanes 8, 9 its two scale half-lines
-                // (tile lane&1), from a per-lane byte pointer: step s is at ppf + s * stride (no division, no
-                // 64-bit product per step). pf_next, LEAN 1: the block's next unit's first pf_steps steps are
-                // requested at the unit start (a whole unit ahead); LEAN 2: the rolling prefetch crosses the
-                // unit boundary like the LEAN = 0 one.
-                const unsigned pstride = lane < 8 ? 512u : 64u;
-                const char* ppf = lane < 8 ? reinterpret_cast<const char*>(pt0 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
-                                           : reinterpret_cast<const char*>(st0 + (size_t)(lane & 1) * KS * 8);
-                auto next_unit_ptr = [&]() {   // this lane's line of the next unit's first step
-                    const size_t nb = ((size_t)nx_e * ntiles + nx_t) * KS + sb;
-                    return lane < 8 ? reinterpret_cast<const char*>(wp + nb * 32 + (size_t)(lane >> 2) * KS * 32 + (lane & 3) * 8)
-                                    : reinterpret_cast<const char*>(sp + nb * 8 + (size_t)(lane & 1) * KS * 8);
-                };
-                if constexpr (LEAN == 1) {
-                    // LEAN 1: the next unit's first steps are requested here, once per unit
-                    const int plim = (lane < 10 && pf_steps > 0) ? nsteps : 0;
-                    for (int s = pf_done; s < pf_steps; ++s)
-                        if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
-                    next_done = 0;
-                    if (nx && pf_steps > 0) {
-                        const char* pn = next_unit_ptr();
-                        next_done = min(nsteps, pf_steps);
-                        for (int s = 0; s < next_done; ++s)
-                            if (lane < 10) prefetch_l2(pn + (size_t)(unsigned)s * pstride);
+                for (int i = 0; i < U; ++i) {
+                    if (base + i < nsteps) {
+                        if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
+                        compute(ra[i], rs[i], rb[i]);
+                        if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
+                        prefetch_step(base + i + pf_steps);
                     }
                 }
-                // LEAN 2: the rolling prefetch runs on across the unit boundary like the LEAN = 0 one (same
-                // distance into the next unit); ppf is re-aimed there once, when the prefetch reaches step nsteps
-                const int plim = (lane < 10 && pf_steps > 0) ? (LEAN == 2 && nx ? 2 * nsteps : nsteps) : 0;
-                auto prefetch_step = [&](int s) {
-                    if constexpr (LEAN == 2) {
-                        if (s == nsteps && s < plim)      // (s < plim at s = nsteps: nx; once per unit)
-                            ppf = next_unit_ptr() - (size_t)(unsigned)nsteps * pstride;
-                    }
-                    if (s < plim) prefetch_l2(ppf + (size_t)(unsigned)s * pstride);
-                };
-                if constexpr (LEAN == 2) {
-                    for (int s = pf_done; s < pf_steps; ++s) prefetch_step(s);
-                    next_done = nx ? min(nsteps, pf_steps) : 0;
-                }
-
-                uint4 ra[U][2];
-                uint2 rs[U][2];
-                // Running pointers at step `base` (advanced by U steps per ring turn): every load in the loops
-                // below is [pointer + compile-time offset], no per-load address arithmetic, and no address
-                // registers kept for steps in flight (NVRTC's sm_120 allocation spilled with per-load products).
-                const uint4* qa0 = pa0;
-                const uint4* qa1 = pa1;
-                const uint2* qs0 = ps0;
-                const uint2* qs1 = ps1;
-                const bf16_bits* qb[NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) qb[nt] = pb[nt];
-                // Weights (DRAM/L2) go U steps ahead into ring slot i. Activations (L1/L2 hits, shared by every
-                // warp): LEAN 1 one step ahead into slot (i + 1) % U (~8 registers fewer in flight), LEAN 2 U steps
-                // ahead like the LEAN = 0 loop (H200, revision 4: LEAN 1 lost 1-17% from T = 8 up; this and the
-                // unit-start prefetch are the two memory-pattern differences LEAN 2 undoes).
-                auto load_w = [&](int r, int i) {      // ring slot r <- weights of step base + i (i compile-time)
-                    ra[r][0] = ld_stream_v4(qa0 + i * 32);
-                    ra[r][1] = ld_stream_v4(qa1 + i * 32);
-                    rs[r][0] = ld_stream_v2(qs0 + i * 8);
-                    rs[r][1] = ld_stream_v2(qs1 + i * 8);
-                };
-                auto load_x = [&](int r, int i) {      // slot r <- activations of step base + i
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        if (nt == 0 || nt * 8 < ntok) {
-                            const uint4* p = reinterpret_cast<const uint4*>(qb[nt] + i * 64);
-                            rb[r][nt][0] = __ldg(p);
-                            rb[r][nt][1] = __ldg(p + 4);
-                        }
-                    }
-                };
-                auto advance = [&]() {
-                    qa0 += U * 32; qa1 += U * 32; qs0 += U * 8; qs1 += U * 8;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) qb[nt] += U * 64;
-                };
-                // LEAN 1: activations one step ahead (slot (i + 1) % U); LEAN 2: U steps ahead with the weights
-                if (LEAN == 1) load_x(0, 0);
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) { load_w(i, i); if (LEAN == 2) load_x(i, i); }
-                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                // One loop with per-step guards (compiled to predicates, ~4 branches per 3 steps): a second,
-                // unchecked copy for the bulk of the steps measured spill-prone under NVRTC 12.9 at the
-                // 128-register cap (sm_90 and sm_120), so there is none.
-                for (int base = 0; base < nsteps; base += U) {     // ring slot i holds step base + i
-#pragma unroll
-                    for (int i = 0; i < U; ++i) {
-                        if (base + i < nsteps) {
-                            if (LEAN == 1 && base + i + 1 < nsteps) load_x((i + 1) % U, i + 1);
-                            compute_lean(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_w(i, i + U); if (LEAN == 2) load_x(i, i + U); }
-                            prefetch_step(base + i + pf_steps);
-                        }
-                    }
-                    advance();
-                }
-            } else {
-                uint4 ra[U][2];
-                uint2 rs[U][2];
-                auto load_a = [&](int r, int i) {
-                    ra[r][0] = ld_stream_v4(pa0 + (size_t)i * 32);
-                    ra[r][1] = ld_stream_v4(pa1 + (size_t)i * 32);
-                    rs[r][0] = ld_stream_v2(ps0 + (size_t)i * 8);
-                    rs[r][1] = ld_stream_v2(ps1 + (size_t)i * 8);
-                };
-#pragma unroll
-                for (int i = 0; i < U; ++i)
-                    if (i < nsteps) load_a(i, i);
-                if (MODE == 1 && lane < ntok) my_w = wts[my_pair];
-                for (int base = 0; base < nsteps; base += U) {
-#pragma unroll
-                    for (int i = 0; i < U; ++i) {
-                        if (base + i < nsteps) {
-                            compute(ra[i], rs[i], rb[i]);
-                            if (base + i + U < nsteps) { load_a(i, base + i + U); load_b(rb[i], base + i + U); }
-                            if (pf_steps > 0 && ((base + i) & 3) == 0) prefetch_group(base + i + pf_steps);
-                        }
-                    }
-                }
+                advance();
             }
         }
         pf_done = next_done;
@@ -611,7 +527,7 @@ __global__ void __launch_bounds__(WM * WK * 32, (NT == 1 && WM * WK <= 8) ? 2 : 
 // (Folding this sum into the down GEMM -- the warp that brings a token's last pair reduces it, behind a
 // fence and an arrival counter -- measured 6-67% slower on the H200 at every T but one: docs/MOE.md.)
 // ---------------------------------------------------------------------------------------------------------
-// Revision 6: the first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
+// The first COMBINE_KU pairs' ids, then their y rows and the residual, are all requested before
 // any is added (the loop over a runtime k issued one dependent ids -> y round trip per pair: 3.5 us at T = 8 on
 // the H200 for 1.8 MB); the sum keeps the pair order, so the output is the same bits.
 #define COMBINE_KU 8

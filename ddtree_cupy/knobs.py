@@ -100,22 +100,6 @@ KNOBS: tuple = (
     Knob("DDT_TREE_TOPK", "tree_topk", _choice("scan", "list"), None, "scan/list",
          "the DDTree top-K kind for every shape (unset: list for <= 7 rows and k <= 8, else scan)",
          "docs/DDTREE.md"),
-    Knob("DDT_MOE_LEAN", "moe_lean", _int_in(0, 2), None, "0/1/2",
-         "force one k loop of the register-ring INT4 MoE GEMMs everywhere (unset: the tile table's per-T choice)",
-         "docs/MOE.md", measuring=True),
-    Knob("DDT_MOE_BULK", "moe_bulk", _choice("0", "1", "down"), None, "0/1/down",
-         "the INT4 MoE GEMMs streamed by the bulk copy engine at T*k <= 256: none / both / the down only "
-         "(unset: both from 4 tokens up)", "docs/MOE.md"),
-    Knob("DDT_MOE_BULK_LARGE", "moe_bulk_large", _choice("0", "1"), None, "0/1",
-         "above T*k = 256: the register-ring MoE GEMMs / the bulk-copy ones fed by the routing kernel's chunk list "
-         "(unset: bulk-copy)", "docs/MOE.md"),
-    Knob("DDT_MOE_BULK_TILES", "moe_bulk_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
-         "another compiled block of the bulk-copy MoE GEMMs at T*k <= 256", "docs/MOE.md", measuring=True),
-    Knob("DDT_MOE_BULK_LARGE_TILES", "moe_bulk_large_tiles", _text, "", "gu=w,k,s,n[,xr];dn=...",
-         "another compiled block of the bulk-copy MoE GEMMs above T*k = 256", "docs/MOE.md", measuring=True),
-    Knob("DDT_MOE_GU_2X4_MIN_T", "moe_gu_2x4_min_t", _int_in(0), None, "N",
-         "the 2 x 4 gate/up block at narrow expert widths from N routed tokens up (0 = never; unset: 64)",
-         "docs/MOE.md"),
     Knob("DDT_GEMM_WIDE", "gemm_wide", _bit, None, "0/1",
          "bf16 GEMMs of 17-160 rows: split-K kernel / wide-token kernel (unset: wide)", "docs/KERNELS.md"),
     Knob("DDT_ROUTER_DOWN", "router_down", _bit, None, "0/1",
@@ -152,12 +136,6 @@ class Knobs:
     mla_policy: str = "auto"
     mla_partial_bf16: Optional[bool] = None
     tree_topk: Optional[str] = None
-    moe_lean: Optional[int] = None
-    moe_bulk: Optional[str] = None
-    moe_bulk_large: Optional[str] = None
-    moe_bulk_tiles: str = ""
-    moe_bulk_large_tiles: str = ""
-    moe_gu_2x4_min_t: Optional[int] = None
     gemm_wide: Optional[bool] = None
     router_down: Optional[bool] = None
     allreduce: Optional[str] = None

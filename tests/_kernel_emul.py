@@ -441,6 +441,7 @@ def install():
     fake.install()
     from ddtree_cupy.kernels import (attention, compile, ddtree, engine_glue, fused, gemm, kv_cache, layers, moe,
                                      router)
-    patch_get_kernel((gemm, layers, router, attention, kv_cache, moe, fused, ddtree, engine_glue))
+    from ddtree_cupy.kernels.moe import forward as moe_forward_mod       # where the MoE launches its kernels
+    patch_get_kernel((gemm, layers, router, attention, kv_cache, moe_forward_mod, fused, ddtree, engine_glue))
     compile.device_arch = lambda: "sm_90"
     _emulate_moe(moe)

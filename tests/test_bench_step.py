@@ -161,9 +161,36 @@ def test_measuring_baselines_are_bench_arguments(monkeypatch):
 
     from bench import step as bench_step
     from ddtree_cupy.kernels import gemm, moe
-    for mod, attr in ((gemm, "WIDE_CLUSTER"), (gemm, "DEC_SPREAD"), (moe, "BULK_WHOLE")):
+    for mod, attr in ((gemm, "WIDE_CLUSTER"), (gemm, "DEC_SPREAD"), (moe.forward, "BULK_WHOLE")):
         monkeypatch.setattr(mod, attr, True)
-    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=False, no_dec_spread=True, no_bulk_whole=False))
-    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (True, False, True)
-    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=True, no_dec_spread=True, no_bulk_whole=True))
-    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.BULK_WHOLE) == (False, False, False)
+    moe_off = dict(moe_bulk=None, moe_bulk_tiles="", moe_bulk_large_tiles="")
+    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=False, no_dec_spread=True, no_bulk_whole=False,
+                                                  **moe_off))
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.forward.BULK_WHOLE) == (True, False, True)
+    bench_step.apply_baselines(argparse.Namespace(no_wide_cluster=True, no_dec_spread=True, no_bulk_whole=True,
+                                                  **moe_off))
+    assert (gemm.WIDE_CLUSTER, gemm.DEC_SPREAD, moe.forward.BULK_WHOLE) == (False, False, False)
+
+
+def test_moe_measuring_choices_are_bench_arguments(monkeypatch):
+    """--moe-bulk / --moe-bulk-tiles / --moe-bulk-large-tiles set the MoE tables' module switches (no product
+    environment knob measures them); a block that is not compiled is refused when the arguments are applied."""
+    import argparse
+
+    from bench import step as bench_step
+    from ddtree_cupy.kernels import moe
+    for attr, v in (("BULK_FORCE", None), ("BULK_TILES", ""), ("BULK_LARGE_TILES", "")):
+        monkeypatch.setattr(moe.tables, attr, v)
+    base = dict(no_wide_cluster=False, no_dec_spread=False, no_bulk_whole=False)
+    bench_step.apply_baselines(argparse.Namespace(**base, moe_bulk=None, moe_bulk_tiles="", moe_bulk_large_tiles=""))
+    assert (moe.tables.BULK_FORCE, moe.tables.BULK_TILES, moe.tables.BULK_LARGE_TILES) == (None, "", "")
+    bench_step.apply_baselines(argparse.Namespace(**base, moe_bulk=0, moe_bulk_tiles="gu=1,8,2,3,2",
+                                                  moe_bulk_large_tiles="gu=2,4,2,3"))
+    assert moe.tables.BULK_FORCE is False and moe.bulk_for(8, 8) is False
+    assert moe._bulk_tiles_for(False, 256) == (moe.BulkTile(1, 8, 2, 3, 2), moe.BULK_DOWN)
+    assert moe._bulk_tiles_for(True) == (moe.BulkTile(2, 4, 2, 3), moe.BULK_DOWN_LARGE)
+    bench_step.apply_baselines(argparse.Namespace(**base, moe_bulk=1, moe_bulk_tiles="", moe_bulk_large_tiles=""))
+    assert moe.tables.BULK_FORCE is True and moe.bulk_for(1, 8) is True
+    with pytest.raises(ValueError, match="BULK_TILES.*compiled"):
+        bench_step.apply_baselines(argparse.Namespace(**base, moe_bulk=None, moe_bulk_tiles="gu=3,3,3,3",
+                                                      moe_bulk_large_tiles=""))

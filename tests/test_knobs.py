@@ -45,7 +45,7 @@ def test_every_environment_switch_read_anywhere_is_declared():
             read.setdefault(m.group(1), str(p.relative_to(ROOT)))
     undeclared = {n: f for n, f in read.items() if n not in knobs.ENV_NAMES}
     assert not undeclared, f"environment switches not declared in ddtree_cupy/knobs.py: {undeclared}"
-    assert "DDT_PDL" in read and "DDT_MOE_BULK_TILES" in read      # the scan does see the known reads
+    assert "DDT_PDL" in read and "DDT_GPU_MEM_LOG" in read      # the scan does see the known reads
 
 
 def test_every_ddt_name_in_python_is_a_knob_or_a_cuda_macro():
@@ -73,19 +73,18 @@ def test_only_knobs_reads_the_environment_for_switches():
 def test_defaults_and_parsing():
     k = knobs.from_env({})
     assert k == knobs.Knobs()
-    assert k.pdl is False and k.mla_policy == "auto" and k.tree_topk is None and k.moe_bulk is None
-    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_TOPK": "list", "DDT_MOE_BULK": "down", "DDT_MLA_PARTIAL_BF16": "on",
-                        "DDT_GEMM_WIDE": " 0 ", "DDT_MOE_GU_2X4_MIN_T": "0", "DDT_ROUTER_DOWN": ""})
-    assert (k.pdl, k.tree_topk, k.moe_bulk, k.mla_partial_bf16, k.gemm_wide, k.moe_gu_2x4_min_t, k.router_down) \
-        == (True, "list", "down", True, False, 0, None)
+    assert k.pdl is False and k.mla_policy == "auto" and k.tree_topk is None and k.gemm_wide is None
+    k = knobs.from_env({"DDT_PDL": "1", "DDT_TREE_TOPK": "list", "DDT_MLA_PARTIAL_BF16": "on",
+                        "DDT_GEMM_WIDE": " 0 ", "DDT_ROUTER_DOWN": ""})
+    assert (k.pdl, k.tree_topk, k.mla_partial_bf16, k.gemm_wide, k.router_down) \
+        == (True, "list", True, False, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         k.pdl = False
 
 
 @pytest.mark.parametrize("env,value", [("DDT_PDL", "yes"), ("DDT_MLA_POLICY", "fast"), ("DDT_TREE_TOPK", "8"),
-                                       ("DDT_TREE_TOPK", "lists"), ("DDT_MOE_LEAN", "3"), ("DDT_MOE_BULK", "2"),
-                                       ("DDT_MOE_BULK_LARGE", "down"), ("DDT_GEMM_WIDE", "2"),
-                                       ("DDT_MLA_PARTIAL_BF16", "maybe"), ("DDT_MOE_GU_2X4_MIN_T", "-4")])
+                                       ("DDT_TREE_TOPK", "lists"), ("DDT_GEMM_WIDE", "2"),
+                                       ("DDT_MLA_PARTIAL_BF16", "maybe")])
 def test_bad_values_name_the_variable(env, value):
     with pytest.raises(ValueError, match=env):
         knobs.from_env({env: value})

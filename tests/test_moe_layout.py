@@ -1,4 +1,4 @@
-"""CPU checks of the INT4 MoE weight layout (ddtree_cupy/kernels/moe.py, cuda_src/moe_int4.cu).
+"""CPU checks of the INT4 MoE weight layout (ddtree_cupy/kernels/moe/layout.py, cuda_src/moe_int4.cu).
 
 The decisive test emulates the GEMM's inner loop on the CPU: repacked words -> lop3/fma dequantisation ->
 A fragments, natural activation rows -> B fragments as the kernel loads them, mma.sync m16n8k16 assembled
@@ -164,33 +164,30 @@ def test_tile_table_fits_sm120_shared_memory():
             assert moe.SORT_SMEM + tile.smem_static(tiles.nt) <= 99 * 1024      # the gate/up's fused sort
             assert tile.threads <= 1024
     assert moe.select_tiles("sm_90", 1, 256).nt == 1
-    assert moe.select_tiles("sm_120", 650, 2048).nt == 4
+    assert {t.nt for t in moe.all_table_tiles()} == {1}      # one token tile of 8 at every T the ring runs
 
 
 def test_k_loop_variants_in_the_table_and_the_registry(monkeypatch):
-    # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above, DDT_MOE_LEAN overrides);
-    # all three loops of every register-ring table entry are compiled (registry names)
-    monkeypatch.setattr(moe, "LEAN_LOOP", None)
+    # the table's k loop follows lean_for(T) (LEAN_T1 at T = 1, LEAN_T_GE_2 above); both loops of every
+    # register-ring table entry are compiled (registry names)
     names = moe._all_gemm_names()
-    for T, inter in ((1, 256), (1, 2048), (8, 256), (64, 2048), (300, 256), (650, 2048)):
+    for T, inter in ((1, 256), (1, 2048), (2, 256), (8, 256), (32, 2048)):
         for arch in ("sm_90", "sm_120"):
             t = moe.select_tiles(arch, T, inter)
             want = moe.LEAN_T1 if T == 1 else moe.LEAN_T_GE_2
             assert t.gateup.lean == t.down.lean == want == moe.lean_for(T)
-            for lean in (0, 1, 2):
+            for lean in (1, 2):
                 v = moe.with_lean(t, lean)
                 assert v.gateup.lean == v.down.lean == lean
                 assert (v.gateup.wm, v.gateup.wk, v.gateup.u) == (t.gateup.wm, t.gateup.wk, t.gateup.u)
                 for mode, tile in ((0, v.gateup), (1, v.down)):
                     assert moe._gemm_name(mode, tile, v.nt) in names
-    monkeypatch.setattr(moe, "LEAN_T_GE_2", 2)
-    assert moe.select_tiles("sm_90", 8, 256).down.lean == 2
-    monkeypatch.setattr(moe, "LEAN_LOOP", 0)
-    assert moe.select_tiles("sm_90", 1, 256).gateup.lean == 0
-    assert moe._gemm_name(1, moe.select_tiles("sm_90", 8, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 0>"
-    monkeypatch.setattr(moe, "LEAN_LOOP", 3)
-    with pytest.raises(ValueError, match="DDT_MOE_LEAN"):
-        moe.select_tiles("sm_90", 8, 256)
+    assert len(names) == 2 * 2 * 2          # (1 x 8 | 8 x 1) and (2 x 4 | 2 x 4) blocks x 2 modes x 2 loops
+    monkeypatch.setattr(moe.tables, "LEAN_T_GE_2", 1)
+    assert moe.select_tiles("sm_90", 8, 256).down.lean == 1
+    assert moe._gemm_name(1, moe.select_tiles("sm_90", 1, 256).down, 1) == "moe_gemm<1, 8, 1, 1, 3, 1>"
+    with pytest.raises(ValueError, match="lean"):
+        moe.with_lean(moe.select_tiles("sm_90", 8, 256), 0)
 
 
 def test_fused_sort_model_contract():
@@ -217,40 +214,6 @@ def test_fused_sort_model_contract():
     assert moe.fuse_route_default(32, 8) and not moe.fuse_route_default(33, 8)
 
 
-def test_gateup_block_switch(monkeypatch):
-    # GU_2X4_MIN_T (env DDT_MOE_GU_2X4_MIN_T, 0 = never): the 2 x 4 gate/up block at I <= 512 from T = N up
-    # (nt = 1 only); its kernels are registered (the I = 2048 entry's), the down and the k loop are untouched,
-    # wide and nt > 1 shapes are unaffected
-    monkeypatch.setattr(moe, "LEAN_LOOP", None)
-    monkeypatch.setattr(moe, "GU_2X4_ENV", None)
-    names = moe._all_gemm_names()
-    assert moe.GU_2X4_MIN_T == 64
-    for arch in ("sm_90", "sm_120"):
-        for T in (1, 8, 63):
-            t = moe.select_tiles(arch, T, 256)
-            assert (t.gateup.wm, t.gateup.wk) == (1, 8), (arch, T)
-        for T in (64, 160, 256):
-            t = moe.select_tiles(arch, T, 256)
-            assert (t.nt, t.gateup.wm, t.gateup.wk, t.gateup.lean, t.gateup.u) == (1, 2, 4, 2, 3), (arch, T)
-            assert (t.down.wm, t.down.wk) == (8, 1)
-            assert moe._gemm_name(0, t.gateup, t.nt) in names
-            back = moe.with_gateup_block(t, 1, 8)
-            assert (back.gateup.wm, back.gateup.wk, back.down) == (1, 8, t.down)
-        assert moe.select_tiles(arch, 300, 256).nt == 2
-        assert moe.select_tiles(arch, 8, 2048).gateup.wk == 4
-    monkeypatch.setattr(moe, "GU_2X4_ENV", 0)
-    assert moe.select_tiles("sm_90", 64, 256).gateup.wk == 8
-    monkeypatch.setattr(moe, "GU_2X4_ENV", 8)
-    assert moe.select_tiles("sm_90", 4, 256).gateup.wk == 8 and moe.select_tiles("sm_90", 8, 256).gateup.wk == 4
-    with pytest.raises(ValueError, match="wm, wk"):
-        moe.with_gateup_block(moe.select_tiles("sm_90", 8, 256), 1, 16)
-    with pytest.raises(ValueError, match="wm, wk"):
-        moe.with_gateup_block(moe.select_tiles("sm_90", 650, 256), 1, 8)
-    monkeypatch.setattr(moe, "GU_2X4_ENV", -1)
-    with pytest.raises(ValueError, match="DDT_MOE_GU_2X4_MIN_T"):
-        moe.select_tiles("sm_90", 8, 256)
-
-
 def test_bulk_tiles_fit_sm120_and_the_producer_warp():
     # moe_bulk.cu: one producer lane per copy (2*wm weight tiles + their scales + 8 token rows <= 32 lanes),
     # stages a multiple of 128 B (the bulk copies' 16-byte alignment), <= 99 KB per block on sm_120
@@ -269,7 +232,7 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
         assert 4 * bt.wm + 8 <= 32 and bt.stage_bytes() % 128 == 0
         assert bt.smem_dyn(1) == bt.smem_dyn(0) - moe.BULK_META
         assert bt.smem_dyn(1) + bt.smem_static <= moe.SMEM_LIMIT, bt
-    names = moe.SPEC_BULK.names
+    names = moe._all_bulk_names()
     assert len(set(names)) == len(names)
     for mode, bt in [(0, b) for b in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES] + \
             [(1, b) for b in (moe.BULK_DOWN_LARGE,) + moe.BULK_DOWN_LARGE_CANDIDATES]:
@@ -283,69 +246,68 @@ def test_large_t_bulk_tiles_fit_without_the_sort_arrays():
     assert moe.BULK_GATEUP in moe._bulk_compiled(1)["gu"] and moe.BULK_DOWN in moe._bulk_compiled(1)["dn"]
 
 
-def test_large_t_bulk_rule_is_its_own_switch(monkeypatch):
-    # above FUSED_MAX_PAIRS only BULK_LARGE_DEFAULT / DDT_MOE_BULK_LARGE decide; DDT_MOE_BULK keeps its range
-    monkeypatch.setattr(moe, "BULK_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
-    assert moe.bulk_for(33, 8) is False and moe.bulk_for(320, 8) is False and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", True)
+def test_the_production_spec_compiles_the_tables_blocks_alone():
+    # the registered spec compiles every bulk-copy block (the build CLI checks them all); the production one, the same
+    # source and options, holds the blocks the tables pick (every width, both routing sources) and nothing else
+    prod, every = set(moe.SPEC_BULK.names), set(moe.SPEC_BULK_ALL.names)
+    assert prod < every and every == set(moe._all_bulk_names())
+    assert (moe.SPEC_BULK.src, moe.SPEC_BULK.defines, moe.SPEC_BULK.pdl) == \
+        (moe.SPEC_BULK_ALL.src, moe.SPEC_BULK_ALL.defines, moe.SPEC_BULK_ALL.pdl)
+    assert moe.SPEC_BULK.options("sm_90") == moe.SPEC_BULK_ALL.options("sm_90")
+    table = set()
+    for large in (False, True):
+        for inter in (256, 512, 2048):
+            gu, dn = moe._bulk_tiles_for(large, None if large else inter)
+            g = 1 if large else 0
+            table |= {moe._bulk_name(0, gu, g), moe._bulk_name(1, dn, g)}
+    assert table == prod and len(prod) == 5
+    for n in every:
+        assert moe.bulk_spec(n) is (moe.SPEC_BULK if n in prod else moe.SPEC_BULK_ALL)
+    from ddtree_cupy.kernels import compile as kc
+    assert moe.SPEC_BULK_ALL in kc.registered_specs()
+
+
+def test_large_t_always_runs_the_bulk_gemms(monkeypatch):
+    # above FUSED_MAX_PAIRS the bulk-copy GEMMs fed by moe_route are the only implementation; BULK_FORCE keeps
+    # its range (T*k <= FUSED_MAX_PAIRS)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", None)
     assert moe.bulk_for(33, 8) is True and moe.bulk_for(320, 8) is True and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 64)
-    assert moe.bulk_for(63, 8) is False and moe.bulk_for(64, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_MIN_T", 0)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
-    assert moe.bulk_for(33, 8) is False and moe.bulk_for(32, 8) is True
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "1")
-    assert moe.bulk_for(33, 8) is True and moe.bulk_for(1, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "0")
-    assert moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "down")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE"):
-        moe.bulk_for(64, 8)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", False)
+    assert moe.bulk_for(33, 8) is True and moe.bulk_for(64, 8) is True and moe.bulk_for(8, 8) is False
 
 
-def test_large_t_bulk_tiles_env_override(monkeypatch):
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=2,4,2,3;dn=4,1,4,3")
-    assert moe._env_bulk_tiles(True) == (moe.BulkTile(2, 4, 2, 3), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,4,4,2")     # a decode-only block
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
-        moe._env_bulk_tiles(True)
-    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
-    assert moe._env_bulk_tiles(True) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+def test_large_t_bulk_tiles_override(monkeypatch):
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=2,4,2,3;dn=4,1,4,3")
+    assert moe._bulk_tiles_for(True) == (moe.BulkTile(2, 4, 2, 3), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=1,4,4,2")     # a decode-only block
+    with pytest.raises(ValueError, match="BULK_LARGE_TILES.*compiled"):
+        moe._bulk_tiles_for(True)
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "")
+    assert moe._bulk_tiles_for(True) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
 
 
 def test_bulk_rule_applies_only_where_both_kernels_sort_in_shared_memory(monkeypatch):
-    monkeypatch.setattr(moe, "BULK_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", None)
-    monkeypatch.setattr(moe, "BULK_LARGE_DEFAULT", False)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", None)
     assert moe.bulk_for(moe.BULK_MIN_T, 8) is moe.BULK_DEFAULT and moe.bulk_for(moe.BULK_MIN_T - 1, 8) is False
-    assert moe.bulk_for(33, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "1")
-    assert moe.bulk_for(32, 8) is True and moe.bulk_for(33, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "down")
-    assert moe.bulk_for(8, 8) == "down" and moe.bulk_for(40, 8) is False
-    monkeypatch.setattr(moe, "BULK_ENV", "0")
-    assert not moe.bulk_for(1, 8)
-    monkeypatch.setattr(moe, "BULK_ENV", "yes")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK"):
-        moe.bulk_for(1, 8)
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", True)
+    assert moe.bulk_for(1, 8) is True and moe.bulk_for(32, 8) is True
+    monkeypatch.setattr(moe.tables, "BULK_FORCE", False)
+    assert not moe.bulk_for(1, 8) and not moe.bulk_for(32, 8)
 
 
-def test_bulk_tiles_env_override(monkeypatch):
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2;dn=4,1,4,3")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 2), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=3,3,3,3")
+def test_bulk_tiles_override(monkeypatch):
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,2;dn=4,1,4,3")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=3,3,3,3")
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,x")
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_TILES"):
-        moe._env_bulk_tiles()
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,x")
+    with pytest.raises(ValueError, match="BULK_TILES"):
+        moe._bulk_tiles_for()
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
+# Compact token rows (gate/up stages of xr = 4 / 2 token rows, a third stage; docs/MOE.md)
 # ---------------------------------------------------------------------------------------------------------
 def test_compact_gateup_blocks_fit_and_are_named_apart():
     compact = [bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8]
@@ -360,10 +322,10 @@ def test_compact_gateup_blocks_fit_and_are_named_apart():
         # the K-split partials hold only the 4*xr lanes whose columns can be tokens
         assert bt.smem_static == moe.BULK_GATEUP.smem_static * bt.xr // 8
         name = moe._bulk_name(0, bt)
-        assert name == f"moe_gemm_bulk<0, 1, 8, 2, {bt.nst}, 0, {bt.xr}>" and name in moe.SPEC_BULK.names
+        assert name == f"moe_gemm_bulk<0, 1, 8, 2, {bt.nst}, 0, {bt.xr}>" and name in moe._all_bulk_names()
         # decode only: moe_route's chunks are 8 tokens (G = 1 is not compiled with xr < 8)
         assert bt not in moe._bulk_compiled(1)["gu"]
-        assert not any(n.endswith(f", 1, {bt.xr}>") for n in moe.SPEC_BULK.names)
+        assert not any(n.endswith(f", 1, {bt.xr}>") for n in moe._all_bulk_names())
     # xr = 8 keeps the previous names (the template's default)
     assert moe._bulk_name(0, moe.BULK_GATEUP) == "moe_gemm_bulk<0, 1, 8, 2, 2, 0>"
     assert moe.BulkTile(1, 8, 2, 2) == moe.BULK_GATEUP and moe.BULK_GATEUP.xr == 8
@@ -401,30 +363,30 @@ def test_slots_do_not_depend_on_the_chunk_size(seed):
         assert len(c) == sum(-(-int(n) // xr) for n in np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E))
 
 
-def test_compact_blocks_env_override(monkeypatch):
-    # DDT_MOE_BULK_TILES takes an optional fifth number, the token rows (gu=1,8,2,3,4)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,2;dn=4,1,4,3")
-    assert moe._env_bulk_tiles() == (moe.BulkTile(1, 8, 2, 3, 2), moe.BulkTile(4, 1, 4, 3))
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,8")          # xr = 8 with 3 stages: not compiled
+def test_compact_blocks_override(monkeypatch):
+    # BULK_TILES takes an optional fifth number, the token rows (gu=1,8,2,3,4)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,4")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,2;dn=4,1,4,3")
+    assert moe._bulk_tiles_for() == (moe.BulkTile(1, 8, 2, 3, 2), moe.BulkTile(4, 1, 4, 3))
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,8")          # xr = 8 with 3 stages: not compiled
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "dn=4,1,4,2,4")          # the down kernel keeps chunks of 8
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "dn=4,1,4,2,4")          # the down kernel keeps chunks of 8
     with pytest.raises(ValueError, match="compiled"):
-        moe._env_bulk_tiles()
-    monkeypatch.setenv("DDT_MOE_BULK_LARGE_TILES", "gu=1,8,2,3,4")    # decode only
-    with pytest.raises(ValueError, match="DDT_MOE_BULK_LARGE_TILES.*compiled"):
-        moe._env_bulk_tiles(True)
-    monkeypatch.delenv("DDT_MOE_BULK_TILES")
-    monkeypatch.delenv("DDT_MOE_BULK_LARGE_TILES")
-    assert moe._env_bulk_tiles() == (moe.BULK_GATEUP, moe.BULK_DOWN)
+        moe._bulk_tiles_for()
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "gu=1,8,2,3,4")    # decode only
+    with pytest.raises(ValueError, match="BULK_LARGE_TILES.*compiled"):
+        moe._bulk_tiles_for(True)
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "")
+    monkeypatch.setattr(moe.tables, "BULK_LARGE_TILES", "")
+    assert moe._bulk_tiles_for() == (moe.BULK_GATEUP, moe.BULK_DOWN)
     assert moe.BULK_GATEUP.xr == 8 and moe.BULK_GATEUP.nst == 2
     # the table by expert width: the compact gate/up up to BULK_COMPACT_MAX_I (shared-memory sort only)
-    assert moe._env_bulk_tiles(False, 256) == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
-    assert moe._env_bulk_tiles(False, moe.BULK_COMPACT_MAX_I)[0] == moe.BULK_GATEUP_COMPACT
-    assert moe._env_bulk_tiles(False, 2048) == (moe.BULK_GATEUP, moe.BULK_DOWN)
-    assert moe._env_bulk_tiles(True, 256) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
+    assert moe._bulk_tiles_for(False, 256) == (moe.BulkTile(1, 8, 2, 3, 4), moe.BULK_DOWN)
+    assert moe._bulk_tiles_for(False, moe.BULK_COMPACT_MAX_I)[0] == moe.BULK_GATEUP_COMPACT
+    assert moe._bulk_tiles_for(False, 2048) == (moe.BULK_GATEUP, moe.BULK_DOWN)
+    assert moe._bulk_tiles_for(True, 256) == (moe.BULK_GATEUP_LARGE, moe.BULK_DOWN_LARGE)
     assert moe.BULK_GATEUP_COMPACT in moe.BULK_GATEUP_CANDIDATES
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,2")             # the environment still decides
-    assert moe._env_bulk_tiles(False, 256)[0] == moe.BULK_GATEUP
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,2")             # the environment still decides
+    assert moe._bulk_tiles_for(False, 256)[0] == moe.BULK_GATEUP

@@ -2,7 +2,7 @@
 the bulk-copy GEMM's ring (producer: empty wait, issue, copy latency; consumers: full wait, stage work, release,
 epilogue) writes buffers in the kernel's layout, and the analysis must recover the model's parameters exactly
 (copy latency, release spread, epilogue, boundary gap, clock rate) and attribute the waits to the right cause in
-the three regimes of docs/history/2026-11-29-moe.md "Revision 5: a timeline build": copy latency, a slow consumer holding the
+the three regimes of docs/history/2026-11-29-moe.md ("a timeline build"): copy latency, a slow consumer holding the
 producer, a long unit boundary. Corrupted records must fail the invariants."""
 from __future__ import annotations
 

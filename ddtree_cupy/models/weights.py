@@ -57,7 +57,7 @@ def local_dims(cfg: TargetConfig, tp: int) -> Dict[str, int]:
 
 
 def moe_layout_shapes(E: int, H: int, I: int) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
-    """Shapes of ``MoEWeights`` (kernels/moe.py) for E experts of width I over hidden size H."""
+    """Shapes of ``MoEWeights`` (kernels/moe/forward.py) for E experts of width I over hidden size H."""
     Ip = -(-I // 64) * 64
     u32, u16 = np.dtype(np.uint32), np.dtype(np.uint16)
     return {"w13": ((E, 2 * I // 16, H // 64, 32, 4), u32), "s13": ((E, 2 * I // 16, H // 64, 8, 4), u16),

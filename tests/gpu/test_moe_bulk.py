@@ -5,13 +5,13 @@ experts with several chunks, duplicate and bad ids, graph replay, and a PDL chai
 pre-wait reads (ids and routing weights written two kernels earlier) would see stale values if the reasoning
 in the kernel's header were wrong.
 
-Revision 5: the same kernels fed by moe_route's global chunk list (template G = 1; T*k > 256, or fuse_route=False
+Above 256 pairs: the same kernels fed by moe_route's global chunk list (template G = 1; T*k > 256, or fuse_route=False
 at any T): T = 33 .. 320 with E = 384 and small E, one expert holding every token, bad ids, I = 32 / 256 / 2048,
 bit-identity with the shared-memory sort (G = 0: only the slot order differs, every output column's arithmetic
 is the same), every compiled large-T block, graph replay, a workspace reused from a larger T, and the PDL chain
 (the down kernel reads moe_route's chunk list before its wait).
 
-Revision 5, compact token rows: the gate/up blocks with stages of xr = 4 / 2 token rows (chunks of xr tokens, a
+Compact token rows: the gate/up blocks with stages of xr = 4 / 2 token rows (chunks of xr tokens, a
 third stage) against the float64 reference at T = 4 .. 32 and bit for bit against the table's block (h, y, out),
 experts with many chunks, every pair on one expert, bad ids, graph replay, the published sort, the environment
 override and the PDL chain."""
@@ -23,7 +23,8 @@ import pytest
 from ddtree_cupy.bf16 import bf16_bits_to_f32, to_bf16_bits
 from ddtree_cupy.kernels import moe
 
-from test_moe import TOL, Layer, _out_and_y, _routing, _run
+from test_moe import (TOL, Layer, _assert_bad_ids_skipped, _assert_publishes_the_sort, _bad_id_inputs, _out_and_y,
+                      _replay_with_new_routing, _routing, _run)
 from test_moe import narrow, tiny, tiny256, wide  # noqa: F401  (the same layer fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -57,25 +58,17 @@ def test_bulk_is_deterministic_and_agrees_with_the_ring(narrow):
 
 
 def test_bulk_publishes_the_sort(narrow):
-    import cupy as cp
     T = 20
     rng = np.random.default_rng(3300)
     ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
-    ws = moe.MoEWorkspace(T, 8, narrow.w)
-    ws.chunks.fill(-7)
-    ws.slot_pair.fill(-7)
-    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True)
     # block 0 of the gate/up publishes its sort: chunks of the table block's token rows (4 at I <= 512)
-    chunk = moe._env_bulk_tiles(False, narrow.w.inter)[0].xr
+    chunk = moe._bulk_tiles_for(False, narrow.w.inter)[0].xr
     assert chunk == moe.BULK_GATEUP_COMPACT.xr
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, chunk)
-    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
-    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
-    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
+    _assert_publishes_the_sort(narrow, x, ids, wts, chunk, bulk=True)
 
 
-COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # revision 5: xr = 4, 2
+COMPACT = tuple(bt for bt in moe.BULK_GATEUP_CANDIDATES if bt.xr != 8)     # xr = 4, 2
 
 
 @pytest.mark.parametrize("T,gu", [(16, None), (40, None), (16, COMPACT[0]), (8, COMPACT[-1])])
@@ -151,8 +144,8 @@ def test_bulk_argument_errors(tiny256):
     x = cp.zeros((T, layer.H), cp.uint16)
     ids = cp.zeros((T, 8), cp.int32)
     wts = cp.zeros((T, 8), cp.float32)
-    with pytest.raises(ValueError, match="bulk"):              # the down-only mix needs the shared-memory sort
-        moe.moe_forward(x, ids, wts, layer.w, ws, bulk="down")
+    with pytest.raises(ValueError, match="bulk"):              # the register ring runs at T*k <= 256 only
+        moe.moe_forward(x, ids, wts, layer.w, ws, bulk=False)
     with pytest.raises(ValueError, match="fuse_route"):        # 320 pairs cannot be sorted in shared memory
         moe.moe_forward(x, ids, wts, layer.w, ws, bulk=True, fuse_route=True)
     with pytest.raises(ValueError, match="tiles"):
@@ -167,20 +160,17 @@ def test_bulk_argument_errors(tiny256):
 @pytest.mark.parametrize("layer_name,T", [("tiny", 13), ("narrow", 8)])
 def test_every_compiled_bulk_block(layer_name, T, request):
     # the benchmark's alternatives (other stage depths / splits / the polling wait) are right too
-    layer = request.getfixturevalue(layer_name)
-    for gu in (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES:
-        assert _run(layer, T, 8, seed=3700 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN)) < TOL, gu
-    for dn in moe.BULK_DOWN_CANDIDATES:
-        assert _run(layer, T, 8, seed=3800 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP, dn)) < TOL, dn
+    _each_block_is_right(request.getfixturevalue(layer_name), T, 3700 + T, (moe.BULK_GATEUP,) + moe.BULK_GATEUP_CANDIDATES,
+                         (moe.BULK_DOWN,) + moe.BULK_DOWN_CANDIDATES)
 
 
-@pytest.mark.parametrize("layer_name,T,mode", [("narrow", 1, "uniform"), ("narrow", 20, "one_expert"),
-                                               ("wide", 9, "uniform"), ("tiny", 32, "duplicates")])
-def test_ring_gateup_with_bulk_down(layer_name, T, mode, request):
-    # bulk="down": the register-ring gate/up publishes nothing the bulk down reads but h; the down re-derives
-    # the same slots from its own sort
-    layer = request.getfixturevalue(layer_name)
-    assert _run(layer, T, 8, seed=3900 + T, mode=mode, bulk="down", residual=True) < TOL
+def _each_block_is_right(layer, T, seed, gate_ups, downs):
+    """Every gate/up block with the first down block (inputs of ``seed``), then every other down block with the first
+    gate/up block (``seed`` + 100), against the float64 reference."""
+    for gu in gate_ups:
+        assert _run(layer, T, 8, seed=seed, bulk=True, bulk_tiles=(gu, downs[0])) < TOL, gu
+    for dn in downs[1:]:
+        assert _run(layer, T, 8, seed=seed + 100, bulk=True, bulk_tiles=(gate_ups[0], dn)) < TOL, dn
 
 
 @pytest.mark.parametrize("layer_name,T", [("narrow", 8), ("tiny256", 29)])
@@ -189,14 +179,14 @@ def test_down_whole_k_stage_is_bit_identical_to_per_tile_copies(layer_name, T, r
     # with BULK_WHOLE off, one copy per tile and token row: same data, same arithmetic, same bits
     layer = request.getfixturevalue(layer_name)
     o1, y1, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
-    monkeypatch.setattr(moe, "BULK_WHOLE", False)
+    monkeypatch.setattr(moe.forward, "BULK_WHOLE", False)
     o0, y0, *_ = _out_and_y(layer, T, 8, 4000 + T, bulk=True)
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(o1, o0)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: large T (moe_route's global chunk list, G = 1)
+# Large T (moe_route's global chunk list, G = 1)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def e384():      # Kimi's expert count with a short hidden size (the reference dequantises all 384 experts)
@@ -211,12 +201,12 @@ def wide2k():    # I = 2048 (the down GEMM's K is 32 steps: 8 stages per unit) w
 def _kernel_names(monkeypatch):
     """Record the kernel names moe.py asks for (which GEMM family and routing source actually ran)."""
     seen = []
-    orig = moe.get_kernel
+    orig = moe.forward.get_kernel
 
     def spy(spec, name, **kw):
         seen.append(name)
         return orig(spec, name, **kw)
-    monkeypatch.setattr(moe, "get_kernel", spy)
+    monkeypatch.setattr(moe.forward, "get_kernel", spy)
     return seen
 
 
@@ -254,54 +244,35 @@ def test_global_routing_is_bit_identical_to_the_shared_memory_sort(layer_name, T
 
 
 @pytest.mark.parametrize("layer_name,T", [("e384", 160), ("narrow", 64)])
-def test_bulk_large_t_is_deterministic_and_agrees_with_the_ring(layer_name, T, request):
-    # moe_route's atomic ranks may order the slots differently between calls; y per pair is the same bits.
-    # The register ring (another K split) agrees within bf16 tolerance.
+def test_bulk_large_t_is_deterministic(layer_name, T, request):
+    # moe_route's atomic ranks may order the slots differently between calls; y per pair is the same bits
+    # (with and without the route's L2 prefetch)
     layer = request.getfixturevalue(layer_name)
     o0, y0, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=True)
     o1, y1, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=True, l2_prefetch=False)
     np.testing.assert_array_equal(y1, y0)
     np.testing.assert_array_equal(o1, o0)
-    o2, *_ = _out_and_y(layer, T, 8, 5200 + T, "one_expert", bulk=False)
-    a, b = (bf16_bits_to_f32(o).astype(np.float64) for o in (o0, o2))
-    assert np.linalg.norm(a - b) / np.linalg.norm(a) < TOL
 
 
 @pytest.mark.parametrize("layer_name,T", [("e384", 80), ("wide2k", 40)])
 def test_every_compiled_large_t_bulk_block(layer_name, T, request):
-    layer = request.getfixturevalue(layer_name)
-    for gu in (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES:
-        assert _run(layer, T, 8, seed=5300 + T, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN_LARGE)) < TOL, gu
-    for dn in moe.BULK_DOWN_LARGE_CANDIDATES:
-        assert _run(layer, T, 8, seed=5400 + T, bulk=True, bulk_tiles=(moe.BULK_GATEUP_LARGE, dn)) < TOL, dn
+    _each_block_is_right(request.getfixturevalue(layer_name), T, 5300 + T,
+                         (moe.BULK_GATEUP_LARGE,) + moe.BULK_GATEUP_LARGE_CANDIDATES,
+                         (moe.BULK_DOWN_LARGE,) + moe.BULK_DOWN_LARGE_CANDIDATES)
 
 
 def test_bulk_large_t_bad_ids_are_counted_and_skipped(e384):
     import cupy as cp
     layer = e384
-    rng = np.random.default_rng(5500)
     T, k = 50, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k)
-    ids[1, 2] = layer.E          # out of range
-    ids[7, 5] = -3
-    ids[3, :] = -1               # token 3 has no valid expert at all: out = residual
+    x, res, ids, wts, n_bad, ref = _bad_id_inputs(layer, T, k, 5500, more=((7, 5),))
     ws = moe.MoEWorkspace(T, k, layer.w)
     ws.y.fill(np.nan)
     out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
     moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), layer.w, ws, out=out,
                     residual=cp.asarray(res), bulk=True)
-    assert ws.bad_ids() == 2 + k
-    w_ref, ids_ref = wts.copy(), ids.copy()
-    for t, j in ((1, 2), (7, 5)):
-        w_ref[t, j], ids_ref[t, j] = 0.0, 0
-    w_ref[3, :] = 0.0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-    np.testing.assert_array_equal(out.get()[3], res[3])      # bf16(0 + residual) == residual exactly
+    assert ws.bad_ids() == n_bad == 2 + k
+    _assert_bad_ids_skipped(out.get(), res, ref)
 
 
 def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
@@ -324,52 +295,16 @@ def test_bulk_large_t_graph_replay_and_reused_workspace(e384):
     _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "uniform", bulk=True)
 
 
-def _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, mode, **kw):
-    """moe_forward(..., **kw) captured once on a non-blocking stream: the replay equals ``eager`` bit for bit;
-    then new routing (``mode``) written into the same ids / wts buffers and replayed: right against the float64
-    reference (the sort / route runs inside the graph)."""
-    import cupy as cp
-    T, k = ids.shape
-    out = cp.full((T, layer.H), 0xFFFF, dtype=cp.uint16)
-    stream = cp.cuda.Stream(non_blocking=True)
-    cp.cuda.Stream.null.synchronize()  # null-stream work is not ordered before a non-blocking stream
-    with stream:
-        stream.begin_capture()
-        moe.moe_forward(x, ids, wts, layer.w, ws, out=out, **kw)
-        graph = stream.end_capture()
-        out.fill(0xFFFF)
-        stream.synchronize()
-        graph.launch(stream)
-        stream.synchronize()
-    np.testing.assert_array_equal(out.get(), eager.get())
-    ids2, wts2 = _routing(rng, T, layer.E, k, mode)
-    ids[...] = cp.asarray(ids2)
-    wts[...] = cp.asarray(wts2)
-    cp.cuda.Stream.null.synchronize()
-    with stream:
-        out.fill(0xFFFF)
-        graph.launch(stream)
-        stream.synchronize()
-    ref = layer.reference(x.get(), ids2, wts2)
-    got = bf16_bits_to_f32(out.get()).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
-
-
-def test_bulk_large_t_rule_switch(e384, monkeypatch):
-    # moe_forward with no options follows bulk_for: DDT_MOE_BULK_LARGE=1 runs the G = 1 bulk kernels at
-    # T*k > 256, 0 the register ring; the same result within bf16 tolerance
+def test_bulk_large_t_is_the_plain_call(e384, monkeypatch):
+    # moe_forward with no options follows bulk_for: at T*k > 256 the G = 1 bulk kernels, never the ring
     names = _kernel_names(monkeypatch)
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "1")
     assert _run(e384, 40, 8, seed=5700) < TOL
     assert moe._bulk_name(0, moe.BULK_GATEUP_LARGE, 1) in names
-    names.clear()
-    monkeypatch.setattr(moe, "BULK_LARGE_ENV", "0")
-    assert _run(e384, 40, 8, seed=5700) < TOL
-    assert not any(n.startswith("moe_gemm_bulk") for n in names) and any(n.startswith("moe_gemm<") for n in names)
+    assert not any(n.startswith("moe_gemm<") for n in names)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: compact token rows (docs/MOE.md "Compact token rows")
+# Compact token rows (docs/MOE.md "Compact token rows")
 # ---------------------------------------------------------------------------------------------------------
 def _compact_call(layer, x, ids, wts, gu, residual=None, ws=None):
     """One bulk call with gate/up block ``gu`` and poisoned h / y / out: (out, y bits, h bits, ws)."""
@@ -433,48 +368,25 @@ def test_compact_gateup_every_pair_on_one_expert(tiny256):
 
 def test_compact_gateup_bad_ids_are_counted_and_skipped(narrow):
     layer = narrow
-    rng = np.random.default_rng(7200)
     T, k = 12, 8
-    x = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    res = to_bf16_bits(rng.standard_normal((T, layer.H)))
-    ids, wts = _routing(rng, T, layer.E, k, "one_expert")
-    ids[1, 2] = layer.E
-    ids[7, 5] = -3
-    ids[3, :] = -1                  # token 3 has no valid expert: out = residual
+    x, res, ids, wts, n_bad, ref = _bad_id_inputs(layer, T, k, 7200, "one_expert", more=((7, 5),))
     o8, *_ = _compact_call(layer, x, ids, wts, moe.BULK_GATEUP, res)
-    w_ref, ids_ref = wts.copy(), ids.copy()
-    for t, j in ((1, 2), (7, 5)):
-        w_ref[t, j], ids_ref[t, j] = 0.0, 0
-    w_ref[3, :] = 0.0
-    ids_ref[3, :] = np.arange(k)
-    ref = layer.reference(x, ids_ref, w_ref, res)
     for gu in COMPACT:
         o, y, h, ws = _compact_call(layer, x, ids, wts, gu, res)
-        assert ws.bad_ids() == 2 + k, gu
+        assert ws.bad_ids() == n_bad == 2 + k, gu
         np.testing.assert_array_equal(o, o8, err_msg=str(gu))
-        np.testing.assert_array_equal(o[3], res[3])
-        got = bf16_bits_to_f32(o).astype(np.float64)
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL, gu
+        _assert_bad_ids_skipped(o, res, ref)
 
 
 @pytest.mark.parametrize("gu", COMPACT)
 def test_compact_gateup_publishes_its_chunks(narrow, gu):
     # block 0 publishes the gate/up's own sort: chunks of <= xr tokens, the same slots as with chunks of 8
-    import cupy as cp
     T = 20
     rng = np.random.default_rng(7300)
     ids, wts = _routing(rng, T, narrow.E, 8, "one_expert")
     x = to_bf16_bits(rng.standard_normal((T, narrow.H)))
-    ws = moe.MoEWorkspace(T, 8, narrow.w)
-    ws.chunks.fill(-7)
-    ws.slot_pair.fill(-7)
-    moe.moe_forward(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), narrow.w, ws, bulk=True,
-                    bulk_tiles=(gu, moe.BULK_DOWN))
-    chunks, slot_pair, bad = moe.fused_sort_numpy(ids, narrow.E, gu.xr)
-    assert int(ws.meta[0].get()) == len(chunks) and ws.bad_ids() == bad == 0
+    _, chunks = _assert_publishes_the_sort(narrow, x, ids, wts, gu.xr, bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
     assert chunks[:, 2].max() == gu.xr
-    np.testing.assert_array_equal(ws.chunks[:len(chunks), :3].get(), chunks[:, :3])
-    np.testing.assert_array_equal(ws.slot_pair[:len(slot_pair)].get(), slot_pair)
 
 
 @pytest.mark.parametrize("gu", COMPACT)
@@ -494,16 +406,16 @@ def test_compact_gateup_graph_replay(narrow, gu):
     _replay_with_new_routing(layer, rng, x, ids, wts, ws, eager, "one_expert", bulk=True, bulk_tiles=(gu, moe.BULK_DOWN))
 
 
-def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
-    # DDT_MOE_BULK_TILES="gu=1,8,2,3,4" runs the compact block through the plain call (what bench.step uses);
+def test_compact_gateup_override_and_errors(tiny256, monkeypatch):
+    # BULK_TILES = "gu=1,8,2,3,4" runs the compact block through the plain call (what bench.step --moe-bulk-tiles sets);
     # the compact blocks are decode-only (no moe_route feed)
     import cupy as cp
     names = _kernel_names(monkeypatch)
-    monkeypatch.setenv("DDT_MOE_BULK_TILES", "gu=1,8,2,3,4")
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "gu=1,8,2,3,4")
     assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
     assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)) in names and moe._bulk_name(1, moe.BULK_DOWN) in names
     assert moe._bulk_name(0, moe.BulkTile(1, 8, 2, 3, 4)).endswith(", 0, 4>")
-    monkeypatch.delenv("DDT_MOE_BULK_TILES")
+    monkeypatch.setattr(moe.tables, "BULK_TILES", "")
     names.clear()
     assert _run(tiny256, 8, 8, seed=7500, bulk=True) < TOL
     assert moe._bulk_name(0, moe.BULK_GATEUP_COMPACT) in names   # the table's gate/up at I <= BULK_COMPACT_MAX_I
@@ -518,7 +430,7 @@ def test_compact_gateup_env_override_and_errors(tiny256, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Revision 5: the timeline build (docs/history/2026-11-29-moe.md "Revision 5: a timeline build"): the same kernels
+# The timeline build (docs/MOE.md "Profiling build"): the same kernels
 # with per-warp cycle stamps (-DDDT_MOE_TIMELINE, moe_launch_plan timeline=); bench/moe_timeline.py reads them.
 # ---------------------------------------------------------------------------------------------------------
 def _timeline_call(layer, x, ids, wts, tiles, glob, timeline):
@@ -549,7 +461,7 @@ def test_timeline_build_is_bit_identical_and_its_record_holds(layer_name, T, mod
     x = to_bf16_bits(rng.standard_normal((T, layer.H)))
     ids, wts = _routing(rng, T, layer.E, 8, mode)
     glob = T * 8 > moe.FUSED_MAX_PAIRS
-    gu, dn = moe._env_bulk_tiles(glob, None if glob else layer.I)
+    gu, dn = moe._bulk_tiles_for(glob, None if glob else layer.I)
     if which == "xr8":
         gu = moe.BULK_GATEUP
     bufs = tuple(cp.full(moe.TL_BLOCKS * moe.timeline_words(bt), -1, dtype=cp.int64) for bt in (gu, dn))
