@@ -11,7 +11,7 @@
 // scales, one token's activation slice), completing on a per-stage mbarrier; the ring of NST stages runs on
 // across unit boundaries, so tens of KB per SM stay in flight with no register cost and one L2 pass per line.
 // Consumer warps only wait on the stage's barrier, dequantise from shared memory and issue mma.sync.
-// Measured (docs/MOE.md, revision 4): what bounds it is the consumers' chain per stage, not the bytes in flight,
+// Measured (docs/history/2026-11-29-moe.md "Bulk-copy GEMMs: measured"): what bounds it is the consumers' chain per stage, not the bytes in flight,
 // hence stages of 16 k64 steps (gate/up) or a whole K (down at I <= 256).
 //
 // Block = WM x WK consumer warps + 1 producer warp. A unit is (chunk, m-group) as in moe_gemm: the chunk's
@@ -23,7 +23,7 @@
 // Routing (template parameter G). G = 0 (T*k <= FUSED_MAX_PAIRS): both kernels sort the routing themselves
 // with the deterministic shared-memory sort (sort_pairs_block), so every block of both kernels derives the same
 // slots; block 0 of the gate/up kernel publishes chunks / slot_pair / meta like moe_gemm does (for
-// ws.bad_ids() and debugging). G = 1 (any T; revision 5, docs/MOE.md "Bulk-copy GEMMs at large T"):
+// ws.bad_ids() and debugging). G = 1 (any T; docs/MOE.md "Bulk-copy GEMMs at large T"):
 // moe_route ran first (chunks of <= 8 tokens); both kernels read its global chunk list, slot_pair and meta[0],
 // so they agree on the slots by construction (whatever order its atomic ranks gave).
 //
@@ -50,7 +50,7 @@ __shared__ long long mtl_sort_marks[6];
 #include "moe_common.cuh"
 
 // ---------------------------------------------------------------------------------------------------------
-// Timeline build (revision 5, docs/history/2026-11-29-moe.md "Revision 5: a timeline build"). Only with
+// Timeline build (docs/history/2026-11-29-moe.md "A timeline build"). Only with
 // -DDDT_MOE_TIMELINE (kernels/moe/timeline.py's SPEC_BULK_TIMELINE): the kernel takes one more argument, `tl`, and lane 0 of every
 // warp of the blocks blockIdx.x < DDT_MOE_TL_BLOCKS stores SM cycle stamps (%clock64) at fixed events into it.
 // Without the macro every MB_TL(...) is empty and the parameter list is the production one: the production
@@ -157,7 +157,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
 }
 // Every lane waits (try_wait: the hardware may suspend the thread until the phase completes). Measured against
-// test_wait polling and a lane-0-only wait + __syncwarp: both slower (docs/MOE.md, revision 4).
+// test_wait polling and a lane-0-only wait + __syncwarp: both slower (docs/history/2026-11-29-moe.md "Bulk-copy GEMMs: measured").
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done = 0;
     do {
@@ -180,7 +180,7 @@ __device__ __forceinline__ void consumers_sync(int nthreads) {
 // One stage of the ring: [2*WM tiles][SS steps][512 B] weights, [2*WM][SS][64 B] scales, [XR tokens][X_PITCH]
 // activations (SS*128 B of k per token; the pitch is 64 B past a multiple of 128 so that the two token rows an
 // 8-lane phase of a 16-byte load touches fall in different bank halves). XR = the chunk size (token rows per
-// unit): 8 everywhere but the compact gate/up blocks (revision 5, docs/MOE.md "Compact token rows"),
+// unit): 8 everywhere but the compact gate/up blocks (docs/MOE.md "Compact token rows"),
 // whose 4 or 2 rows leave room for a third stage.
 template <int WM, int SS, int XR = 8>
 struct Stage {
@@ -210,7 +210,7 @@ using namespace mbulk;
 // units ahead of their use so that a unit never waits on a routing round trip (see "Lookahead" below).
 template <int MODE, int WM, int WK, int SPW, int NST, int G, int XR = 8>
 // Timeline build: at least 2 blocks per SM for the gate/up (its production occupancy on the H200; measured in
-// revision 6: with 99 registers the compact gate/up's timeline build fit 1 block per SM, the register file being
+// With 99 registers the compact gate/up's timeline build fit 1 block per SM, the register file being
 // allocated per SM quadrant, so it ran in two waves and the record described another kernel).
 // (sm_90 only: sm_120's 99 KB fit one gate/up block per SM anyway, and a register cap there would spill.)
 #if defined(DDT_MOE_TIMELINE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 1000
@@ -318,8 +318,8 @@ __global__ void __launch_bounds__((WM * WK + 1) * 32, MB_MIN_BLOCKS) moe_gemm_bu
             if constexpr (G == 0) return so.slot_pair[ch.y + j];
             else return __ldcg(slot_pair + ch.y + j);
         };
-        // This lane's copy for a unit, worked out once per unit (revision 6): the per-stage issue is then an add,
-        // a min and the copy. Measured with the timeline build (docs/history/2026-11-29-moe.md "Revision 6"): the producer spent
+        // This lane's copy for a unit, worked out once per unit: the per-stage issue is then an add,
+        // a min and the copy. Measured with the timeline build (docs/history/2026-11-29-moe.md "The timeline run"): the producer spent
         // ~1.1 us per gate/up stage between its empty wait and its last copy, 70% of its life, with three integer
         // divisions by runtime values and the 64-bit index products redone every stage while it shares its
         // scheduler with busy consumer warps; the consumers' full waits were mostly "producer busy elsewhere".
