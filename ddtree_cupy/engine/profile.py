@@ -147,10 +147,11 @@ class count_launches:
         import importlib
         import pkgutil
         from .. import kernels as pkg
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name in ("compile", "launch", "checks"):
+        # every wrapper module, those of subpackages too (kernels/moe/ launches from moe.forward)
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{pkg.__name__}."):
+            if info.name.rsplit(".", 1)[-1] in ("compile", "launch", "checks"):
                 continue
-            mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            mod = importlib.import_module(info.name)
             orig = getattr(mod, "get_kernel", None)
             if orig is None:
                 continue
