@@ -29,6 +29,22 @@ def _shape(kind, T, F):
     return S.LayerShape("drafter", 1, T, H=H, nh=8, dn=128, dv=128, F=F, nkv=1)
 
 
+def _item_tile_config(gemm, T):
+    """The decode config a GEMM item of the executor runs: 16 rows, the full ring."""
+    nt = 1 if T <= 8 else 2
+    return gemm.DecodeConfig(nt, gemm.dec_stages(nt), 1, 1)
+
+
+def _gemm_at(gemm, cfg, x, w, o):
+    """A plain gemm_bf16 launch forced to the decode config ``cfg``."""
+    old, prev = gemm.set_decode_config(cfg), gemm.set_variant("decode")
+    try:
+        gemm.gemm_bf16(x, w, o)
+    finally:
+        gemm.set_decode_config(old)
+        gemm.set_variant(prev)
+
+
 def run_shape(cp, kind, T, read_gbs, timeline=False):
     from ddtree_cupy.kernels import gemm, layers
     from ddtree_cupy.kernels.persistent import TILE_ROWS, PersistentSegment, bind_dense_mlp, default_grid
@@ -68,16 +84,8 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
            "model_us": sc.predicted_us}
     # today's chain op by op, and its two GEMMs forced to the executor's tile (16 rows, the full ring: what a
     # GEMM item runs) as plain launches: separates the tile config's cost from the executor's
-    nt = 1 if T <= 8 else 2
-    item_cfg = gemm.DecodeConfig(nt, gemm.dec_stages(nt), 1, 1)
-
-    def forced(x, w, o):
-        old, prev = gemm.set_decode_config(item_cfg), gemm.set_variant("decode")
-        try:
-            gemm.gemm_bf16(x, w, o)
-        finally:
-            gemm.set_decode_config(old)
-            gemm.set_variant(prev)
+    item_cfg = _item_tile_config(gemm, T)
+    forced = lambda x, w, o: _gemm_at(gemm, item_cfg, x, w, o)       # noqa: E731
     row["today_ops_us"] = {
         "post_norm": time_graph(lambda: layers.rms_norm(attn, nw, eps, out=normed, residual=h)),
         "gate_up": time_graph(lambda: gemm.gemm_bf16(normed, w_gu, gu)),
@@ -115,8 +123,7 @@ def run_gemm_alone(cp, T, read_gbs):
     rng = np.random.default_rng(100 + T)
     bf = lambda *s: cp.asarray(((rng.standard_normal(s) * 0.05).astype(np.float32).view(np.uint32) >> 16)   # noqa: E731
                                .astype(np.uint16))
-    nt = 1 if T <= 8 else 2
-    item_cfg = gemm.DecodeConfig(nt, gemm.dec_stages(nt), 1, 1)
+    item_cfg = _item_tile_config(gemm, T)
     out = []
     for name, N, K in (("gate_up", 2 * F_DENSE, H), ("down", H, F_DENSE)):
         x, w, o = bf(T, K), bf(N, K), cp.zeros((T, N), np.uint16)
@@ -129,14 +136,7 @@ def run_gemm_alone(cp, T, read_gbs):
         seg.check()
         ref = o.copy()
 
-        def plain():
-            old, prev = gemm.set_decode_config(item_cfg), gemm.set_variant("decode")
-            try:
-                gemm.gemm_bf16(x, w, o)
-            finally:
-                gemm.set_decode_config(old)
-                gemm.set_variant(prev)
-        t_plain = time_graph(plain)
+        t_plain = time_graph(lambda: _gemm_at(gemm, item_cfg, x, w, o))
         same = bool(cp.array_equal(ref, o))
         floor = (w.nbytes + x.nbytes + o.nbytes) / (read_gbs * 1e3)
         out.append({"gemm": name, "T": T, "N": N, "K": K, "blocks": grid, "items": len(sc.items),
