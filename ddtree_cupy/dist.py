@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -135,7 +136,9 @@ class MPIComm(Communicator):
         self.comm.Barrier()
 
     def abort(self, message: str, code: int = 1) -> None:
+        from .faults import ABORT_FORWARD_S
         print(message, file=sys.stderr, flush=True)
+        time.sleep(ABORT_FORWARD_S)           # let the launcher forward the line before the job is torn down
         self.comm.Abort(code)
 
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from . import knobs
 
 FAULT_TAG = 0x7A17
+ABORT_FORWARD_S = 0.25        # seconds between printing an abort's cause and MPI Abort (stderr forwarding)
 POLL_S = 0.05
 GRACE_S = 3.0
 MAX_NOTICE = 4096
@@ -99,6 +100,10 @@ class FaultGuard:
         with self._aborting:
             sys.stdout.flush()
             print(message, file=sys.stderr, flush=True)
+            # the launcher forwards each rank's stderr through its own proxy; Abort tears the job down at
+            # once, and under load the line could be lost on the way (seen on a 2-core machine): give the
+            # proxy a moment to pass it on, so the job always names its cause
+            time.sleep(ABORT_FORWARD_S)
             self._world.Abort(int(code) or 1)
 
     def _watch(self) -> None:
