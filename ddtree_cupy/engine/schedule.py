@@ -446,6 +446,17 @@ class Schedule:
                 "block_start": np.array(starts, np.int32), "n_counters": np.int32(len(self.counters))}
 
 
+def _finish(b: "_Builder", bytes_per_us_per_block: float) -> Schedule:
+    """The builder's items as a Schedule: waits derived from the dataflow, the per-block lists dealt by the
+    cost model, the floor over the items' bytes (boundaries not counted)."""
+    groups, size = _derive_waits(b.items)
+    blocks, pred = _assign(b.items, b.n_blocks, bytes_per_us_per_block)
+    total = sum(it.cost for it in b.items if it.kind != "boundary")
+    return Schedule(b.s, b.n_blocks, b.allreduce, b.items, blocks, groups, [size[g] for g in groups], b.inputs,
+                    b.buffers, predicted_us=pred, floor_us=total / (b.n_blocks * bytes_per_us_per_block),
+                    n_segments=max(it.segment for it in b.items) + 1)
+
+
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
                 bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp"),
                 tile_choices: Sequence[int] = GEMM_TILE_CHOICES) -> Schedule:
@@ -496,12 +507,7 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     else:
         b.dense_mlp("normed2", "mlp_part")
     b.boundary("allreduce_mlp", "mlp_part", "mlp_out")
-    groups, size = _derive_waits(b.items)
-    blocks, pred = _assign(b.items, int(n_blocks), bytes_per_us_per_block)
-    total = sum(it.cost for it in b.items if it.kind != "boundary")
-    return Schedule(shape, int(n_blocks), allreduce, b.items, blocks, groups, [size[g] for g in groups], b.inputs,
-                    b.buffers, predicted_us=pred, floor_us=total / (n_blocks * bytes_per_us_per_block),
-                    n_segments=max(it.segment for it in b.items) + 1)
+    return _finish(b, bytes_per_us_per_block)
 
 
 def build_gemm(T: int, N: int, K: int, n_blocks: int, tile_choices: Sequence[int] = GEMM_TILE_CHOICES,
@@ -515,11 +521,7 @@ def build_gemm(T: int, N: int, K: int, n_blocks: int, tile_choices: Sequence[int
     b = _Builder(shape, int(n_blocks), "segment", tuple(tile_choices))
     b.inp("x", T, K)
     b.gemm("gemm", "x", "out", int(N), int(K))
-    groups, size = _derive_waits(b.items)
-    blocks, pred = _assign(b.items, int(n_blocks), bytes_per_us_per_block)
-    total = sum(it.cost for it in b.items)
-    return Schedule(shape, int(n_blocks), "segment", b.items, blocks, groups, [size[g] for g in groups], b.inputs,
-                    b.buffers, predicted_us=pred, floor_us=total / (n_blocks * bytes_per_us_per_block), n_segments=1)
+    return _finish(b, bytes_per_us_per_block)
 
 
 ITEM_OVERHEAD_US = 0.5       # cost model: a wait + signal round trip and the first tile's latency
