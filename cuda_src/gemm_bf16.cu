@@ -229,10 +229,13 @@ __device__ __forceinline__ void gemm_decode_body(
         const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
         const bf16_bits* __restrict__ w, long long w_batch_stride,
         void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K,
-        int tile_x, int tile_z, WaitHook wait_inputs = WaitHook()) {
+        int tile_x, int tile_z, WaitHook wait_inputs = WaitHook(), int kt_first = 0, int kt_count = -1,
+        int out_col0 = -1) {
     // tile_x / tile_z: the block's row tile and batch index (blockIdx.x / .z of the decode kernels; a work
-    // item's tile in the persistent executor, cuda_src/persistent_layer.cu). wait_inputs (common.cuh) runs
+    // item's unit in the persistent executor, cuda_src/persistent_layer.cu). wait_inputs (common.cuh) runs
     // after the weight prologue, before the first read of x: the PDL wait, or the executor's counter wait.
+    // kt_first / kt_count (CS == 1): the K range in 64-column k tiles (default: all of K); out_col0: the
+    // output column of the tile's first row (default: its weight row; the executor's partial slots: 0).
     constexpr int WST = 16 * 8;                 // uint4 per weight stage: 16 rows x 8 chunks of 16 B
     constexpr int XST = NT * 64;                // uint4 per token stage: NT*8 rows x 8 chunks
     constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
@@ -248,8 +251,9 @@ __device__ __forceinline__ void gemm_decode_body(
     uint4* x_s = w_s + STAGES * WST;
     const int n0 = tile_x * 16 * RT, b = tile_z;
     const int crank = CS > 1 ? (int)cluster_rank() : 0;
-    const int k_tiles = K / GEMM_BK;
-    const int kb0 = crank * k_tiles / CS, nb = (crank + 1) * k_tiles / CS - kb0;   // this block's K tiles
+    const int k_tiles = kt_count < 0 ? K / GEMM_BK : kt_count;
+    const int kb0 = (CS > 1 ? 0 : kt_first) + crank * k_tiles / CS;                 // this block's K tiles
+    const int nb = (crank + 1) * k_tiles / CS - crank * k_tiles / CS;
     const int kt0 = kb0 + ks * nb / KS;                 // this warp's slice
     const int nkt = kb0 + (ks + 1) * nb / KS - kt0;
     x += b * x_batch_stride;
@@ -353,7 +357,8 @@ __device__ __forceinline__ void gemm_decode_body(
     auto store = [&](int i, float s) {
         const int r = i % (16 * RT), t = i / (16 * RT);
         if (t < T) {
-            const long long o = b * out_batch_stride + (long long)t * out_row_stride + n0 + r;
+            const int col = (out_col0 < 0 ? n0 : out_col0) + r;
+            const long long o = b * out_batch_stride + (long long)t * out_row_stride + col;
             if (OUT_F32) ((float*)out)[o] = s;
             else ((bf16_bits*)out)[o] = f32_to_bf16(s);
         }

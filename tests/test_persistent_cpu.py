@@ -45,12 +45,15 @@ def test_supported_segments():
     assert not P.supported_segment(moe, 0)            # MoE items are not built yet
 
 
-def test_gemm_tiles_fit_the_body():
-    # every GEMM tile the builder emits is one the kernel's gemm_rows serves (16 / 32 / 64 rows)
+def test_gemm_parts_fit_the_record():
+    # every GEMM item is a stream-K part of one 16-row unit, its args fit the record, K ranges in k tiles
     for nb in (1, 7, 132, 188, 200):
         sc = S.build_layer(_dense(8), nb)
-        rows = {it.args[1] for it in sc.items if it.kind == "gemm_tile"}
-        assert rows <= {16, 32, 64}
+        parts = [it for it in sc.items if it.kind == "gemm_part"]
+        assert parts and not any(it.kind == "gemm_tile" for it in sc.items)
+        assert all(len(it.args) == S.MAX_ARGS and it.args[0] % S.UNIT_ROWS == 0 for it in parts)
+        enc = sc.encode(2)
+        assert enc["items"].shape[1] == S.REC_INTS
 
 
 def test_source_digest_covers_included_cu(tmp_path, monkeypatch):
@@ -86,7 +89,7 @@ def test_encoded_segment_on_numpy_equals_the_dense_mlp(kind, T, n_blocks, allred
     d, hp, ref = _mlp_problem(rng, T, H, F)
     nan = lambda *s: np.full(s, np.nan)                  # noqa: E731
     h = d["h"].copy()
-    bufs = dict(normed=nan(T, H), gate_up=nan(T, 2 * F), act=nan(T, F), out=nan(T, H), final=nan(T, H))
+    bufs = dict(normed=nan(T, H), act=nan(T, F), out=nan(T, H), final=nan(T, H))
     ops = P.bind_dense_mlp(sc, attn=d["attn"], h=h, post_norm_w=d["nw"], eps=1e-6, w_gate_up=d["w_gu"],
                            w_down=d["w_dn"], **bufs)
     for seed in range(3):
@@ -109,8 +112,7 @@ def test_emulation_catches_a_dropped_wait():
         if it.op == "down":
             it.waits = ()
     d, _, _ = _mlp_problem(np.random.default_rng(0), T, H, F)
-    bufs = {k: np.full(s, np.nan) for k, s in dict(normed=(T, H), gate_up=(T, 2 * F), act=(T, F), out=(T, H),
-                                                      final=(T, H)).items()}
+    bufs = {k: np.full(s, np.nan) for k, s in dict(normed=(T, H), act=(T, F), out=(T, H), final=(T, H)).items()}
     ops = P.bind_dense_mlp(sc, attn=d["attn"], h=d["h"].copy(), post_norm_w=d["nw"], eps=1e-6,
                            w_gate_up=d["w_gu"], w_down=d["w_dn"], **bufs)
     bad = False
@@ -120,3 +122,46 @@ def test_emulation_catches_a_dropped_wait():
         P.emulate_segment(sc, 0, ops, seed=seed)
         bad |= not np.all(np.isfinite(bufs["final"]))
     assert bad, "a down tile that runs before its input exists must show up as NaN"
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3, 132, 200])
+def test_device_rows_hold_every_block_list_in_order(n_blocks):
+    # the kernel reads block b's header at row b * stride and its records after it; the map back names the
+    # encoded row (errors and the trace report encoded rows)
+    sc = S.build_layer(_dense(8), n_blocks, parts=("mlp",))
+    enc = sc.encode(0)
+    rows, stride, dev_to_enc = P.device_rows(enc)
+    bs = enc["block_start"]
+    assert rows.shape == (n_blocks * stride + 1, S.REC_INTS) and rows.dtype == np.int32
+    assert stride == int(np.diff(bs).max()) + 1
+    seen = []
+    for b in range(n_blocks):
+        c = int(rows[b * stride, 0])
+        assert c == bs[b + 1] - bs[b] and not rows[b * stride, 1:].any()
+        np.testing.assert_array_equal(rows[b * stride + 1:b * stride + 1 + c], enc["items"][bs[b]:bs[b + 1]])
+        seen += list(dev_to_enc[b * stride + 1:b * stride + 1 + c])
+    assert seen == list(range(len(enc["items"])))
+    assert (dev_to_enc >= 0).sum() == len(enc["items"])
+    assert not rows[-1].any()                          # the padding row after the last block
+
+
+def test_shared_memory_layout_fits_sm120():
+    # rings at the dynamic base, the executor's words, the largest op table: within sm_120's 99 KB per block
+    assert P.smem_bytes(P.MAX_OPS) <= 99 * 1024 < P.smem_bytes(P.MAX_OPS + 1)
+    assert P.SMEM_BYTES == P.smem_bytes(P.MAX_OPS) and P.smem_bytes(5) % 16 == 0
+    src = (kc.CUDA_SRC_DIR / "persistent_layer.cu").read_text()
+    assert f"sizeof(PersistMeta) == {P.META_BYTES}" in src
+    assert f"PERSIST_RING_BYTES ({P.RING_BYTES // 1024} * 1024)" in src
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_executor_has_no_static_shared_memory(arch):
+    # static shared memory would push the dynamic GEMM rings off a 128-byte boundary, and cp.async into a
+    # misaligned ring moves every 16-byte chunk as two sectors (measured: the executor ran 2x slower)
+    from ddtree_cupy import build
+    rep = build.compile_spec(P.SPEC, arch)
+    assert rep.ok, rep.error
+    (k,) = rep.kernels
+    assert k.smem_static == 0, f"persistent_layer declares {k.smem_static} B of static shared memory"
+    assert k.spill_stores == 0 and k.spill_loads == 0 and 0 < k.registers <= 128

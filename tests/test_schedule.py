@@ -29,7 +29,8 @@ def small_shape(kind, S_, R, nb_heads=2, kv_splits=0):
 
 def check_static(sc: S.Schedule):
     """Properties that need no interleaving: acyclic waits, per-block order a subsequence of the global
-    topological order, every item on exactly one block, counter targets = signalling items."""
+    topological order, every item on exactly one block, counter targets = signalling items (+ 1 for a
+    stream-K group, whose last part signals again after its fixup), stream-K parts on their pinned block."""
     seen = sorted(i for b in sc.blocks for i in b)
     assert seen == list(range(len(sc.items))), "every item is on exactly one block"
     for b in sc.blocks:
@@ -38,7 +39,13 @@ def check_static(sc: S.Schedule):
     for it in sc.items:
         members.setdefault(it.signal, []).append(it.id)
     for c, ids in members.items():
-        assert len(ids) == sc.counter_targets[c]
+        fix = any(sc.items[i].last_writes for i in ids)
+        assert all(bool(sc.items[i].last_writes) == fix for i in ids)
+        assert len(ids) + fix == sc.counter_targets[c]
+    where = {i: b for b, lst in enumerate(sc.blocks) for i in lst}
+    for it in sc.items:
+        if it.block is not None:
+            assert where[it.id] == it.block
     for it in sc.items:
         for c, t in it.waits:
             assert t == sc.counter_targets[c]
@@ -109,7 +116,7 @@ def test_double_write_and_missing_write_detected():
     with pytest.raises(S.ScheduleError, match="second time"):
         S.simulate(sc, seed=0)
     sc = S.build_layer(small_shape("dense", 1, 2), 4)
-    it = next(i for i in sc.items if i.op == "silu")
+    it = next(i for i in sc.items if i.op == "input_norm")
     w = it.writes[0]
     it.writes = (dataclasses.replace(w, c1=w.c1 - 1),)
     with pytest.raises(S.ScheduleError):
@@ -141,15 +148,16 @@ def test_encode_matches_the_schedule():
     for seg in range(sc.n_segments):
         enc = sc.encode(seg)
         items, waits, bs = enc["items"], enc["waits"], enc["block_start"]
-        assert items.dtype == np.int32 and items.shape[1] == 8 and bs.shape == (17,)
+        assert items.dtype == np.int32 and items.shape[1] == S.REC_INTS == 16 and bs.shape == (17,)
         assert bs[0] == 0 and bs[-1] == len(items) and np.all(np.diff(bs) >= 0)
         seg_items = [sc.items[i] for b in sc.segment_blocks(seg) for i in b]
         assert len(seg_items) == len(items)
         for row, it in zip(items, seg_items):
-            assert row[0] == S.KIND[it.kind] and row[7] == it.signal and sc.ops[row[1]] == it.op
-            assert list(row[2:2 + len(it.args)]) == list(it.args)
+            assert row[0] == S.KIND[it.kind] and row[11] == it.signal and sc.ops[row[1]] == it.op
+            assert list(row[2:2 + len(it.args)]) == list(it.args) and not row[2 + len(it.args):9].any()
+            assert not row[12:].any()
             own = [(c, t) for c, t in it.waits if seg_of[c] == seg]
-            assert [tuple(w) for w in waits[row[5]:row[5] + row[6]]] == own
+            assert [tuple(w) for w in waits[row[9]:row[9] + row[10]]] == own
         seen += len(items)
     assert seen == len(sc.items)
 
@@ -168,9 +176,13 @@ def test_bad_shapes_are_refused():
 def test_grid_size_changes_tiles_not_results():
     # more blocks never lose a tile: the produced buffers are the same set at every grid size (fixed KV
     # splits: the automatic count follows the grid and with it the split workspace)
-    ref = S.build_layer(small_shape("moe", 1, 3, kv_splits=2), 1).buffers
+    # and the stream-K partial workspaces, whose slot count is the parts')
+    def bufs(nb):
+        return {k: v for k, v in S.build_layer(small_shape("moe", 1, 3, kv_splits=2), nb).buffers.items()
+                if not k.endswith(":ws")}
+    ref = bufs(1)
     for nb in (2, 7, 64, 200):
-        assert S.build_layer(small_shape("moe", 1, 3, kv_splits=2), nb).buffers == ref
+        assert bufs(nb) == ref
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "drafter"])
@@ -186,31 +198,105 @@ def test_mlp_half(kind, allreduce):
         S.build_layer(small_shape(kind, 1, 8), 4, parts=("attention",))
 
 
-@pytest.mark.parametrize("n_blocks", [1, 7, 132, 264, 376])
-def test_tile_choices_restrict_gemm_tiles(n_blocks):
-    # the two-blocks-per-SM executor build serves 16-row GEMM tiles only (kernels/persistent.TILE_ROWS)
+def _parts(sc, op):
+    return [it for it in sc.items if it.op == op and it.kind == "gemm_part"]
+
+
+def check_stream_k(sc, op, N, K, swiglu=False):
+    """The parts of GEMM ``op`` cover every (16-row unit, k tile) exactly once, each block holds one
+    contiguous run of the unit sequence, a group's slots are contiguous with the gate parts first, and the
+    group's fixup writes its 16 output columns."""
+    KT = -(-K // 64)
+    parts = _parts(sc, op)
+    cover = np.zeros((N // 16, KT), np.int32)
+    for it in parts:
+        n0, kt0, nkt, slot, slot0, n_gate, n = it.args
+        assert n0 % 16 == 0 and nkt >= 1 and slot0 <= slot < slot0 + n
+        cover[n0 // 16, kt0:kt0 + nkt] += 1
+        assert it.reads == (S.Region(it.reads[0].buf, 0, sc.shape.T, kt0 * 64, min(K, (kt0 + nkt) * 64)),)
+        (lw,) = it.last_writes
+        col0 = n0 % (N // 2) if swiglu else n0
+        assert (lw.c0, lw.c1) == (col0, col0 + 16)
+    assert (cover == 1).all(), "every unit x k tile in exactly one part"
+    groups = {}
+    for it in parts:
+        groups.setdefault(it.group, []).append(it)
+    for g, its in groups.items():
+        slots = sorted(it.args[3] for it in its)
+        assert slots == list(range(its[0].args[4], its[0].args[4] + its[0].args[6]))
+        assert all(it.args[4:] == its[0].args[4:] for it in its)
+        if swiglu:
+            gate = [it for it in its if it.args[0] < N // 2]
+            assert sorted(it.args[3] for it in gate) == slots[:its[0].args[5]]
+    return parts
+
+
+@pytest.mark.parametrize("n_blocks", [1, 7, 132, 188, 264])
+def test_stream_k_parts_cover_and_balance(n_blocks):
     cfg, dcfg = _kimi()
     for shape in (S.target_shape(cfg, 8, 0, 1, 8), S.drafter_shape(dcfg, 8, 1, 16)):
-        sc = S.build_layer(shape, n_blocks, parts=("mlp",), tile_choices=(16,))
-        assert {it.args[1] for it in sc.items if it.kind == "gemm_tile"} == {16}
+        sc = S.build_layer(shape, n_blocks, parts=("mlp",))
         check_static(sc)
         S.simulate(sc, seed=n_blocks)
+        H, F = shape.H, shape.F
+        check_stream_k(sc, "gate_up", 2 * F, H, swiglu=True)
+        down = check_stream_k(sc, "down", H, F)
+        # the down GEMM starts on an even grid: every block's share within one k tile of the mean
+        kt = np.zeros(n_blocks)
+        for it in down:
+            kt[it.block] += it.args[2]
+        total = (H // 16) * (F // 64)
+        used = kt[kt > 0]
+        assert len(used) == min(n_blocks, total // S.MIN_PART_KT)
+        assert used.max() - used.min() <= 1
 
 
-def test_tile_choices_validated():
-    for bad in ((), (8,), (16, 48)):
-        with pytest.raises(ValueError, match="tile_choices"):
-            S.build_layer(small_shape("dense", 1, 2), 4, tile_choices=bad)
-    with pytest.raises(ValueError, match="not a multiple of any tile height"):
-        S.build_layer(S.LayerShape("dense", 1, 2, H=128, nh=2, ql=64, dn=64, dv=32, F=40), 4, tile_choices=(32,))
+def test_stream_k_blocks_still_busy_get_less(monkeypatch):
+    # blocks the cost model has busy until 10 us (of a ~40 us GEMM) get ranges shorter by 10 us of
+    # streaming, so every block is predicted to finish at the same time; the ranges tile the stream
+    free = [0.0] * 6 + [10.0] * 4
+    monkeypatch.setattr(S, "_model_free", lambda items, n, rate, seg, x: (free, 0.0))
+    b = S._Builder(S.LayerShape("dense", 1, 8, H=1024, nh=1, ql=1, F=64), 10, "segment", 1000.0)
+    ranges = b._stream_ranges(4000, 100.0, "x")
+    assert ranges[0][0] == 0 and ranges[-1][1] == 4000
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(9))
+    n = [hi - lo for lo, hi in ranges]
+    finish = [free[i] + n[i] * 100.0 / 1000.0 for i in range(10)]
+    assert max(finish) - min(finish) <= 0.1 + 1e-9           # within one unit's time
+    assert min(n[:6]) > max(n[6:])
+
+
+def test_small_gemms_use_fewer_blocks_with_longer_parts():
+    sc = S.build_gemm(1, 64, 128, 200)              # 4 units x 2 k tiles: no 200-way split
+    parts = _parts(sc, "gemm")
+    assert len({it.block for it in parts}) == 1 and sum(it.args[2] for it in parts) == 8
+    check_static(sc)
+    S.simulate(sc)
+    with pytest.raises(ValueError, match="16-row unit"):
+        S.build_gemm(1, 40, 128, 4)
+
+
+def test_fixup_reads_every_slot_of_its_group():
+    # a part that claims a slot outside its group: the model catches the fixup reading an unwritten slot
+    sc = S.build_gemm(8, 4608, 7168, 264)
+    parts = _parts(sc, "gemm")
+    it = next(p for p in parts if p.args[6] == 2)
+    r = it.last_reads[0]
+    it.last_reads = (dataclasses.replace(r, r1=r.r1 + 8),)
+    with pytest.raises(S.ScheduleError, match="fixup reads"):
+        for seed in range(40):
+            S.simulate(sc, seed=seed)
 
 
 @pytest.mark.parametrize("n_blocks", [1, 5, 264])
 def test_build_gemm_alone(n_blocks):
-    sc = S.build_gemm(8, 4608, 7168, n_blocks, tile_choices=(16,))
-    assert sc.ops == ["gemm"] and len(sc.items) == 4608 // 16
+    sc = S.build_gemm(8, 4608, 7168, n_blocks)
+    assert sc.ops == ["gemm"]
     assert all(not it.waits for it in sc.items)                 # inputs exist before the launch
     check_static(sc)
+    check_stream_k(sc, "gemm", 4608, 7168)
     S.simulate(sc, seed=n_blocks)
+    # one contiguous range per block: at most one part per unit it touches
+    assert max(len(b) for b in sc.blocks) <= -(-4608 // 16 * 112 // n_blocks // 112) + 2
     with pytest.raises(ValueError, match="K % 64"):
         S.build_gemm(8, 64, 100, 4)

@@ -36,7 +36,6 @@ import numpy as np
 # Item kinds (the device executor's switch uses the same numbers: cuda_src/persistent_layer.cu).
 KIND = {
     "norm_row": 1,        # RMSNorm of one row (optionally with the residual add)
-    "gemm_tile": 2,       # rows [n0, n0 + tile) of a bf16 weight times all T rows, full K
     "boundary": 3,        # all-reduce boundary (TP = 1: copy)
     "row_post": 4,        # per-row epilogue (qkv_a post: q_a / kv_a norms + rope + cache write)
     "head_gemm": 5,       # one head's small product (W_UK + rope, W_UV)
@@ -47,13 +46,16 @@ KIND = {
     "moe_up": 10,         # one expert slot's gate|up tile + SwiGLU
     "moe_down": 11,       # one expert slot's down tile (column tile v)
     "moe_combine": 12,    # weighted sum over slots + shared expert for column tile v
-    "silu_chunk": 13,     # dense SwiGLU of a column chunk
     "qk_norm_rope_row": 14,  # drafter: q / k norms + rope of one row
+    "gemm_part": 15,      # a K range of one 16-row GEMM unit (stream-K): fp32 partial; the group's last part
+                          # sums the group's partials in slot order (+ SwiGLU for a gate|up pair)
 }
+REC_INTS = 16              # device record: kind, op, 7 args, wait_begin, n_waits, signal, 4 zero
+MAX_ARGS = 7
+UNIT_ROWS = 16             # a stream-K GEMM unit: 16 weight rows (the decode GEMM body's row tile)
 KIND_NAME = {v: k for k, v in KIND.items()}
 
-# Default tile sizes (output rows of a weight per GEMM item: the decode GEMM body's 16 RT rows).
-GEMM_TILE_CHOICES = (64, 32, 16)
+MIN_PART_KT = 8            # a stream-K range holds at least this many k tiles (small GEMMs use fewer blocks)
 L2 = 0.25                  # cost model: activation bytes (just written, L2-resident) at a quarter of a weight byte
 MOE_UP_TILE = 64           # rows of the expert's 2I gate|up weight per item (gate and up halves together)
 MOE_DOWN_TILE = 512        # output columns (H) per expert down item
@@ -86,6 +88,12 @@ class Item:
     segment: int = 0              # launch index within the layer (allreduce="segment" splits launches)
     waits: Tuple[Tuple[int, int], ...] = ()   # (counter id, target)
     signal: int = -1
+    block: Optional[int] = None   # pinned block (stream-K parts), else dealt by list scheduling
+    # Written (read) by whichever item of the group arrives last, after every other item of the group has
+    # finished (the stream-K fixup). Such a group's counter target is its item count + 1: the last item
+    # signals a second time once it has written these.
+    last_reads: Tuple[Region, ...] = ()
+    last_writes: Tuple[Region, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,10 +169,8 @@ def drafter_shape(dcfg, tp: int, S: int, R: int, kv_splits: int = 0, kv_len: int
 # ---- building ---------------------------------------------------------------------------------------------
 
 class _Builder:
-    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str,
-                 tile_choices: Sequence[int] = GEMM_TILE_CHOICES):
-        self.s, self.n_blocks, self.allreduce = shape, n_blocks, allreduce
-        self.tile_choices = tuple(tile_choices)
+    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str, rate: float):
+        self.s, self.n_blocks, self.allreduce, self.rate = shape, n_blocks, allreduce, rate
         self.items: List[Item] = []
         self.buffers: Dict[str, Tuple[int, int]] = {}     # produced buffers: name -> (rows, cols)
         self.inputs: Dict[str, Tuple[int, int]] = {}      # buffers that exist before the layer
@@ -182,26 +188,92 @@ class _Builder:
         r, c = self.buffers.get(name) or self.inputs[name]
         return Region(name, 0, r, 0, c)
 
-    def add(self, kind: str, op: str, args, reads, writes, cost: float, group: Optional[str] = None) -> None:
+    def add(self, kind: str, op: str, args, reads, writes, cost: float, group: Optional[str] = None, **kw) -> None:
         self.items.append(Item(len(self.items), kind, op, tuple(int(a) for a in args), tuple(reads), tuple(writes),
-                               group or op, float(cost), self.segment))
-
-    def tile_rows(self, N: int) -> int:
-        """Rows per GEMM tile: the choice whose waves over the grid stream the fewest rows per block
-        (ceil(tiles / blocks) x rows), the larger tile on a tie (fewer items, longer streams)."""
-        ok = [t for t in self.tile_choices if N % t == 0]
-        if not ok:
-            raise ValueError(f"GEMM output width {N} is not a multiple of any tile height {self.tile_choices}")
-        return min(ok, key=lambda t: (-(-(N // t) // self.n_blocks) * t, -t))
+                               group or op, float(cost), self.segment, **kw))
 
     def gemm(self, op: str, x: str, out: str, N: int, K: int, weight_bytes: float = 2.0,
-             group_by_tile: bool = False) -> None:
+             swiglu: bool = False) -> None:
+        """out = x @ w^T as stream-K parts: the GEMM's 16-row units times its k tiles (64 columns of K) form
+        one sequence, cut into one contiguous range per block, sized so that every block finishes at the
+        same predicted time (blocks still busy with earlier items get less; a small GEMM uses fewer blocks,
+        at least MIN_PART_KT k tiles each). A range becomes one item per unit it touches (a part: arg K range,
+        fp32 partial in its workspace slot). The parts of one group (a unit; with ``swiglu`` the pair of the
+        gate unit j and the up unit F/16 + j, so out = act [T, F]) are summed in slot order by whichever of
+        them finishes last, which writes the group's 16 output columns (SwiGLU of the two sums: today's
+        silu_mul on the bf16 gate and up)."""
         T = self.s.T
-        self.buf(out, T, N)
-        tr = self.tile_rows(N)
-        for n0 in range(0, N, tr):
-            self.add("gemm_tile", op, (n0, tr), [self.full(x)], [Region(out, 0, T, n0, n0 + tr)],
-                     tr * K * weight_bytes + L2 * T * K * 2, group=f"{op}:{n0}" if group_by_tile else None)
+        if N % UNIT_ROWS:
+            raise ValueError(f"GEMM {op}: output width {N} is not a multiple of the {UNIT_ROWS}-row unit")
+        if swiglu and N % (2 * UNIT_ROWS):
+            raise ValueError(f"GEMM {op}: gate|up width {N} must be a multiple of {2 * UNIT_ROWS}")
+        KT = -(-K // 64)
+        n_units = N // UNIT_ROWS
+        width = N // 2 if swiglu else N
+        self.buf(out, T, width)
+        if swiglu:       # gate unit j then up unit j: a pair's parts are adjacent in the sequence
+            F16 = n_units // 2
+            units = [(u, (u % 2) * F16 + u // 2) for u in range(n_units)]     # (sequence index, weight unit)
+        else:
+            units = [(u, u) for u in range(n_units)]
+        kt_cost = UNIT_ROWS * 64 * weight_bytes + L2 * T * 64 * 2
+        ranges = self._stream_ranges(n_units * KT, kt_cost, x)
+        pieces = []                                   # (sequence unit, block, kt0, nkt)
+        for b, (lo, hi) in enumerate(ranges):
+            u = lo // KT
+            while lo < hi:
+                end = min(hi, (u + 1) * KT)
+                pieces.append((u, b, lo - u * KT, end - lo))
+                lo, u = end, u + 1
+        pieces.sort()                                 # sequence order: a group's parts get contiguous slots
+        ws = f"{op}:ws"
+        self.buf(ws, len(pieces) * T, UNIT_ROWS)
+        per_group: Dict[int, List[int]] = {}
+        for idx, (u, *_r) in enumerate(pieces):
+            per_group.setdefault(u // 2 if swiglu else u, []).append(idx)
+        for g, idxs in sorted(per_group.items()):
+            slot0, n = idxs[0], len(idxs)
+            n_gate = sum(1 for i in idxs if pieces[i][0] % 2 == 0) if swiglu else 0
+            col0 = g * UNIT_ROWS
+            for i in idxs:
+                u, b, kt0, nkt = pieces[i]
+                wu = units[u][1]
+                c0, c1 = kt0 * 64, min(K, (kt0 + nkt) * 64)
+                self.add("gemm_part", op, (wu * UNIT_ROWS, kt0, nkt, i, slot0, n_gate, n),
+                         [Region(x, 0, T, c0, c1)], [Region(ws, i * T, (i + 1) * T, 0, UNIT_ROWS)],
+                         nkt * kt_cost, group=f"{op}:{g}", block=b,
+                         last_reads=(Region(ws, slot0 * T, (slot0 + n) * T, 0, UNIT_ROWS),),
+                         last_writes=(Region(out, 0, T, col0, col0 + UNIT_ROWS),))
+
+    def _stream_ranges(self, total: int, unit_cost: float, x: str) -> List[Tuple[int, int]]:
+        """Per block, its contiguous range [lo, hi) of a stream of ``total`` equal units (each costing
+        ``unit_cost`` bytes) that starts once buffer ``x`` exists: shares proportional to the time each
+        block has left before a common finish (the cost model's free times of the items so far)."""
+        free, ready = _model_free(self.items, self.n_blocks, self.rate, self.segment, x)
+        start = [max(f, ready) for f in free]
+        n_use = max(1, min(self.n_blocks, total // MIN_PART_KT))
+        use = sorted(range(self.n_blocks), key=lambda b: (start[b], b))[:n_use]
+        work = total * unit_cost / self.rate          # us of streaming over all blocks
+        # common finish E: sum over used blocks of (E - start_b)+ = work
+        st = sorted(start[b] for b in use)
+        E, acc = st[0], 0.0
+        for i, t in enumerate(st):
+            nxt = st[i + 1] if i + 1 < len(st) else math.inf
+            # with the first i + 1 blocks active, E rises at 1 / (i + 1) per us of work
+            if acc + (i + 1) * (nxt - t) >= work:
+                E = t + (work - acc) / (i + 1)
+                break
+            acc += (i + 1) * (nxt - t)
+        share = {b: max(0.0, E - start[b]) for b in use}
+        tot = sum(share.values()) or 1.0
+        out = [(0, 0)] * self.n_blocks
+        lo, cum = 0, 0.0
+        for b in sorted(use):
+            cum += share[b]
+            hi = total if b == max(use) else min(total, int(round(cum / tot * total)))
+            out[b] = (lo, max(lo, hi))
+            lo = max(lo, hi)
+        return out
 
     def norm_rows(self, op: str, x: str, out: str, res_in: Optional[str], res_out: Optional[str]) -> None:
         T, H = self.s.T, self.s.H
@@ -281,20 +353,9 @@ class _Builder:
 
     def dense_mlp(self, x: str, out: str) -> None:
         s = self.s
-        T, H, F = s.T, s.H, s.F
-        self.gemm("gate_up", x, "gate_up", 2 * F, H, group_by_tile=True)
-        self.buf("act", T, F)
-        chunk = self._chunk(F)
-        for f0 in range(0, F, chunk):
-            f1 = min(F, f0 + chunk)
-            self.add("silu_chunk", "silu", (f0, f1 - f0),
-                     [Region("gate_up", 0, T, f0, f1), Region("gate_up", 0, T, F + f0, F + f1)],
-                     [Region("act", 0, T, f0, f1)], T * (f1 - f0) * 6)
-        self.gemm("down", "act", out, H, F)
-
-    def _chunk(self, width: int) -> int:
-        # SwiGLU chunk: at least 64 columns, about one chunk per block
-        return max(64, -(-width // max(1, self.n_blocks)) // 64 * 64 or 64)
+        # gate|up with SwiGLU in the parts' fixup: act = silu(gate) * up, no separate SwiGLU items
+        self.gemm("gate_up", x, "act", 2 * s.F, s.H, swiglu=True)
+        self.gemm("down", "act", out, s.H, s.F)
 
     def moe_mlp(self, x: str, out: str) -> None:
         s = self.s
@@ -360,20 +421,23 @@ class _Builder:
 
 
 def _derive_waits(items: List[Item]) -> Tuple[List[str], Dict[str, int]]:
-    """Give each item its signal counter and its waits (counter groups of every producer of what it reads)."""
+    """Give each item its signal counter and its waits (counter groups of every producer of what it reads).
+    Returns the groups and each group's counter target: its item count, + 1 for a group whose last item
+    writes ``last_writes`` (the stream-K fixup signals a second time)."""
     groups: List[str] = []
     gid: Dict[str, int] = {}
-    size: Dict[str, int] = {}
+    target: Dict[str, int] = {}
     for it in items:
         if it.group not in gid:
             gid[it.group] = len(groups)
             groups.append(it.group)
-        size[it.group] = size.get(it.group, 0) + 1
+            target[it.group] = 1 if it.last_writes else 0
+        target[it.group] += 1
         it.signal = gid[it.group]
     # index the writers per buffer as arrays for a vectorised overlap test
     by_buf: Dict[str, List[Tuple[Region, Item]]] = {}
     for it in items:
-        for w in it.writes:
+        for w in it.writes + it.last_writes:
             by_buf.setdefault(w.buf, []).append((w, it))
     arr = {b: (np.array([[w.r0, w.r1, w.c0, w.c1] for w, _ in lst], np.int64), [i for _, i in lst])
            for b, lst in by_buf.items()}
@@ -388,9 +452,9 @@ def _derive_waits(items: List[Item]) -> Tuple[List[str], Dict[str, int]]:
                 p = prod[h]
                 if p.id >= it.id:
                     raise AssertionError(f"item {it.id} ({it.op}) reads {r.buf} written by later item {p.id}")
-                need[p.signal] = size[p.group]
+                need[p.signal] = target[p.group]
         it.waits = tuple(sorted(need.items()))
-    return groups, size
+    return groups, target
 
 
 @dataclass
@@ -423,10 +487,10 @@ class Schedule:
         return [[i for i in b if self.items[i].segment == seg] for b in self.blocks]
 
     def encode(self, seg: int = 0) -> Dict[str, np.ndarray]:
-        """The device form of segment ``seg``: int32 ``items`` [n, 8] = (kind, op, arg0, arg1, arg2, wait_begin,
-        n_waits, signal) with op an index into ``ops``, ``waits`` [m, 2] = (counter, target), ``block_start``
-        [n_blocks + 1] (block b runs items block_start[b] .. block_start[b + 1] - 1 in order), plus
-        ``n_counters``."""
+        """The device form of segment ``seg``: int32 ``items`` [n, REC_INTS] = (kind, op, 7 args, wait_begin,
+        n_waits, signal, 0 x 4) with op an index into ``ops``, ``waits`` [m, 2] = (counter, target),
+        ``block_start`` [n_blocks + 1] (block b runs items block_start[b] .. block_start[b + 1] - 1 in
+        order), plus ``n_counters``."""
         # waits on counters of earlier segments are met by the launch boundary (and the counters are reset
         # at the end of every launch): only the segment's own counters are waited on.
         seg_of = {it.signal: it.segment for it in self.items}
@@ -436,30 +500,32 @@ class Schedule:
             for i in b:
                 it = self.items[i]
                 own = [(c, t) for c, t in it.waits if seg_of[c] == seg]
-                if len(it.args) > 3:
-                    raise AssertionError(f"item {it.id} ({it.op}) has {len(it.args)} args; the record holds 3")
-                a = list(it.args) + [0] * (3 - len(it.args))
-                rows.append([KIND[it.kind], op_index[it.op]] + a + [len(waits), len(own), it.signal])
+                if len(it.args) > MAX_ARGS:
+                    raise AssertionError(f"item {it.id} ({it.op}) has {len(it.args)} args; the record holds "
+                                         f"{MAX_ARGS}")
+                a = list(it.args) + [0] * (MAX_ARGS - len(it.args))
+                rows.append([KIND[it.kind], op_index[it.op]] + a + [len(waits), len(own), it.signal, 0, 0, 0, 0])
                 waits.extend([c, t] for c, t in own)
             starts.append(len(rows))
-        return {"items": np.array(rows, np.int32).reshape(-1, 8), "waits": np.array(waits, np.int32).reshape(-1, 2),
+        return {"items": np.array(rows, np.int32).reshape(-1, REC_INTS),
+                "waits": np.array(waits, np.int32).reshape(-1, 2),
                 "block_start": np.array(starts, np.int32), "n_counters": np.int32(len(self.counters))}
 
 
-def _finish(b: "_Builder", bytes_per_us_per_block: float) -> Schedule:
+def _finish(b: "_Builder") -> Schedule:
     """The builder's items as a Schedule: waits derived from the dataflow, the per-block lists dealt by the
-    cost model, the floor over the items' bytes (boundaries not counted)."""
-    groups, size = _derive_waits(b.items)
-    blocks, pred = _assign(b.items, b.n_blocks, bytes_per_us_per_block)
+    cost model (stream-K parts stay on their blocks), the floor over the items' bytes (boundaries not
+    counted)."""
+    groups, target = _derive_waits(b.items)
+    blocks, free, _ = _assign(b.items, b.n_blocks, b.rate)
     total = sum(it.cost for it in b.items if it.kind != "boundary")
-    return Schedule(b.s, b.n_blocks, b.allreduce, b.items, blocks, groups, [size[g] for g in groups], b.inputs,
-                    b.buffers, predicted_us=pred, floor_us=total / (b.n_blocks * bytes_per_us_per_block),
+    return Schedule(b.s, b.n_blocks, b.allreduce, b.items, blocks, groups, [target[g] for g in groups], b.inputs,
+                    b.buffers, predicted_us=max(free), floor_us=total / (b.n_blocks * b.rate),
                     n_segments=max(it.segment for it in b.items) + 1)
 
 
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
-                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp"),
-                tile_choices: Sequence[int] = GEMM_TILE_CHOICES) -> Schedule:
+                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp")) -> Schedule:
     """The static schedule of one layer for a persistent grid of ``n_blocks`` co-resident blocks.
 
     ``parts``: ("attention", "mlp") the whole layer; ("mlp",) its second half only (post-attention norm,
@@ -467,8 +533,8 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     dense layer, ``h1`` otherwise).
 
     ``bytes_per_us_per_block``: the cost model's streaming rate of one block (default: an H200's ~4 TB/s
-    read ceiling over its 132 SMs); only the assignment and the predicted times depend on it.
-    ``tile_choices``: the GEMM tile heights the executor build serves (a subset of GEMM_TILE_CHOICES)."""
+    read ceiling over its 132 SMs); the assignment, the stream-K ranges and the predicted times depend on
+    it."""
     shape.validate()
     if not isinstance(n_blocks, (int, np.integer)) or n_blocks < 1:
         raise ValueError(f"build_layer: n_blocks must be a positive integer, got {n_blocks!r}")
@@ -477,11 +543,7 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     parts = tuple(parts)
     if parts not in (("attention", "mlp"), ("mlp",)):
         raise ValueError(f"build_layer: parts must be ('attention', 'mlp') or ('mlp',), got {parts!r}")
-    tile_choices = tuple(tile_choices)
-    if not tile_choices or not set(tile_choices) <= set(GEMM_TILE_CHOICES):
-        raise ValueError(f"build_layer: tile_choices must be a non-empty subset of {GEMM_TILE_CHOICES}, "
-                         f"got {tile_choices!r}")
-    b = _Builder(shape, int(n_blocks), allreduce, tile_choices)
+    b = _Builder(shape, int(n_blocks), allreduce, float(bytes_per_us_per_block))
     T, H = shape.T, shape.H
     b.inp("h", T, H)
     res = "h" if shape.kind == "dense" else "h1"
@@ -507,30 +569,31 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     else:
         b.dense_mlp("normed2", "mlp_part")
     b.boundary("allreduce_mlp", "mlp_part", "mlp_out")
-    return _finish(b, bytes_per_us_per_block)
+    return _finish(b)
 
 
-def build_gemm(T: int, N: int, K: int, n_blocks: int, tile_choices: Sequence[int] = GEMM_TILE_CHOICES,
-               bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
+def build_gemm(T: int, N: int, K: int, n_blocks: int, bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
     """The schedule of one GEMM alone (stage ``gemm``: out [T, N] = x [T, K] @ w [N, K]^T, inputs that exist
-    before the launch, no waits): the executor's GEMM items measured against a plain launch of the same
-    tiles (bench/persistent.py --gemm), with nothing else in the launch."""
+    before the launch): the executor's stream-K parts measured against a plain launch (bench/persistent.py
+    --gemm), with nothing else in the launch."""
     if T < 1 or N < 1 or K < 1 or K % 64:
         raise ValueError(f"build_gemm: T, N, K must be positive with K % 64 == 0, got {T}, {N}, {K}")
     shape = LayerShape("dense", 1, int(T), H=int(K), nh=1, ql=1, F=int(N))
-    b = _Builder(shape, int(n_blocks), "segment", tuple(tile_choices))
+    b = _Builder(shape, int(n_blocks), "segment", float(bytes_per_us_per_block))
     b.inp("x", T, K)
     b.gemm("gemm", "x", "out", int(N), int(K))
-    return _finish(b, bytes_per_us_per_block)
+    return _finish(b)
 
 
 ITEM_OVERHEAD_US = 0.5       # cost model: a wait + signal round trip and the first tile's latency
 
 
-def _assign(items: List[Item], n_blocks: int, rate: float) -> Tuple[List[List[int]], float]:
+def _assign(items: List[Item], n_blocks: int, rate: float):
     """List scheduling in the global (creation) order: each item goes to the block where it can start
-    earliest (its producers' groups finished, the block free); ties to the lowest block. Boundary items
-    of a segment-split layer go to block 0 (they stand for the collective between launches)."""
+    earliest (its producers' groups finished, the block free); ties to the lowest block; a pinned item
+    (``Item.block``: a stream-K part) to its block. Boundary items of a segment-split layer go to block 0
+    (they stand for the collective between launches). Returns (per-block lists, free times, the finish time
+    per counter)."""
     free = [0.0] * n_blocks
     done_at: Dict[int, float] = {}             # counter -> latest finish among its items so far
     blocks: List[List[int]] = [[] for _ in range(n_blocks)]
@@ -543,18 +606,35 @@ def _assign(items: List[Item], n_blocks: int, rate: float) -> Tuple[List[List[in
             cur_seg = it.segment
         ready = max([done_at.get(c, seg_start) for c, _ in it.waits] + [seg_start])
         dur = it.cost / rate + ITEM_OVERHEAD_US
-        # the block that can start earliest: among blocks free by `ready`, the lowest; else the earliest-free
-        best, best_t = -1, math.inf
-        for bi in range(n_blocks):
-            t = max(free[bi], ready)
-            if t < best_t:
-                best, best_t = bi, t
-                if t == ready:
-                    break
+        if it.block is not None:
+            best, best_t = it.block, max(free[it.block], ready)
+        else:
+            # the block that can start earliest: among blocks free by `ready`, the lowest; else the earliest-free
+            best, best_t = -1, math.inf
+            for bi in range(n_blocks):
+                t = max(free[bi], ready)
+                if t < best_t:
+                    best, best_t = bi, t
+                    if t == ready:
+                        break
         free[best] = best_t + dur
         blocks[best].append(it.id)
         done_at[it.signal] = max(done_at.get(it.signal, 0.0), free[best])
-    return blocks, max(free)
+    return blocks, free, done_at
+
+
+def _model_free(items: List[Item], n_blocks: int, rate: float, segment: int, x: str) -> Tuple[List[float], float]:
+    """The cost model's per-block free times after ``items`` (a prefix of the layer's list) and the time
+    buffer ``x`` is complete, for an item of launch ``segment`` about to be added."""
+    if not items:
+        return [0.0] * n_blocks, 0.0
+    _derive_waits(items)
+    _, free, done_at = _assign(items, n_blocks, rate)
+    if items[-1].segment != segment:
+        free = [max(free)] * n_blocks
+    ready = max([done_at[it.signal] for it in items if any(w.buf == x for w in it.writes + it.last_writes)],
+                default=0.0)
+    return free, ready
 
 
 # ---- co-residency -----------------------------------------------------------------------------------------
@@ -624,12 +704,21 @@ def simulate(sched: Schedule, seed: int = 0, resident: Optional[int] = None, max
             for r in it.reads:
                 if r.buf in written and not written[r.buf][r.r0:r.r1, r.c0:r.c1].all():
                     raise ScheduleError(f"item {it.id} ({it.op} {it.args}) reads {r} before it is written")
-            for w in it.writes:
-                sub = written[w.buf][w.r0:w.r1, w.c0:w.c1]
-                if sub.any():
-                    raise ScheduleError(f"item {it.id} ({it.op} {it.args}) writes {w} a second time")
-                sub[...] = 1
+            def write(regions):
+                for w in regions:
+                    sub = written[w.buf][w.r0:w.r1, w.c0:w.c1]
+                    if sub.any():
+                        raise ScheduleError(f"item {it.id} ({it.op} {it.args}) writes {w} a second time")
+                    sub[...] = 1
+            write(it.writes)
             counters[it.signal] += 1
+            if it.last_writes and counters[it.signal] == sched.counter_targets[it.signal] - 1:
+                # the group's last item to arrive: every part has written its slot; the fixup reads them all
+                for r in it.last_reads:
+                    if not written[r.buf][r.r0:r.r1, r.c0:r.c1].all():
+                        raise ScheduleError(f"item {it.id} ({it.op} {it.args}) fixup reads {r} before it is written")
+                write(it.last_writes)
+                counters[it.signal] += 1
             order.append(it.id)
             pc[b] += 1
             if pc[b] == len(lists[b]):

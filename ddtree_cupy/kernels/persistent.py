@@ -7,10 +7,11 @@ calculator before the first launch (``schedule.check_coresident``): a grid that 
 refused with the largest one that can (``schedule.fit_grid``), never launched to deadlock. A wait that
 passes its bound sets the error word instead of hanging; ``check`` raises it naming the item and stage.
 
-Item bodies this build runs: ``norm_row``, ``gemm_tile`` (16 rows, T <= 16, the decode GEMM body), ``boundary``
-(TP = 1: the all-reduce stand-in copy) and ``silu_chunk``; ``supported_segment`` says whether a segment
-uses only those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built
-yet, see docs/PERSISTENT.md).
+Item bodies this build runs: ``norm_row``, ``gemm_part`` (a stream-K part of a 16-row unit, T <= 16, the
+decode GEMM body; the group's last part sums the partials, with SwiGLU for a gate|up pair) and
+``boundary`` (TP = 1: the all-reduce stand-in copy); ``supported_segment`` says whether a segment uses only
+those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built yet, see
+docs/PERSISTENT.md). A segment owns the fp32 workspace of its GEMMs' partial slots.
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ from ..engine import schedule as sched_mod
 from .compile import CUDA_SRC_DIR, KernelSpec, get_kernel, register
 
 THREADS = 256
-SMEM_BYTES = 96 * 1024                 # the decode GEMM body's rings (kernels/gemm.py dec_smem_bytes)
-SUPPORTED_KINDS = frozenset({"norm_row", "gemm_tile", "boundary", "silu_chunk"})
+RING_BYTES = 96 * 1024                 # the decode GEMM body's rings (kernels/gemm.py dec_smem_bytes), at offset 0
+META_BYTES = 192                       # struct PersistMeta after the rings (cuda_src/persistent_layer.cu)
+SMEM_LIMIT = 99 * 1024                 # sm_120's per-block limit: the op table copy must fit beside the rings
+SUPPORTED_KINDS = frozenset({"norm_row", "gemm_part", "boundary"})
 MAX_T = 16                             # the decode GEMM body's token limit (NT <= 2)
 DEFAULT_SPIN_LIMIT = 1 << 21           # polls of one wait before the launch gives up (~2 s: 1 us back-off)
 ERR_REASON = {1: "a dependency wait timed out", 2: "an item kind this build does not run",
-              3: "a GEMM tile shape the body does not serve (rows not 16 / 32 / 64, or T > 16)"}
+              3: "a GEMM part the body does not serve (T > 16)"}
 
 # The .cu files the executor #includes besides the .cuh headers (compile.KernelSpec.source covers those):
 # their text goes into the source's digest line so an edit recompiles instead of loading a stale cubin.
@@ -46,10 +49,9 @@ class _PersistentSpec(KernelSpec):
 
 
 # The executor is built for two resident blocks per SM where the device holds them (the H200: two 96 KB rings
-# per SM; sm_120's 100 KB holds one) under a 128-register budget, which admits only the 16-row GEMM tile:
-# schedules are built with these tile heights.
+# per SM; sm_120's 100 KB holds one) under a 128-register budget, which admits the 16-row GEMM unit
+# (schedule.UNIT_ROWS) beside the norm body.
 BLOCKS_PER_SM = 2
-TILE_ROWS = (16,)
 
 SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), hot=True,
                                 doc="persistent layer executor: a precomputed work-item schedule per block, "
@@ -61,13 +63,40 @@ OP_DTYPE = np.dtype([("x", np.uint64), ("x2", np.uint64), ("w", np.uint64), ("ou
                      ("out2_stride", np.int64), ("T", np.int32), ("N", np.int32), ("K", np.int32),
                      ("flags", np.int32), ("eps", np.float32), ("pad", np.int32, (3,))])
 assert OP_DTYPE.itemsize == 104       # static_asserts in persistent_layer.cu pin the same layout
+MAX_OPS = (SMEM_LIMIT - RING_BYTES - META_BYTES) // OP_DTYPE.itemsize     # 27 stages per schedule
+
+
+def smem_bytes(n_ops: int) -> int:
+    """Dynamic shared memory of a launch: the rings, the executor's words, the block's copy of the op table."""
+    return RING_BYTES + META_BYTES + -(-n_ops * OP_DTYPE.itemsize // 16) * 16
+
+
+SMEM_BYTES = smem_bytes(MAX_OPS)       # the occupancy question's size: the largest launch
+
+
+def device_rows(enc: Mapping[str, np.ndarray]):
+    """The encoded items re-laid for the kernel: block b's rows start at b * stride, a header row (count, 0..)
+    then its records in order, plus one padding row at the end (the kernel reads a header and the next row
+    in one go). Returns (rows [n_blocks * stride + 1, 8] int32, stride, device row -> encoded row)."""
+    bs = enc["block_start"]
+    counts = np.diff(bs)
+    stride = int(counts.max(initial=0)) + 1
+    n_blocks = len(counts)
+    rows = np.zeros((n_blocks * stride + 1, sched_mod.REC_INTS), np.int32)
+    dev_to_enc = np.full(n_blocks * stride + 1, -1, np.int64)
+    for b in range(n_blocks):
+        base, c = b * stride, int(counts[b])
+        rows[base, 0] = c
+        rows[base + 1:base + 1 + c] = enc["items"][bs[b]:bs[b] + c]
+        dev_to_enc[base + 1:base + 1 + c] = np.arange(bs[b], bs[b] + c)
+    return rows, stride, dev_to_enc
 
 
 @dataclass
 class PersistOpArgs:
     """One stage's buffers. norm_row: x (+ residual x2 -> out2), w = norm weight, out = normed, N = H.
-    gemm_tile: x [T, K], w [N, K], out [T, N] (bf16, or fp32 with out_f32). silu_chunk: x = [T, 2F] gate|up,
-    out [T, F], N = F. boundary: out = x, N = width."""
+    gemm_part: x [T, K], w [N, K], out [T, N] bf16, or with ``swiglu`` out = act [T, N / 2] = silu(x w_gate^T)
+    * (x w_up^T) for w = [gate; up] (the segment adds the partials' workspace). boundary: out = x, N = width."""
     x: object
     out: object
     w: object = None
@@ -76,7 +105,7 @@ class PersistOpArgs:
     N: int = 0
     K: int = 0
     eps: float = 0.0
-    out_f32: bool = False
+    swiglu: bool = False
 
 
 def _rows_stride(name: str, a, T: int) -> int:
@@ -106,24 +135,30 @@ class PersistentSegment:
         T = s.shape.T
         if T > MAX_T:
             raise ValueError(f"persistent segment: T = {T} rows > {MAX_T} (the decode GEMM body's limit)")
-        rows = sorted({it.args[1] for it in s.items if it.segment == seg and it.kind == "gemm_tile"})
-        if not set(rows) <= set(TILE_ROWS):
-            raise ValueError(f"persistent segment: GEMM tiles of {rows} rows; the executor serves {list(TILE_ROWS)} "
-                             f"(build the schedule with tile_choices=kernels.persistent.TILE_ROWS)")
         need = s.segment_ops(seg)
         missing = [o for o in need if o not in ops]
         if missing:
             raise ValueError(f"ops: no buffers bound for stages {missing}")
+        if len(s.ops) > MAX_OPS:
+            raise ValueError(f"persistent segment: {len(s.ops)} stages in the op table; the executor's shared-memory "
+                             f"copy holds {MAX_OPS}")
         self.s, self.seg, self.T = s, seg, T
         enc = s.encode(seg)
         table = np.zeros(len(s.ops), OP_DTYPE)
         kinds = {it.op: it.kind for it in s.items if it.segment == seg}
+        self.workspaces = {}                                 # GEMM stage -> fp32 partial slots [slots * T, 16]
         for name in need:
             table[s.ops.index(name)] = self._op_record(name, kinds[name], ops[name], T)
+            if kinds[name] == "gemm_part":
+                rows_ws, cols_ws = s.buffers[f"{name}:ws"]
+                self.workspaces[name] = cupy.full((rows_ws, cols_ws), np.nan, np.float32)
+                table[s.ops.index(name)]["out2"] = self.workspaces[name].data.ptr
         self.ops = dict(ops)                                 # keep the bound arrays alive
-        self.items = cupy.asarray(enc["items"])
+        rows, self.stride, self._dev_to_enc = device_rows(enc)
+        self.items = cupy.asarray(rows)
+        self.n_ops = len(s.ops)
+        self.smem = smem_bytes(self.n_ops)
         self.waits = cupy.asarray(enc["waits"] if len(enc["waits"]) else np.zeros((1, 2), np.int32))
-        self.block_start = cupy.asarray(enc["block_start"])
         self.op_table = cupy.asarray(table.view(np.uint8))
         self.n_counters = int(enc["n_counters"])
         self.counters = cupy.zeros(max(1, self.n_counters), np.int32)
@@ -131,7 +166,7 @@ class PersistentSegment:
         self.err = cupy.zeros(2, np.int32)
         self.spin_limit = int(spin_limit)
         self.n_items = int(enc["items"].shape[0])
-        self.trace = cupy.zeros((max(1, self.n_items), 3), np.int64) if trace else None
+        self.trace = cupy.zeros((rows.shape[0], 3), np.int64) if trace else None
         self._enc = enc
         self.kernel = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
         dev = cupy.cuda.Device()
@@ -158,22 +193,18 @@ class PersistentSegment:
                 rec["out2"] = ptr(a.x2)                          # in place, as rms_norm(residual=...)
         rec["T"], rec["N"], rec["K"] = T, int(a.N), int(a.K)
         rec["eps"] = float(a.eps)
-        rec["flags"] = 1 if a.out_f32 else 0
-        if kind == "gemm_tile":
+        rec["flags"] = 2 if a.swiglu else 0
+        if kind == "gemm_part":
             if a.w is None or tuple(a.w.shape) != (a.N, a.K) or a.w.dtype != np.uint16:
                 raise ValueError(f"stage {name}: w must be uint16 [{a.N}, {a.K}], got "
                                  f"{None if a.w is None else (a.w.shape, a.w.dtype)}")
-            if a.K % 64 or a.x.shape[1] < a.K or a.out.shape[1] < a.N:
-                raise ValueError(f"stage {name}: K = {a.K} must be a multiple of 64 and fit x {a.x.shape}; N = {a.N} "
-                                 f"must fit out {a.out.shape}")
-            if (a.out.dtype == np.float32) != bool(a.out_f32):
-                raise ValueError(f"stage {name}: out dtype {a.out.dtype} disagrees with out_f32={a.out_f32}")
+            width = a.N // 2 if a.swiglu else a.N
+            if a.K % 64 or a.x.shape[1] < a.K or a.out.shape[1] < width or a.out.dtype != np.uint16:
+                raise ValueError(f"stage {name}: K = {a.K} must be a multiple of 64 and fit x {a.x.shape}; out must be "
+                                 f"uint16 holding {width} columns, got {a.out.shape} {a.out.dtype}")
         elif kind == "norm_row":
             if a.w is None or a.w.shape != (a.N,) or a.N % 8 or a.N > 8 * 4 * 256:
                 raise ValueError(f"stage {name}: norm weight must be [{a.N}] with N % 8 == 0, N <= 8192")
-        elif kind == "silu_chunk":
-            if a.x.shape[1] < 2 * a.N or a.out.shape[1] < a.N:
-                raise ValueError(f"stage {name}: x must hold [T, 2 * {a.N}], out [T, {a.N}]")
         elif kind == "boundary":
             if a.N % 8 or a.x.shape[1] < a.N or a.out.shape[1] < a.N:
                 raise ValueError(f"stage {name}: N = {a.N} must be a multiple of 8 and fit x and out")
@@ -184,16 +215,16 @@ class PersistentSegment:
         the kernel itself)."""
         i32 = np.int32
         self.kernel((self.s.n_blocks,), (THREADS,),
-                    (self.items, self.waits, self.block_start, self.op_table, self.counters, i32(self.n_counters),
-                     self.done, self.err, np.int64(self.spin_limit),
+                    (self.items, i32(self.stride), self.waits, self.op_table, i32(self.n_ops), self.counters,
+                     i32(self.n_counters), self.done, self.err, np.int32(self.spin_limit),
                      self.trace if self.trace is not None else np.uint64(0)),
-                    shared_mem=SMEM_BYTES)
+                    shared_mem=self.smem)
 
     def check(self) -> None:
         """Raise if a launch recorded an error (synchronises); resets the counters after one."""
         e = self.err.get()
         if e[0]:
-            enc_row = int(e[0]) - 1
+            enc_row = int(self._dev_to_enc[int(e[0]) - 1])
             kind, op = int(self._enc["items"][enc_row, 0]), self.s.ops[int(self._enc["items"][enc_row, 1])]
             self.err[...] = 0
             self.counters[...] = 0
@@ -206,15 +237,15 @@ class PersistentSegment:
         if self.trace is None:
             raise ValueError("timeline: construct the segment with trace=True")
         tr = self.trace.get()
-        return [(int(b), i, self.s.ops[int(self._enc["items"][i, 1])], int(t0), int(t1))
-                for i, (b, t0, t1) in enumerate(tr)]
+        return [(int(tr[d, 0]), int(i), self.s.ops[int(self._enc["items"][i, 1])], int(tr[d, 1]), int(tr[d, 2]))
+                for d, i in enumerate(self._dev_to_enc) if i >= 0]
 
 
 def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed,
-                   gate_up, act, out, final=None) -> Dict[str, PersistOpArgs]:
+                   act, out, final=None) -> Dict[str, PersistOpArgs]:
     """The op table of a dense MLP half (``build_layer(..., parts=("mlp",))`` of a dense or drafter layer):
-    h += attn; normed = rms_norm(h); gate_up = normed @ w_gate_up^T; act = silu(gate) * up;
-    out = act @ w_down^T (this rank's partial). With allreduce="item" the boundary copies out into ``final``
+    h += attn; normed = rms_norm(h); act = silu(normed @ w_gate^T) * (normed @ w_up^T) (the gate|up parts'
+    fixup); out = act @ w_down^T (this rank's partial). With allreduce="item" the boundary copies out into ``final``
     (TP = 1; a fused all-reduce replaces that body). Buffers are [>= T, width] uint16 device arrays."""
     H = int(s.shape.H)
     F = int(w_down.shape[1])
@@ -224,8 +255,7 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
     if F != s.shape.F:
         raise ValueError(f"bind_dense_mlp: the schedule was built for F = {s.shape.F}, weights have F = {F}")
     ops = {"post_norm": PersistOpArgs(x=attn, x2=h, out=normed, w=post_norm_w, N=H, eps=float(eps)),
-           "gate_up": PersistOpArgs(x=normed, w=w_gate_up, out=gate_up, N=2 * F, K=H),
-           "silu": PersistOpArgs(x=gate_up, out=act, N=F),
+           "gate_up": PersistOpArgs(x=normed, w=w_gate_up, out=act, N=2 * F, K=H, swiglu=True),
            "down": PersistOpArgs(x=act, w=w_down, out=out, N=H, K=F)}
     if "allreduce_mlp" in s.ops:
         if s.allreduce == "item":
@@ -269,18 +299,17 @@ def default_grid() -> int:
     return sched_mod.fit_grid(sm * BLOCKS_PER_SM, sm, occ)
 
 
-def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed, gate_up, act,
+def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed, act,
                       out, n_blocks: Optional[int] = None) -> PersistentSegment:
     """A PersistentSegment running one dense MLP half at T rows on these buffers (views of >= T rows):
-    h += attn; normed = norm(h); out = down(silu(gate_up(normed))) (this rank's partial sum; the caller
+    h += attn; normed = norm(h); out = down(silu(gate) * up) (this rank's partial sum; the caller
     all-reduces it, as today)."""
     H, F = int(w_down.shape[0]), int(w_down.shape[1])
     shape = sched_mod.LayerShape("dense", 1, int(T), H=H, nh=1, ql=1, F=F)
     grid = n_blocks or default_grid()
-    s = sched_mod.build_layer(shape, grid, allreduce="segment", parts=("mlp",), tile_choices=TILE_ROWS,
-                              bytes_per_us_per_block=4.0e6 / grid)
+    s = sched_mod.build_layer(shape, grid, allreduce="segment", parts=("mlp",), bytes_per_us_per_block=4.0e6 / grid)
     ops = bind_dense_mlp(s, attn=attn, h=h, post_norm_w=post_norm_w, eps=eps, w_gate_up=w_gate_up, w_down=w_down,
-                         normed=normed, gate_up=gate_up, act=act, out=out)
+                         normed=normed, act=act, out=out)
     return PersistentSegment(s, 0, ops)
 
 
@@ -290,8 +319,10 @@ def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOp
     """Run segment ``seg`` from its *encoded* form (the arrays the kernel reads) on numpy arrays: blocks
     interleave at random, an item runs only when its encoded waits are met by the counters, the bodies are
     numpy versions of the kernel's (float64 math; bf16 rounding is the caller's reference's business), and
-    the counters must end at their targets. Checks the encoding and the op binding without a GPU; returns
-    the number of items run. ``ops`` hold numpy float arrays in place of device buffers."""
+    the counters must end at their targets. A GEMM part writes its slot; the part that brings its group's
+    counter to the group's size sums the slots in slot order (SwiGLU for a gate|up pair) and counts once
+    more, as the kernel's fixup. Checks the encoding and the op binding without a GPU; returns the number
+    of items run. ``ops`` hold numpy float arrays in place of device buffers."""
     import random
     enc = s.encode(seg)
     items, waits, bs = enc["items"], enc["waits"], enc["block_start"]
@@ -301,34 +332,48 @@ def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOp
     rng = random.Random(seed)
     names = s.ops
     T = s.shape.T
+    ws = {n: np.full((s.buffers[f"{n}:ws"][0] // T, T, sched_mod.UNIT_ROWS), np.nan)
+          for n in names if f"{n}:ws" in s.buffers}
     ran = 0
     while True:
         live = [b for b in range(s.n_blocks) if pc[b] < end[b]]
         if not live:
             break
         ready = [b for b in live if all(counters[c] >= t for c, t in
-                                        waits[items[pc[b], 5]:items[pc[b], 5] + items[pc[b], 6]])]
+                                        waits[items[pc[b], 9]:items[pc[b], 9] + items[pc[b], 10]])]
         if not ready:
             raise sched_mod.Deadlock(f"emulate_segment: no block can progress ({len(live)} live)")
         b = rng.choice(ready)
-        kind, opi, a0, a1, _a2, _wb, _nw, sig = (int(v) for v in items[pc[b]])
+        kind, opi, a0, a1, a2, a3, a4, a5, a6, _wb, _nw, sig = (int(v) for v in items[pc[b]][:12])
         op = ops[names[opi]]
+        counted = False
         if kind == sched_mod.KIND["norm_row"]:
             x = op.x[a0].astype(np.float64)
             if op.x2 is not None:
                 x = x + op.x2[a0]
                 (op.out2 if op.out2 is not None else op.x2)[a0] = x
             op.out[a0] = op.w * x / np.sqrt(np.mean(x * x) + op.eps)
-        elif kind == sched_mod.KIND["gemm_tile"]:
-            op.out[:T, a0:a0 + a1] = op.x[:T, :op.K] @ op.w[a0:a0 + a1].T
-        elif kind == sched_mod.KIND["silu_chunk"]:
-            g, u = op.x[:T, a0:a0 + a1], op.x[:T, op.N + a0:op.N + a0 + a1]
-            op.out[:T, a0:a0 + a1] = g / (1 + np.exp(-g)) * u
+        elif kind == sched_mod.KIND["gemm_part"]:
+            k0, k1 = 64 * a1, min(op.K, 64 * (a1 + a2))
+            U = sched_mod.UNIT_ROWS
+            ws[names[opi]][a3] = op.x[:T, k0:k1] @ op.w[a0:a0 + U, k0:k1].T
+            counters[sig] += 1
+            counted = True
+            if counters[sig] == a6:                     # the last part of its group: the fixup
+                parts = ws[names[opi]][a4:a4 + a6]
+                if op.swiglu:
+                    g, u = parts[:a5].sum(0), parts[a5:].sum(0)
+                    c0 = a0 % (op.N // 2)
+                    op.out[:T, c0:c0 + U] = g / (1 + np.exp(-g)) * u
+                else:
+                    op.out[:T, a0:a0 + U] = parts.sum(0)
+                counters[sig] += 1
         elif kind == sched_mod.KIND["boundary"]:
             op.out[:T, :op.N] = op.x[:T, :op.N]
         else:
             raise ValueError(f"emulate_segment: kind {sched_mod.KIND_NAME.get(kind, kind)} is not run by this build")
-        counters[sig] += 1
+        if not counted:
+            counters[sig] += 1
         pc[b] += 1
         ran += 1
     seg_groups = {it.signal for it in s.items if it.segment == seg}

@@ -419,8 +419,8 @@ class GpuDrafter:
                                  "capture; run it once eagerly first (it uploads the schedule)")
             seg = persistent.dense_mlp_segment(
                 T, attn=self._o[:T], h=self._h[:T], post_norm_w=self.w.post_norm[l], eps=float(self.eps),
-                w_gate_up=self.w.gate_up[l], w_down=self.w.down[l], normed=self._x[:T], gate_up=self._gu[:T],
-                act=self._act[:T], out=self._dn[:T])
+                w_gate_up=self.w.gate_up[l], w_down=self.w.down[l], normed=self._x[:T], act=self._act[:T],
+                out=self._dn[:T])
             self._persist[(l, T)] = seg
         return seg
 

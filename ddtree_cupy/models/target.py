@@ -262,8 +262,8 @@ class GpuTarget:
             L, F = self.w.layers[i], self.w.layers[i].w_down.shape[1]
             seg = persistent.dense_mlp_segment(
                 T, attn=self.attn_out[:T], h=self.h[:T], post_norm_w=L.post_norm, eps=float(self.cfg.rms_norm_eps),
-                w_gate_up=L.w_gate_up, w_down=L.w_down, normed=self.normed[:T], gate_up=self.gate_up[:T, :2 * F],
-                act=self.act[:T, :F], out=self.mlp_out[:T])
+                w_gate_up=L.w_gate_up, w_down=L.w_down, normed=self.normed[:T], act=self.act[:T, :F],
+                out=self.mlp_out[:T])
             self._persist[(i, T)] = seg
         mlp = self.mlp_out[:T]
 
