@@ -220,6 +220,68 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 #define DEC_WARPS 8
 #define DEC_THREADS (DEC_WARPS * 32)
 
+// The decode GEMM's stage copies (gemm_decode_body, the persistent executor's GEMM runs), by one warp: 16
+// weight rows x 64 k from `src` (row stride K) into the swizzled stage `d`; the NT x 8 token rows of x at
+// column k (rows past T zero-filled), asynchronously or, for stages issued before the inputs' wait, as plain
+// loads after it.
+__device__ __forceinline__ void decode_load_w(uint4* d, const bf16_bits* src, int K, int lane) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int i = lane + 32 * j, r = i >> 3, c = i & 7;
+        cp_async16(smem_addr(d + swz(r, c)), src + (long long)r * K + c * 8, 16);
+    }
+}
+template <int NT>
+__device__ __forceinline__ void decode_load_x(uint4* d, const bf16_bits* x, int x_row_stride, int k, int T, int lane,
+                                              bool async) {
+#pragma unroll
+    for (int j = 0; j < 2 * NT; ++j) {
+        const int i = lane + 32 * j, r = i >> 3, c = i & 7;
+        const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
+        if (async) {
+            cp_async16(smem_addr(d + swz(r, c)), r < T ? src : x, r < T ? 16 : 0);
+        } else {
+            d[swz(r, c)] = r < T ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// One ring stage of the decode GEMM (gemm_decode_body, the persistent executor's GEMM runs): the 16 weight
+// rows x 64 k of `ws_` times the NT x 8 token rows of `xs_` (both XOR-swizzled) into the warp's accumulators.
+template <int NT>
+__device__ __forceinline__ void decode_mma_stage(const uint4* ws_, const uint4* xs_, int lane, float (&acc)[NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
+        uint32_t a0, a1, a2, a3, b0, b1, b2 = 0, b3 = 0;
+        {   // A: 16 weight rows x 16 k; lanes 0-15 address rows at k 0-7, lanes 16-31 at k 8-15
+            const int r = lane & 15, c = kk * 2 + (lane >> 4);
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(smem_addr(ws_ + swz(r, c))));
+        }
+        const int c = kk * 2 + ((lane >> 3) & 1);
+        if (NT == 2) {      // matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,k0-7) (t8-15,k8-15)
+            const int r = (lane & 7) + ((lane >> 4) << 3);
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
+        } else {
+            const int r = lane & 7;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                         : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
+        }
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        if (NT == 2) {
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                         : "+f"(acc[NT - 1][0]), "+f"(acc[NT - 1][1]), "+f"(acc[NT - 1][2]),
+                           "+f"(acc[NT - 1][3])
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
+        }
+    }
+}
+
 // The light ring (NT = 1, 3 stages, 72 KB) exists so 3 blocks fit an H200 SM: cap registers at 80 for it.
 template <int NT, int STAGES>
 struct DecOcc { static constexpr int value = (NT == 1 && STAGES == 3) ? 3 : 2; };
@@ -229,13 +291,10 @@ __device__ __forceinline__ void gemm_decode_body(
         const bf16_bits* __restrict__ x, long long x_batch_stride, int x_row_stride,
         const bf16_bits* __restrict__ w, long long w_batch_stride,
         void* __restrict__ out, long long out_batch_stride, int out_row_stride, int T, int N, int K,
-        int tile_x, int tile_z, WaitHook wait_inputs = WaitHook(), int kt_first = 0, int kt_count = -1,
-        int out_col0 = -1) {
+        int tile_x, int tile_z, WaitHook wait_inputs = WaitHook()) {
     // tile_x / tile_z: the block's row tile and batch index (blockIdx.x / .z of the decode kernels; a work
-    // item's unit in the persistent executor, cuda_src/persistent_layer.cu). wait_inputs (common.cuh) runs
+    // item's tile in the persistent executor, cuda_src/persistent_layer.cu). wait_inputs (common.cuh) runs
     // after the weight prologue, before the first read of x: the PDL wait, or the executor's counter wait.
-    // kt_first / kt_count (CS == 1): the K range in 64-column k tiles (default: all of K); out_col0: the
-    // output column of the tile's first row (default: its weight row; the executor's partial slots: 0).
     constexpr int WST = 16 * 8;                 // uint4 per weight stage: 16 rows x 8 chunks of 16 B
     constexpr int XST = NT * 64;                // uint4 per token stage: NT*8 rows x 8 chunks
     constexpr int RS = NT * 8 + 1;              // reduction row stride in floats (+1: no bank conflicts)
@@ -251,36 +310,16 @@ __device__ __forceinline__ void gemm_decode_body(
     uint4* x_s = w_s + STAGES * WST;
     const int n0 = tile_x * 16 * RT, b = tile_z;
     const int crank = CS > 1 ? (int)cluster_rank() : 0;
-    const int k_tiles = kt_count < 0 ? K / GEMM_BK : kt_count;
-    const int kb0 = (CS > 1 ? 0 : kt_first) + crank * k_tiles / CS;                 // this block's K tiles
-    const int nb = (crank + 1) * k_tiles / CS - crank * k_tiles / CS;
+    const int k_tiles = K / GEMM_BK;
+    const int kb0 = crank * k_tiles / CS, nb = (crank + 1) * k_tiles / CS - kb0;   // this block's K tiles
     const int kt0 = kb0 + ks * nb / KS;                 // this warp's slice
     const int nkt = kb0 + (ks + 1) * nb / KS - kt0;
     x += b * x_batch_stride;
     w += b * w_batch_stride + (long long)(n0 + rt * 16) * K;   // N % (16 RT) == 0 (wrapper): rows exist
 
-    auto load_w = [&](int slot, int kt) {
-        uint4* d = w_s + slot * WST;
-        const bf16_bits* src = w + kt * GEMM_BK;
-#pragma unroll
-        for (int j = 0; j < WST / 32; ++j) {
-            const int i = lane + 32 * j, r = i >> 3, c = i & 7;
-            cp_async16(smem_addr(d + swz(r, c)), src + (long long)r * K + c * 8, 16);
-        }
-    };
+    auto load_w = [&](int slot, int kt) { decode_load_w(w_s + slot * WST, w + kt * GEMM_BK, K, lane); };
     auto load_x = [&](int slot, int kt, bool async) {
-        uint4* d = x_s + slot * XST;
-        const int k = kt * GEMM_BK;
-#pragma unroll
-        for (int j = 0; j < XST / 32; ++j) {
-            const int i = lane + 32 * j, r = i >> 3, c = i & 7;
-            const bf16_bits* src = x + (long long)r * x_row_stride + k + c * 8;
-            if (async) {
-                cp_async16(smem_addr(d + swz(r, c)), r < T ? src : x, r < T ? 16 : 0);
-            } else {
-                d[swz(r, c)] = r < T ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-            }
-        }
+        decode_load_x<NT>(x_s + slot * XST, x, x_row_stride, kt * GEMM_BK, T, lane, async);
     };
 
     DDT_PDL_LAUNCH_DEPENDENTS();            // the next kernel may launch; its DDT_PDL_WAIT() covers this grid
@@ -300,38 +339,7 @@ __device__ __forceinline__ void gemm_decode_body(
             load_x(slot, kt, true);
         });
 
-        const uint4* ws_ = w_s + (it % STAGES) * WST;
-        const uint4* xs_ = x_s + (it % STAGES) * XST;
-#pragma unroll
-        for (int kk = 0; kk < GEMM_BK / 16; ++kk) {
-            uint32_t a0, a1, a2, a3, b0, b1, b2 = 0, b3 = 0;
-            {   // A: 16 weight rows x 16 k; lanes 0-15 address rows at k 0-7, lanes 16-31 at k 8-15
-                const int r = lane & 15, c = kk * 2 + (lane >> 4);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3) : "r"(smem_addr(ws_ + swz(r, c))));
-            }
-            const int c = kk * 2 + ((lane >> 3) & 1);
-            if (NT == 2) {      // matrices (t0-7,k0-7) (t0-7,k8-15) (t8-15,k0-7) (t8-15,k8-15)
-                const int r = (lane & 7) + ((lane >> 4) << 3);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(smem_addr(xs_ + swz(r, c))));
-            } else {
-                const int r = lane & 7;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                             : "=r"(b0), "=r"(b1) : "r"(smem_addr(xs_ + swz(r, c))));
-            }
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
-                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-            if (NT == 2) {
-                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                             : "+f"(acc[NT - 1][0]), "+f"(acc[NT - 1][1]), "+f"(acc[NT - 1][2]),
-                               "+f"(acc[NT - 1][3])
-                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-            }
-        }
+        decode_mma_stage<NT>(w_s + (it % STAGES) * WST, x_s + (it % STAGES) * XST, lane, acc);
     }
     cp_async_wait<0>();                     // only empty groups can remain; keep the count clean anyway
     __syncthreads();                        // every warp is done with its ring: reuse it for the reduction
@@ -357,8 +365,7 @@ __device__ __forceinline__ void gemm_decode_body(
     auto store = [&](int i, float s) {
         const int r = i % (16 * RT), t = i / (16 * RT);
         if (t < T) {
-            const int col = (out_col0 < 0 ? n0 : out_col0) + r;
-            const long long o = b * out_batch_stride + (long long)t * out_row_stride + col;
+            const long long o = b * out_batch_stride + (long long)t * out_row_stride + n0 + r;
             if (OUT_F32) ((float*)out)[o] = s;
             else ((bf16_bits*)out)[o] = f32_to_bf16(s);
         }

@@ -2,41 +2,38 @@
 // work items (ddtree_cupy/engine/schedule.py, Schedule.encode). Per item: wait until every counter it
 // depends on has reached its target, run the item's body, signal its own counter.
 //
-//  * Waits: thread 0 polls with acquire loads (ld.acquire.gpu) until the counter reaches the target, then
-//    the block barrier publishes the observation to the other threads. The spin is bounded (spin_limit
-//    polls, with nanosleep back-off): past it, the block records (item index + 1) in err[0] and the reason
-//    in err[1], and every block leaves at its next wait (no launch hangs forever; the host checks err).
-//    Norm and GEMM items wait inside their bodies, at the bodies' wait-for-inputs point (CounterWait as
-//    the WaitHook of common.cuh): the weight loads they issue first (the GEMM's first STAGES - 1 ring
-//    stages, the norm weight) are in flight while the producers finish.
+//  * Waits: thread q polls wait q (q + 256, ...) with acquire loads (ld.acquire.gpu) until its counter reaches
+//    the target, then the block barrier publishes the observation. The spin is bounded (spin_limit polls,
+//    with nanosleep back-off): past it, the block records (device row + 1) in err[0] and the reason in
+//    err[1], and every block leaves at its next wait (no launch hangs forever; the host checks err). Norm
+//    items and GEMM runs wait after their weight loads (the norm weight, the run's first STAGES - 1 ring
+//    stages), which are in flight while the producers finish.
 //  * Signals: the block barrier (every thread's stores issued), then thread 0 adds 1 with a release
 //    reduction (red.release.gpu: the block's stores, ordered before it by the barrier, are visible
 //    device-wide before the count is). No separate fence: a full fence per item cost ~1 us of each item.
-//  * Item records: the block's header and first record, and the whole op table, are read once at the start
-//    (shared memory); each next record is prefetched with cp.async while the current item runs, so no item
-//    waits on a chain of dependent global loads before its first weight request.
+//    GEMM parts signal with their arrival (acq_rel) and, for a group's last, the fixup's release.
+//  * Records: the block's header, its first step's records and the whole op table are read once at the
+//    start (shared memory); each next step's records are prefetched with cp.async while the current step
+//    runs, so no step waits on a chain of dependent global loads before its first weight request.
 //  * Counters reset themselves: the last block to finish (done counter) zeroes every counter and the done
 //    counter, so a CUDA graph replays the launch with no memset. After an error the host resets them.
 //  * Activations produced by other blocks in the same launch are read with L1-bypassing loads (ld.cg, or
-//    cp.async.cg in the GEMM body), never through a line this SM may have cached before it was written;
-//    the GEMM body's plain token loads are safe because a GEMM item waits for its whole input buffer (the
-//    schedule builder guarantees it: GEMM items read the full input).
+//    cp.async.cg in the GEMM run), never through a line this SM may have cached before it was written. The
+//    GEMM run's plain token loads (its first ring stages) are safe because a part's K range is whole k
+//    tiles (128-byte lines of a row) and the run waits for every producer of them.
 //  * trace (optional): per item (block, start, end) from the global ns timer; start = when the block
-//    reached the item (its weight prologue and wait included).
-//  * The item bodies are the existing kernels' device bodies (no copy): rmsnorm_row (norm_row.cuh),
-//    gemm_decode_body (gemm_bf16.cu), silu_mul1 (layer_math.cuh).
+//    reached the item (its weight prologue and wait included); a GEMM run's parts share its span.
+//  * Shared pieces: rmsnorm_row (norm_row.cuh), the decode GEMM's stage copies and mma stage
+//    (decode_load_w / decode_load_x / decode_mma_stage, gemm_bf16.cu), silu_mul1 (layer_math.cuh).
 //
-// Item record (int32 x 16): kind, op, arg0..arg6, wait_begin, n_waits, signal, 4 zero. `op` indexes the op
+// Item record (int32 x 16): kind, op, arg0..arg6, wait_begin, n_waits, signal, run, run waits (2), 0. `op` indexes the op
 // table (PersistOp, one per stage of the layer: pointers, strides, sizes). Kinds (schedule.KIND):
 //   1 norm_row    arg0 = row                                     rmsnorm_row (residual add when op.x2 is set)
 //   3 boundary    TP = 1 all-reduce stand-in: out = x (a fused all-reduce replaces this body)
 //  15 gemm_part   arg0 = first weight row of the 16-row unit, arg1 / arg2 = first k tile / k tiles,
-//                 arg3 = workspace slot, arg4 / arg5 / arg6 = the group's first slot / gate parts / parts.
-//                 The decode GEMM body over the K range into the fp32 slot [T][16] of op.out2; then the
-//                 arrival on the group's counter (acq_rel add): the part that arrives last sums the group's
-//                 slots in slot order, writes the group's 16 output columns (bf16; flags bit 1: SwiGLU of the
-//                 gate sum and the up sum, the group being a gate|up unit pair) and adds 1 more (release).
-//                 The group's consumers wait for parts + 1.
+//                 arg3 = workspace slot, arg4 / arg5 / arg6 = the group's first slot / gate parts / parts;
+//                 [12] = the run length from here, [13] / [14] = the run's waits (first, count). A block's
+//                 consecutive parts of one GEMM run as one step (gemm_run below).
 // Any other kind sets err and stops (the host refuses schedules with kinds this build does not run).
 #include "norm_row.cuh"
 #include "gemm_bf16.cu"
@@ -53,7 +50,7 @@ struct PersistOp {
     const bf16_bits* x2;      // norm: residual in (nullptr: no residual add)
     const bf16_bits* w;       // GEMM weight [N, K] / norm weight [H]
     void* out;                // GEMM (bf16 [T, N], or act [T, N / 2] with SwiGLU) / norm / boundary output
-    bf16_bits* out2;          // norm: residual out; GEMM: the fp32 partial slots (slot s at s * T * 16)
+    bf16_bits* out2;          // norm: residual out; GEMM: the fp32 partials [part slot][warp][T][16]
     long long x_stride, x2_stride, out_stride, out2_stride;   // row strides in elements
     int T, N, K, flags;       // flags bit 1: GEMM fixup is SwiGLU of a gate|up pair
     float eps;
@@ -88,12 +85,35 @@ __device__ __forceinline__ long long global_ns() {
 // 8 bf16 through L2 only (a line another block wrote during this launch)
 __device__ __forceinline__ uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
-// The wait on an item's dependency counters, as a WaitHook (common.cuh) of the shared bodies: called by every
-// thread at the body's wait-for-inputs point, after the weight loads it issued before (so the weight bytes
-// stream while the producers finish). Thread q polls waits q, q + 256, ... with acquire loads, bounded (so n
-// waits cost one round trip, not n); the barrier publishes what they saw. No waits: no barrier either.
+// Poll the (counter, target) pairs[0 .. n) until every counter has reached its target: thread q polls pairs
+// q, q + 256, ... with acquire loads (n waits cost one round trip, not n), bounded: past spin_limit polls the
+// block records the item (err[0] = device row + 1, err[1] = the reason); a block that sees another's error
+// gives up too. Then the block barrier publishes what the pollers saw; returns whether the block gave up
+// (the same answer in every thread).
+__device__ __forceinline__ bool wait_counters(const int* pairs, int n, const int* counters, int* err, int item,
+                                              int spin_limit) {
+    int bad = 0;
+    for (int q = threadIdx.x; q < n && !bad; q += PERSIST_THREADS) {
+        const int* c = counters + pairs[2 * q];
+        const int target = pairs[2 * q + 1];
+        int polls = 0;
+        while (ld_acquire(c) < target) {
+            if (*(volatile int*)err) { bad = 1; break; }            // another block gave up
+            if (++polls > spin_limit) {
+                if (atomicCAS(err, 0, item + 1) == 0) err[1] = PERSIST_ERR_TIMEOUT;
+                bad = 1;
+                break;
+            }
+            if (polls > 64) __nanosleep(polls > 4096 ? 1000 : 100);
+        }
+    }
+    return __syncthreads_or(bad);
+}
+
+// The wait of one item as the WaitHook (common.cuh) of the norm body: at the body's wait-for-inputs point,
+// after its weight loads. No waits: no barrier either (n is the item's: uniform over the block).
 struct CounterWait {
-    const int* rec;            // the item's record in shared memory: wait_begin, n_waits read at the wait
+    const int* rec;            // the item's record in shared memory: wait_begin, n_waits at [9], [10]
     const int* wait_pairs;     // every item's (counter, target) pairs
     const int* counters;
     int* err;
@@ -103,52 +123,167 @@ struct CounterWait {
 
     __device__ __forceinline__ void operator()() const {
         const int n = rec[10];
-        const int* waits = wait_pairs + 2 * rec[9];
-        if (n == 0) return;                                  // uniform over the block: n is the item's
-        int bad = 0;
-        for (int q = threadIdx.x; q < n && !bad; q += PERSIST_THREADS) {
-            const int* c = counters + waits[2 * q];
-            const int target = waits[2 * q + 1];
-            int polls = 0;
-            while (ld_acquire(c) < target) {
-                if (*(volatile int*)err) { bad = 1; break; }            // another block gave up
-                if (++polls > spin_limit) {
-                    if (atomicCAS(err, 0, item + 1) == 0) err[1] = PERSIST_ERR_TIMEOUT;
-                    bad = 1;
-                    break;
-                }
-                if (polls > 64) __nanosleep(polls > 4096 ? 1000 : 100);
-            }
-        }
-        if (__syncthreads_or(bad)) *abort_flag = 1;          // every thread writes the same value
+        if (n == 0) return;
+        if (wait_counters(wait_pairs + 2 * rec[9], n, counters, err, item, spin_limit))
+            *abort_flag = 1;                                 // every thread writes the same value
     }
 };
 
-// The fixup of a gemm_part group by the part that arrived last: the group's fp32 slots [T][16] summed in slot
-// order (L2 loads: other blocks wrote them during this launch), bf16 out; SwiGLU for a gate|up pair (the
-// first n_gate slots are the gate unit's), rounding the sums to bf16 first as the unfused chain stores them.
-__device__ __forceinline__ void gemm_part_fixup(const PersistOp& op, int col0, int slot0, int n_gate, int n) {
-    const float* ws = reinterpret_cast<const float*>(op.out2);
+// ---- GEMM runs ---------------------------------------------------------------------------------------------
+// A run: the m (<= PERSIST_RUN_MAX) consecutive gemm_part records of one block and one GEMM (its stream-K
+// range; Schedule.encode puts m in the first record's [12] and the run's waits, contiguous in `waits`, in
+// [13] / [14]). Every warp streams its 1/8 K slice of each part in turn through one continuous cp.async
+// ring, so the next part's first stages are in flight while a part finishes. At the end of its slice of a
+// part a warp stores its fp32 partial [T][16] in its own slot (part slot x 8 + warp); then the block
+// (every warp reaches the m part ends in the same order) arrives once on the part's group counter (acq_rel
+// add), and if that was the group's last part, all 256 threads sum the group's 8 x parts slots (parts in
+// slot order, warps in order: the same bits whoever is last), write its 16 output columns (SwiGLU of the gate
+// and up sums for a gate|up pair, flags bit 1) and add 1 more (release): consumers wait for parts + 1.
+#define PERSIST_RUN_MAX 4
+
+__device__ __forceinline__ void gemm_run_fixup(const PersistOp& op, int col0, int slot0, int n_gate, int n) {
     const int per = op.T * 16;
+    const float* ws = reinterpret_cast<const float*>(op.out2);
     for (int i = threadIdx.x; i < per; i += PERSIST_THREADS) {
-        const int t = i >> 4, c = i & 15;
         float g = 0.f, u = 0.f;
         for (int p = 0; p < n; ++p) {
-            const float v = __ldcg(ws + (long long)(slot0 + p) * per + i);
-            if (p < n_gate || !(op.flags & 2)) g += v;
-            else u += v;
+            const float* src = ws + (long long)(slot0 + p) * DEC_WARPS * per + i;
+            float v[DEC_WARPS];
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; ++w) v[w] = __ldcg(src + w * per);   // all in flight at once
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < DEC_WARPS; ++w) s += v[w];
+            if (p < n_gate || !(op.flags & 2)) g += s;
+            else u += s;
         }
+        const int t = i >> 4, c = i & 15;
         bf16_bits* out = reinterpret_cast<bf16_bits*>(op.out) + (long long)t * op.out_stride + col0 + c;
         *out = (op.flags & 2) ? silu_mul1(f32_to_bf16(g), f32_to_bf16(u)) : f32_to_bf16(g);
     }
 }
 
+// This warp's slice of part `r` (a record in shared memory): first k tile and count.
+__device__ __forceinline__ void warp_slice(const int* r, int ks, int& kt, int& cnt) {
+    const int kt0 = r[3], nkt = r[4];
+    kt = kt0 + ks * nkt / DEC_WARPS;
+    cnt = kt0 + (ks + 1) * nkt / DEC_WARPS - kt;
+}
+
+// Returns whether the block gave up in the wait. `recs`: the run's m records (shared memory).
 template <int NT>
-__device__ __forceinline__ void gemm_part_body(const PersistOp& op, const int* a, const CounterWait& wait) {
+__device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, int m, const int* wait_pairs,
+                                         int* counters, int* err, int item, int spin_limit, int* last_s) {
     constexpr int STAGES = NT == 1 ? 4 : 3;   // kernels/gemm.py dec_stages: 96 KB rings
-    float* slot = reinterpret_cast<float*>(op.out2) + (long long)a[3] * op.T * 16;
-    gemm_decode_body<NT, STAGES, true, 1, 1, CounterWait>(op.x, 0, (int)op.x_stride, op.w, 0, slot, 0, 16, op.T,
-                                                          op.N, op.K, a[0] / 16, 0, wait, a[1], a[2], 0);
+    constexpr int WST = 16 * 8, XST = NT * 64;
+    extern __shared__ uint4 smem[];
+    const int lane = threadIdx.x & 31, ks = threadIdx.x >> 5;
+    uint4* w_s = smem + ks * STAGES * (WST + XST);
+    uint4* x_s = w_s + STAGES * WST;
+    const int T = op.T, K = op.K;
+
+    // the load cursor: part li, the next k tile, the k tiles left in this warp's slice of it
+    int li = 0, lk, lleft;
+    warp_slice(recs, ks, lk, lleft);
+    auto next_load = [&](int& kt) -> int {             // the next stage's k tile; returns its part
+        while (lleft == 0) warp_slice(recs + 16 * ++li, ks, lk, lleft);
+        kt = lk++;
+        --lleft;
+        return li;
+    };
+    auto load_w = [&](int slot, int part, int kt) {
+        decode_load_w(w_s + slot * WST, op.w + (long long)recs[16 * part + 2] * K + kt * GEMM_BK, K, lane);
+    };
+    auto load_x = [&](int slot, int kt, bool async) {
+        decode_load_x<NT>(x_s + slot * XST, op.x, (int)op.x_stride, kt * GEMM_BK, T, lane, async);
+    };
+    int total = 0;                                     // this warp's stages over the run
+    for (int i = 0; i < m; ++i) {
+        int a, c;
+        warp_slice(recs + 16 * i, ks, a, c);
+        total += c;
+    }
+    // prologue: weights only (allowed before the wait)
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < total) {
+            int kt;
+            const int part = next_load(kt);
+            load_w(s, part, kt);
+        }
+        cp_async_commit();
+    }
+    if (recs[14] > 0 && wait_counters(wait_pairs + 2 * recs[13], recs[14], counters, err, item, spin_limit)) {
+        cp_async_wait<0>();
+        return true;
+    }
+    {   // the prologue stages' token rows (their k tiles walked again)
+        int pi = 0, pk, pleft;
+        warp_slice(recs, ks, pk, pleft);
+        for (int s = 0; s < STAGES - 1 && s < total; ++s) {
+            while (pleft == 0) warp_slice(recs + 16 * ++pi, ks, pk, pleft);
+            load_x(s, pk++, false);
+            --pleft;
+        }
+    }
+
+    int ci = 0, cleft;                                 // the compute cursor
+    {
+        int a;
+        warp_slice(recs, ks, a, cleft);
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    // the end of part ci: this warp's partial to its slot; then, block-wide, the arrival and the fixup
+    auto flush = [&]() {
+        const int* r = recs + 16 * ci;
+        const int per = T * 16;
+        float* slot = reinterpret_cast<float*>(op.out2) + ((long long)r[5] * DEC_WARPS + ks) * per;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = (lane >> 2) + (e >> 1) * 8, t = 8 * j + 2 * (lane & 3) + (e & 1);
+                if (t < T) slot[t * 16 + row] = acc[j][e];
+                acc[j][e] = 0.f;
+            }
+        __syncthreads();                               // every warp's partial of part ci stored
+        if (threadIdx.x == 0) *last_s = atom_acq_rel_add(counters + r[11], 1) == r[8] - 1;
+        __syncthreads();
+        if (*last_s) {                                 // uniform: the block's arrival completed the group
+            gemm_run_fixup(op, (op.flags & 2) ? r[2] % (op.N / 2) : r[2], r[6], r[7], r[8]);
+            __syncthreads();                           // every thread's outputs before the release
+            if (threadIdx.x == 0) red_release_add(counters + r[11], 1);
+        }
+    };
+    auto retire = [&]() {                              // every finished part, in order (empty slices too)
+        while (ci < m && cleft == 0) {
+            flush();
+            if (++ci < m) {
+                int a;
+                warp_slice(recs + 16 * ci, ks, a, cleft);
+            }
+        }
+    };
+    retire();
+    for (int s = 0; s < total; ++s) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();                                  // stage s visible to the warp; slot (s - 1) free
+        if (s + STAGES - 1 < total) {
+            int kt;
+            const int part = next_load(kt);
+            const int slot = (s + STAGES - 1) % STAGES;
+            load_w(slot, part, kt);
+            load_x(slot, kt, true);
+        }
+        cp_async_commit();
+        decode_mma_stage<NT>(w_s + (s % STAGES) * WST, x_s + (s % STAGES) * XST, lane, acc);
+        --cleft;
+        retire();
+    }
+    cp_async_wait<0>();
+    return false;
 }
 
 // Shared memory: the GEMM rings first, at the dynamic base (cp.async into a ring whose base is not 128-byte
@@ -156,23 +291,32 @@ __device__ __forceinline__ void gemm_part_body(const PersistOp& op, const int* a
 // so the executor declares no static shared memory), then its own words, then the block's copy of the op
 // table. kernels/persistent.py sizes the launch with the same layout (smem_bytes).
 #define PERSIST_RING_BYTES (96 * 1024)
+#define PERSIST_REC 16
 struct PersistMeta {
     int abort_flag;                   // set by a wait that gives up (CounterWait)
     int count;                        // this block's items
-    int last;                         // gemm_part: this part arrived last in its group (runs the fixup)
+    int last;                         // a GEMM run: the block's arrival completed its part's group
     int pad;
     float red[NORM_THREADS / 32];     // the norm body's reduction
-    int rec[2][16];                   // item records: the current one and the next, prefetched (cp.async)
-    long long t0;                     // trace: the current item's start (kept here, not in a register)
+    long long t0;                     // trace: the current step's start (kept here, not in a register)
     long long pad2;
+    // records: the current step's (one item, or a GEMM run's parts) and the next step's, prefetched
+    int rec[2][PERSIST_RUN_MAX][PERSIST_REC];
 };
-static_assert(sizeof(PersistMeta) == 192, "kernels/persistent.py META_BYTES; the op table after it 16-byte aligned");
+static_assert(sizeof(PersistMeta) == 576, "kernels/persistent.py META_BYTES; the op table after it 16-byte aligned");
 
 // Items of block b (Schedule.encode re-laid by kernels/persistent.py): rows b * stride .. b * stride + count
 // of `items` (PERSIST_REC ints each), where row b * stride holds (count, 0, ...) and the block's records
-// follow it.
-#define PERSIST_REC 16
-extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 2)
+// follow it (and PERSIST_RUN_MAX padding rows after the last block: a step prefetches that many records).
+// Two resident blocks per SM where shared memory holds two 96 KB rings (the H200's 228 KB per SM): a
+// 128-register budget. sm_120 / sm_121 hold one either way (100 KB per SM), so there the budget is not
+// halved for nothing.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 1200 || __CUDA_ARCH__ == 1210)
+#define PERSIST_MIN_BLOCKS 1
+#else
+#define PERSIST_MIN_BLOCKS 2
+#endif
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
 persistent_layer(const int* __restrict__ items, int stride, const int* __restrict__ waits,
                  const PersistOp* __restrict__ ops, int n_ops, int* counters, int n_counters, int* done, int* err,
                  int spin_limit, long long* __restrict__ trace) {
@@ -180,12 +324,11 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
     PersistOp* ops_s = reinterpret_cast<PersistOp*>(meta + 1);
     const int* rows = items + PERSIST_REC * (long long)blockIdx.x * stride;
-    // the header, the first record and the op table in one round trip
-    if (threadIdx.x < 2 * PERSIST_REC) {
-        const int q = threadIdx.x;                    // the header row, then record 0
-        const int v = rows[q];
+    // the header and the first step's records (PERSIST_RUN_MAX of them) and the op table in one round trip
+    if (threadIdx.x < PERSIST_REC * (1 + PERSIST_RUN_MAX)) {
+        const int q = threadIdx.x, v = rows[q];
         if (q == 0) meta->count = v;
-        else if (q >= PERSIST_REC) meta->rec[0][q - PERSIST_REC] = v;
+        else if (q >= PERSIST_REC) (&meta->rec[0][0][0])[q - PERSIST_REC] = v;
     }
     if (threadIdx.x == 0) meta->abort_flag = 0;
     {
@@ -196,36 +339,32 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     __syncthreads();
     const int count = meta->count;
     const int first = (int)blockIdx.x * stride + 1;   // device row of the block's first record (err, trace)
-    for (int j = 0; j < count; ++j) {
-        const int* it = meta->rec[j & 1];
-        const int* a = it + 2;                        // the args, read from shared memory where used
+    int b = 0;                                         // the step's record buffer
+    for (int j = 0; j < count; b ^= 1) {
+        const int* it = meta->rec[b][0];
         const int kind = it[0];
+        const int m = kind == 15 ? it[12] : 1;         // items this step covers (a GEMM run: its parts)
         const int ii = first + j;
-        // the next record streams in while this item runs (its slot was last read one item ago)
-        if (threadIdx.x < PERSIST_REC / 4 && j + 1 < count)
-            cp_async16(smem_addr(&meta->rec[(j + 1) & 1][4 * threadIdx.x]),
-                       rows + PERSIST_REC * (j + 2) + 4 * threadIdx.x, 16);
+        // the next step's records stream in while this one runs (the buffer was last read a step ago)
+        if (threadIdx.x < PERSIST_RUN_MAX * PERSIST_REC / 4 && j + m < count)
+            cp_async16(smem_addr(&meta->rec[b ^ 1][0][0] + 4 * threadIdx.x),
+                       rows + PERSIST_REC * (j + m + 1) + 4 * threadIdx.x, 16);
         cp_async_commit();
-        const CounterWait wait{it, waits, counters, err, ii, spin_limit, &meta->abort_flag};
         const PersistOp& op = ops_s[it[1]];
         if (trace && threadIdx.x == 0) meta->t0 = global_ns();
-        bool ok = true, signal = true;
-        // norm and GEMM items wait inside their bodies (after their weight loads); the others wait first
+        bool ok = true;
         if (kind == 1) {
-            rmsnorm_row<CounterWait>(a[0], op.x, op.x_stride, op.x2, op.x2_stride, op.out2, op.out2_stride, op.w,
+            const CounterWait wait{it, waits, counters, err, ii, spin_limit, &meta->abort_flag};
+            rmsnorm_row<CounterWait>(it[2], op.x, op.x_stride, op.x2, op.x2_stride, op.out2, op.out2_stride, op.w,
                                      (bf16_bits*)op.out, op.out_stride, nullptr, op.N, op.eps, meta->red, wait);
         } else if (kind == 15) {
-            if (op.T <= 8) gemm_part_body<1>(op, a, wait);
-            else if (op.T <= 16) gemm_part_body<2>(op, a, wait);
-            else { ok = false; wait(); }                     // still wait: the error path below must not race
-            if (ok && !meta->abort_flag) {
-                __syncthreads();                             // the partial's stores issued
-                if (threadIdx.x == 0) meta->last = atom_acq_rel_add(counters + it[11], 1) == a[6] - 1;
-                __syncthreads();
-                signal = meta->last;                         // a part that is not last: its arrival signalled
-                if (signal) gemm_part_fixup(op, (op.flags & 2) ? a[0] % (op.N / 2) : a[0], a[4], a[5], a[6]);
-            }
+            bool bad = false;
+            if (op.T <= 8) bad = gemm_run<1>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last);
+            else if (op.T <= 16) bad = gemm_run<2>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last);
+            else ok = false;
+            if (bad) meta->abort_flag = 1;                   // every thread writes the same value
         } else {
+            const CounterWait wait{it, waits, counters, err, ii, spin_limit, &meta->abort_flag};
             wait();
             if (!meta->abort_flag) {
                 if (kind == 3) {
@@ -240,23 +379,28 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
                 }
             }
         }
-        cp_async_wait<0>();                                  // the next record has landed (for this thread)
-        if (meta->abort_flag) return;                        // uniform: every thread wrote it in wait()
+        cp_async_wait<0>();                                  // the next step's records have landed (this thread's)
+        if (meta->abort_flag) return;                        // uniform: every thread wrote it after a barrier
         __syncthreads();                                     // every thread's stores issued; smem free again
         if (threadIdx.x == 0) {
             if (!ok) {
                 if (atomicCAS(err, 0, ii + 1) == 0) err[1] = kind == 15 ? PERSIST_ERR_SHAPE : PERSIST_ERR_KIND;
             }
             // release: the block's stores (ordered before this thread's by the barrier) are visible device-wide
-            // before the count is; a consumer's acquire load pairs with it
-            if (signal) red_release_add(counters + it[11], 1);
+            // before the count is; a consumer's acquire load pairs with it. A GEMM run's parts signalled
+            // with their arrivals and fixups.
+            if (ok && kind != 15) red_release_add(counters + it[11], 1);
             if (trace) {                                     // (block, start, end) per item: the device-wide ns timer
-                trace[3 * ii] = blockIdx.x;
-                trace[3 * ii + 1] = meta->t0;
-                trace[3 * ii + 2] = global_ns();
+                const long long t1 = global_ns();
+                for (int q = 0; q < m; ++q) {                // a run's parts share its span
+                    trace[3 * (ii + q)] = blockIdx.x;
+                    trace[3 * (ii + q) + 1] = meta->t0;
+                    trace[3 * (ii + q) + 2] = t1;
+                }
             }
         }
         if (!ok) return;
+        j += m;
     }
     // the last block out resets the counters for the next launch (graph replay)
     if (threadIdx.x == 0) {

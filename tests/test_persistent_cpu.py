@@ -132,7 +132,7 @@ def test_device_rows_hold_every_block_list_in_order(n_blocks):
     enc = sc.encode(0)
     rows, stride, dev_to_enc = P.device_rows(enc)
     bs = enc["block_start"]
-    assert rows.shape == (n_blocks * stride + 1, S.REC_INTS) and rows.dtype == np.int32
+    assert rows.shape == (n_blocks * stride + S.RUN_MAX + 1, S.REC_INTS) and rows.dtype == np.int32
     assert stride == int(np.diff(bs).max()) + 1
     seen = []
     for b in range(n_blocks):
@@ -142,7 +142,7 @@ def test_device_rows_hold_every_block_list_in_order(n_blocks):
         seen += list(dev_to_enc[b * stride + 1:b * stride + 1 + c])
     assert seen == list(range(len(enc["items"])))
     assert (dev_to_enc >= 0).sum() == len(enc["items"])
-    assert not rows[-1].any()                          # the padding row after the last block
+    assert not rows[-(S.RUN_MAX + 1):].any()           # the padding rows after the last block
 
 
 def test_shared_memory_layout_fits_sm120():
@@ -164,4 +164,7 @@ def test_executor_has_no_static_shared_memory(arch):
     assert rep.ok, rep.error
     (k,) = rep.kernels
     assert k.smem_static == 0, f"persistent_layer declares {k.smem_static} B of static shared memory"
-    assert k.spill_stores == 0 and k.spill_loads == 0 and 0 < k.registers <= 128
+    assert k.spill_stores == 0 and k.spill_loads == 0
+    # two blocks per SM where shared memory holds two rings (sm_90): the 128-register budget; sm_120 holds
+    # one block per SM whatever the registers
+    assert 0 < k.registers <= (255 if arch == "sm_120" else 128)

@@ -155,11 +155,43 @@ def test_encode_matches_the_schedule():
         for row, it in zip(items, seg_items):
             assert row[0] == S.KIND[it.kind] and row[11] == it.signal and sc.ops[row[1]] == it.op
             assert list(row[2:2 + len(it.args)]) == list(it.args) and not row[2 + len(it.args):9].any()
-            assert not row[12:].any()
+            assert not row[15:].any()
             own = [(c, t) for c, t in it.waits if seg_of[c] == seg]
             assert [tuple(w) for w in waits[row[9]:row[9] + row[10]]] == own
         seen += len(items)
+        check_runs(enc)
     assert seen == len(sc.items)
+
+
+def check_runs(enc):
+    """The executor's steps: walking each block's records by run length visits every record once; a run is
+    consecutive gemm_part records of one stage (<= RUN_MAX) with the union of their waits."""
+    items, bs = enc["items"], enc["block_start"]
+    for b in range(len(bs) - 1):
+        i = bs[b]
+        while i < bs[b + 1]:
+            row = items[i]
+            m = int(row[12]) if row[0] == S.KIND["gemm_part"] else 1
+            assert 1 <= m <= S.RUN_MAX and i + m <= bs[b + 1]
+            if row[0] == S.KIND["gemm_part"]:
+                run = items[i:i + m]
+                assert (run[:, 0] == row[0]).all() and (run[:, 1] == row[1]).all()
+                assert row[13] == row[9] and row[13] + row[14] == run[-1, 9] + run[-1, 10]
+                if i + m < bs[b + 1] and m < S.RUN_MAX:       # a run ends at another stage or kind
+                    nxt = items[i + m]
+                    assert nxt[0] != row[0] or nxt[1] != row[1]
+            i += m
+        assert i == bs[b + 1]
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3, 132, 264])
+def test_gemm_runs_of_the_mlp_half(n_blocks):
+    cfg, _ = _kimi()
+    sc = S.build_layer(S.target_shape(cfg, 8, 0, 1, 8), n_blocks, parts=("mlp",))
+    enc = sc.encode(0)
+    check_runs(enc)
+    runs = enc["items"][(enc["items"][:, 0] == S.KIND["gemm_part"]) & (enc["items"][:, 12] > 0)]
+    assert len(runs) and runs[:, 12].max() <= S.RUN_MAX
 
 
 def test_bad_shapes_are_refused():

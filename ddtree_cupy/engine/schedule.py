@@ -50,7 +50,8 @@ KIND = {
     "gemm_part": 15,      # a K range of one 16-row GEMM unit (stream-K): fp32 partial; the group's last part
                           # sums the group's partials in slot order (+ SwiGLU for a gate|up pair)
 }
-REC_INTS = 16              # device record: kind, op, 7 args, wait_begin, n_waits, signal, 4 zero
+REC_INTS = 16              # device record: kind, op, 7 args, wait_begin, n_waits, signal, run, run waits, 0
+RUN_MAX = 4                # a block's consecutive parts of one GEMM run as one executor step, at most this many
 MAX_ARGS = 7
 UNIT_ROWS = 16             # a stream-K GEMM unit: 16 weight rows (the decode GEMM body's row tile)
 KIND_NAME = {v: k for k, v in KIND.items()}
@@ -488,9 +489,11 @@ class Schedule:
 
     def encode(self, seg: int = 0) -> Dict[str, np.ndarray]:
         """The device form of segment ``seg``: int32 ``items`` [n, REC_INTS] = (kind, op, 7 args, wait_begin,
-        n_waits, signal, 0 x 4) with op an index into ``ops``, ``waits`` [m, 2] = (counter, target),
-        ``block_start`` [n_blocks + 1] (block b runs items block_start[b] .. block_start[b + 1] - 1 in
-        order), plus ``n_counters``."""
+        n_waits, signal, run, run wait_begin, run n_waits, 0) with op an index into ``ops``, ``waits`` [m, 2] =
+        (counter, target), ``block_start`` [n_blocks + 1] (block b runs items block_start[b] ..
+        block_start[b + 1] - 1 in order), plus ``n_counters``. A block's consecutive gemm_part items of one
+        stage are cut into runs of at most RUN_MAX (the executor runs a run as one step): the first record of
+        a run holds its length and the union of its parts' waits (contiguous in ``waits``)."""
         # waits on counters of earlier segments are met by the launch boundary (and the counters are reset
         # at the end of every launch): only the segment's own counters are waited on.
         seg_of = {it.signal: it.segment for it in self.items}
@@ -506,6 +509,16 @@ class Schedule:
                 a = list(it.args) + [0] * (MAX_ARGS - len(it.args))
                 rows.append([KIND[it.kind], op_index[it.op]] + a + [len(waits), len(own), it.signal, 0, 0, 0, 0])
                 waits.extend([c, t] for c, t in own)
+            i = starts[-1]
+            while i < len(rows):                      # this block's runs
+                m = 1
+                if rows[i][0] == KIND["gemm_part"]:
+                    while (m < RUN_MAX and i + m < len(rows) and rows[i + m][0] == KIND["gemm_part"]
+                           and rows[i + m][1] == rows[i][1]):
+                        m += 1
+                    last = rows[i + m - 1]
+                    rows[i][12:15] = [m, rows[i][9], last[9] + last[10] - rows[i][9]]
+                i += m
             starts.append(len(rows))
         return {"items": np.array(rows, np.int32).reshape(-1, REC_INTS),
                 "waits": np.array(waits, np.int32).reshape(-1, 2),

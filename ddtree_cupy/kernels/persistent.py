@@ -7,8 +7,9 @@ calculator before the first launch (``schedule.check_coresident``): a grid that 
 refused with the largest one that can (``schedule.fit_grid``), never launched to deadlock. A wait that
 passes its bound sets the error word instead of hanging; ``check`` raises it naming the item and stage.
 
-Item bodies this build runs: ``norm_row``, ``gemm_part`` (a stream-K part of a 16-row unit, T <= 16, the
-decode GEMM body; the group's last part sums the partials, with SwiGLU for a gate|up pair) and
+Item bodies this build runs: ``norm_row``, ``gemm_part`` (a stream-K part of a 16-row unit, T <= 16; a block's
+consecutive parts of one GEMM run as one step through one ring; the group's last part sums the partials,
+with SwiGLU for a gate|up pair) and
 ``boundary`` (TP = 1: the all-reduce stand-in copy); ``supported_segment`` says whether a segment uses only
 those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built yet, see
 docs/PERSISTENT.md). A segment owns the fp32 workspace of its GEMMs' partial slots.
@@ -26,7 +27,7 @@ from .compile import CUDA_SRC_DIR, KernelSpec, get_kernel, register
 
 THREADS = 256
 RING_BYTES = 96 * 1024                 # the decode GEMM body's rings (kernels/gemm.py dec_smem_bytes), at offset 0
-META_BYTES = 192                       # struct PersistMeta after the rings (cuda_src/persistent_layer.cu)
+META_BYTES = 576                       # struct PersistMeta after the rings (cuda_src/persistent_layer.cu)
 SMEM_LIMIT = 99 * 1024                 # sm_120's per-block limit: the op table copy must fit beside the rings
 SUPPORTED_KINDS = frozenset({"norm_row", "gemm_part", "boundary"})
 MAX_T = 16                             # the decode GEMM body's token limit (NT <= 2)
@@ -52,6 +53,7 @@ class _PersistentSpec(KernelSpec):
 # per SM; sm_120's 100 KB holds one) under a 128-register budget, which admits the 16-row GEMM unit
 # (schedule.UNIT_ROWS) beside the norm body.
 BLOCKS_PER_SM = 2
+GEMM_WARPS = 8                         # warps of a block: each stores its own fp32 partial of a GEMM part
 
 SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), hot=True,
                                 doc="persistent layer executor: a precomputed work-item schedule per block, "
@@ -76,14 +78,16 @@ SMEM_BYTES = smem_bytes(MAX_OPS)       # the occupancy question's size: the larg
 
 def device_rows(enc: Mapping[str, np.ndarray]):
     """The encoded items re-laid for the kernel: block b's rows start at b * stride, a header row (count, 0..)
-    then its records in order, plus one padding row at the end (the kernel reads a header and the next row
-    in one go). Returns (rows [n_blocks * stride + 1, 8] int32, stride, device row -> encoded row)."""
+    then its records in order, plus RUN_MAX + 1 padding rows at the end (a step reads RUN_MAX records at
+    once). Returns (rows [n_blocks * stride + RUN_MAX + 1, REC_INTS] int32, stride, device row -> encoded
+    row)."""
     bs = enc["block_start"]
     counts = np.diff(bs)
     stride = int(counts.max(initial=0)) + 1
     n_blocks = len(counts)
-    rows = np.zeros((n_blocks * stride + 1, sched_mod.REC_INTS), np.int32)
-    dev_to_enc = np.full(n_blocks * stride + 1, -1, np.int64)
+    pad = sched_mod.RUN_MAX + 1
+    rows = np.zeros((n_blocks * stride + pad, sched_mod.REC_INTS), np.int32)
+    dev_to_enc = np.full(n_blocks * stride + pad, -1, np.int64)
     for b in range(n_blocks):
         base, c = b * stride, int(counts[b])
         rows[base, 0] = c
@@ -146,12 +150,12 @@ class PersistentSegment:
         enc = s.encode(seg)
         table = np.zeros(len(s.ops), OP_DTYPE)
         kinds = {it.op: it.kind for it in s.items if it.segment == seg}
-        self.workspaces = {}                                 # GEMM stage -> fp32 partial slots [slots * T, 16]
+        self.workspaces = {}                 # GEMM stage -> fp32 partials [part slot][warp][T][16]
         for name in need:
             table[s.ops.index(name)] = self._op_record(name, kinds[name], ops[name], T)
             if kinds[name] == "gemm_part":
-                rows_ws, cols_ws = s.buffers[f"{name}:ws"]
-                self.workspaces[name] = cupy.full((rows_ws, cols_ws), np.nan, np.float32)
+                rows_ws, cols_ws = s.buffers[f"{name}:ws"]      # [slots * T, 16] in the model
+                self.workspaces[name] = cupy.full((rows_ws * GEMM_WARPS, cols_ws), np.nan, np.float32)
                 table[s.ops.index(name)]["out2"] = self.workspaces[name].data.ptr
         self.ops = dict(ops)                                 # keep the bound arrays alive
         rows, self.stride, self._dev_to_enc = device_rows(enc)
