@@ -212,11 +212,10 @@ class _Builder:
         n_units = N // UNIT_ROWS
         width = N // 2 if swiglu else N
         self.buf(out, T, width)
-        if swiglu:       # gate unit j then up unit j: a pair's parts are adjacent in the sequence
-            F16 = n_units // 2
-            units = [(u, (u % 2) * F16 + u // 2) for u in range(n_units)]     # (sequence index, weight unit)
-        else:
-            units = [(u, u) for u in range(n_units)]
+        # the weight unit at sequence position u: for gate|up, gate unit j then up unit j (a pair's parts are
+        # adjacent in the sequence); else the units in order
+        half = n_units // 2
+        weight_unit = (lambda u: (u % 2) * half + u // 2) if swiglu else (lambda u: u)
         kt_cost = UNIT_ROWS * 64 * weight_bytes + L2 * T * 64 * 2
         ranges = self._stream_ranges(n_units * KT, kt_cost, x)
         pieces = []                                   # (sequence unit, block, kt0, nkt)
@@ -238,7 +237,7 @@ class _Builder:
             col0 = g * UNIT_ROWS
             for i in idxs:
                 u, b, kt0, nkt = pieces[i]
-                wu = units[u][1]
+                wu = weight_unit(u)
                 c0, c1 = kt0 * 64, min(K, (kt0 + nkt) * 64)
                 self.add("gemm_part", op, (wu * UNIT_ROWS, kt0, nkt, i, slot0, n_gate, n),
                          [Region(x, 0, T, c0, c1)], [Region(ws, i * T, (i + 1) * T, 0, UNIT_ROWS)],

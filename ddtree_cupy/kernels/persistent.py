@@ -65,7 +65,7 @@ OP_DTYPE = np.dtype([("x", np.uint64), ("x2", np.uint64), ("w", np.uint64), ("ou
                      ("out2_stride", np.int64), ("T", np.int32), ("N", np.int32), ("K", np.int32),
                      ("flags", np.int32), ("eps", np.float32), ("pad", np.int32, (3,))])
 assert OP_DTYPE.itemsize == 104       # static_asserts in persistent_layer.cu pin the same layout
-MAX_OPS = (SMEM_LIMIT - RING_BYTES - META_BYTES) // OP_DTYPE.itemsize     # 27 stages per schedule
+MAX_OPS = (SMEM_LIMIT - RING_BYTES - META_BYTES) // OP_DTYPE.itemsize     # 24 stages per schedule
 
 
 def smem_bytes(n_ops: int) -> int:
