@@ -343,7 +343,9 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     for (int j = 0; j < count; b ^= 1) {
         const int* it = meta->rec[b][0];
         const int kind = it[0];
-        const int m = kind == 15 ? it[12] : 1;         // items this step covers (a GEMM run: its parts)
+        // items this step covers (a GEMM run: its parts; bounded, so a bad record can neither stall the loop
+        // nor run past the record buffer or the block's list)
+        const int m = kind == 15 ? min(max(it[12], 1), min(PERSIST_RUN_MAX, count - j)) : 1;
         const int ii = first + j;
         // the next step's records stream in while this one runs (the buffer was last read a step ago)
         if (threadIdx.x < PERSIST_RUN_MAX * PERSIST_REC / 4 && j + m < count)
