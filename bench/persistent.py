@@ -6,7 +6,9 @@ of Kimi K2.6 dense layer 0 and of the DFlash drafter, same weights and inputs in
 
 Per shape: today's chain and the persistent launch as CUDA graphs (us per call), both against the byte
 floor (weights + activations read once, at the read ceiling measured in the same run), and the cost
-model's prediction (engine/schedule.py). --timeline prints the per-stage span of the persistent launch
+model's prediction (engine/schedule.py). The weights are cold, as in a step of 61 layers: every timed call
+uses the next of enough weight copies that the ones a call reads are not in L2 from the call before
+(``_copies``: together at least 3x the L2), so a GEMM whose weights fit in L2 is not flattered. --timeline prints the per-stage span of the persistent launch
 (globaltimer per item) and the busiest blocks' item sequence.
 """
 from __future__ import annotations
@@ -29,6 +31,46 @@ def _shape(kind, T, F):
     return S.LayerShape("drafter", 1, T, H=H, nh=8, dn=128, dv=128, F=F, nkv=1)
 
 
+def _copies(cp, nbytes: int) -> int:
+    """Weight copies to cycle through so that a call's weights were evicted since their last use: together
+    at least 3x the device's L2 (at most 16)."""
+    l2 = int(cp.cuda.Device().attributes["L2CacheSize"])
+    return max(2, min(16, -(-3 * l2 // max(1, nbytes))))
+
+
+class _Cycle:
+    """fn(k) for k = 0, 1, ... mod n on successive calls (a graph captures n different launches in turn)."""
+
+    def __init__(self, fns):
+        self.fns, self.i = list(fns), 0
+
+    def __call__(self):
+        f = self.fns[self.i % len(self.fns)]
+        self.i += 1
+        f()
+
+
+def _breakdown(seg):
+    """Where a traced launch's time goes, per block, in us from the earliest block start: the block's start,
+    its set-up done, its first and last part end of each GEMM (or item end), its end. Percentiles over blocks."""
+    bt = seg.block_times().astype(np.float64)
+    t0 = bt[:, 0].min()
+    per = {"start": bt[:, 0] - t0, "setup_done": bt[:, 1] - t0, "end": bt[:, 2] - t0}
+    ends = {}
+    for b, _, op, _, e in seg.timeline():
+        ends.setdefault(op, {}).setdefault(b, []).append(e - t0)
+    for op, by_block in ends.items():
+        per[f"{op}_first_end"] = np.array([min(v) for v in by_block.values()])
+        per[f"{op}_last_end"] = np.array([max(v) for v in by_block.values()])
+    return {k: [float(np.percentile(v, q)) / 1e3 for q in (0, 50, 100)] for k, v in per.items()}
+
+
+def _print_breakdown(bd, indent="    "):
+    print(f"{indent}per block, us from the first block's start (min / median / max over blocks):")
+    for k, (lo, md, hi) in bd.items():
+        print(f"{indent}  {k:22} {lo:7.2f} {md:7.2f} {hi:7.2f}")
+
+
 def _rel(cp, a, b):
     a, b = (cp.asarray(v).view(np.uint16).astype(np.uint32) << 16 for v in (a, b))
     a, b = a.view(np.float32).astype(np.float64), b.view(np.float32).astype(np.float64)
@@ -43,50 +85,60 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
     r = lambda *s: cp.asarray((rng.standard_normal(s) * 0.05).astype(np.float32)).view(np.uint32)   # noqa: E731
     bf = lambda a: (a >> 16).astype(np.uint16)                                                       # noqa: E731
     attn, h, nw = bf(r(T, H)), bf(r(T, H)), bf(r(H))
-    w_gu, w_dn = bf(r(2 * F, H)), bf(r(H, F))
+    w_gu0, w_dn0 = bf(r(2 * F, H)), bf(r(H, F))
+    n_copies = _copies(cp, w_gu0.nbytes + w_dn0.nbytes)
+    w_gus = [w_gu0] + [cp.roll(w_gu0, k, axis=0) for k in range(1, n_copies)]    # distinct bytes per copy
+    w_dns = [w_dn0] + [cp.roll(w_dn0, k, axis=0) for k in range(1, n_copies)]
     z = lambda *s: cp.zeros(s, np.uint16)                                                            # noqa: E731
     normed, gu, act, out = z(T, H), z(T, 2 * F), z(T, F), z(T, H)
     eps = 1e-6
 
-    def today():
-        layers.rms_norm(attn, nw, eps, out=normed, residual=h)
-        gemm.gemm_bf16(normed, w_gu, gu)
-        layers.silu_mul(gu, out=act)
-        gemm.gemm_bf16(act, w_dn, out)
+    def today_k(k):
+        def run():
+            layers.rms_norm(attn, nw, eps, out=normed, residual=h)
+            gemm.gemm_bf16(normed, w_gus[k], gu)
+            layers.silu_mul(gu, out=act)
+            gemm.gemm_bf16(act, w_dns[k], out)
+        return run
     sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid = default_grid()
     sc = S.build_layer(_shape(kind, T, F), grid, allreduce="segment", parts=("mlp",),
                        bytes_per_us_per_block=4.0e6 / grid)
     act_p, out_p = z(T, F), z(T, H)
-    seg = PersistentSegment(sc, 0, bind_dense_mlp(sc, attn=attn, h=h, post_norm_w=nw, eps=eps, w_gate_up=w_gu,
-                                                  w_down=w_dn, normed=normed, act=act_p, out=out_p),
-                            trace=timeline)
+    segs = [PersistentSegment(sc, 0, bind_dense_mlp(sc, attn=attn, h=h, post_norm_w=nw, eps=eps, w_gate_up=w_gus[k],
+                                                    w_down=w_dns[k], normed=normed, act=act_p, out=out_p),
+                              trace=timeline and k == 0)
+            for k in range(n_copies)]
+    seg = segs[0]
     h0 = h.copy()                                  # both update the residual in place: one pass each from h0
-    today()
+    today_k(0)()
     h[...] = h0
     seg.launch()
     seg.check()
     err = _rel(cp, out_p, out)
-    t_old = time_graph(today)
-    t_new = time_graph(seg.launch)
-    seg.check()
+    t_old = time_graph(_Cycle(today_k(k) for k in range(n_copies)))
+    t_new = time_graph(_Cycle(sg.launch for sg in segs))
+    for sg in segs:
+        sg.check()
+    w_gu, w_dn = w_gu0, w_dn0
     nbytes = (w_gu.nbytes + w_dn.nbytes + nw.nbytes + 2 * attn.nbytes + 2 * h.nbytes + normed.nbytes * 2
               + gu.nbytes * 2 + act.nbytes * 2 + out.nbytes)
     floor_us = nbytes / (read_gbs * 1e3)
     row = {"kind": kind, "T": T, "sm": int(sm), "blocks": sc.n_blocks, "items": len(sc.items), "today_us": t_old,
            "persistent_us": t_new, "floor_us": floor_us, "today_x_floor": t_old / floor_us,
            "persistent_x_floor": t_new / floor_us, "speedup": t_old / t_new,
-           "model_us": sc.predicted_us, "rel_err_vs_today": err}
-    # today's chain op by op
+           "model_us": sc.predicted_us, "rel_err_vs_today": err, "weight_copies": n_copies}
+    # today's chain op by op (cold weights too)
     row["today_ops_us"] = {
         "post_norm": time_graph(lambda: layers.rms_norm(attn, nw, eps, out=normed, residual=h)),
-        "gate_up": time_graph(lambda: gemm.gemm_bf16(normed, w_gu, gu)),
+        "gate_up": time_graph(_Cycle((lambda w=w: gemm.gemm_bf16(normed, w, gu)) for w in w_gus)),
         "silu": time_graph(lambda: layers.silu_mul(gu, out=act)),
-        "down": time_graph(lambda: gemm.gemm_bf16(act, w_dn, out))}
+        "down": time_graph(_Cycle((lambda w=w: gemm.gemm_bf16(act, w, out)) for w in w_dns))}
     row["today_configs"] = {"gate_up": str(gemm.choose_decode(T, 2 * F, H)), "down": str(gemm.choose_decode(T, H, F))}
     if timeline:
         seg.launch()
         cp.cuda.Stream.null.synchronize()
+        row["breakdown_us"] = _breakdown(seg)
         tl = seg.timeline()
         t0 = min(t for _, _, _, t, _ in tl)
         spans = {}
@@ -104,9 +156,9 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
     return row
 
 
-def run_gemm_alone(cp, T, read_gbs):
+def run_gemm_alone(cp, T, read_gbs, timeline=False):
     """Each GEMM of the MLP half alone: the executor running only its stream-K parts (engine/schedule.
-    build_gemm, no waits) against today's plain launch (its automatic config)."""
+    build_gemm, no waits) against today's plain launch (its automatic config), both on cold weights."""
     from ddtree_cupy.kernels import gemm
     from ddtree_cupy.kernels.persistent import PersistOpArgs, PersistentSegment, default_grid
     rng = np.random.default_rng(100 + T)
@@ -115,17 +167,28 @@ def run_gemm_alone(cp, T, read_gbs):
     out = []
     for name, N, K in (("gate_up", 2 * F_DENSE, H), ("down", H, F_DENSE)):
         x, w, o, o2 = bf(T, K), bf(N, K), cp.zeros((T, N), np.uint16), cp.zeros((T, N), np.uint16)
+        ws = [w] + [cp.roll(w, k, axis=0) for k in range(1, _copies(cp, w.nbytes))]
         grid = default_grid()
         sc = S.build_gemm(T, N, K, grid, bytes_per_us_per_block=4.0e6 / grid)
-        seg = PersistentSegment(sc, 0, {"gemm": PersistOpArgs(x=x, w=w, out=o, N=N, K=K)})
-        seg.launch()
-        seg.check()
-        t_pers = time_graph(seg.launch)
-        seg.check()
-        t_plain = time_graph(lambda: gemm.gemm_bf16(x, w, o2))
+        segs = [PersistentSegment(sc, 0, {"gemm": PersistOpArgs(x=x, w=wk, out=o, N=N, K=K)}) for wk in ws]
+        segs[0].launch()
+        segs[0].check()
+        gemm.gemm_bf16(x, w, o2)
+        err = _rel(cp, o, o2)
+        t_pers = time_graph(_Cycle(sg.launch for sg in segs))
+        for sg in segs:
+            sg.check()
+        t_plain = time_graph(_Cycle((lambda wk=wk: gemm.gemm_bf16(x, wk, o2)) for wk in ws))
+        bd = None
+        if timeline:                   # one traced launch on weights another copy's pass evicted
+            traced = PersistentSegment(sc, 0, {"gemm": PersistOpArgs(x=x, w=ws[0], out=o, N=N, K=K)}, trace=True)
+            traced.launch()
+            traced.check()
+            bd = _breakdown(traced)
         floor = (w.nbytes + x.nbytes + o.nbytes) / (read_gbs * 1e3)
         out.append({"gemm": name, "T": T, "N": N, "K": K, "blocks": grid, "items": len(sc.items),
-                    "persistent_us": t_pers, "plain_us": t_plain, "floor_us": floor, "rel_err": _rel(cp, o, o2),
+                    "persistent_us": t_pers, "plain_us": t_plain, "floor_us": floor, "rel_err": err,
+                    "weight_copies": len(ws), "breakdown_us": bd,
                     "plain_config": str(gemm.choose_decode(T, N, K))})
     return out
 
@@ -155,6 +218,7 @@ def main(argv=None):
         if args.timeline:
             for op, (a, e) in r["stage_spans_us"].items():
                 print(f"    {op:12} {a:8.2f} .. {e:8.2f} us")
+            _print_breakdown(r["breakdown_us"])
             print("    today op by op (us): " + ", ".join(f"{k} {v:.1f}" for k, v in r["today_ops_us"].items())
                   + f"  configs {r['today_configs']}")
             for b, busy, seq in r["busiest_blocks"]:
@@ -164,10 +228,12 @@ def main(argv=None):
         print(f"{'gemm':8} {'T':>3} {'blocks':>6} {'items':>6} {'plain us':>9} {'persist us':>10} {'floor us':>8} "
               f"{'rel err':>9}")
         for T in args.rows:
-            for g in run_gemm_alone(cp, T, read):
+            for g in run_gemm_alone(cp, T, read, args.timeline):
                 alone.append(g)
                 print(f"{g['gemm']:8} {T:3d} {g['blocks']:6d} {g['items']:6d} {g['plain_us']:9.1f} "
                       f"{g['persistent_us']:10.1f} {g['floor_us']:8.1f} {g['rel_err']:9.2e}")
+                if g["breakdown_us"]:
+                    _print_breakdown(g["breakdown_us"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_gbs": read, "rows": rows, "gemm_alone": alone}, f, indent=1)
