@@ -15,14 +15,17 @@
 //  * Records: the block's header, its first step's records and the whole op table are read once at the
 //    start (shared memory); each next step's records are prefetched with cp.async while the current step
 //    runs, so no step waits on a chain of dependent global loads before its first weight request.
-//  * Counters reset themselves: the last block to finish (done counter) zeroes every counter and the done
-//    counter, so a CUDA graph replays the launch with no memset. After an error the host resets them.
+//  * Counters reset themselves: the last block to finish (done counter) zeroes every counter (all its threads)
+//    and the done counter, so a CUDA graph replays the launch with no memset. After an error the host resets
+//    them.
 //  * Activations produced by other blocks in the same launch are read with L1-bypassing loads (ld.cg, or
 //    cp.async.cg in the GEMM run), never through a line this SM may have cached before it was written. The
-//    GEMM run's plain token loads (its first ring stages) are safe because a part's K range is whole k
+//    GEMM run loads its tokens with cp.async.cg only (L2); a part's K range is whole k
 //    tiles (128-byte lines of a row) and the run waits for every producer of them.
-//  * trace (optional): per item (block, start, end) from the global ns timer; start = when the block
-//    reached the item (its weight prologue and wait included); a GEMM run's parts share its span.
+//  * trace (optional), from the global ns timer: per item (block, start, end); start = when the block
+//    reached the item (its weight prologue and wait included); the parts of a GEMM run share the run's start
+//    and each ends when its part end is done (the partial stored, the arrival, the fixup if it was last).
+//    A block's header row gets (block start, set-up done, block end).
 //  * Shared pieces: rmsnorm_row (norm_row.cuh), the decode GEMM's stage copies and mma stage
 //    (decode_load_w / decode_load_x / decode_mma_stage, gemm_bf16.cu), silu_mul1 (layer_math.cuh).
 //
@@ -173,7 +176,8 @@ __device__ __forceinline__ void warp_slice(const int* r, int ks, int& kt, int& c
 // Returns whether the block gave up in the wait. `recs`: the run's m records (shared memory).
 template <int NT>
 __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, int m, const int* wait_pairs,
-                                         int* counters, int* err, int item, int spin_limit, int* last_s) {
+                                         int* counters, int* err, int item, int spin_limit, int* last_s,
+                                         long long* trace, long long t0) {
     constexpr int STAGES = NT == 1 ? 4 : 3;   // kernels/gemm.py dec_stages: 96 KB rings
     constexpr int WST = 16 * 8, XST = NT * 64;
     extern __shared__ uint4 smem[];
@@ -194,8 +198,8 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
     auto load_w = [&](int slot, int part, int kt) {
         decode_load_w(w_s + slot * WST, op.w + (long long)recs[16 * part + 2] * K + kt * GEMM_BK, K, lane);
     };
-    auto load_x = [&](int slot, int kt, bool async) {
-        decode_load_x<NT>(x_s + slot * XST, op.x, (int)op.x_stride, kt * GEMM_BK, T, lane, async);
+    auto load_x = [&](int slot, int kt) {
+        decode_load_x<NT>(x_s + slot * XST, op.x, (int)op.x_stride, kt * GEMM_BK, T, lane);
     };
     int total = 0;                                     // this warp's stages over the run
     for (int i = 0; i < m; ++i) {
@@ -217,14 +221,17 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
         cp_async_wait<0>();
         return true;
     }
-    {   // the prologue stages' token rows (their k tiles walked again)
+    {   // the prologue stages' token rows (their k tiles walked again), as cp.async: all in flight at once (plain
+        // loads in this data-dependent loop went one round trip per stage), then one wait for the whole prologue
         int pi = 0, pk, pleft;
         warp_slice(recs, ks, pk, pleft);
         for (int s = 0; s < STAGES - 1 && s < total; ++s) {
             while (pleft == 0) warp_slice(recs + 16 * ++pi, ks, pk, pleft);
-            load_x(s, pk++, false);
+            load_x(s, pk++);
             --pleft;
         }
+        cp_async_commit();
+        cp_async_wait<0>();                            // the prologue's weights were requested before the wait
     }
 
     int ci = 0, cleft;                                 // the compute cursor
@@ -249,12 +256,22 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
                 acc[j][e] = 0.f;
             }
         __syncthreads();                               // every warp's partial of part ci stored
-        if (threadIdx.x == 0) *last_s = atom_acq_rel_add(counters + r[11], 1) == r[8] - 1;
-        __syncthreads();
-        if (*last_s) {                                 // uniform: the block's arrival completed the group
+        const bool single = r[8] == 1;                 // a whole unit: the group is this part alone
+        if (!single) {
+            if (threadIdx.x == 0) *last_s = atom_acq_rel_add(counters + r[11], 1) == r[8] - 1;
+            __syncthreads();
+        }
+        if (single || *last_s) {                       // uniform: the block's arrival completed the group
             gemm_run_fixup(op, (op.flags & 2) ? r[2] % (op.N / 2) : r[2], r[6], r[7], r[8]);
             __syncthreads();                           // every thread's outputs before the release
-            if (threadIdx.x == 0) red_release_add(counters + r[11], 1);
+            // a group of one part skipped its arrival: it adds the arrival's 1 with the fixup's
+            if (threadIdx.x == 0) red_release_add(counters + r[11], single ? 2 : 1);
+        }
+        if (trace && threadIdx.x == 0) {               // (block, run start, this part's end)
+            long long* t = trace + 3 * (long long)(item + ci);
+            t[0] = blockIdx.x;
+            t[1] = t0;
+            t[2] = global_ns();
         }
     };
     auto retire = [&]() {                              // every finished part, in order (empty slices too)
@@ -275,7 +292,7 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
             const int part = next_load(kt);
             const int slot = (s + STAGES - 1) % STAGES;
             load_w(slot, part, kt);
-            load_x(slot, kt, true);
+            load_x(slot, kt);
         }
         cp_async_commit();
         decode_mma_stage<NT>(w_s + (s % STAGES) * WST, x_s + (s % STAGES) * XST, lane, acc);
@@ -299,7 +316,7 @@ struct PersistMeta {
     int pad;
     float red[NORM_THREADS / 32];     // the norm body's reduction
     long long t0;                     // trace: the current step's start (kept here, not in a register)
-    long long pad2;
+    long long t_block;                // trace: the block's start
     // records: the current step's (one item, or a GEMM run's parts) and the next step's, prefetched
     int rec[2][PERSIST_RUN_MAX][PERSIST_REC];
 };
@@ -324,19 +341,28 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
     PersistOp* ops_s = reinterpret_cast<PersistOp*>(meta + 1);
     const int* rows = items + PERSIST_REC * (long long)blockIdx.x * stride;
+    long long* trace_hdr = trace ? trace + 3 * (long long)blockIdx.x * stride : nullptr;   // the header row's
+    if (trace && threadIdx.x == 0) meta->t_block = global_ns();
     // the header and the first step's records (PERSIST_RUN_MAX of them) and the op table in one round trip
     if (threadIdx.x < PERSIST_REC * (1 + PERSIST_RUN_MAX)) {
         const int q = threadIdx.x, v = rows[q];
         if (q == 0) meta->count = v;
         else if (q >= PERSIST_REC) (&meta->rec[0][0][0])[q - PERSIST_REC] = v;
     }
-    if (threadIdx.x == 0) meta->abort_flag = 0;
+    if (threadIdx.x == 0) {
+        meta->abort_flag = 0;
+        meta->last = 0;
+    }
     {
         const uint2* src = reinterpret_cast<const uint2*>(ops);
         uint2* dst = reinterpret_cast<uint2*>(ops_s);
         for (int v = threadIdx.x; v < n_ops * (int)(sizeof(PersistOp) / 8); v += PERSIST_THREADS) dst[v] = src[v];
     }
     __syncthreads();
+    if (trace && threadIdx.x == 0) {
+        trace_hdr[0] = meta->t_block;
+        trace_hdr[1] = global_ns();
+    }
     const int count = meta->count;
     const int first = (int)blockIdx.x * stride + 1;   // device row of the block's first record (err, trace)
     int b = 0;                                         // the step's record buffer
@@ -361,8 +387,10 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
                                      (bf16_bits*)op.out, op.out_stride, nullptr, op.N, op.eps, meta->red, wait);
         } else if (kind == 15) {
             bool bad = false;
-            if (op.T <= 8) bad = gemm_run<1>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last);
-            else if (op.T <= 16) bad = gemm_run<2>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last);
+            if (op.T <= 8)
+                bad = gemm_run<1>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, trace, meta->t0);
+            else if (op.T <= 16)
+                bad = gemm_run<2>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, trace, meta->t0);
             else ok = false;
             if (bad) meta->abort_flag = 1;                   // every thread writes the same value
         } else {
@@ -392,23 +420,23 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
             // before the count is; a consumer's acquire load pairs with it. A GEMM run's parts signalled
             // with their arrivals and fixups.
             if (ok && kind != 15) red_release_add(counters + it[11], 1);
-            if (trace) {                                     // (block, start, end) per item: the device-wide ns timer
-                const long long t1 = global_ns();
-                for (int q = 0; q < m; ++q) {                // a run's parts share its span
-                    trace[3 * (ii + q)] = blockIdx.x;
-                    trace[3 * (ii + q) + 1] = meta->t0;
-                    trace[3 * (ii + q) + 2] = t1;
-                }
+            if (trace && kind != 15) {                       // (block, start, end): the device-wide ns timer
+                trace[3 * ii] = blockIdx.x;                  // (a GEMM run traced its parts' ends itself)
+                trace[3 * ii + 1] = meta->t0;
+                trace[3 * ii + 2] = global_ns();
             }
         }
         if (!ok) return;
         j += m;
     }
-    // the last block out resets the counters for the next launch (graph replay)
-    if (threadIdx.x == 0) {
-        if (atom_acq_rel_add(done, 1) == (int)gridDim.x - 1) {
-            for (int c = 0; c < n_counters; ++c) counters[c] = 0;
-            *done = 0;
-        }
+    // the last block out resets the counters for the next launch (graph replay), every thread a share: thread
+    // 0's acquire (the done count) is ordered before the other threads' stores by the barrier
+    if (threadIdx.x == 0) meta->last = atom_acq_rel_add(done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (meta->last) {
+        for (int c = threadIdx.x; c < n_counters; c += PERSIST_THREADS) counters[c] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) *done = 0;
     }
+    if (trace && threadIdx.x == 0) trace_hdr[2] = global_ns();
 }

@@ -57,6 +57,7 @@ UNIT_ROWS = 16             # a stream-K GEMM unit: 16 weight rows (the decode GE
 KIND_NAME = {v: k for k, v in KIND.items()}
 
 MIN_PART_KT = 8            # a stream-K range holds at least this many k tiles (small GEMMs use fewer blocks)
+ALIGN_SLACK = 1.25         # whole-unit ranges when the longest is at most this much over an even split
 L2 = 0.25                  # cost model: activation bytes (just written, L2-resident) at a quarter of a weight byte
 MOE_UP_TILE = 64           # rows of the expert's 2I gate|up weight per item (gate and up halves together)
 MOE_DOWN_TILE = 512        # output columns (H) per expert down item
@@ -217,7 +218,7 @@ class _Builder:
         half = n_units // 2
         weight_unit = (lambda u: (u % 2) * half + u // 2) if swiglu else (lambda u: u)
         kt_cost = UNIT_ROWS * 64 * weight_bytes + L2 * T * 64 * 2
-        ranges = self._stream_ranges(n_units * KT, kt_cost, x)
+        ranges = self._stream_ranges(n_units * KT, kt_cost, x, align=1 if swiglu else KT)
         pieces = []                                   # (sequence unit, block, kt0, nkt)
         for b, (lo, hi) in enumerate(ranges):
             u = lo // KT
@@ -245,10 +246,15 @@ class _Builder:
                          last_reads=(Region(ws, slot0 * T, (slot0 + n) * T, 0, UNIT_ROWS),),
                          last_writes=(Region(out, 0, T, col0, col0 + UNIT_ROWS),))
 
-    def _stream_ranges(self, total: int, unit_cost: float, x: str) -> List[Tuple[int, int]]:
+    def _stream_ranges(self, total: int, unit_cost: float, x: str, align: int = 1) -> List[Tuple[int, int]]:
         """Per block, its contiguous range [lo, hi) of a stream of ``total`` equal units (each costing
         ``unit_cost`` bytes) that starts once buffer ``x`` exists: shares proportional to the time each
-        block has left before a common finish (the cost model's free times of the items so far)."""
+        block has left before a common finish (the cost model's free times of the items so far).
+
+        ``align`` (a GEMM's k tiles per 16-row unit): the range ends are rounded to whole units when every
+        used block can have one and the longest share grows by at most ALIGN_SLACK over an even split. A
+        whole unit is a group of one part, which needs no arrival round trip and no other block's partial
+        (measured: the cross-block part end costs more than the imbalance, docs/PERSISTENT.md)."""
         free, ready = _model_free(self.items, self.n_blocks, self.rate, self.segment, x)
         start = [max(f, ready) for f in free]
         n_use = max(1, min(self.n_blocks, total // MIN_PART_KT))
@@ -266,11 +272,14 @@ class _Builder:
             acc += (i + 1) * (nxt - t)
         share = {b: max(0.0, E - start[b]) for b in use}
         tot = sum(share.values()) or 1.0
+        n_whole = total // align
+        q = align if (align > 1 and total % align == 0 and n_whole >= len(use)
+                      and -(-n_whole // len(use)) * len(use) <= ALIGN_SLACK * n_whole) else 1
         out = [(0, 0)] * self.n_blocks
         lo, cum = 0, 0.0
         for b in sorted(use):
             cum += share[b]
-            hi = total if b == max(use) else min(total, int(round(cum / tot * total)))
+            hi = total if b == max(use) else min(total, int(round(cum / tot * (total // q))) * q)
             out[b] = (lo, max(lo, hi))
             lo = max(lo, hi)
         return out

@@ -244,6 +244,14 @@ class PersistentSegment:
         return [(int(tr[d, 0]), int(i), self.s.ops[int(self._enc["items"][i, 1])], int(tr[d, 1]), int(tr[d, 2]))
                 for d, i in enumerate(self._dev_to_enc) if i >= 0]
 
+    def block_times(self) -> np.ndarray:
+        """[n_blocks, 3] int64 of the last launch (trace=True; globaltimer ns): each block's start, the end of its
+        set-up (header, first records and op table read) and its end (the counter reset included)."""
+        if self.trace is None:
+            raise ValueError("block_times: construct the segment with trace=True")
+        tr = self.trace.get()
+        return tr[np.arange(self.s.n_blocks) * self.stride].copy()
+
 
 def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w_gate_up, w_down, normed,
                    act, out, final=None) -> Dict[str, PersistOpArgs]:

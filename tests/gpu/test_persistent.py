@@ -192,10 +192,14 @@ def test_timeline_has_every_item_on_its_scheduled_block():
     for b, i, op, t0, t1 in tl:
         assert bs[b] <= i < bs[b + 1], f"item {i} traced on block {b}"
         assert op == sc.ops[int(enc["items"][i, 1])] and 0 < t0 <= t1
-    # a block runs its list in order (the parts of one GEMM run share the run's span)
+    # a block runs its list in order (the parts of one GEMM run share the run's start, their ends in order)
+    bt = seg.block_times()
     for b in range(sc.n_blocks):
         spans = sorted((i, t0, t1) for bb, i, _, t0, t1 in tl if bb == b)
-        assert all(spans[j][1:] == spans[j + 1][1:] or spans[j][2] <= spans[j + 1][1] for j in range(len(spans) - 1))
+        assert all((spans[j][1] == spans[j + 1][1] and spans[j][2] <= spans[j + 1][2]) or spans[j][2] <= spans[j + 1][1]
+                   for j in range(len(spans) - 1))
+        # the block's own times: start <= set-up done <= its first item's start, its last item's end <= its end
+        assert 0 < bt[b, 0] <= bt[b, 1] <= min(s[1] for s in spans) and max(s[2] for s in spans) <= bt[b, 2]
 
 
 def test_grid_that_cannot_be_coresident_is_refused():
