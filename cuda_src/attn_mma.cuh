@@ -44,8 +44,4 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
 }
 
-// An L2 prefetch: no register result, no architectural effect, so it may use addresses computed from
-// values another kernel is still writing (before DDT_PDL_WAIT()): a stale address only wastes a line.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
+// prefetch_l2: common.cuh

@@ -46,6 +46,13 @@ struct PdlWaitHook {
 
 typedef unsigned short bf16_bits;  // bf16 as stored by the host (numpy/CuPy uint16)
 
+// An L2 prefetch (fire and forget): no register result and no architectural effect, so a warp can have
+// many more bytes requested than its ring holds, and the address may come from values another kernel is
+// still writing (before DDT_PDL_WAIT()): a stale address only wastes a line.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16_bits b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }

@@ -69,11 +69,7 @@ __device__ __forceinline__ uint2 ld_stream_v2(const uint2* p) {
     return v;
 }
 
-// Fire-and-forget L2 fill: costs no registers, so a warp can have many more bytes requested than its
-// register ring holds (the ring then waits on L2 latency instead of DRAM latency).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
+// prefetch_l2: common.cuh
 
 __device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
