@@ -20,8 +20,7 @@
 //    them.
 //  * Activations produced by other blocks in the same launch are read with L1-bypassing loads (ld.cg, or
 //    cp.async.cg in the GEMM run), never through a line this SM may have cached before it was written. The
-//    GEMM run loads its tokens with cp.async.cg only (L2); a part's K range is whole k
-//    tiles (128-byte lines of a row) and the run waits for every producer of them.
+//    GEMM run loads its tokens with cp.async.cg only, after the wait for every producer of them.
 //  * trace (optional), from the global ns timer: per item (block, start, end); start = when the block
 //    reached the item (its weight prologue and wait included); the parts of a GEMM run share the run's start
 //    and each ends when its part end is done (the partial stored, the arrival, the fixup if it was last).
@@ -349,10 +348,7 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         if (q == 0) meta->count = v;
         else if (q >= PERSIST_REC) (&meta->rec[0][0][0])[q - PERSIST_REC] = v;
     }
-    if (threadIdx.x == 0) {
-        meta->abort_flag = 0;
-        meta->last = 0;
-    }
+    if (threadIdx.x == 0) meta->abort_flag = 0;
     {
         const uint2* src = reinterpret_cast<const uint2*>(ops);
         uint2* dst = reinterpret_cast<uint2*>(ops_s);
