@@ -27,16 +27,15 @@ from typing import Dict, List, Tuple
 KINDS = ("HMMA", "LDGSTS", "LDSM", "LDS", "LDG", "STG", "BAR", "BRA")
 
 
-def ptx_of(src: str, arch: str, names=None) -> Tuple[str, List[str]]:
-    """The PTX of the registered spec compiling cuda_src/``src`` (the first holding every kernel in ``names``)."""
+def ptx_of(src: str, arch: str) -> str:
+    """The PTX of the registered spec that compiles cuda_src/``src`` (its first, for a file with several)."""
     from cupy_backends.cuda.libs import nvrtc
     from ddtree_cupy import build
     from ddtree_cupy.kernels import compile as kc
     build.import_kernel_modules()
-    specs = [s for s in kc.registered_specs() if s.src == src and (not names or set(names) <= set(s.names))]
-    if not specs:
-        raise SystemExit(f"--src {src}: no registered spec compiles it" + (f" with kernels {names}" if names else ""))
-    spec = specs[0]
+    spec = next((s for s in kc.registered_specs() if s.src == src), None)
+    if spec is None:
+        raise SystemExit(f"--src {src}: no registered spec compiles it")
     arch = kc.normalize_arch(arch)
     opts = [o.replace(f"--gpu-architecture={arch}", "--gpu-architecture=compute_" + arch.split("_", 1)[1])
             for o in kc.nvrtc_options(spec, arch)]
@@ -50,7 +49,7 @@ def ptx_of(src: str, arch: str, names=None) -> Tuple[str, List[str]]:
         nvrtc.destroyProgram(prog)
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
-    return ptx.rstrip("\x00"), list(spec.names)
+    return ptx.rstrip("\x00")
 
 
 def _tool(name: str, given: str) -> str:
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ptxas", default="")
     ap.add_argument("--nvdisasm", default="")
     a = ap.parse_args(argv)
-    ptx, _names = ptx_of(a.src, a.arch)
+    ptx = ptx_of(a.src, a.arch)
     sass = sass_of(ptx, a.arch, _tool("ptxas", a.ptxas), _tool("nvdisasm", a.nvdisasm))
     print(f"{a.src} {a.arch}: loops holding HMMA (instructions from the head to the last HMMA / in the body)")
     for fn, (ins, labels) in functions(sass).items():
