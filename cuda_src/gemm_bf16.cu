@@ -220,9 +220,10 @@ __global__ void gemm_splitk_reduce(const float* __restrict__ ws, int split, int 
 #define DEC_WARPS 8
 #define DEC_THREADS (DEC_WARPS * 32)
 
-// The decode GEMM's stage copies (gemm_decode_body, the persistent executor's GEMM runs), by one warp: 16
-// weight rows x 64 k from `src` (row stride K) into the swizzled stage `d`; the NT x 8 token rows of x at
-// column k (rows past T zero-filled), both as cp.async.cg.
+// The decode GEMM's stage copies (gemm_decode_body; the persistent executor's GEMM runs do the same with
+// their addresses computed once per run), by one warp: 16 weight rows x 64 k from `src` (row stride K) into
+// the swizzled stage `d`; the NT x 8 token rows of x at column k (rows past T zero-filled), both as
+// cp.async.cg.
 __device__ __forceinline__ void decode_load_w(uint4* d, const bf16_bits* src, int K, int lane) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -240,8 +241,9 @@ __device__ __forceinline__ void decode_load_x(uint4* d, const bf16_bits* x, int 
     }
 }
 
-// One ring stage of the decode GEMM (gemm_decode_body, the persistent executor's GEMM runs): the 16 weight
-// rows x 64 k of `ws_` times the NT x 8 token rows of `xs_` (both XOR-swizzled) into the warp's accumulators.
+// One ring stage of the decode GEMM (gemm_decode_body; the executor's GEMM runs do the same on shared
+// addresses): the 16 weight rows x 64 k of `ws_` times the NT x 8 token rows of `xs_` (both XOR-swizzled)
+// into the warp's accumulators.
 template <int NT>
 __device__ __forceinline__ void decode_mma_stage(const uint4* ws_, const uint4* xs_, int lane, float (&acc)[NT][4]) {
 #pragma unroll

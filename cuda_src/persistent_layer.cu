@@ -15,18 +15,19 @@
 //  * Records: the block's header, its first step's records and the whole op table are read once at the
 //    start (shared memory); each next step's records are prefetched with cp.async while the current step
 //    runs, so no step waits on a chain of dependent global loads before its first weight request.
-//  * Counters reset themselves: the last block to finish (done counter) zeroes every counter (all its threads)
-//    and the done counter, so a CUDA graph replays the launch with no memset. After an error the host resets
-//    them.
+//  * Two counter sets: each block takes a launch ticket at set-up; launch g uses set g & 1 and zeroes the other
+//    (the previous launch's, the next one's), so a CUDA graph replays the launch with no memset and no block
+//    resets anything at its end. After an error the host resets both sets and the ticket.
 //  * Activations produced by other blocks in the same launch are read with L1-bypassing loads (ld.cg, or
 //    cp.async.cg in the GEMM run), never through a line this SM may have cached before it was written. The
 //    GEMM run loads its tokens with cp.async.cg only, after the wait for every producer of them.
 //  * trace (optional), from the global ns timer: per item (block, start, end); start = when the block
 //    reached the item (its weight prologue and wait included); the parts of a GEMM run share the run's start
-//    and each ends when its part end is done (the partial stored, the arrival, the fixup if it was last).
+//    and each ends when its part end is done (the block sum, its store and arrival, the fixup if it was last).
 //    A block's header row gets (block start, set-up done, block end).
-//  * Shared pieces: rmsnorm_row (norm_row.cuh), the decode GEMM's stage copies and mma stage
-//    (decode_load_w / decode_load_x / decode_mma_stage, gemm_bf16.cu), silu_mul1 (layer_math.cuh).
+//  * Shared pieces: rmsnorm_row (norm_row.cuh), the decode GEMM's ring layout and swizzle (swz, GEMM_BK,
+//    DEC_WARPS, gemm_bf16.cu: the GEMM run's copies and mma stage are decode_load_w / decode_load_x /
+//    decode_mma_stage on shared addresses computed once per run), silu_mul1 (layer_math.cuh).
 //
 // Item record (int32 x 16): kind, op, arg0..arg6, wait_begin, n_waits, signal, run, run waits (2), 0. `op` indexes the op
 // table (PersistOp, one per stage of the layer: pointers, strides, sizes). Kinds (schedule.KIND):
@@ -52,7 +53,7 @@ struct PersistOp {
     const bf16_bits* x2;      // norm: residual in (nullptr: no residual add)
     const bf16_bits* w;       // GEMM weight [N, K] / norm weight [H]
     void* out;                // GEMM (bf16 [T, N], or act [T, N / 2] with SwiGLU) / norm / boundary output
-    bf16_bits* out2;          // norm: residual out; GEMM: the fp32 partials [part slot][warp][T][16]
+    bf16_bits* out2;          // norm: residual out; GEMM: the parts' fp32 block sums [part slot][T][16]
     long long x_stride, x2_stride, out_stride, out2_stride;   // row strides in elements
     int T, N, K, flags;       // flags bit 1: GEMM fixup is SwiGLU of a gate|up pair
     float eps;
@@ -136,33 +137,58 @@ struct CounterWait {
 // range; Schedule.encode puts m in the first record's [12] and the run's waits, contiguous in `waits`, in
 // [13] / [14]). Every warp streams its 1/8 K slice of each part in turn through one continuous cp.async
 // ring, so the next part's first stages are in flight while a part finishes. At the end of its slice of a
-// part a warp stores its fp32 partial [T][16] in its own slot (part slot x 8 + warp); then the block
-// (every warp reaches the m part ends in the same order) arrives once on the part's group counter (acq_rel
-// add), and if that was the group's last part, all 256 threads sum the group's 8 x parts slots (parts in
-// slot order, warps in order: the same bits whoever is last), write its 16 output columns (SwiGLU of the gate
-// and up sums for a gate|up pair, flags bit 1) and add 1 more (release): consumers wait for parts + 1.
+// part (every warp reaches the m part ends in the same order) a warp parks its fp32 partial in the ring
+// slot it has just consumed, which no load reuses before the block's next barrier, and the block sums the
+// 8 warps' partials in warp order in shared memory. A group of one part (a whole unit) writes its 16 output
+// columns from that sum and adds 2 (release). Otherwise the block stores its sum [T][16] in the part's
+// workspace slot and arrives once on the group's counter (acq_rel add); if that completed the group, it
+// sums the group's slots in slot order (its own sum from registers: the same bits whoever is last), writes
+// the 16 output columns (SwiGLU of the gate and up sums for a gate|up pair, flags bit 1) and adds 1 more
+// (release). Consumers wait for parts + 1. Measured: the 8 per-warp partials read back through L2 cost
+// 1.2-2.2 us per GEMM (docs/history/2026-12-03-persistent.md).
 #define PERSIST_RUN_MAX 4
 
-__device__ __forceinline__ void gemm_run_fixup(const PersistOp& op, int col0, int slot0, int n_gate, int n) {
+// Element i = t * 16 + c (i < T * 16) of a part's block sum: the 8 warps' partials parked in shared memory
+// (warp w's at uint4 offset slot_off[w], [16 rows][rs] floats), in warp order.
+__device__ __forceinline__ float gemm_block_sum(const int* slot_off, int rs, int i) {
+    extern __shared__ uint4 smem[];
+    const int t = i >> 4, c = i & 15;
+    float v[DEC_WARPS];
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) v[w] = reinterpret_cast<const float*>(smem + slot_off[w])[c * rs + t];
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) s += v[w];
+    return s;
+}
+
+// The group's output element i from its n parts' sums (slots slot0.., the first n_gate of them the gate
+// unit's for a gate|up pair): own = this block's part's sum (slot own_slot), the others from the workspace.
+__device__ __forceinline__ void gemm_group_out(const PersistOp& op, int col0, int slot0, int n_gate, int n,
+                                               int own_slot, float own, int i) {
     const int per = op.T * 16;
     const float* ws = reinterpret_cast<const float*>(op.out2);
-    for (int i = threadIdx.x; i < per; i += PERSIST_THREADS) {
-        float g = 0.f, u = 0.f;
-        for (int p = 0; p < n; ++p) {
-            const float* src = ws + (long long)(slot0 + p) * DEC_WARPS * per + i;
-            float v[DEC_WARPS];
+    const bool swiglu = op.flags & 2;
+    float g = 0.f, u = 0.f;
+    for (int p0 = 0; p0 < n; p0 += 4) {
+        float v[4];
 #pragma unroll
-            for (int w = 0; w < DEC_WARPS; ++w) v[w] = __ldcg(src + w * per);   // all in flight at once
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < DEC_WARPS; ++w) s += v[w];
-            if (p < n_gate || !(op.flags & 2)) g += s;
-            else u += s;
+        for (int q = 0; q < 4; ++q) {                  // the loads of four parts in flight at once
+            const int p = p0 + q;
+            v[q] = p >= n ? 0.f : slot0 + p == own_slot ? own : __ldcg(ws + (long long)(slot0 + p) * per + i);
         }
-        const int t = i >> 4, c = i & 15;
-        bf16_bits* out = reinterpret_cast<bf16_bits*>(op.out) + (long long)t * op.out_stride + col0 + c;
-        *out = (op.flags & 2) ? silu_mul1(f32_to_bf16(g), f32_to_bf16(u)) : f32_to_bf16(g);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int p = p0 + q;
+            if (p < n) {
+                if (p < n_gate || !swiglu) g += v[q];
+                else u += v[q];
+            }
+        }
     }
+    const int t = i >> 4, c = i & 15;
+    bf16_bits* out = reinterpret_cast<bf16_bits*>(op.out) + (long long)t * op.out_stride + col0 + c;
+    *out = swiglu ? silu_mul1(f32_to_bf16(g), f32_to_bf16(u)) : f32_to_bf16(g);
 }
 
 // This warp's slice of part `r` (a record in shared memory): first k tile and count.
@@ -176,7 +202,7 @@ __device__ __forceinline__ void warp_slice(const int* r, int ks, int& kt, int& c
 template <int NT>
 __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, int m, const int* wait_pairs,
                                          int* counters, int* err, int item, int spin_limit, int* last_s,
-                                         long long* trace, long long t0) {
+                                         int* slot_off, long long* trace, long long t0) {
     constexpr int STAGES = NT == 1 ? 4 : 3;   // kernels/gemm.py dec_stages: 96 KB rings
     constexpr int WST = 16 * 8, XST = NT * 64;
     extern __shared__ uint4 smem[];
@@ -298,28 +324,39 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    // the end of part ci: this warp's partial to its slot; then, block-wide, the arrival and the fixup
+    int done_st = 0;                                   // this warp's stages consumed so far
+    // The end of part ci. The ring slot free for the warp's partial: the one it consumed last (its next load
+    // goes there, after the block's barriers below); before its first stage, the one the prologue left empty.
     auto flush = [&]() {
         const int* r = recs + 16 * ci;
-        const int per = T * 16;
-        float* slot = reinterpret_cast<float*>(op.out2) + ((long long)r[5] * DEC_WARPS + ks) * per;
+        constexpr int RS = NT * 8 + 1;                 // [16 rows][RS] floats (+1: fewer bank conflicts)
+        const int off = ks * STAGES * (WST + XST) + ((done_st + STAGES - 1) % STAGES) * WST;
+        __syncwarp();                                  // the warp's last ldmatrix of that slot is behind it
+        float* red = reinterpret_cast<float*>(smem + off);
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int row = (lane >> 2) + (e >> 1) * 8, t = 8 * j + 2 * (lane & 3) + (e & 1);
-                if (t < T) slot[t * 16 + row] = acc[j][e];
+                red[((lane >> 2) + (e >> 1) * 8) * RS + 8 * j + 2 * (lane & 3) + (e & 1)] = acc[j][e];
                 acc[j][e] = 0.f;
             }
-        __syncthreads();                               // every warp's partial of part ci stored
+        if (lane == 0) slot_off[ks] = off;
+        __syncthreads();                               // every warp's partial of part ci parked
+        const int per = T * 16, i = threadIdx.x;       // per <= 256: one element per thread
+        const bool mine = i < per;
+        const float sum = mine ? gemm_block_sum(slot_off, RS, i) : 0.f;
         const bool single = r[8] == 1;                 // a whole unit: the group is this part alone
+        const int col0 = (op.flags & 2) ? r[2] % (op.N / 2) : r[2];
         if (!single) {
+            if (mine) reinterpret_cast<float*>(op.out2)[(long long)r[5] * per + i] = sum;
+            __syncthreads();                           // the block's sum stored (ordered before the arrival)
             if (threadIdx.x == 0) *last_s = atom_acq_rel_add(counters + r[11], 1) == r[8] - 1;
-            __syncthreads();
+            __syncthreads();                           // the arrival's answer; every warp done with its slot
         }
-        if (single || *last_s) {                       // uniform: the block's arrival completed the group
-            gemm_run_fixup(op, (op.flags & 2) ? r[2] % (op.N / 2) : r[2], r[6], r[7], r[8]);
-            __syncthreads();                           // every thread's outputs before the release
+        if (single || *last_s) {                       // uniform: the block completes the group
+            if (mine) gemm_group_out(op, col0, r[6], r[7], r[8], r[5], sum, i);
+            __syncthreads();                           // every thread's outputs before the release (a group
+                                                       // of one part: also every warp done with its slot)
             // a group of one part skipped its arrival: it adds the arrival's 1 with the fixup's
             if (threadIdx.x == 0) red_release_add(counters + r[11], single ? 2 : 1);
         }
@@ -352,6 +389,7 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
         }
         cp_async_commit();
         mma_stage(s % STAGES, acc);
+        ++done_st;
         --cleft;
         retire();
     }
@@ -369,8 +407,11 @@ struct PersistMeta {
     int abort_flag;                   // set by a wait that gives up (CounterWait)
     int count;                        // this block's items
     int last;                         // a GEMM run: the block's arrival completed its part's group
-    int pad;
-    float red[NORM_THREADS / 32];     // the norm body's reduction
+    int set;                          // the launch's counter set (0 / 1, from the launch ticket)
+    union {
+        float red[NORM_THREADS / 32]; // the norm body's reduction
+        int slot_off[DEC_WARPS];      // a GEMM run's part end: where each warp parked its partial
+    };
     long long t0;                     // trace: the current step's start (kept here, not in a register)
     long long t_block;                // trace: the block's start
     // records: the current step's (one item, or a GEMM run's parts) and the next step's, prefetched
@@ -391,8 +432,8 @@ static_assert(sizeof(PersistMeta) == 576, "kernels/persistent.py META_BYTES; the
 #endif
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
 persistent_layer(const int* __restrict__ items, int stride, const int* __restrict__ waits,
-                 const PersistOp* __restrict__ ops, int n_ops, int* counters, int n_counters, int* done, int* err,
-                 int spin_limit, long long* __restrict__ trace) {
+                 const PersistOp* __restrict__ ops, int n_ops, int* counters, int n_counters,
+                 unsigned long long* ticket, int* err, int spin_limit, long long* __restrict__ trace) {
     extern __shared__ uint4 smem[];
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
     PersistOp* ops_s = reinterpret_cast<PersistOp*>(meta + 1);
@@ -405,7 +446,15 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         if (q == 0) meta->count = v;
         else if (q >= PERSIST_REC) (&meta->rec[0][0][0])[q - PERSIST_REC] = v;
     }
-    if (threadIdx.x == 0) meta->abort_flag = 0;
+    if (threadIdx.x == 0) {
+        meta->abort_flag = 0;
+        // The launch's counter set: launches of this segment are stream-ordered and each block takes one
+        // ticket, so launch g's blocks hold tickets g * gridDim.x .. + gridDim.x - 1 and use set g & 1; they
+        // zero the other set, which launch g - 1 used (it has ended) and launch g + 1 will use (it starts
+        // after this one ends). No block resets anything at the end: the last-block-out count at the end
+        // was a round trip in every block's tail (0.8-0.9 us per launch, measured).
+        meta->set = (int)((atomicAdd(ticket, 1ull) / gridDim.x) & 1ull);
+    }
     {
         const uint2* src = reinterpret_cast<const uint2*>(ops);
         uint2* dst = reinterpret_cast<uint2*>(ops_s);
@@ -417,6 +466,12 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         trace_hdr[1] = global_ns();
     }
     const int count = meta->count;
+    {
+        int* other = counters + (1 - meta->set) * n_counters;
+        for (int c = blockIdx.x * PERSIST_THREADS + threadIdx.x; c < n_counters; c += gridDim.x * PERSIST_THREADS)
+            other[c] = 0;
+        counters += meta->set * n_counters;
+    }
     const int first = (int)blockIdx.x * stride + 1;   // device row of the block's first record (err, trace)
     int b = 0;                                         // the step's record buffer
     for (int j = 0; j < count; b ^= 1) {
@@ -441,9 +496,11 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         } else if (kind == 15) {
             bool bad = false;
             if (op.T <= 8)
-                bad = gemm_run<1>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, trace, meta->t0);
+                bad = gemm_run<1>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, meta->slot_off,
+                                     trace, meta->t0);
             else if (op.T <= 16)
-                bad = gemm_run<2>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, trace, meta->t0);
+                bad = gemm_run<2>(op, it, m, waits, counters, err, ii, spin_limit, &meta->last, meta->slot_off,
+                                     trace, meta->t0);
             else ok = false;
             if (bad) meta->abort_flag = 1;                   // every thread writes the same value
         } else {
@@ -481,15 +538,6 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         }
         if (!ok) return;
         j += m;
-    }
-    // the last block out resets the counters for the next launch (graph replay), every thread a share: thread
-    // 0's acquire (the done count) is ordered before the other threads' stores by the barrier
-    if (threadIdx.x == 0) meta->last = atom_acq_rel_add(done, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (meta->last) {
-        for (int c = threadIdx.x; c < n_counters; c += PERSIST_THREADS) counters[c] = 0;
-        __syncthreads();
-        if (threadIdx.x == 0) *done = 0;
     }
     if (trace && threadIdx.x == 0) trace_hdr[2] = global_ns();
 }

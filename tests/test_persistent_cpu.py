@@ -168,3 +168,67 @@ def test_executor_has_no_static_shared_memory(arch):
     # two blocks per SM where shared memory holds two rings (sm_90): the 128-register budget; sm_120 holds
     # one block per SM whatever the registers
     assert 0 < k.registers <= (255 if arch == "sm_120" else 128)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_part_end_parks_partials_in_a_free_ring_slot(stages):
+    # The GEMM run's loop, per warp, as the kernel runs it: the prologue loads stages 0 .. STAGES - 2, stage s
+    # loads stage s + STAGES - 1 into slot (s + STAGES - 1) % STAGES and then consumes slot s % STAGES; a part
+    # end parks the warp's partial in slot (consumed + STAGES - 1) % STAGES. That slot must hold no stage the
+    # warp has yet to consume, and no load may land in it before the part end's barriers (its next load is
+    # issued by the next stage). Runs over random part slices, empty ones included.
+    src = (kc.CUDA_SRC_DIR / "persistent_layer.cu").read_text()
+    assert "((done_st + STAGES - 1) % STAGES) * WST" in src
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        slices = list(rng.integers(0, 7, size=int(rng.integers(1, S.RUN_MAX + 1))))
+        total = sum(slices)
+        held = {}                                      # slot -> the stage loaded into it
+        for s in range(min(stages - 1, total)):
+            held[s] = s
+
+        def part_end(done):
+            slot = (done + stages - 1) % stages
+            assert held.get(slot, -1) < done, (slices, done, slot, held)
+
+        part, left, done = 0, slices[0], 0
+
+        def retire():
+            nonlocal part, left
+            while part < len(slices) and left == 0:
+                part_end(done)
+                part += 1
+                if part < len(slices):
+                    left = slices[part]
+
+        retire()
+        for s in range(total):
+            if s + stages - 1 < total:
+                held[(s + stages - 1) % stages] = s + stages - 1
+            assert held[s % stages] == s               # the stage consumed is the one its slot holds
+            done += 1
+            left -= 1
+            retire()
+        assert part == len(slices)
+
+
+def test_launches_alternate_counter_sets_by_ticket():
+    # Each block of a launch takes one ticket; launch g's blocks (tickets g * G ..) use set g & 1 and zero the
+    # other one. Model: every launch, in any block order, starts on a zeroed set, whatever the last left.
+    src = (kc.CUDA_SRC_DIR / "persistent_layer.cu").read_text()
+    assert "(atomicAdd(ticket, 1ull) / gridDim.x) & 1ull" in src
+    rng = np.random.default_rng(3)
+    G, n = 5, 7
+    sets = np.zeros((2, n), np.int64)
+    ticket = 0
+    for g in range(40):
+        order = rng.permutation(G)
+        mine = []
+        for b in order:                                # blocks start in any order, each zeroes its share
+            t, ticket = ticket, ticket + 1
+            st = (t // G) & 1
+            mine.append(st)
+            sets[1 - st, b::G] = 0
+        assert len(set(mine)) == 1 and mine[0] == g & 1
+        assert not sets[g & 1].any(), g                # this launch's set was zeroed by the one before it
+        sets[g & 1] += rng.integers(1, 9, size=n)      # the launch's arrivals leave counts behind

@@ -502,8 +502,8 @@ class Schedule:
         block_start[b + 1] - 1 in order), plus ``n_counters``. A block's consecutive gemm_part items of one
         stage are cut into runs of at most RUN_MAX (the executor runs a run as one step): the first record of
         a run holds its length and the union of its parts' waits (contiguous in ``waits``)."""
-        # waits on counters of earlier segments are met by the launch boundary (and the counters are reset
-        # at the end of every launch): only the segment's own counters are waited on.
+        # waits on counters of earlier segments are met by the launch boundary (and every launch starts on a
+        # zeroed counter set): only the segment's own counters are waited on.
         seg_of = {it.signal: it.segment for it in self.items}
         op_index = {o: i for i, o in enumerate(self.ops)}
         rows, waits, starts = [], [], [0]

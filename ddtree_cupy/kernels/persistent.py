@@ -53,7 +53,6 @@ class _PersistentSpec(KernelSpec):
 # per SM; sm_120's 100 KB holds one) under a 128-register budget, which admits the 16-row GEMM unit
 # (schedule.UNIT_ROWS) beside the norm body.
 BLOCKS_PER_SM = 2
-GEMM_WARPS = 8                         # warps of a block: each stores its own fp32 partial of a GEMM part
 
 SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), hot=True,
                                 doc="persistent layer executor: a precomputed work-item schedule per block, "
@@ -150,12 +149,12 @@ class PersistentSegment:
         enc = s.encode(seg)
         table = np.zeros(len(s.ops), OP_DTYPE)
         kinds = {it.op: it.kind for it in s.items if it.segment == seg}
-        self.workspaces = {}                 # GEMM stage -> fp32 partials [part slot][warp][T][16]
+        self.workspaces = {}                 # GEMM stage -> fp32 block sums [part slot][T][16]
         for name in need:
             table[s.ops.index(name)] = self._op_record(name, kinds[name], ops[name], T)
             if kinds[name] == "gemm_part":
                 rows_ws, cols_ws = s.buffers[f"{name}:ws"]      # [slots * T, 16] in the model
-                self.workspaces[name] = cupy.full((rows_ws * GEMM_WARPS, cols_ws), np.nan, np.float32)
+                self.workspaces[name] = cupy.full((rows_ws, cols_ws), np.nan, np.float32)
                 table[s.ops.index(name)]["out2"] = self.workspaces[name].data.ptr
         self.ops = dict(ops)                                 # keep the bound arrays alive
         rows, self.stride, self._dev_to_enc = device_rows(enc)
@@ -165,8 +164,10 @@ class PersistentSegment:
         self.waits = cupy.asarray(enc["waits"] if len(enc["waits"]) else np.zeros((1, 2), np.int32))
         self.op_table = cupy.asarray(table.view(np.uint8))
         self.n_counters = int(enc["n_counters"])
-        self.counters = cupy.zeros(max(1, self.n_counters), np.int32)
-        self.done = cupy.zeros(1, np.int32)
+        # two counter sets, launches alternating between them by the launch ticket (the kernel zeroes the
+        # set it does not use, so a graph replays the launch with no memset and no reset at its end)
+        self.counters = cupy.zeros(2 * max(1, self.n_counters), np.int32)
+        self.ticket = cupy.zeros(1, np.uint64)
         self.err = cupy.zeros(2, np.int32)
         self.spin_limit = int(spin_limit)
         self.n_items = int(enc["items"].shape[0])
@@ -215,12 +216,12 @@ class PersistentSegment:
         return rec
 
     def launch(self) -> None:
-        """Enqueue the segment on the current stream (graph-capturable: static buffers, counters reset by
-        the kernel itself)."""
+        """Enqueue the segment on the current stream (graph-capturable: static buffers, counters zeroed by
+        the kernel itself a launch ahead)."""
         i32 = np.int32
         self.kernel((self.s.n_blocks,), (THREADS,),
                     (self.items, i32(self.stride), self.waits, self.op_table, i32(self.n_ops), self.counters,
-                     i32(self.n_counters), self.done, self.err, np.int32(self.spin_limit),
+                     i32(self.n_counters), self.ticket, self.err, np.int32(self.spin_limit),
                      self.trace if self.trace is not None else np.uint64(0)),
                     shared_mem=self.smem)
 
@@ -232,7 +233,7 @@ class PersistentSegment:
             kind, op = int(self._enc["items"][enc_row, 0]), self.s.ops[int(self._enc["items"][enc_row, 1])]
             self.err[...] = 0
             self.counters[...] = 0
-            self.done[...] = 0
+            self.ticket[...] = 0
             raise RuntimeError(f"persistent segment {self.seg}: item {enc_row} (stage {op}, kind "
                                f"{sched_mod.KIND_NAME.get(kind, kind)}) failed: {ERR_REASON.get(int(e[1]), e[1])}")
 
@@ -246,7 +247,7 @@ class PersistentSegment:
 
     def block_times(self) -> np.ndarray:
         """[n_blocks, 3] int64 of the last launch (trace=True; globaltimer ns): each block's start, the end of its
-        set-up (header, first records and op table read) and its end (the counter reset included)."""
+        set-up (header, first records and op table read) and its end."""
         if self.trace is None:
             raise ValueError("block_times: construct the segment with trace=True")
         tr = self.trace.get()

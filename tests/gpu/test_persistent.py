@@ -114,6 +114,16 @@ def test_mlp_half_matches_reference_and_today(kind, T, allreduce):
             assert np.array_equal(v.get(), first[k]), f"{k} changed between launches"
 
 
+def _check_counter_sets(seg, launches):
+    # launch g (0-based) used counter set g & 1 and zeroed the other, which the next launch uses: after the
+    # last launch its set holds every counter's target and the other set is all zero
+    c = seg.counters.get().reshape(2, -1)
+    used = (launches - 1) & 1
+    assert int(seg.ticket.get()[0]) == launches * seg.s.n_blocks
+    assert not c[1 - used].any(), "the next launch's counter set was not zeroed"
+    np.testing.assert_array_equal(c[used], np.asarray(seg.s.counter_targets, np.int32))
+
+
 def test_graph_replay_equals_eager_and_counters_reset():
     import cupy as cp
     T, H, F, eps = 8, H_KIMI, F_DENSE, 1e-6
@@ -127,7 +137,8 @@ def test_graph_replay_equals_eager_and_counters_reset():
     seg.launch()
     seg.check()
     ref = {k: v.get() for k, v in bufs.items()}
-    assert int(seg.counters.sum().get()) == 0 and int(seg.done.get()[0]) == 0, "counters not reset"
+    _check_counter_sets(seg, 1)
+    launches = 1
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -140,6 +151,8 @@ def test_graph_replay_equals_eager_and_counters_reset():
             g.launch(s)
             s.synchronize()
             seg.check()
+            launches += 1
+            _check_counter_sets(seg, launches)
             for k, v in bufs.items():
                 assert np.array_equal(v.get(), ref[k]), f"graph replay changed {k}"
 
