@@ -245,16 +245,8 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
                 asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                              : "=r"(b0), "=r"(b1) : "r"(xb + (((2 * kk) ^ bq) << 4)));
             }
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
-                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-            if (NT == 2) {
-                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                             : "+f"(acc[NT - 1][0]), "+f"(acc[NT - 1][1]), "+f"(acc[NT - 1][2]), "+f"(acc[NT - 1][3])
-                             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b2), "r"(b3));
-            }
+            mma_16816_bf16(acc[0], a0, a1, a2, a3, b0, b1);
+            if (NT == 2) mma_16816_bf16(acc[NT - 1], a0, a1, a2, a3, b2, b3);
         }
     };
     auto load_w = [&](int slot, int kt) {
