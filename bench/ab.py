@@ -3,7 +3,7 @@ applied (bench/patches/*.patch, or none for the tree itself), and the same comma
 after round, so drift in clocks and memory over a run hits every variant alike. The copies share CuPy's
 kernel cache, which keys on the source text (kernels/compile.py): a variant's edited kernel is its own entry.
 
-    python -m bench.ab --variant main --variant done=bench/patches/persistent-done-counter.patch \\
+    python -m bench.ab --variant main --variant wide=bench/patches/wider-ring.patch \\
         --rounds 2 --test tests/gpu/test_persistent.py --out /tmp/ab -- python3 -m bench.persistent --gemm
 
 Before the rounds, ``--test`` runs the given pytest targets once in every patched copy (a variant whose tests

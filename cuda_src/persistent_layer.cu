@@ -15,9 +15,9 @@
 //  * Records: the block's header, its first step's records and the whole op table are read once at the
 //    start (shared memory); each next step's records are prefetched with cp.async while the current step
 //    runs, so no step waits on a chain of dependent global loads before its first weight request.
-//  * Two counter sets: each block takes a launch ticket at set-up; launch g uses set g & 1 and zeroes the other
+//  * Two counter sets: each block counts its launches in its own word; launch g uses set g & 1 and zeroes the other
 //    (the previous launch's, the next one's), so a CUDA graph replays the launch with no memset and no block
-//    resets anything at its end. After an error the host resets both sets and the ticket.
+//    resets anything at its end. After an error the host resets both sets and the counts.
 //  * Activations produced by other blocks in the same launch are read with L1-bypassing loads (ld.cg, or
 //    cp.async.cg in the GEMM run), never through a line this SM may have cached before it was written. The
 //    GEMM run loads its tokens with cp.async.cg only, after the wait for every producer of them.
@@ -399,7 +399,7 @@ struct PersistMeta {
     int abort_flag;                   // set by a wait that gives up (CounterWait)
     int count;                        // this block's items
     int last;                         // a GEMM run: the block's arrival completed its part's group
-    int set;                          // the launch's counter set (0 / 1, from the launch ticket)
+    int set;                          // the launch's counter set (0 / 1: the parity of the block's launch count)
     union {
         float red[NORM_THREADS / 32]; // the norm body's reduction
         int slot_off[DEC_WARPS];      // a GEMM run's part end: where each warp parked its partial
@@ -425,7 +425,7 @@ static_assert(sizeof(PersistMeta) == 576, "kernels/persistent.py META_BYTES; the
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
 persistent_layer(const int* __restrict__ items, int stride, const int* __restrict__ waits,
                  const PersistOp* __restrict__ ops, int n_ops, int* counters, int n_counters,
-                 unsigned long long* ticket, int* err, int spin_limit, long long* __restrict__ trace) {
+                 int* launches, int* err, int spin_limit, long long* __restrict__ trace) {
     extern __shared__ uint4 smem[];
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
     PersistOp* ops_s = reinterpret_cast<PersistOp*>(meta + 1);
@@ -440,12 +440,15 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     }
     if (threadIdx.x == 0) {
         meta->abort_flag = 0;
-        // The launch's counter set: launches of this segment are stream-ordered and each block takes one
-        // ticket, so launch g's blocks hold tickets g * gridDim.x .. + gridDim.x - 1 and use set g & 1; they
-        // zero the other set, which launch g - 1 used (it has ended) and launch g + 1 will use (it starts
-        // after this one ends). No block resets anything at the end: the last-block-out count at the end
-        // was a round trip in every block's tail (0.8-0.9 us per launch, measured).
-        meta->set = (int)((atomicAdd(ticket, 1ull) / gridDim.x) & 1ull);
+        // The launch's counter set: launches of this segment are stream-ordered and every block counts its
+        // own launches in its own word (no shared atomic: one ticket word for all blocks delayed every
+        // block's set-up), so in launch g every block reads g and uses set g & 1; they zero the other set,
+        // which launch g - 1 used (it has ended) and launch g + 1 will use (it starts after this one ends).
+        // No block resets anything at the end: the last-block-out count there was a round trip in every
+        // block's tail (0.8-0.9 us per launch, measured).
+        const int g = launches[blockIdx.x];
+        launches[blockIdx.x] = g + 1;
+        meta->set = g & 1;
     }
     {
         const uint2* src = reinterpret_cast<const uint2*>(ops);

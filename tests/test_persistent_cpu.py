@@ -212,21 +212,20 @@ def test_part_end_parks_partials_in_a_free_ring_slot(stages):
         assert part == len(slices)
 
 
-def test_launches_alternate_counter_sets_by_ticket():
-    # Each block of a launch takes one ticket; launch g's blocks (tickets g * G ..) use set g & 1 and zero the
-    # other one. Model: every launch, in any block order, starts on a zeroed set, whatever the last left.
+def test_launches_alternate_counter_sets_by_launch_count():
+    # Each block counts its launches in its own word; in launch g (0-based) every block reads g, uses set g & 1
+    # and zeroes its share of the other one. Model: every launch, in any block order, starts on a zeroed set.
     src = (kc.CUDA_SRC_DIR / "persistent_layer.cu").read_text()
-    assert "(atomicAdd(ticket, 1ull) / gridDim.x) & 1ull" in src
+    assert "const int g = launches[blockIdx.x];" in src and "meta->set = g & 1;" in src
     rng = np.random.default_rng(3)
     G, n = 5, 7
     sets = np.zeros((2, n), np.int64)
-    ticket = 0
+    count = np.zeros(G, np.int64)
     for g in range(40):
-        order = rng.permutation(G)
         mine = []
-        for b in order:                                # blocks start in any order, each zeroes its share
-            t, ticket = ticket, ticket + 1
-            st = (t // G) & 1
+        for b in rng.permutation(G):                   # blocks start in any order, each zeroes its share
+            st = int(count[b]) & 1
+            count[b] += 1
             mine.append(st)
             sets[1 - st, b::G] = 0
         assert len(set(mine)) == 1 and mine[0] == g & 1

@@ -164,10 +164,10 @@ class PersistentSegment:
         self.waits = cupy.asarray(enc["waits"] if len(enc["waits"]) else np.zeros((1, 2), np.int32))
         self.op_table = cupy.asarray(table.view(np.uint8))
         self.n_counters = int(enc["n_counters"])
-        # two counter sets, launches alternating between them by the launch ticket (the kernel zeroes the
-        # set it does not use, so a graph replays the launch with no memset and no reset at its end)
+        # two counter sets, launches alternating between them by each block's own launch count (the kernel
+        # zeroes the set it does not use, so a graph replays the launch with no memset and no reset at its end)
         self.counters = cupy.zeros(2 * max(1, self.n_counters), np.int32)
-        self.ticket = cupy.zeros(1, np.uint64)
+        self.launches = cupy.zeros(s.n_blocks, np.int32)
         self.err = cupy.zeros(2, np.int32)
         self.spin_limit = int(spin_limit)
         self.n_items = int(enc["items"].shape[0])
@@ -221,7 +221,7 @@ class PersistentSegment:
         i32 = np.int32
         self.kernel((self.s.n_blocks,), (THREADS,),
                     (self.items, i32(self.stride), self.waits, self.op_table, i32(self.n_ops), self.counters,
-                     i32(self.n_counters), self.ticket, self.err, np.int32(self.spin_limit),
+                     i32(self.n_counters), self.launches, self.err, np.int32(self.spin_limit),
                      self.trace if self.trace is not None else np.uint64(0)),
                     shared_mem=self.smem)
 
@@ -233,7 +233,7 @@ class PersistentSegment:
             kind, op = int(self._enc["items"][enc_row, 0]), self.s.ops[int(self._enc["items"][enc_row, 1])]
             self.err[...] = 0
             self.counters[...] = 0
-            self.ticket[...] = 0
+            self.launches[...] = 0
             raise RuntimeError(f"persistent segment {self.seg}: item {enc_row} (stage {op}, kind "
                                f"{sched_mod.KIND_NAME.get(kind, kind)}) failed: {ERR_REASON.get(int(e[1]), e[1])}")
 
