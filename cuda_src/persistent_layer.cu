@@ -39,6 +39,7 @@
 //                 consecutive parts of one GEMM run as one step (gemm_run below).
 // Any other kind sets err and stops (the host refuses schedules with kinds this build does not run).
 #include "norm_row.cuh"
+#include "gpu_sync.cuh"
 #include "gemm_bf16.cu"
 
 #define PERSIST_THREADS DEC_THREADS           // 256: the decode GEMM body's and the norm body's block
@@ -64,20 +65,6 @@ struct PersistOp {
 // pointers and strides, then 4-byte fields), no implicit padding, so the size pins the offsets (NVRTC has
 // no offsetof in constant expressions).
 static_assert(sizeof(PersistOp) == 104 && alignof(PersistOp) == 8, "PersistOp layout (OP_DTYPE)");
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int atom_acq_rel_add(int* p, int v) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    return old;
-}
 
 __device__ __forceinline__ long long global_ns() {
     long long t;
