@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 bench/attention.py [--out bench/results/attention_h200.json] [--quick] [--probe]
                                                [--compare] [--was OLD.json] [--policy auto|measured|model|both]
-                                               [--partial fp32|bf16|both] [--fused both]
+                                               [--partial fp32|bf16|both]
     python3 bench/attention.py --svg-from bench/results/attention_h200.json   # redraw the plot only
     python3 bench/attention.py --refit bench/results/attention_h200.json [more.json]   # CPU: refit the model
 
@@ -25,8 +25,6 @@ speed-up, worst case, per row bucket); it skips the chain timings and the drafte
 --partial both times fp32 against bf16 split partials (each with its own plan) at the engine's decode shapes in
 the same run, without and with PDL, and prints the decision of docs/history/2026-11-29-attention.md
 "bf16 split partials" (~15 s);
---fused both times the splits merged inside the attention kernel against the two-launch path (mla_attn_combine) at
-the decode shapes whose plan is an mla_attn_ksplit tile, without and with PDL, plus a fused split sweep (~20 s);
 --partial fp32 / bf16 runs every other mode with that dtype (default: the rule, DDT_MLA_PARTIAL_BF16).
 Prints tables; never asserts a speed.
 """
@@ -198,68 +196,6 @@ def partial_both(one, results, args, bw, num_sms):
               f"{b16['partial_mb']:>5.1f} | {f32['us']:>7.2f} {b16['us']:>7.2f} {rec['ratio']:>6.3f} | "
               f"{pf32['us']:>8.2f} {pb16['us']:>7.2f} {rec['pdl_ratio']:>6.3f} | {f32['floor_us']:>6.2f} | "
               f"{f32['pred_us'] or float('nan'):>10.1f} {b16['pred_us'] or float('nan'):>6.1f} | {note}", flush=True)
-
-
-# shapes of --fused both: the engine's decode steps whose plan is an mla_attn_ksplit tile (the only tiles that
-# merge their splits in the kernel), and split counts around the plan at the engine's 1-stream shapes
-FUSED_SHAPES = ((1, 1, 4096), (1, 8, 4096), (1, 16, 4096), (4, 1, 4096), (1, 1, 1024), (1, 8, 1024),
-                (1, 1, 32768), (1, 4, 32768), (1, 1, 65536), (1, 4, 65536))
-FUSED_SWEEP = {(1, 8, 4096): (17, 33, 43, 65, 100, 129), (1, 1, 4096): (16, 32, 64, 96, 128),
-               (1, 16, 4096): (9, 17, 25, 33)}
-
-
-def fused_both(one, results, args, bw, num_sms):
-    """The splits merged in the attention kernel (fused) against the two-launch path (mla_attn_combine), same
-    plan, alternating, the minimum of 2 timings each, without and with PDL; then, at the engine's 1-stream
-    shapes, the fused path over split counts around the plan (its combine costs differ from the two-launch
-    path's, so its best split count may too)."""
-    from ddtree_cupy.kernels import attention as A
-    print(f"# splits merged in the kernel (fused) vs mla_attn_combine, same plan, us per call (min of 2); "
-          f"read ceiling {bw:.0f} GB/s (this run)")
-    print(f"{'S':>3} {'rows':>4} {'ctx':>6} | {'plan':>16} | {'2-launch':>8} {'fused':>7} {'ratio':>6} | "
-          f"{'pdl 2-l':>8} {'fused':>7} {'ratio':>6} | {'floor':>6} {'x floor':>7}")
-    for S, n, c in FUSED_SHAPES:
-        row = {}
-        try:
-            for pdl in (False, True):
-                for rep in range(2):
-                    for fu in (False, True):
-                        r = one(S, n, c, "tree", pdl=pdl, fused=fu)
-                        k = (fu, pdl)
-                        if k not in row or r["us"] < row[k]["us"]:
-                            row[k] = r
-        except ValueError as e:   # the plan cannot merge in the kernel (not a ksplit tile, grid not co-resident)
-            print(f"{S:>3} {n:>4} {c:>6} | not a fused plan: {e}")
-            continue
-        two, fu, ptwo, pfu = row[(False, False)], row[(True, False)], row[(False, True)], row[(True, True)]
-        if not A.MLA_CONFIGS[two["config_key"]].ksplit or two["splits"] < 2:
-            print(f"{S:>3} {n:>4} {c:>6} | {two['config_key']} x{two['splits']}: not a fused plan")
-            continue
-        rec = dict(streams=S, rows=n, ctx=c, heads=H, config=two["config_key"], splits=two["splits"],
-                   two_launch_us=two["us"], fused_us=fu["us"], pdl_two_launch_us=ptwo["us"], pdl_fused_us=pfu["us"],
-                   ratio=fu["us"] / two["us"], pdl_ratio=pfu["us"] / ptwo["us"], floor_us=two["floor_us"],
-                   fused_mode=True)
-        sweep = {}
-        for k in FUSED_SWEEP.get((S, n, c), ()):
-            cfg = A.MLA_CONFIGS[two["config_key"]]
-            try:
-                sweep[k] = min(one(S, n, c, "tree", pdl=True, fused=True, config=cfg, splits_override=k)["us"]
-                               for _ in range(2))
-            except ValueError as e:   # a split count whose grid is not co-resident
-                sweep[k] = None
-                print(f"#   x{k}: {e}")
-        rec["pdl_fused_sweep_us"] = sweep
-        results.append(rec)
-        sw = " ".join(f"x{k}={v:.1f}" for k, v in sweep.items() if v is not None)
-        print(f"{S:>3} {n:>4} {c:>6} | {two['config_key'] + ' x' + str(two['splits']):>16} | {two['us']:>8.2f} "
-              f"{fu['us']:>7.2f} {rec['ratio']:>6.3f} | {ptwo['us']:>8.2f} {pfu['us']:>7.2f} {rec['pdl_ratio']:>6.3f} | "
-              f"{two['floor_us']:>6.2f} {pfu['us'] / two['floor_us']:>7.1f}" + (f" | sweep (pdl, fused) {sw}" if sw else ""),
-              flush=True)
-    rs = [r for r in results if r.get("fused_mode")]
-    if rs:
-        print(f"# fused / two-launch: median {np.median([r['ratio'] for r in rs]):.3f}, worst "
-              f"{max(r['ratio'] for r in rs):.3f}; with PDL median {np.median([r['pdl_ratio'] for r in rs]):.3f}, "
-              f"worst {max(r['pdl_ratio'] for r in rs):.3f}")
 
 
 def partial_decision(results):
@@ -467,8 +403,6 @@ def main():
                          "fp32 vs bf16 partials at the engine's decode shapes in the same run, with and without "
                          "PDL, and apply the decision rule of docs/history/2026-11-29-attention.md "
                          "'bf16 split partials'")
-    ap.add_argument("--fused", choices=("both",), default=None,
-                    help="time the splits merged in the kernel against mla_attn_combine at the decode shapes")
     ap.add_argument("--was", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "attention_h200.json"),
                     help="earlier results JSON for the was -> now column")
@@ -529,7 +463,7 @@ def main():
     part_defines = (("MLA_PART_BF16", "1"),) if part_default else ()
 
     def one(S, n, ctx, mode, config=None, spec=None, splits_override=None, policy=None, heads=H, unroll=None,
-            part=None, pdl=False, fused=None):
+            part=None, pdl=False):
         pb = part_default if part is None else part   # split partials: bf16 (True) or fp32
         max_p = pages_long if ctx > max_ctx else pages_per_stream
         table = perm[:S * max_p].reshape(S, max_p) if S * max_p <= num_pages else None
@@ -555,7 +489,7 @@ def main():
         def call():
             A.mla_attention(q, pool, table, prefix, n_rows, row_start, mask=mask, softmax_scale=SCALE,
                             max_rows=n, max_kv_len=ctx + n, out=out, workspace=ws, config=cfg, spec=spec,
-                            num_splits=splits, combine_unroll_override=unroll, part_bf16=pb, fused=fused)
+                            num_splits=splits, combine_unroll_override=unroll, part_bf16=pb)
         work = (ctx + n) * n * heads
         iters = 20 if work * S > 64 * 65536 * H else 50
         from ddtree_cupy.kernels import launch as kl
@@ -583,10 +517,7 @@ def main():
     if args.set == "decode":
         cases = ([(S, n, 4096) for S in (1, 4, 10) for n in (1, 8, 16, 32)] +
                  [(1, n, c) for c in (32768, 65536, long_ctx) for n in (1, 4, 8)])
-    if args.fused == "both":
-        fused_both(one, results, args, bw, num_sms)
-        cases = []
-    elif args.partial == "both":
+    if args.partial == "both":
         partial_both(one, results, args, bw, num_sms)
         cases = []
     elif args.policy == "both":
@@ -685,11 +616,10 @@ def main():
 
     # DFlash drafter attention, TP8 rank shape: 8 q heads / 1 kv head, block 8.
     drafter = []
-    grid_mode = args.policy != "both" and args.partial != "both" and args.fused != "both"
-    if grid_mode:
+    if args.policy != "both" and args.partial != "both":
         print(f"\n# drafter attention (8 q heads / 1 kv head, block 8, head_dim 128)")
         print(f"{'S':>3} {'ctx':>7} | {'us':>7} {'was':>7} {'floor':>7} {'ratio':>6} {'r_lf':>5} {'spl':>3}")
-    for S in ((1, 10) if grid_mode else ()):
+    for S in ((1, 10) if args.policy != "both" and args.partial != "both" else ()):
         for c in (4096, 32768):
             q = random_bf16(cp, (S, 8, 8, 128))
             kb = random_bf16(cp, (S, 8, 1, 128))
@@ -721,9 +651,8 @@ def main():
                    drafter=drafter, seconds=time.time() - t_start)
     if args.policy == "both":
         summary["policy_summary"] = policy_summary(results)
-    if args.partial == "both" or args.fused == "both":   # own tables; the grid summary and plot do not apply
-        if args.partial == "both":
-            summary["partial_decision"] = partial_decision(results)
+    if args.partial == "both":   # its own table and decision; the grid summary and plot do not apply
+        summary["partial_decision"] = partial_decision(results)
         print(f"# bench took {summary['seconds']:.0f} s")
         if args.out:
             _save(args.out, summary)

@@ -288,9 +288,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cost-table", default=None, metavar="FILE",
                     help="write the measured step times as a --budget auto cost table (JSON)")
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
-    ap.add_argument("--fused-attn", type=int, default=0,
-                    help="1: also time the step (with PDL where --pdl 1) with the attention's split-KV merged "
-                         "inside the attention kernel where the plan allows (kernels/attention.py FUSED_COMBINE)")
     ap.add_argument("--persistent", type=int, default=1,
                     help="1: also time the step with the dense MLP halves as persistent launches (<= 16 rows)")
     ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
@@ -461,37 +458,6 @@ def main(argv=None) -> int:
                 st.synchronize()
                 step.capture()
                 step.upload(ctrl)
-            step_fused_s, fused_check = None, None
-            if a.fused_attn:
-                from ddtree_cupy.kernels import attention as attn_mod
-                # the same step with the attention's splits merged in the kernel (one launch instead of two
-                # where the plan is a co-resident ksplit grid): logits close to the two-launch graph's (the merge
-                # adds in another order), timed as the engine launches (PDL where --pdl 1)
-                def logits_now():
-                    step.graph.launch(st)
-                    st.synchronize()
-                    return step.batch.logits.get()
-                base = logits_now()
-                old_fc = attn_mod.FUSED_COMBINE
-                attn_mod.FUSED_COMBINE = True
-                eng.models.pdl = bool(a.pdl)
-                try:
-                    step.capture()
-                    step.upload(ctrl)
-                    step_fused_s = replay_s()
-                    got = logits_now()
-                    fused_check = dict(
-                        logits_rel_err=float(np.linalg.norm(got - base) / max(float(np.linalg.norm(base)), 1e-30)),
-                        argmax_equal=float(np.mean(got.argmax(-1) == base.argmax(-1))),
-                        fault_word=int(attn_mod.mla_fault_word()[0]))
-                except Exception as e:          # report and go on
-                    print(f"    fused-attention capture/replay failed: {type(e).__name__}: {e}", flush=True)
-                finally:
-                    attn_mod.FUSED_COMBINE = old_fc
-                    eng.models.pdl = False
-                st.synchronize()
-                step.capture()
-                step.upload(ctrl)
             step_persist_s, persist_check = None, None
             if a.persistent:
                 from ddtree_cupy.kernels import persistent as pk
@@ -574,8 +540,6 @@ def main(argv=None) -> int:
                        step_persistent_ms=None if step_persist_s is None else step_persist_s * 1e3,
                        persistent_ratio_to_floor=None if step_persist_s is None else step_persist_s / floor_s,
                        persistent_check=persist_check,
-                       step_fused_attn_ms=None if step_fused_s is None else step_fused_s * 1e3,
-                       fused_attn_pdl=bool(a.pdl), fused_attn_check=fused_check,
                        leave_one_out=loo, collectives=coll)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
@@ -585,11 +549,6 @@ def main(argv=None) -> int:
             print(f"    launches: verify {rec['verify_launches']}, MoE layer {rec['layer_launches']} "
                   + str(dict(sorted(lc_layer.counts.items()))) + (f"; step with PDL {step_pdl_s * 1e3:.2f} ms "
                                                                   f"{pdl_check}" if step_pdl_s else ""), flush=True)
-            if step_fused_s is not None:
-                ref_s = step_pdl_s if (a.pdl and step_pdl_s is not None) else step_s
-                print(f"    step with the attention splits merged in the kernel{' (PDL)' if a.pdl else ''} "
-                      f"{step_fused_s * 1e3:.2f} ms (x{step_fused_s / floor_s:4.2f} floor; two launches "
-                      f"{ref_s * 1e3:.2f}) {fused_check}", flush=True)
             if step_persist_s is not None:
                 print(f"    step with persistent dense MLP {step_persist_s * 1e3:.2f} ms (x{step_persist_s / floor_s:4.2f} "
                       f"floor; plain {step_s * 1e3:.2f}) {persist_check}", flush=True)

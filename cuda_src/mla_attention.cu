@@ -21,7 +21,6 @@
 #include "common.cuh"
 #include "attn_combine.cuh"
 #include "attn_mma.cuh"
-#include "gpu_sync.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -419,143 +418,6 @@ __global__ void __launch_bounds__(MG * VG * 32, 1) mla_attn_fwd(
     }
 }
 
-// ---- the in-kernel split combine (mla_attn_ksplit<..., FC = 1>) ------------------------------------------
-//
-// With FC the num_splits blocks of one (stream, row tile) group merge their own partials instead of leaving
-// them to mla_attn_combine: each block writes its partial as usual, arrives at the group's barrier, and once
-// all have arrived merges a contiguous 1/num_splits share of the group's output (units of one packed row x 64
-// columns). The merge reads num_splits partial rows per unit spread over all the group's blocks (~130 SMs at
-// 1 stream x 8 rows), instead of one combine block per packed row in a second launch; the launch, its wait for
-// the whole first grid and its ramp go away. Needs every block of a group resident at once: the wrapper
-// launches it only for a grid the device holds (an occupancy query), and the wait is bounded (err).
-//
-// Group barrier, sync[2 * group] = arrivals, sync[2 * group + 1] = generation: thread 0 reads the generation,
-// fences (the block's partial stores, ordered before it by the block barrier) and adds an arrival; the last
-// arriver zeroes the arrivals (the next launch starts from zero: graph replays need no memset) and bumps the
-// generation with a release; the others poll it with acquire loads. Any split count and any group per
-// launch, as long as no launch is abandoned half way: after a timeout (err[0] = 1) the host zeroes sync.
-#define MLA_FC_SG 4            // split groups per unit: thread (sg, unit, column quad)
-#define MLA_FC_UNR 16          // partial loads in flight per thread
-#define MLA_FC_W_MAX 576       // weights of the block's rows x splits: <= 2 * MAX_SPLITS + BM (checked below)
-#define MLA_FC_SMEM ((MLA_FC_W_MAX + 32 + MLA_FC_SG * 256) * 4)
-
-__device__ __forceinline__ float4 mla_load_part4(const mla_part_t* p) {
-#if MLA_PART_BF16
-    const uint2 r = __ldcg(reinterpret_cast<const uint2*>(p));
-    return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
-                       __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
-#else
-    return __ldcg(reinterpret_cast<const float4*>(p));
-#endif
-}
-
-// Arrive at the group's barrier and wait for the others (bounded: spin_limit polls, then err[0] = 1, and a
-// block that sees err set stops waiting too). Every thread of the block calls it; returns after the barrier
-// that publishes thread 0's observation to the block.
-__device__ __forceinline__ void mla_group_barrier(int* sync, int group, int num_splits, int* err, int spin_limit) {
-    __syncthreads();   // every thread's partial stores are issued before thread 0's fence
-    if (threadIdx.x == 0) {
-        int* arrive = sync + 2 * group;
-        int* gen = arrive + 1;
-        const int g0 = ld_acquire(gen);   // before arriving: the generation can only move after this arrival
-        __threadfence();
-        if (atomicAdd(arrive, 1) == num_splits - 1) {
-            __threadfence();              // the others' partials (their fences came before their arrivals)
-            *(volatile int*)arrive = 0;
-            red_release_add(gen, 1);
-        } else {
-            int polls = 0;
-            while (ld_acquire(gen) == g0) {
-                if (*(volatile int*)err) break;
-                if (++polls > spin_limit) { atomicCAS(err, 0, 1); break; }
-                if (polls > 32) __nanosleep(polls > 4096 ? 1000 : 32);
-            }
-        }
-    }
-    __syncthreads();
-}
-
-// Merge this block's share of the group's output rows gm0 .. gm0 + valid_m - 1 (packed rows of o_lat) over
-// the num_splits partials, the same formula as attn_combine_row: o = sum_i w_i o_i / sum_i w_i with
-// w_i = 2^(lse_i - max), empty splits (lse = -inf) weigh 0 and are never read. Deterministic: the order of
-// the additions depends on (num_splits, unit) only. smem: MLA_FC_SMEM bytes (the kernel's drained rings).
-__device__ __forceinline__ void mla_fused_combine(const mla_part_t* __restrict__ part_o,
-                                                  const float* __restrict__ part_lse, bf16_bits* __restrict__ out,
-                                                  size_t gm0, int valid_m, int split, int num_splits,
-                                                  int total_packed, float* smem) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int units = valid_m * (MLA_V_DIM / 64);
-    const int u0 = (int)((long long)split * units / num_splits);
-    const int u1 = (int)((long long)(split + 1) * units / num_splits);
-    if (u0 >= u1) return;   // uniform over the block
-    const int r0 = u0 >> 3, nr = ((u1 - 1) >> 3) - r0 + 1;
-    float* w = smem;                                   // [nr][num_splits]: lse, then the weights
-    float* winv = w + MLA_FC_W_MAX;                    // [nr]: 1 / sum of the weights (0: nothing visible)
-    float* red = winv + 32;                            // [MLA_FC_SG][4 units][64 columns]
-    for (int i = tid; i < nr * num_splits; i += 256) {
-        const int r = i / num_splits, sp = i - r * num_splits;
-        w[i] = __ldcg(part_lse + (size_t)sp * total_packed + gm0 + r0 + r);
-    }
-    __syncthreads();
-    for (int r = warp; r < nr; r += 8) {
-        float* wr = w + r * num_splits;
-        float mx = -INFINITY;
-        for (int sp = lane; sp < num_splits; sp += 32) mx = fmaxf(mx, wr[sp]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        float sum = 0.f;
-        for (int sp = lane; sp < num_splits; sp += 32) {
-            const float x = wr[sp];
-            const float e = x == -INFINITY ? 0.f : exp2f(x - mx);
-            wr[sp] = e;
-            sum += e;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) winv[r] = sum > 0.f ? 1.f / sum : 0.f;
-    }
-    __syncthreads();
-    const int sg = tid >> 6, ul = (tid >> 4) & 3, c4 = (tid & 15) * 4;
-    for (int ub = u0; ub < u1; ub += 4) {
-        const int u = ub + ul;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (u < u1) {
-            const float* wr = w + ((u >> 3) - r0) * num_splits;
-            const mla_part_t* src = part_o + (gm0 + (u >> 3)) * MLA_V_DIM + (u & 7) * 64 + c4;
-            for (int sp0 = sg; sp0 < num_splits; sp0 += MLA_FC_SG * MLA_FC_UNR) {
-                float4 x[MLA_FC_UNR];
-                float wk[MLA_FC_UNR];
-#pragma unroll
-                for (int k = 0; k < MLA_FC_UNR; ++k) {
-                    const int sp = sp0 + MLA_FC_SG * k;
-                    wk[k] = sp < num_splits ? wr[sp] : 0.f;
-                    x[k] = wk[k] != 0.f ? mla_load_part4(src + (size_t)sp * total_packed * MLA_V_DIM)
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-#pragma unroll
-                for (int k = 0; k < MLA_FC_UNR; ++k) {
-                    acc.x += wk[k] * x[k].x; acc.y += wk[k] * x[k].y;
-                    acc.z += wk[k] * x[k].z; acc.w += wk[k] * x[k].w;
-                }
-            }
-        }
-        *reinterpret_cast<float4*>(red + (sg * 4 + ul) * 64 + c4) = acc;
-        __syncthreads();
-        if (sg == 0 && u < u1) {
-            float4 t = acc;
-#pragma unroll
-            for (int g2 = 1; g2 < MLA_FC_SG; ++g2) {
-                const float4 v = *reinterpret_cast<const float4*>(red + (g2 * 4 + ul) * 64 + c4);
-                t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
-            }
-            const float inv = winv[(u >> 3) - r0];
-            bf16_bits* dst = out + (gm0 + (u >> 3)) * MLA_V_DIM + (u & 7) * 64 + c4;
-            *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(t.x * inv, t.y * inv), pack_bf16x2(t.z * inv, t.w * inv));
-        }
-        __syncthreads();
-    }
-}
-
 // ---- mla_attn_ksplit<MT, BN, STAGES>: Q in registers, S split over the reduction, 2 barriers per tile ----
 //
 // The mla_attn_fwd layout above re-reads Q from shared memory for every KV tile and every token group
@@ -596,19 +458,14 @@ struct MlaKsCfg {
     static_assert(STAGES >= 2, "cp.async pipeline needs at least two stages");
 };
 
-// FC = 1: the splits merge themselves at the end (mla_fused_combine above; sync / err / spin_limit are its
-// barrier words, unused with FC = 0, where mla_attn_combine merges them in a second launch).
-template <int MT, int BN, int STAGES, int FC = 0>
+template <int MT, int BN, int STAGES>
 __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
     const bf16_bits* __restrict__ q, const bf16_bits* __restrict__ pool, const int* __restrict__ block_table,
     const int* __restrict__ prefix_len, const int* __restrict__ n_rows_arr, const int* __restrict__ row_start,
     const unsigned* __restrict__ mask, bf16_bits* __restrict__ out, mla_part_t* __restrict__ part_o,
     float* __restrict__ part_lse, int max_pages, int mask_rows, int H, int total_packed, int num_splits,
-    float scale_log2,     // the arguments of mla_attn_fwd, then
-    int* __restrict__ sync, int* __restrict__ err, int spin_limit) {
+    float scale_log2) {   // same arguments as mla_attn_fwd
     using C = MlaKsCfg<MT, BN, STAGES>;
-    static_assert(!FC || C::SMEM >= MLA_FC_SMEM, "the in-kernel combine reuses the rings");
-    static_assert(!FC || MLA_FC_W_MAX >= 2 * ATTN_MAX_SPLITS + C::BM / 2, "weights of a block's rows x splits");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_bits* Ks = reinterpret_cast<bf16_bits*>(smem_raw);                        // [STAGES][BN][SROW]
     float* Sp = reinterpret_cast<float*>(Ks + STAGES * C::K_ELEMS);                // [KQ][BM][SPSTR]
@@ -829,37 +686,30 @@ __global__ void __launch_bounds__(256, 1) mla_attn_ksplit(
                 mla_store_part_bf16_row<C::NTO>(part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64,
                                                 o[mt], hi, linv_s[ml], q4, ml < valid_m);
             }
-    } else
+        return;
+    }
 #endif
-    {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const int ml = mt * 16 + g + 8 * hi;
-                if (ml >= valid_m) continue;
-                const float inv = linv_s[ml];
-                const size_t gm = (size_t)rs * H + m0 + ml;
-                if (num_splits == 1) {
-                    bf16_bits* orow = out + gm * MLA_V_DIM + warp * 64 + 2 * q4;
+        for (int hi = 0; hi < 2; ++hi) {
+            const int ml = mt * 16 + g + 8 * hi;
+            if (ml >= valid_m) continue;
+            const float inv = linv_s[ml];
+            const size_t gm = (size_t)rs * H + m0 + ml;
+            if (num_splits == 1) {
+                bf16_bits* orow = out + gm * MLA_V_DIM + warp * 64 + 2 * q4;
 #pragma unroll
-                    for (int j = 0; j < C::NTO; ++j)
-                        *reinterpret_cast<unsigned*>(orow + j * 8) =
-                            pack_bf16x2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
-                } else {
-                    mla_part_t* orow = part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64 + 2 * q4;
+                for (int j = 0; j < C::NTO; ++j)
+                    *reinterpret_cast<unsigned*>(orow + j * 8) =
+                        pack_bf16x2(o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
+            } else {
+                mla_part_t* orow = part_o + ((size_t)split * total_packed + gm) * MLA_V_DIM + warp * 64 + 2 * q4;
 #pragma unroll
-                    for (int j = 0; j < C::NTO; ++j)
-                        mla_store_part2(orow + j * 8, o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
-                }
+                for (int j = 0; j < C::NTO; ++j)
+                    mla_store_part2(orow + j * 8, o[mt][j][2 * hi] * inv, o[mt][j][2 * hi + 1] * inv);
             }
-    }
-    if (FC && num_splits > 1) {
-        cp_async_wait<0>();   // (drained above; the rings are reused as the combine's scratch)
-        mla_group_barrier(sync, (int)(blockIdx.z * gridDim.x + blockIdx.x), num_splits, err, spin_limit);
-        mla_fused_combine(part_o, part_lse, out, (size_t)rs * H + m0, valid_m, split, num_splits, total_packed,
-                          reinterpret_cast<float*>(smem_raw));
-    }
+        }
 }
 
 // Merge the splits (attn_combine.cuh): one block of 8 warps per packed row. grid (max_rows * H, S).

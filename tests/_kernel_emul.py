@@ -297,7 +297,7 @@ def _router_down(name, grid, args):
 
 
 def _mla(name, grid, args):
-    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args[:16]
+    q, pool, table, prefix_len, n_rows, row_start, mask, out, _po, _pl, _mp, _mr, H, _th, _ns, scale_log2 = args
     P, tb = np.asarray(pool).view(np.ndarray), np.asarray(table).view(np.ndarray)
     Q, O = np.asarray(q).view(np.ndarray), np.asarray(out).view(np.ndarray)
     scale = float(scale_log2) / LOG2E
@@ -444,6 +444,4 @@ def install():
     from ddtree_cupy.kernels.moe import forward as moe_forward_mod       # where the MoE launches its kernels
     patch_get_kernel((gemm, layers, router, attention, kv_cache, moe_forward_mod, fused, ddtree, engine_glue))
     compile.device_arch = lambda: "sm_90"
-    # the in-kernel split combine's co-residency query (no driver here): an H200 holds one ksplit block per SM
-    attention._resident_blocks = lambda device_id, spec, name, threads, smem: 132
     _emulate_moe(moe)

@@ -268,11 +268,9 @@ def test_partial_builds_and_bytes():
     assert dict(A.MLA_SPEC_BF16.defines) == {"MLA_PART_BF16": "1"} and A.MLA_SPEC_BF16.pdl and A.MLA_SPEC_BF16.hot
     assert A.mla_partial_row_bytes(False) == 512 * 4 + 4 and A.mla_partial_row_bytes(True) == 512 * 2 + 4
     # 1 stream x 8 rows x 8 heads at 65 splits (the H200 plan at 4K): 8.5 MB of fp32 partials, 4.3 MB bf16
-    # (+ the in-kernel combine's barrier words, 2 int32 per group)
-    sync = 8 * A.FC_MAX_GROUPS
-    assert A.MlaWorkspace.nbytes_for(65, 8, 8, False) == 65 * 64 * 2052 + sync
-    assert A.MlaWorkspace.nbytes_for(65, 8, 8, True) == 65 * 64 * 1028 + sync
-    assert A.MlaWorkspace.nbytes_for(0, 8, 8, True) == 64 * 1028 + sync   # one split's worth is always allocated
+    assert A.MlaWorkspace.nbytes_for(65, 8, 8, False) == 65 * 64 * 2052
+    assert A.MlaWorkspace.nbytes_for(65, 8, 8, True) == 65 * 64 * 1028
+    assert A.MlaWorkspace.nbytes_for(0, 8, 8, True) == 64 * 1028   # one split's worth is always allocated
 
 
 @pytest.mark.parametrize("part_bf16", (False, True))
@@ -281,16 +279,12 @@ def test_workspace_is_sized_for_the_dtype(monkeypatch, part_bf16):
     the default from the rule."""
     import cupy
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype: np.empty(shape, dtype))
-    monkeypatch.setattr(A, "mla_fault_word", lambda: np.zeros(1, np.int32))
     monkeypatch.setenv("DDT_MLA_PARTIAL_BF16", "1" if part_bf16 else "0")
     for ws in (A.MlaWorkspace(33, 10, 8), A.MlaWorkspace(33, 10, 8, part_bf16=part_bf16)):
         assert ws.part_bf16 is part_bf16 and ws.num_splits == 33 and ws.total_packed == 80
         assert ws.part_o.shape == (33, 80, 512) and ws.part_o.dtype == (np.uint16 if part_bf16 else np.float32)
         assert ws.part_lse.shape == (33, 80) and ws.part_lse.dtype == np.float32
-        # the in-kernel combine's barrier words start at zero (arrivals and generation of every group)
-        assert ws.sync.shape == (2 * A.FC_MAX_GROUPS,) and ws.sync.dtype == np.int32 and not ws.sync.any()
-        assert ws.nbytes == A.MlaWorkspace.nbytes_for(33, 10, 8, part_bf16) == (
-            ws.part_o.nbytes + ws.part_lse.nbytes + ws.sync.nbytes)
+        assert ws.nbytes == A.MlaWorkspace.nbytes_for(33, 10, 8, part_bf16) == ws.part_o.nbytes + ws.part_lse.nbytes
     other = A.MlaWorkspace(33, 10, 8, part_bf16=not part_bf16)
     assert other.part_bf16 is (not part_bf16)
 

@@ -193,12 +193,6 @@ class DecodeStep:
         self.packed_host = cupy.cuda.alloc_pinned_memory(S * (self.A + 3) * 4)
         self.packed_np = np.frombuffer(self.packed_host, np.int32, S * (self.A + 3)).reshape(S, self.A + 3)
         self.argmax = VocabArgmax(m, T)
-        # The attention's in-kernel split combine reports a barrier timeout in the device's fault word: copied
-        # back with every step's outputs (pinned, no extra sync) and checked before the outputs are used.
-        from ..kernels.attention import mla_fault_word
-        self.fault = mla_fault_word()
-        self.fault_host = cupy.cuda.alloc_pinned_memory(4)
-        self.fault_np = np.frombuffer(self.fault_host, np.int32, 1)
         self.keep: list = []
         if mode != "ar":
             self.draft_out = cupy.zeros((S, D, m.V_local), cupy.float32)
@@ -362,15 +356,8 @@ class DecodeStep:
             else:
                 self.graph.launch(st)
             self.packed.get(stream=st, out=self.packed_np)
-            self.fault.get(stream=st, out=self.fault_np)
         st.synchronize()
-        self._check_faults()
         return self.packed_np.copy()
-
-    def _check_faults(self) -> None:
-        if self.fault_np[0]:
-            from ..kernels.attention import check_mla_faults
-            check_mla_faults(int(self.fault_np[0]))
 
 
     def run_split(self, ctrl: np.ndarray, choose, running=None, eager: bool = False) -> np.ndarray:
@@ -404,9 +391,7 @@ class DecodeStep:
             else:
                 self.graphs_split[1].launch(st)
             self.packed.get(stream=st, out=self.packed_np)
-            self.fault.get(stream=st, out=self.fault_np)
         st.synchronize()
-        self._check_faults()
         return self.packed_np.copy()
 
 

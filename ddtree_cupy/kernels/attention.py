@@ -50,13 +50,6 @@ class MlaTileConfig:
         return f"mla_attn_fwd<{self.mg}, {self.vg}, {self.bn}, {self.stages}>"
 
     @property
-    def fused_name(self) -> str:
-        """The mla_attn_ksplit instantiation that merges its splits itself (FC = 1); only ksplit tiles have one."""
-        if not self.ksplit:
-            raise ValueError(f"{self.name}: only the mla_attn_ksplit tiles merge their splits in the kernel")
-        return f"mla_attn_ksplit<{self.mg}, {self.bn}, {self.stages}, 1>"
-
-    @property
     def bm(self) -> int:
         return 16 * self.mg
 
@@ -95,9 +88,7 @@ MLA_CONFIGS = {
 }
 _PREFERENCE = {16: ("ks16", "ks16_2stage"), 32: ("mid", "small"), 64: ("large",)}
 
-MLA_KERNEL_NAMES = (tuple(c.name for c in MLA_CONFIGS.values())
-                    + tuple(c.fused_name for c in MLA_CONFIGS.values() if c.ksplit)
-                    + ("mla_attn_combine<4>", "mla_attn_combine<1>"))
+MLA_KERNEL_NAMES = tuple(c.name for c in MLA_CONFIGS.values()) + ("mla_attn_combine<4>", "mla_attn_combine<1>")
 MLA_SPEC = register(KernelSpec(
     src="mla_attention.cu",
     names=MLA_KERNEL_NAMES,
@@ -424,60 +415,16 @@ def _blocks_per_sm(cfg: MlaTileConfig, smem_per_sm: Optional[int] = None) -> int
     return bps
 
 
-# ---- the in-kernel split combine (mla_attn_ksplit<..., 1>, cuda_src/mla_attention.cu) ----------------------
-# The splits of a (stream, row tile) group meet at a barrier in global memory and merge their partials
-# themselves, so a split plan needs one launch instead of two. The barrier needs the whole grid resident at once:
-# mla_attention uses it only for a ksplit tile whose grid the device holds (occupancy of the compiled kernel x
-# SMs) and whose groups fit the workspace's barrier words; other split plans keep mla_attn_combine.
-# FUSED_COMBINE is the rule's switch (mla_attention(fused=) overrides it per call for tests and benchmarks).
-FUSED_COMBINE = False
-FC_MAX_GROUPS = 4096          # barrier words per workspace: streams x row tiles of one launch
-FC_SPIN_LIMIT = 1 << 22       # polls of a group's barrier before the launch gives up (~4 s with 1 us back-off)
-
-_FAULT_WORDS: dict = {}       # device id -> int32 [1]: 1 after a barrier timed out on that device
-_FC_WORKSPACES: "weakref.WeakSet" = None
-
-
-def mla_fault_word():
-    """The current device's fault word of the in-kernel combine: int32 [1], set to 1 by a launch whose group
-    barrier timed out (its output is then invalid). Shared by every MLA workspace of the device, so a caller
-    that runs many launches checks one word (check_mla_faults)."""
-    import cupy
-    dev = current_device()
-    w = _FAULT_WORDS.get(dev)
-    if w is None:
-        w = _FAULT_WORDS[dev] = cupy.zeros(1, dtype=cupy.int32)
-    return w
-
-
-def check_mla_faults(value: Optional[int] = None) -> None:
-    """Raise if the current device's fault word is set (``value``: a host copy of it taken after the launches,
-    e.g. through pinned memory with the step's outputs; None reads it, a device sync). After a fault the word
-    and every workspace's barrier words are zeroed, so the next launch starts clean."""
-    v = int(mla_fault_word()[0].get()) if value is None else int(value)
-    if v == 0:
-        return
-    mla_fault_word().fill(0)
-    for ws in list(_FC_WORKSPACES or ()):
-        ws.sync.fill(0)
-    raise RuntimeError("mla_attention: a split group's barrier timed out (a block of the in-kernel combine never "
-                       "became resident: another kernel held the SMs); the attention outputs since the last "
-                       "check are invalid. The barrier words are reset.")
-
-
 class MlaWorkspace:
     """Split partials for one shape bucket: allocate once (outside graph capture) and reuse.
 
     part_o   [splits, total_rows * H, 512]  float32, or uint16 (bf16 bits) with ``part_bf16``
     part_lse [splits, total_rows * H]       float32 (log2-sum-exp, -inf for an empty split)
-    sync     int32 [2 * FC_MAX_GROUPS]      the in-kernel combine's group barriers (arrivals, generation),
-                                            zero between launches
     ``part_bf16`` None = mla_partial_bf16() (the module rule / DDT_MLA_PARTIAL_BF16); a launch with this
     workspace uses the kernels of the workspace's dtype."""
 
     def __init__(self, num_splits: int, total_rows: int, n_heads: int, part_bf16: Optional[bool] = None):
         import cupy
-        global _FC_WORKSPACES
         self.num_splits = num_splits
         self.total_packed = total_rows * n_heads
         self.part_bf16 = mla_partial_bf16() if part_bf16 is None else bool(part_bf16)
@@ -485,70 +432,22 @@ class MlaWorkspace:
         self.part_o = cupy.empty((n, self.total_packed, LATENT_DIM),
                                  dtype=cupy.uint16 if self.part_bf16 else cupy.float32)
         self.part_lse = cupy.empty((n, self.total_packed), dtype=cupy.float32)
-        self.sync = cupy.empty(2 * FC_MAX_GROUPS, dtype=cupy.int32)
-        self.sync.fill(0)
-        self.fault = mla_fault_word()
-        if _FC_WORKSPACES is None:
-            import weakref
-            _FC_WORKSPACES = weakref.WeakSet()
-        _FC_WORKSPACES.add(self)
 
     @staticmethod
     def nbytes_for(num_splits: int, total_rows: int, n_heads: int, part_bf16: bool) -> int:
         """Device bytes of a workspace of this size (host only)."""
-        return max(num_splits, 1) * total_rows * n_heads * mla_partial_row_bytes(part_bf16) + 8 * FC_MAX_GROUPS
+        return max(num_splits, 1) * total_rows * n_heads * mla_partial_row_bytes(part_bf16)
 
     @property
     def nbytes(self) -> int:
-        return int(self.part_o.nbytes + self.part_lse.nbytes + self.sync.nbytes)
-
-
-@functools.lru_cache(maxsize=None)
-def _resident_blocks(device_id: int, spec: KernelSpec, name: str, threads: int, smem: int) -> int:
-    """Blocks of kernel ``name`` the device holds at once: the driver's occupancy (registers, shared memory,
-    threads of the compiled kernel) x SMs."""
-    import cupy
-    fn = get_kernel(spec, name, smem)
-    per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, smem))
-    return per_sm * _attrs_of(device_id)[0]
-
-
-FC_W_MAX = 576                # cuda_src/mla_attention.cu MLA_FC_W_MAX: weights of a block's rows x splits
-FC_UNIT_COLS = 64             # a merge unit is one packed row x 64 columns
-
-
-def fused_combine_share(split: int, num_splits: int, valid_m: int):
-    """The merge units block ``split`` of a group takes in the in-kernel combine (mla_fused_combine): units
-    [u0, u1) of the group's valid_m x 8 (packed row, 64-column chunk) units, rows r0 .. r0 + nr - 1 of the group.
-    Returns (u0, u1, r0, nr); nr = 0 for a block with no unit."""
-    units = valid_m * (LATENT_DIM // FC_UNIT_COLS)
-    u0, u1 = split * units // num_splits, (split + 1) * units // num_splits
-    if u0 >= u1:
-        return u0, u1, u0 // 8, 0
-    return u0, u1, u0 // 8, (u1 - 1) // 8 - u0 // 8 + 1
-
-
-def fused_combine_refusal(config: MlaTileConfig, num_splits: int, m_tiles: int, n_streams: int,
-                          resident: Optional[int]) -> Optional[str]:
-    """Why a launch cannot merge its splits in the kernel (None: it can). ``resident``: blocks of the fused
-    kernel the device holds at once (None: not asked yet; only the other conditions are checked)."""
-    if not config.ksplit:
-        return f"{config.name} is not an mla_attn_ksplit tile"
-    if num_splits < 2:
-        return "one split: nothing to merge"
-    if m_tiles * n_streams > FC_MAX_GROUPS:
-        return f"{m_tiles * n_streams} groups exceed the workspace's {FC_MAX_GROUPS} barriers"
-    blocks = m_tiles * num_splits * n_streams
-    if resident is not None and blocks > resident:
-        return f"the grid of {blocks} blocks is not co-resident (the device holds {resident})"
-    return None
+        return int(self.part_o.nbytes + self.part_lse.nbytes)
 
 
 def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softmax_scale: float,
                   max_rows: int, max_kv_len: int, mask=None, out=None, num_splits: Optional[int] = None,
                   config: Optional[MlaTileConfig] = None, workspace: Optional[MlaWorkspace] = None,
                   stream=None, spec: Optional[KernelSpec] = None, combine_unroll_override: Optional[int] = None,
-                  part_bf16: Optional[bool] = None, fused: Optional[bool] = None):
+                  part_bf16: Optional[bool] = None):
     """Absorbed MLA attention; returns ``out`` (uint16 bf16 [total_rows, H, 512], o_lat before W_UV).
 
     q            uint16 [total_rows, H, 576]  q_lat (512) | rotated q_pe (64), per query row and head
@@ -568,10 +467,6 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
                  benchmarks).
     part_bf16:   split partials in bf16 (True) or fp32 (False); None = the workspace's dtype when one is
                  given, else mla_partial_bf16(). Plans with one split write o_lat directly either way.
-    fused:       merge the splits inside the attention kernel (True; refused with the reason where the launch
-                 cannot: fused_combine_refusal) or in mla_attn_combine (False); None = FUSED_COMBINE where the
-                 launch can, else the combine kernel. A fused launch's barrier timeout sets mla_fault_word()
-                 (check_mla_faults).
     """
     import cupy
     dims: dict = {}
@@ -629,33 +524,18 @@ def mla_attention(q, pool, block_table, prefix_len, n_rows, row_start, *, softma
         part_o, part_lse = workspace.part_o, workspace.part_lse
     else:
         part_o = part_lse = None
+    fwd = get_kernel(spec, config.name, config.smem)
     m_tiles = -(-max_rows * H // config.bm)
-    if fused or (fused is None and FUSED_COMBINE):
-        why = fused_combine_refusal(config, num_splits, m_tiles, S, None)
-        if why is None and config.fused_name not in spec.names:
-            why = f"the build {spec.src} {dict(spec.defines)} has no {config.fused_name}"
-        if why is None:
-            why = fused_combine_refusal(config, num_splits, m_tiles, S,
-                                        _resident_blocks(dev, spec, config.fused_name, config.threads, config.smem))
-        if fused and why is not None:
-            raise ValueError(f"fused: this launch cannot merge its splits in the kernel: {why}")
-        fused = why is None
-    else:
-        fused = False
-    fwd = get_kernel(spec, config.fused_name if fused else config.name, config.smem)
     null = np.uintp(0)
     args = (q, pool, block_table, prefix_len, n_rows, row_start,
             mask if mask is not None else null, out,
             part_o if part_o is not None else null, part_lse if part_lse is not None else null,
             np.int32(block_table.shape[1]), np.int32(mask.shape[1] if mask is not None else 0), np.int32(H),
             np.int32(T * H), np.int32(num_splits), np.float32(float(softmax_scale) * LOG2E))
-    if config.ksplit:   # the in-kernel combine's barrier words (unused by the FC = 0 kernels)
-        args += ((workspace.sync, workspace.fault, np.int32(FC_SPIN_LIMIT)) if fused
-                 else (null, null, np.int32(0)))
     st = stream if stream is not None else cupy.cuda.get_current_stream()
     with st:
         fwd((m_tiles, num_splits, S), (config.threads,), args, shared_mem=config.smem)
-        if num_splits > 1 and not fused:
+        if num_splits > 1:
             u = combine_unroll_override or combine_unroll(max_rows * H * S, num_sms)
             if u not in (1, COMBINE_UNROLL):
                 raise ValueError(f"combine_unroll_override: expected 1 or {COMBINE_UNROLL}, got {u}")
