@@ -1,6 +1,7 @@
 // GPU-scope memory-order helpers for blocks that wait on each other inside one launch (the persistent layer
-// executor, the MLA kernel's in-kernel split combine). Acquire loads and release reductions order a block's
-// own accesses; a block barrier before a release (or after an acquire) extends that to the whole block.
+// executor's counters; the all-reduce's peer flags are system-scope, allreduce.cuh). Acquire loads and
+// release reductions order a block's own accesses; a block barrier before a release (or after an acquire)
+// extends that to the whole block.
 #pragma once
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
