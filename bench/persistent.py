@@ -9,7 +9,8 @@ floor (weights + activations read once, at the read ceiling measured in the same
 model's prediction (engine/schedule.py). The weights are cold, as in a step of 61 layers: every timed call
 uses the next of enough weight copies that the ones a call reads are not in L2 from the call before
 (``_copies``: together at least 3x the L2), so a GEMM whose weights fit in L2 is not flattered. --timeline prints the per-stage span of the persistent launch
-(globaltimer per item) and the busiest blocks' item sequence.
+(globaltimer per item) and the busiest blocks' item sequence; --repeat N traces N launches and says whether a
+block's lateness at each GEMM's end repeats, by block id or by the SM it lands on (``lateness_stability``).
 """
 from __future__ import annotations
 
@@ -71,13 +72,80 @@ def _print_breakdown(bd, indent="    "):
         print(f"{indent}  {k:22} {lo:7.2f} {md:7.2f} {hi:7.2f}")
 
 
+def _corr(a, b) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    d = float(np.sqrt((a * a).sum() * (b * b).sum()))
+    return float((a * b).sum() / d) if d else 0.0
+
+
+def lateness_stability(ends: np.ndarray, sms: np.ndarray) -> dict:
+    """Whether a block's lateness at the end of a GEMM repeats from launch to launch, and whether it follows
+    the block or the SM it lands on. ``ends`` [launches, blocks]: each block's last part end of the GEMM
+    (us from the launch's first block start), ``sms`` [launches, blocks]: the SM each block ran on. Lateness
+    = end - the launch's median. Returns the mean spread (max - min) per launch, the mean correlation of
+    lateness between two launches by block id and by SM (the SM's blocks averaged), the correlation within a
+    launch between the two blocks of one SM, the share of blocks on the same SM as in the first launch, and
+    the spread of the per-SM lateness averaged over launches (what a static per-SM plan could remove)."""
+    n, nb = ends.shape
+    late = ends - np.median(ends, axis=1, keepdims=True)
+    n_sm = int(sms.max()) + 1
+    per_sm = np.full((n, n_sm), np.nan)
+    pair = []
+    for i in range(n):
+        tot, cnt = np.zeros(n_sm), np.zeros(n_sm)
+        np.add.at(tot, sms[i], late[i])
+        np.add.at(cnt, sms[i], 1)
+        per_sm[i, cnt > 0] = tot[cnt > 0] / cnt[cnt > 0]
+        first, second = {}, {}
+        for b in range(nb):
+            (second if sms[i, b] in first else first)[sms[i, b]] = late[i, b]
+        both = [s for s in second if s in first]
+        if len(both) > 2:
+            pair.append(_corr(np.array([first[s] for s in both]), np.array([second[s] for s in both])))
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    ok = ~np.isnan(per_sm).any(axis=0)
+    sm_mean = np.nanmean(per_sm, axis=0)
+    return {"launches": n, "spread_us": float(np.mean(late.max(1) - late.min(1))),
+            "corr_by_block": float(np.mean([_corr(late[i], late[j]) for i, j in pairs])) if pairs else 0.0,
+            "corr_by_sm": float(np.mean([_corr(per_sm[i, ok], per_sm[j, ok]) for i, j in pairs])) if pairs else 0.0,
+            "corr_sm_pair": float(np.mean(pair)) if pair else 0.0,
+            "same_sm_share": float(np.mean(sms[1:] == sms[0])) if n > 1 else 1.0,
+            "per_sm_mean_spread_us": float(np.nanmax(sm_mean) - np.nanmin(sm_mean)),
+            "latest_sms": [int(v) for v in np.argsort(-np.nan_to_num(sm_mean, nan=-1e9))[:6]]}
+
+
+def _stability_runs(cp, segs, n):
+    """``n`` traced launches of segs[0], each between launches of the other weight copies (cold weights, a
+    busy stream): per launch, every block's last part end per GEMM stage and its SM."""
+    seg = segs[0]
+    ends, sms = {}, []
+    for _ in range(n):
+        for sg in segs[1:]:
+            sg.launch()
+        seg.launch()
+        for sg in segs[1:3]:
+            sg.launch()
+        cp.cuda.Stream.null.synchronize()
+        seg.check()
+        bt = seg.block_times()
+        t0 = bt[:, 0].min()
+        sms.append(bt[:, 3].copy())
+        last = {}
+        for b, _, op, _, e in seg.timeline():
+            d = last.setdefault(op, np.zeros(seg.s.n_blocks))
+            d[b] = max(d[b], (e - t0) / 1e3)
+        for op, d in last.items():
+            ends.setdefault(op, []).append(d)
+    return {op: lateness_stability(np.array(v), np.array(sms)) for op, v in ends.items() if op in ("gate_up", "down")}
+
+
 def _rel(cp, a, b):
     a, b = (cp.asarray(v).view(np.uint16).astype(np.uint32) << 16 for v in (a, b))
     a, b = a.view(np.float32).astype(np.float64), b.view(np.float32).astype(np.float64)
     return float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
 
 
-def run_shape(cp, kind, T, read_gbs, timeline=False):
+def run_shape(cp, kind, T, read_gbs, timeline=False, repeat=0):
     from ddtree_cupy.kernels import gemm, layers
     from ddtree_cupy.kernels.persistent import PersistentSegment, bind_dense_mlp, default_grid
     F = F_DENSE if kind == "dense" else F_DRAFT
@@ -107,7 +175,7 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
     act_p, out_p = z(T, F), z(T, H)
     segs = [PersistentSegment(sc, 0, bind_dense_mlp(sc, attn=attn, h=h, post_norm_w=nw, eps=eps, w_gate_up=w_gus[k],
                                                     w_down=w_dns[k], normed=normed, act=act_p, out=out_p),
-                              trace=timeline and k == 0)
+                              trace=(timeline or repeat > 0) and k == 0)
             for k in range(n_copies)]
     seg = segs[0]
     h0 = h.copy()                                  # both update the residual in place: one pass each from h0
@@ -155,6 +223,8 @@ def run_shape(cp, kind, T, read_gbs, timeline=False):
             (b, busy[b] / 1e3, [(op, round((a - t0) / 1e3, 2), round((e - t0) / 1e3, 2))
                                 for bb, _, op, a, e in tl if bb == b])
             for b in sorted(busy, key=busy.get, reverse=True)[:3]]
+    if repeat > 1:
+        row["lateness"] = _stability_runs(cp, segs, repeat)
     return row
 
 
@@ -199,6 +269,8 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=["dense", "drafter"])
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--timeline", action="store_true")
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="N >= 2 traced launches: does a block's lateness at each GEMM's end repeat, by block or by SM")
     ap.add_argument("--gemm", action="store_true",
                     help="also each GEMM alone: the executor on its tiles only vs a plain launch of that config")
     args = ap.parse_args(argv)
@@ -209,7 +281,7 @@ def main(argv=None):
     print(f"{'kind':8} {'T':>3} {'blocks':>6} {'items':>6} {'today us':>9} {'persist us':>10} {'floor us':>8} "
           f"{'today/fl':>8} {'pers/fl':>8} {'speedup':>7} {'model us':>8}")
     for kind, T in ((k, t) for k in args.kinds for t in args.rows):
-        r = run_shape(cp, kind, T, read, args.timeline)
+        r = run_shape(cp, kind, T, read, args.timeline, args.repeat)
         rows.append(r)
         print(f"{kind:8} {T:3d} {r['blocks']:6d} {r['items']:6d} {r['today_us']:9.1f} "
               f"{r['persistent_us']:10.1f} {r['floor_us']:8.1f} {r['today_x_floor']:8.2f} "
@@ -223,6 +295,11 @@ def main(argv=None):
                   + f"  configs {r['today_configs']}")
             for b, busy, seq in r["busiest_blocks"]:
                 print(f"    block {b}: busy {busy:.1f} us: " + ", ".join(f"{o}@{a}-{e}" for o, a, e in seq[:12]))
+        for op, st in r.get("lateness", {}).items():
+            print(f"    {op} end lateness over {st['launches']} launches: spread {st['spread_us']:.2f} us, corr by "
+                  f"block {st['corr_by_block']:.2f}, by SM {st['corr_by_sm']:.2f}, SM's two blocks "
+                  f"{st['corr_sm_pair']:.2f}, same SM {st['same_sm_share']:.2f}, per-SM mean spread "
+                  f"{st['per_sm_mean_spread_us']:.2f} us, latest SMs {st['latest_sms']}")
     alone = []
     if args.gemm:
         print(f"{'gemm':8} {'T':>3} {'blocks':>6} {'items':>6} {'plain us':>9} {'persist us':>10} {'floor us':>8} "

@@ -24,7 +24,7 @@
 //  * trace (optional), from the global ns timer: per item (block, start, end); start = when the block
 //    reached the item (its weight prologue and wait included); the parts of a GEMM run share the run's start
 //    and each ends when its part end is done (the block sum, its store and arrival, the fixup if it was last).
-//    A block's header row gets (block start, set-up done, block end).
+//    A block's header row gets (block start, set-up done, block end, the SM it ran on). Rows of 4 int64.
 //  * Shared pieces: rmsnorm_row (norm_row.cuh), the decode GEMM's ring layout and swizzle (swz, GEMM_BK,
 //    DEC_WARPS, gemm_bf16.cu: the GEMM run's copies and mma stage are decode_load_w / decode_load_x /
 //    decode_mma_stage on shared addresses computed once per run), silu_mul1 (layer_math.cuh).
@@ -340,7 +340,7 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
             if (threadIdx.x == 0) red_release_add(counters + r[11], single ? 2 : 1);
         }
         if (trace && threadIdx.x == 0) {               // (block, run start, this part's end)
-            long long* t = trace + 3 * (long long)(item + ci);
+            long long* t = trace + 4 * (long long)(item + ci);
             t[0] = blockIdx.x;
             t[1] = t0;
             t[2] = global_ns();
@@ -417,7 +417,7 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
     PersistOp* ops_s = reinterpret_cast<PersistOp*>(meta + 1);
     const int* rows = items + PERSIST_REC * (long long)blockIdx.x * stride;
-    long long* trace_hdr = trace ? trace + 3 * (long long)blockIdx.x * stride : nullptr;   // the header row's
+    long long* trace_hdr = trace ? trace + 4 * (long long)blockIdx.x * stride : nullptr;   // the header row's
     if (trace && threadIdx.x == 0) meta->t_block = global_ns();
     // the header and the first step's records (PERSIST_RUN_MAX of them) and the op table in one round trip
     if (threadIdx.x < PERSIST_REC * (1 + PERSIST_RUN_MAX)) {
@@ -446,6 +446,9 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     if (trace && threadIdx.x == 0) {
         trace_hdr[0] = meta->t_block;
         trace_hdr[1] = global_ns();
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        trace_hdr[3] = sm;
     }
     const int count = meta->count;
     {
@@ -513,9 +516,9 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
             // with their arrivals and fixups.
             if (ok && kind != 15) red_release_add(counters + it[11], 1);
             if (trace && kind != 15) {                       // (block, start, end): the device-wide ns timer
-                trace[3 * ii] = blockIdx.x;                  // (a GEMM run traced its parts' ends itself)
-                trace[3 * ii + 1] = meta->t0;
-                trace[3 * ii + 2] = global_ns();
+                trace[4 * ii] = blockIdx.x;                  // (a GEMM run traced its parts' ends itself)
+                trace[4 * ii + 1] = meta->t0;
+                trace[4 * ii + 2] = global_ns();
             }
         }
         if (!ok) return;

@@ -171,7 +171,7 @@ class PersistentSegment:
         self.err = cupy.zeros(2, np.int32)
         self.spin_limit = int(spin_limit)
         self.n_items = int(enc["items"].shape[0])
-        self.trace = cupy.zeros((rows.shape[0], 3), np.int64) if trace else None
+        self.trace = cupy.zeros((rows.shape[0], 4), np.int64) if trace else None
         self._enc = enc
         self.kernel = get_kernel(SPEC, "persistent_layer", SMEM_BYTES)
         dev = cupy.cuda.Device()
@@ -246,8 +246,8 @@ class PersistentSegment:
                 for d, i in enumerate(self._dev_to_enc) if i >= 0]
 
     def block_times(self) -> np.ndarray:
-        """[n_blocks, 3] int64 of the last launch (trace=True; globaltimer ns): each block's start, the end of its
-        set-up (header, first records and op table read) and its end."""
+        """[n_blocks, 4] int64 of the last launch (trace=True): each block's start, the end of its set-up (header,
+        first records and op table read) and its end (globaltimer ns), and the SM it ran on (%smid)."""
         if self.trace is None:
             raise ValueError("block_times: construct the segment with trace=True")
         tr = self.trace.get()

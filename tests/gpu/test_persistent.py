@@ -213,6 +213,10 @@ def test_timeline_has_every_item_on_its_scheduled_block():
                    for j in range(len(spans) - 1))
         # the block's own times: start <= set-up done <= its first item's start, its last item's end <= its end
         assert 0 < bt[b, 0] <= bt[b, 1] <= min(s[1] for s in spans) and max(s[2] for s in spans) <= bt[b, 2]
+    # the SM each block ran on: a real SM id, at most the resident blocks per SM on each
+    sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert bt.shape == (sc.n_blocks, 4) and (bt[:, 3] >= 0).all() and (bt[:, 3] < sm).all()
+    assert np.bincount(bt[:, 3]).max() <= seg.blocks_per_sm
 
 
 def test_grid_that_cannot_be_coresident_is_refused():
