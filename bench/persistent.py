@@ -132,11 +132,17 @@ def _stability_runs(cp, segs, n):
         sms.append(bt[:, 3].copy())
         last = {}
         for b, _, op, _, e in seg.timeline():
-            d = last.setdefault(op, np.zeros(seg.s.n_blocks))
+            d = last.setdefault(op, np.full(seg.s.n_blocks, -np.inf))
             d[b] = max(d[b], (e - t0) / 1e3)
         for op, d in last.items():
             ends.setdefault(op, []).append(d)
-    return {op: lateness_stability(np.array(v), np.array(sms)) for op, v in ends.items() if op in ("gate_up", "down")}
+    out = {}
+    for op in ("gate_up", "down"):
+        if op in ends:
+            e = np.array(ends[op])
+            ran = np.isfinite(e).all(axis=0)          # the blocks that ran a part of this GEMM in every launch
+            out[op] = lateness_stability(e[:, ran], np.array(sms)[:, ran])
+    return out
 
 
 def _rel(cp, a, b):
