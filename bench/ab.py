@@ -9,16 +9,23 @@ kernel cache, which keys on the source text (kernels/compile.py): a variant's ed
 Before the rounds, ``--test`` runs the given pytest targets once in every patched copy (a variant whose tests
 fail is reported and left out of the rounds). Each command's full output goes to OUT/<variant>.<round>.txt;
 the lines the command prints that start with a word and hold numbers are collected per variant and printed
-side by side at the end (the benchmark prints; nothing here judges a time)."""
+side by side at the end (the benchmark prints; nothing here judges a time).
+
+    python -m bench.ab --waiting [--rounds N] [--out DIR]
+
+runs every patch waiting in bench/patches against the tree: a patch's header (the text before its first
+``diff --git``, which ``git apply`` ignores) names its GPU tests (``Test: TARGET ...``) and its benchmark
+(``Measure: COMMAND``, shell words); the patches sharing both run in one comparison with the tree as ``main``."""
 import argparse
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SKIP = {".git", "__pycache__", ".pytest_cache"}
@@ -63,8 +70,64 @@ def summary_rows(text: str) -> List[str]:
     return out
 
 
+PATCH_DIR = ROOT / "bench" / "patches"
+
+
+def patch_header(path: pathlib.Path) -> Dict[str, str]:
+    """A waiting patch's 'Test:' and 'Measure:' lines (its header, before the first 'diff --git')."""
+    head = path.read_text().split("\ndiff --git", 1)[0]
+    if head.startswith("diff --git"):
+        head = ""
+    out = {}
+    for line in head.splitlines():
+        key, sep, val = line.partition(":")
+        if sep and key in ("Test", "Measure") and val.strip():
+            out[key] = val.strip()
+    return out
+
+
+def waiting_groups(folder: Optional[pathlib.Path] = None) -> List[Tuple[List[str], List[str], List[pathlib.Path]]]:
+    """(test targets, benchmark argv, patches) per distinct header, in patch-name order (``folder``: default
+    bench/patches). A patch without a Measure line cannot be measured: an error naming it."""
+    groups: Dict[Tuple[str, str], List[pathlib.Path]] = {}
+    for p in sorted((folder or PATCH_DIR).glob("*.patch")):
+        h = patch_header(p)
+        if "Measure" not in h:
+            raise ValueError(f"{p.name}: no 'Measure: COMMAND' line before its first 'diff --git'")
+        groups.setdefault((h.get("Test", ""), h["Measure"]), []).append(p)
+    return [(shlex.split(t), shlex.split(m), ps) for (t, m), ps in groups.items()]
+
+
+def run_waiting(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ab --waiting")
+    ap.add_argument("--waiting", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=int, default=300)
+    args = ap.parse_args(argv)
+    groups = waiting_groups()
+    if not groups:
+        print("no patches wait in bench/patches")
+        return 0
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="ab_"))
+    rc = 0
+    for g, (tests, cmd, patches) in enumerate(groups):
+        sub = ["--variant", "main"]
+        for p in patches:
+            sub += ["--variant", f"{p.stem}={p}"]
+        for t in tests:
+            sub += ["--test", t]
+        sub += ["--rounds", str(args.rounds), "--out", str(out / f"group{g}"), "--timeout", str(args.timeout),
+                "--", *cmd]
+        print(f"== waiting group {g}: {', '.join(p.name for p in patches)}: {' '.join(cmd)}", flush=True)
+        rc |= main(sub)
+    return rc
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--waiting" in argv:
+        return run_waiting(argv)
     if "--" not in argv:
         print("usage: python -m bench.ab --variant NAME[=PATCH] ... [--rounds N] [--test T ...] -- COMMAND ...",
               file=sys.stderr)

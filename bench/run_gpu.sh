@@ -7,6 +7,9 @@
 # Groups, each sized for one run of <= 9 minutes on one H200 (expected durations below):
 #   call1 = build tests engine demo               call2 = step longctx allreduce prefill
 #   call3 = kernels moe tree, call4 = attention   (the kernel-level tables; not needed for the step's figures)
+# Persistent executor parts, not in the default: persistent (bench/persistent.py against today's chain, the
+# timeline, each GEMM alone, lateness over 10 launches) and patches (bench.ab --waiting: every patch waiting in
+# bench/patches against the tree, its GPU tests first; ~8 minutes for one patch: a call of its own).
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
 # BUDGET_S (default 530 s when a group is named, else none): the whole run's wall-clock budget; a part whose
 # expected duration no longer fits is skipped (said so in the summary; exit status 3 unless a part failed: 1),
@@ -46,7 +49,8 @@ esac
 # processes of ~1 min; the prefill sweep takes what is left of the budget, at least 120 s, and skips the
 # configurations that would not fit in it.
 declare -A EXPECT=([build]=120 [tests]=240 [engine]=60 [demo]=40 [step]=120 [longctx]=150 [prefill]=120
-                   [kernels]=200 [moe]=150 [attention]=150 [tree]=60 [allreduce]=30 [tp]=300 [allreduce_tp]=60)
+                   [kernels]=200 [moe]=150 [attention]=150 [tree]=60 [allreduce]=30 [tp]=300 [allreduce_tp]=60
+                   [persistent]=150 [patches]=480)
 : > "$LOG/parts.tsv"
 rc=0
 run_part() {  # name, time limit (s), command...
@@ -83,6 +87,9 @@ for p in "${parts[@]}"; do
     moe)       run_part moe 300 python3 -m bench.moe --out "$LOG/moe_$TAG.json" ;;
     attention) run_part attention 300 python3 bench/attention.py --out "$LOG/attention_$TAG.json" ;;
     tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree_$TAG.json" ;;
+    persistent) run_part persistent 300 python3 -m bench.persistent --timeline --gemm --repeat 10 \
+                 --json "$LOG/persistent_$TAG.json" ;;
+    patches)   run_part patches 560 python3 -m bench.ab --waiting --rounds 2 --timeout 170 --out "$LOG/ab" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;
     step16)    run_part step16 300 python3 -m bench.step --layers "${STEP_LAYERS:-6}" --reps 5 --stages 0 \
                  --json "$LOG/step16.json" ;;

@@ -71,3 +71,30 @@ def test_git_apply_works_outside_a_repository(tmp_path):
     r = subprocess.run(["git", "apply", str(tmp_path / "p.patch")], cwd=d, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (d / "ab_marker.txt").read_text().strip() == "patched 1.25 2.5"
+
+
+def test_waiting_patches_grouped_by_their_headers(tmp_path, monkeypatch, capsys):
+    # each waiting patch names its tests and its benchmark before its first 'diff --git'; patches sharing both
+    # run in one comparison against the tree, the others in their own; a patch with no Measure line is refused
+    probe = f"{sys.executable} -c \"{PROBE}\""
+    (tmp_path / "a.patch").write_text(f"Why: a marker\nTest: tests/test_bench_patches.py\nMeasure: {probe}\n\n" + MARK)
+    (tmp_path / "b.patch").write_text(f"Measure: {probe}\n" + MARK)
+    (tmp_path / "c.patch").write_text(f"Test: tests/test_bench_patches.py\nMeasure: {probe}\n" + MARK)
+    groups = ab.waiting_groups(tmp_path)
+    assert [[p.name for p in ps] for _t, _c, ps in groups] == [["a.patch", "c.patch"], ["b.patch"]]
+    assert groups[0][0] == ["tests/test_bench_patches.py"] and groups[1][0] == []
+    assert groups[0][1][0] == sys.executable and groups[0][1][1] == "-c"
+    assert ab.patch_header(tmp_path / "b.patch") == {"Measure": probe}
+    monkeypatch.setattr(ab, "PATCH_DIR", tmp_path)
+    assert ab.main(["--waiting", "--rounds", "1", "--out", str(tmp_path / "out"), "--timeout", "120"]) == 0
+    text = capsys.readouterr().out
+    assert "== waiting group 0: a.patch, c.patch" in text and "== waiting group 1: b.patch" in text
+    assert text.count("r0 patched 1.25 2.5") == 3 and text.count("r0 plain 0.50 0.75") == 2   # main in each group
+    (tmp_path / "d.patch").write_text(MARK)
+    with pytest.raises(ValueError, match="d.patch: no 'Measure: COMMAND'"):
+        ab.waiting_groups(tmp_path)
+
+
+def test_the_kept_patches_name_their_measurement():
+    for _tests, cmd, patches in ab.waiting_groups():
+        assert cmd and patches
