@@ -7,8 +7,10 @@
 # Groups, each sized for one run of <= 9 minutes on one H200 (expected durations below):
 #   call1 = build tests engine demo               call2 = step longctx allreduce prefill
 #   call3 = kernels moe tree, call4 = attention   (the kernel-level tables; not needed for the step's figures)
+#   call5 = persistent edges                      (the persistent executor's benchmarks)
 # Persistent executor parts, not in the default: persistent (bench/persistent.py against today's chain, the
-# timeline, each GEMM alone, lateness over 10 launches) and patches (bench.ab --waiting: every patch waiting in
+# timeline, each GEMM alone, lateness over 10 launches), edges (bench/persistent_edges.py: a dependency edge
+# in the executor against a kernel boundary, with and without PDL) and patches (bench.ab --waiting: every patch waiting in
 # bench/patches against the tree, its GPU tests first; ~8 minutes for one patch: a call of its own).
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
 # BUDGET_S (default 530 s when a group is named, else none): the whole run's wall-clock budget; a part whose
@@ -24,12 +26,13 @@ LOG="${1:-bench/results/$(date -u +%Y%m%dT%H%M%SZ)}"; shift || true
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(build tests engine demo step longctx prefill kernels moe attention tree allreduce)
 expanded=(); grouped=0
 for p in "${parts[@]}"; do
-  case $p in call[1-4]) grouped=1 ;; esac
+  case $p in call[1-5]) grouped=1 ;; esac
   case $p in
     call1) expanded+=(build tests engine demo) ;;
     call2) expanded+=(step longctx allreduce prefill) ;;
     call3) expanded+=(kernels moe tree) ;;
     call4) expanded+=(attention) ;;
+    call5) expanded+=(persistent edges) ;;
     *) expanded+=("$p") ;;
   esac
 done
@@ -50,7 +53,7 @@ esac
 # configurations that would not fit in it.
 declare -A EXPECT=([build]=120 [tests]=240 [engine]=60 [demo]=40 [step]=120 [longctx]=150 [prefill]=120
                    [kernels]=200 [moe]=150 [attention]=150 [tree]=60 [allreduce]=30 [tp]=300 [allreduce_tp]=60
-                   [persistent]=150 [patches]=480)
+                   [persistent]=150 [edges]=120 [patches]=480)
 : > "$LOG/parts.tsv"
 rc=0
 run_part() {  # name, time limit (s), command...
@@ -89,6 +92,7 @@ for p in "${parts[@]}"; do
     tree)      run_part tree 200 python3 bench/tree.py --json "$LOG/tree_$TAG.json" ;;
     persistent) run_part persistent 300 python3 -m bench.persistent --timeline --gemm --repeat 10 \
                  --json "$LOG/persistent_$TAG.json" ;;
+    edges)     run_part edges 240 python3 -m bench.persistent_edges --json "$LOG/persistent_edges_$TAG.json" ;;
     patches)   run_part patches 560 python3 -m bench.ab --waiting --rounds 2 --timeout 170 --out "$LOG/ab" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;
     step16)    run_part step16 300 python3 -m bench.step --layers "${STEP_LAYERS:-6}" --reps 5 --stages 0 \

@@ -256,14 +256,15 @@ def test_run_gpu_groups_expand(tmp_path):
     expect = dict(kv.split("]=") for kv in text.split("declare -A EXPECT=(")[1].split(")")[0].replace("[", "")
                   .split())
     groups = {g: text.split(f"    {g}) expanded+=(")[1].split(")")[0].split()
-              for g in ("call1", "call2", "call3", "call4")}
+              for g in ("call1", "call2", "call3", "call4", "call5")}
     budget = int(text.split("then BUDGET_S=${BUDGET_S:-")[1].split("}")[0])
     assert budget <= 540
     for g, parts in groups.items():
         assert sum(int(expect[p]) for p in parts) <= budget, g
     every = {"build", "tests", "engine", "demo", "step", "longctx", "prefill", "kernels", "moe", "attention", "tree",
              "allreduce"}
-    assert set(sum(groups.values(), [])) == every
+    assert set(sum((v for g, v in groups.items() if g != "call5"), [])) == every
+    assert groups["call5"] == ["persistent", "edges"]          # the executor's parts, not in the default
 
 
 # ---- the benchmarks' main loops, with the GPU parts replaced (control flow, records, refusals) -------------

@@ -29,3 +29,12 @@ def test_lateness_that_follows_the_block_or_nothing():
     noise = lateness_stability(20 + rng.standard_normal(sms.shape), sms)
     assert abs(noise["corr_by_block"]) < 0.3 and abs(noise["corr_by_sm"]) < 0.3
     assert noise["spread_us"] > 2.0
+
+
+def test_edge_slope_is_the_least_squares_cost_per_stage():
+    from bench.persistent_edges import STAGES, slope
+    n = list(STAGES)
+    assert abs(slope(n, [3.0 + 1.5 * k for k in n]) - 1.5) < 1e-12
+    noisy = [3.0 + 1.5 * k + e for k, e in zip(n, (0.1, -0.1, 0.1, -0.1))]
+    x = np.array(n, float)
+    assert abs(slope(n, noisy) - np.polyfit(x, noisy, 1)[0]) < 1e-12

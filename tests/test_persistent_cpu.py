@@ -231,3 +231,22 @@ def test_launches_alternate_counter_sets_by_launch_count():
         assert len(set(mine)) == 1 and mine[0] == g & 1
         assert not sets[g & 1].any(), g                # this launch's set was zeroed by the one before it
         sets[g & 1] += rng.integers(1, 9, size=n)      # the launch's arrivals leave counts behind
+
+
+@pytest.mark.parametrize("kind", ["norm", "gemm"])
+def test_dependency_chain_emulates_the_stages_in_order(kind):
+    # the encoded chain on the numpy twin equals the stages applied one after another in float64
+    rng = np.random.default_rng(11)
+    T, W, n = 3, 256, 4
+    sc = S.build_chain(kind, T, W, n, 37)
+    x0 = rng.standard_normal((T, W))
+    ws = [rng.standard_normal(W) if kind == "norm" else rng.standard_normal((W, W)) / 16 for _ in range(n)]
+    ref = x0
+    for w in ws:
+        ref = w * ref / np.sqrt(np.mean(ref * ref, axis=1, keepdims=True) + 1e-6) if kind == "norm" else ref @ w.T
+    for seed in range(3):
+        xs = [x0.copy()] + [np.full((T, W), np.nan) for _ in range(n)]
+        P.emulate_segment(sc, 0, P.bind_chain(sc, xs, ws), seed=seed)
+        assert np.linalg.norm(xs[-1] - ref) / np.linalg.norm(ref) < 1e-12
+    with pytest.raises(ValueError, match="row buffers"):
+        P.bind_chain(sc, xs[:-1], ws)

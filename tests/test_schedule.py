@@ -352,3 +352,17 @@ def test_build_gemm_alone(n_blocks):
     assert max(len(b) for b in sc.blocks) <= -(-4608 // 16 * 112 // n_blocks // 112) + 2
     with pytest.raises(ValueError, match="K % 64"):
         S.build_gemm(8, 64, 100, 4)
+
+
+@pytest.mark.parametrize("kind", ["norm", "gemm"])
+def test_dependency_chain_schedules(kind):
+    # the edge benchmark's chains: stage j reads only x{j}; every grid from 1 to 200 blocks runs them on the
+    # model (waits met in any interleaving, every element written once before it is read)
+    for nb in range(1, 201, 7):
+        sc = S.build_chain(kind, 3, 256, 4, nb)
+        assert sc.ops == [f"{kind}{j}" for j in range(4)] and sc.n_segments == 1
+        S.simulate(sc, seed=nb)
+    with pytest.raises(ValueError, match="kind must be"):
+        S.build_chain("attention", 3, 256, 4, 8)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        S.build_chain(kind, 3, 200, 4, 8)

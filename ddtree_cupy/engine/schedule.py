@@ -606,6 +606,29 @@ def build_gemm(T: int, N: int, K: int, n_blocks: int, bytes_per_us_per_block: fl
     return _finish(b)
 
 
+def build_chain(kind: str, T: int, width: int, stages: int, n_blocks: int,
+                bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
+    """A chain of ``stages`` dependent stages on [T, width] rows, each reading only what the one before it
+    wrote (x0 -> x1 -> ... -> x{stages}; x0 exists before the launch): what one dependency edge costs the
+    executor against a kernel boundary (bench/persistent_edges.py). ``kind`` "norm": stage j (op
+    ``norm{j}``) is an RMSNorm of each row of x{j}, one item per row; "gemm": x{j+1} = x{j} @ w{j}^T
+    (op ``gemm{j}``, width x width, stream-K parts)."""
+    if kind not in ("norm", "gemm"):
+        raise ValueError(f"build_chain: kind must be 'norm' or 'gemm', got {kind!r}")
+    if T < 1 or stages < 1 or width < 64 or width % 64:
+        raise ValueError(f"build_chain: T and stages must be positive and width a multiple of 64 (>= 64), got "
+                         f"T {T}, width {width}, stages {stages}")
+    shape = LayerShape("dense", 1, int(T), H=int(width), nh=1, ql=1, F=int(width))
+    b = _Builder(shape, int(n_blocks), "segment", float(bytes_per_us_per_block))
+    b.inp("x0", T, width)
+    for j in range(stages):
+        if kind == "norm":
+            b.norm_rows(f"norm{j}", f"x{j}", f"x{j + 1}", None, None)
+        else:
+            b.gemm(f"gemm{j}", f"x{j}", f"x{j + 1}", int(width), int(width))
+    return _finish(b)
+
+
 ITEM_OVERHEAD_US = 0.5       # cost model: a wait + signal round trip and the first tile's latency
 
 

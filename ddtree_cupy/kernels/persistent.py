@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -276,6 +276,26 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
                 raise ValueError("bind_dense_mlp: allreduce='item' needs the final output buffer")
             ops["allreduce_mlp"] = PersistOpArgs(x=out, out=final, N=H)
     return ops
+
+
+def bind_chain(s: sched_mod.Schedule, xs: Sequence, weights: Sequence, eps: float = 1e-6) -> Dict[str, PersistOpArgs]:
+    """The op table of a dependency chain (``schedule.build_chain``): stage j reads xs[j] and writes xs[j + 1]
+    (so len(xs) = stages + 1, each [>= T, width]) with weights[j]: the norm weight [width] of an RMSNorm stage,
+    or [width, width] of a GEMM stage."""
+    ops = list(s.ops)
+    if len(xs) != len(ops) + 1 or len(weights) != len(ops):
+        raise ValueError(f"bind_chain: {len(ops)} stages need {len(ops) + 1} row buffers and {len(ops)} weights, "
+                         f"got {len(xs)} and {len(weights)}")
+    W = int(s.shape.H)
+    out = {}
+    for j, name in enumerate(ops):
+        if name.startswith("norm"):
+            out[name] = PersistOpArgs(x=xs[j], w=weights[j], out=xs[j + 1], N=W, eps=float(eps))
+        else:
+            if tuple(weights[j].shape) != (W, W):
+                raise ValueError(f"bind_chain: {name} weight {weights[j].shape}, expected ({W}, {W})")
+            out[name] = PersistOpArgs(x=xs[j], w=weights[j], out=xs[j + 1], N=W, K=W)
+    return out
 
 
 # ---- the engine's selection -------------------------------------------------------------------------------

@@ -358,3 +358,41 @@ def test_drafter_with_persistent_mlp_matches_reference(tiny, S_):      # noqa: F
             assert rel(got[b], ref.draft(caches[b], int(bonus[b]), have[b])) < DRAFT_TOL
     finally:
         persistent.set_mlp(old)
+
+
+@pytest.mark.parametrize("kind,T", [("norm", 1), ("norm", 8), ("gemm", 1), ("gemm", 8), ("gemm", 16)])
+def test_dependency_chain_matches_float64_and_today(kind, T):
+    # the edge benchmark's chains (bench/persistent_edges.py): each stage reads only the one before it, so a
+    # missing or early wait shows as a poisoned or stale stage. Each stage against float64 of the stage
+    # before as stored (bf16), and today's kernels: the norm bit for bit (the same body), the GEMM to bf16
+    # rounding (stream-K sums K in another order)
+    import cupy as cp
+    from ddtree_cupy.kernels import gemm, layers
+    from ddtree_cupy.kernels.persistent import PersistentSegment, bind_chain, default_grid
+    rng = np.random.default_rng(40 + T)
+    W, n = 1536, 5
+    sc = S.build_chain(kind, T, W, n, default_grid())
+    xb, _ = rand_bf16(rng, (T, W))
+    wb = [rand_bf16(rng, (W,) if kind == "norm" else (W, W), 1.0 if kind == "norm" else W ** -0.5)[0]
+          for _ in range(n)]
+    xs = [cp.asarray(xb)] + [poisoned(cp, (T, W)) for _ in range(n)]
+    ws = [cp.asarray(w) for w in wb]
+    seg = PersistentSegment(sc, 0, bind_chain(sc, xs, ws))
+    seg.launch()
+    seg.check()
+    for j in range(n):
+        prev, w = f64(xs[j]), f64(ws[j])
+        ref = (w * prev / np.sqrt(np.mean(prev * prev, axis=1, keepdims=True) + 1e-6) if kind == "norm"
+               else prev @ w.T)
+        assert rel_err(f64(xs[j + 1]), ref) < BF16_TOL, f"stage {j}"
+        today = cp.zeros((T, W), np.uint16)
+        if kind == "norm":
+            layers.rms_norm(xs[j], ws[j], 1e-6, out=today)
+            assert np.array_equal(today.get(), xs[j + 1].get()), f"stage {j}"
+        else:
+            gemm.gemm_bf16(xs[j], ws[j], today)
+            assert rel_err(f64(xs[j + 1]), f64(today)) < 2 * BF16_TOL, f"stage {j}"
+    first = [x.get() for x in xs[1:]]
+    seg.launch()                                             # the same bits on a second launch
+    seg.check()
+    assert all(np.array_equal(a, x.get()) for a, x in zip(first, xs[1:]))
