@@ -2,7 +2,7 @@
 (post-attention norm with the residual add, gate|up GEMM with SwiGLU, down GEMM) at one TP = 8 rank's widths
 of Kimi K2.6 dense layer 0 and of the DFlash drafter, same weights and inputs in one run.
 
-    PYTHONPATH=$PWD python3 -m bench.persistent [--rows 1 8 16] [--json out.json] [--timeline] [--gemm]
+    PYTHONPATH=$PWD python3 -m bench.persistent [--rows 1 8 16] [--json out.json] [--timeline] [--gemm] [--pdl]
 
 Per shape: today's chain and the persistent launch as CUDA graphs (us per call), both against the byte
 floor (weights + activations read once, at the read ceiling measured in the same run), and the cost
@@ -279,8 +279,16 @@ def main(argv=None):
                     help="N >= 2 traced launches: does a block's lateness at each GEMM's end repeat, by block or by SM")
     ap.add_argument("--gemm", action="store_true",
                     help="also each GEMM alone: the executor on its tiles only vs a plain launch of that config")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the PDL-capable kernels with programmatic dependent launch, as the engine's decode "
+                         "graphs do (today's chain; the executor where its spec is PDL-capable)")
     args = ap.parse_args(argv)
     import cupy as cp
+    from ddtree_cupy.kernels import launch
+    from ddtree_cupy.kernels.persistent import SPEC
+    if args.pdl:
+        launch.set_pdl(True)
+        print(f"PDL launches: today's chain yes, the executor {'yes' if SPEC.pdl else 'no (its spec is not PDL-capable)'}")
     read = measure_read_bandwidth()
     print(f"read ceiling {read:.0f} GB/s (this run)")
     rows = []
