@@ -11,7 +11,7 @@ fail is reported and left out of the rounds). Each command's full output goes to
 the lines the command prints that start with a word and hold numbers are collected per variant and printed
 side by side at the end (the benchmark prints; nothing here judges a time).
 
-    python -m bench.ab --waiting [--rounds N] [--out DIR]
+    python -m bench.ab --waiting [--only NAME ...] [--rounds N] [--out DIR]
 
 runs every patch waiting in bench/patches against the tree: a patch's header (the text before its first
 ``diff --git``, which ``git apply`` ignores) names its GPU tests (``Test: TARGET ...``) and its benchmark
@@ -104,8 +104,17 @@ def run_waiting(argv: List[str]) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="only these patches (file names without .patch), e.g. one comparison per device call")
     args = ap.parse_args(argv)
     groups = waiting_groups()
+    if args.only:
+        known = {p.stem for _t, _c, ps in groups for p in ps}
+        unknown = sorted(set(args.only) - known)
+        if unknown:
+            ap.error(f"--only: no waiting patch named {', '.join(unknown)} (waiting: {', '.join(sorted(known))})")
+        groups = [(t, c, [p for p in ps if p.stem in args.only]) for t, c, ps in groups]
+        groups = [g for g in groups if g[2]]
     if not groups:
         print("no patches wait in bench/patches")
         return 0

@@ -11,7 +11,8 @@
 # Persistent executor parts, not in the default: persistent (bench/persistent.py against today's chain, the
 # timeline, each GEMM alone, lateness over 10 launches), edges (bench/persistent_edges.py: a dependency edge
 # in the executor against a kernel boundary, with and without PDL) and patches (bench.ab --waiting: every patch waiting in
-# bench/patches against the tree, its GPU tests first; ~8 minutes for one patch: a call of its own).
+# bench/patches against the tree, its GPU tests first; ~8 minutes for one patch: a call of its own; PATCHES="a b"
+# picks some by name).
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
 # BUDGET_S (default 530 s when a group is named, else none): the whole run's wall-clock budget; a part whose
 # expected duration no longer fits is skipped (said so in the summary; exit status 3 unless a part failed: 1),
@@ -93,7 +94,8 @@ for p in "${parts[@]}"; do
     persistent) run_part persistent 300 python3 -m bench.persistent --timeline --gemm --repeat 10 \
                  --json "$LOG/persistent_$TAG.json" ;;
     edges)     run_part edges 240 python3 -m bench.persistent_edges --json "$LOG/persistent_edges_$TAG.json" ;;
-    patches)   run_part patches 560 python3 -m bench.ab --waiting --rounds 2 --timeout 170 --out "$LOG/ab" ;;
+    patches)   run_part patches 560 python3 -m bench.ab --waiting ${PATCHES:+--only $PATCHES} --rounds 2 --timeout 170 \
+                 --out "$LOG/ab" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;
     step16)    run_part step16 300 python3 -m bench.step --layers "${STEP_LAYERS:-6}" --reps 5 --stages 0 \
                  --json "$LOG/step16.json" ;;

@@ -90,6 +90,12 @@ def test_waiting_patches_grouped_by_their_headers(tmp_path, monkeypatch, capsys)
     text = capsys.readouterr().out
     assert "== waiting group 0: a.patch, c.patch" in text and "== waiting group 1: b.patch" in text
     assert text.count("r0 patched 1.25 2.5") == 3 and text.count("r0 plain 0.50 0.75") == 2   # main in each group
+    assert ab.main(["--waiting", "--only", "b", "--rounds", "1", "--out", str(tmp_path / "o2")]) == 0
+    text = capsys.readouterr().out
+    assert "== waiting group 0: b.patch" in text and "a.patch" not in text
+    with pytest.raises(SystemExit):
+        ab.main(["--waiting", "--only", "nosuch"])
+    assert "no waiting patch named nosuch" in capsys.readouterr().err
     (tmp_path / "d.patch").write_text(MARK)
     with pytest.raises(ValueError, match="d.patch: no 'Measure: COMMAND'"):
         ab.waiting_groups(tmp_path)
