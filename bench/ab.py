@@ -105,7 +105,7 @@ def run_waiting(argv: List[str]) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                    help="only these patches (file names without .patch), e.g. one comparison per device call")
+                    help="only these patches (file names without .patch), e.g. one comparison per run")
     args = ap.parse_args(argv)
     groups = waiting_groups()
     if args.only:
