@@ -58,6 +58,7 @@ KIND_NAME = {v: k for k, v in KIND.items()}
 
 MIN_PART_KT = 8            # a stream-K range holds at least this many k tiles (small GEMMs use fewer blocks)
 ALIGN_SLACK = 1.25         # whole-unit ranges when the longest is at most this much over an even split
+HEAD_COLS = 64             # a per-head product item: 64 output columns of one head (W_UK: 8 per head, W_UV: 2)
 L2 = 0.25                  # cost model: activation bytes (just written, L2-resident) at a quarter of a weight byte
 MOE_UP_TILE = 64           # rows of the expert's 2I gate|up weight per item (gate and up halves together)
 MOE_DOWN_TILE = 512        # output columns (H) per expert down item
@@ -318,15 +319,24 @@ class _Builder:
                      [Region("c_q", t, t + 1, 0, ql), Region("kv_new", t, t + 1, 0, ROW)], (ql + ROW) * 4)
         self.gemm("q_b", "c_q", "q", nh * (dn + 64), ql)
         self.buf("q_full", T, nh * ROW)
+        # per (head, HEAD_COLS output columns): one item per head would stream the head's whole W_UK (LAT x dn,
+        # 128 KB at Kimi's widths) through one block; piece 0 also writes the head's rotated q_pe
         for hd in range(nh):
-            self.add("head_gemm", "w_uk_rope", (hd,), [Region("q", 0, T, hd * (dn + 64), (hd + 1) * (dn + 64))],
-                     [Region("q_full", 0, T, hd * ROW, (hd + 1) * ROW)], LAT * dn * 2 + T * (dn + 64 + ROW) * 2,
-                     group=f"w_uk_rope:{hd}")
+            for c in range(LAT // HEAD_COLS):
+                c0 = hd * ROW + c * HEAD_COLS
+                writes = [Region("q_full", 0, T, c0, c0 + HEAD_COLS)]
+                if c == 0:
+                    writes.append(Region("q_full", 0, T, hd * ROW + LAT, (hd + 1) * ROW))
+                self.add("head_gemm", "w_uk_rope", (hd, c), [Region("q", 0, T, hd * (dn + 64), (hd + 1) * (dn + 64))],
+                         writes, HEAD_COLS * dn * 2 + T * (dn + 64 + HEAD_COLS + (64 if c == 0 else 0)) * 2,
+                         group=f"w_uk_rope:{hd}")
         self._attention("q_full", ROW, "kv_new", ROW, "o_lat", LAT, per_head_groups=True)
         self.buf("o", T, nh * dv)
         for hd in range(nh):
-            self.add("head_gemm", "w_uv", (hd,), [Region("o_lat", 0, T, hd * LAT, (hd + 1) * LAT)],
-                     [Region("o", 0, T, hd * dv, (hd + 1) * dv)], dv * LAT * 2 + T * (LAT + dv) * 2)
+            for c in range(-(-dv // HEAD_COLS)):
+                c0, c1 = hd * dv + c * HEAD_COLS, hd * dv + min(dv, (c + 1) * HEAD_COLS)
+                self.add("head_gemm", "w_uv", (hd, c), [Region("o_lat", 0, T, hd * LAT, (hd + 1) * LAT)],
+                         [Region("o", 0, T, c0, c1)], (c1 - c0) * LAT * 2 + T * (LAT + c1 - c0) * 2)
         self.gemm("o_proj", "o", "attn_part", H, nh * dv)
 
     def _attention(self, q: str, qw: int, kv: str, kvw: int, out: str, ow: int, per_head_groups: bool,
