@@ -1,6 +1,7 @@
 """The measurement patches in bench/patches (variants built and CPU-tested, waiting for a GPU run) still apply
 to the tree, their kernels still build for sm_120 and sm_90 with no spills, and the CPU tests they carry pass
 with them applied: a patch that no longer applies, builds or passes would be a variant nobody can measure."""
+import os
 import pathlib
 import re
 import shutil
@@ -68,7 +69,7 @@ def test_patch_carried_cpu_tests_pass(patch, tmp_path):
     # the CPU test files the patch changes, run in a patched copy of the tree (its own package first on the path)
     tree = patched_copy(patch, tmp_path / "tree")
     tests = [t for t in touched(patch) if t.startswith("tests/test_")]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(tree)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=tree,
                        env=env, capture_output=True, text=True, timeout=900)
