@@ -33,12 +33,17 @@
 // table (PersistOp, one per stage of the layer: pointers, strides, sizes). Kinds (schedule.KIND):
 //   1 norm_row    arg0 = row                                     rmsnorm_row (residual add when op.x2 is set)
 //   3 boundary    TP = 1 all-reduce stand-in: out = x (a fused all-reduce replaces this body)
+//   4 row_post    arg0 = row                                     qkv_a_post_row (mla_small.cuh): c_q norm, latent
+//                 norm + RoPE into the paged cache; op.x = qkv_a rows, op.w = q_a norm, op.K = q_lora, aux
+//   5 head_gemm   arg0 = head, arg1 = 64-column piece            head_gemm_* (mla_small.cuh) as two groups of 4
+//                 warps (32 columns each); piece 0 also rotates the head's q_pe when aux.pe is set
 //  15 gemm_part   arg0 = first weight row of the 16-row unit, arg1 / arg2 = first k tile / k tiles,
 //                 arg3 = workspace slot, arg4 / arg5 / arg6 = the group's first slot / gate parts / parts;
 //                 [12] = the run length from here, [13] / [14] = the run's waits (first, count). A block's
 //                 consecutive parts of one GEMM run as one step (gemm_run below).
 // Any other kind sets err and stops (the host refuses schedules with kinds this build does not run).
 #include "norm_row.cuh"
+#include "mla_small.cuh"
 #include "gpu_sync.cuh"
 #include "gemm_bf16.cu"
 
@@ -57,14 +62,35 @@ struct PersistOp {
     bf16_bits* out2;          // norm: residual out; GEMM: the parts' fp32 block sums [part slot][T][16]
     long long x_stride, x2_stride, out_stride, out2_stride;   // row strides in elements
     int T, N, K, flags;       // flags bit 1: GEMM fixup is SwiGLU of a gate|up pair
+    long long aux;            // byte offset of the stage's PersistAux in the op table (0: none)
     float eps;
-    int pad[3];
+    int pad;
 };
 
-// kernels/persistent.py OP_DTYPE mirrors this layout: naturally aligned fields in this order (8-byte
-// pointers and strides, then 4-byte fields), no implicit padding, so the size pins the offsets (NVRTC has
-// no offsetof in constant expressions).
+// The extra arguments of the row_post and head_gemm stages, after the op records in the same table (so the
+// block's shared-memory copy of the table holds them too: no dependent global load in the item).
+struct PersistAux {
+    const bf16_bits* w2;          // row_post: the kv_a norm weight [512]
+    const int* positions;         // RoPE positions [T] (row_post: k_pe; head_gemm: q_pe)
+    const float* inv_freq;        // the RoPE table [rotary pairs]
+    const int* stream_ids;        // row_post: each row's stream [T]
+    const int* kv_pos;            // row_post: each row's cache position [T] (< 0: no cache write)
+    bf16_bits* pool;              // row_post: the paged latent cache [pages, 64, 576]
+    const int* block_table;       // row_post: [streams, max_pages]
+    const bf16_bits* pe;          // head_gemm: q_pe to rotate (nullptr: none), [T, nh, 2 half] strided
+    bf16_bits* pe_out;            // head_gemm: its destination
+    long long x_head, out_head, pe_row, pe_head, pe_out_row, pe_out_head;   // head_gemm strides (elements)
+    int max_pages;                // row_post: the block table's row length
+    int half;                     // head_gemm: rotary pairs
+    float amplitude;              // RoPE amplitude
+    int pad;
+};
+
+// kernels/persistent.py OP_DTYPE / AUX_DTYPE mirror these layouts: naturally aligned fields in this order
+// (PersistOp's aux at offset 88, after its four 4-byte fields), no implicit padding, so the sizes pin the
+// offsets (NVRTC has no offsetof in constant expressions).
 static_assert(sizeof(PersistOp) == 104 && alignof(PersistOp) == 8, "PersistOp layout (OP_DTYPE)");
+static_assert(sizeof(PersistAux) == 136 && alignof(PersistAux) == 8, "PersistAux layout (AUX_DTYPE)");
 
 __device__ __forceinline__ long long global_ns() {
     long long t;
@@ -376,6 +402,45 @@ __device__ __forceinline__ bool gemm_run(const PersistOp& op, const int* recs, i
     return false;
 }
 
+// ---- row_post and head products ----------------------------------------------------------------------------
+// Row t: qkv_a_post_row (mla_small.cuh, mla_qkv_a_post's body), its reductions in the idle ring memory.
+__device__ __forceinline__ void row_post_item(const PersistOp& op, const PersistAux& a, int t, const CounterWait& wait) {
+    extern __shared__ uint4 smem[];
+    float* red = reinterpret_cast<float*>(smem);
+    qkv_a_post_row<true>(t, op.x, op.x_stride, op.K, op.w, a.w2, op.eps, (bf16_bits*)op.out, op.out_stride, a.positions,
+                         a.inv_freq, a.amplitude, a.stream_ids, a.kv_pos, a.pool, a.block_table, a.max_pages, red,
+                         red + FL_THREADS / 32, wait);
+}
+
+// Item (head h, 64-column piece): two groups of 4 warps, group g the 32 columns piece * 64 + 32 g, each as one
+// mla_head_gemm block (the same body, mla_small.cuh: identical bits), the fragments of its first KC k16 steps
+// loaded before the wait and the rest of its weight lines prefetched into L2; the partial sums meet in the idle
+// ring memory. Piece 0's first group also rotates the head's q_pe. W_UV (K = 512) holds 2 of its 8 k16 steps
+// at a time (KC = 2: 16 registers; 4 spilled under sm_90's 128-register budget, all 8 did inlined or called,
+// NVRTC 12.9's ptxas).
+template <int KS, int KC>
+__device__ __forceinline__ void head_gemm_item(const PersistOp& op, const PersistAux& a, const int* it,
+                                               const CounterWait& wait, const int* abort_flag) {
+    extern __shared__ uint4 smem[];
+    const int h = it[2], piece = it[3];
+    const int grp = threadIdx.x >> 7, gtid = threadIdx.x & 127, warp = gtid >> 5, lane = threadIdx.x & 31;
+    const int n0 = piece * 64 + grp * 32;
+    uint32_t b[KC][4][2];
+    head_gemm_weights<KS, KC>(op.w, h, op.N, n0, warp, lane, 0, b);
+    // lane l: row n0 + l of the warp's K slice, the 128-byte lines of chunks 1.. (16 KC bf16 = 32 KC bytes each)
+    for (int c = 1; c < KS / KC; ++c)
+        for (int o = 0; o < 32 * KC; o += 128)
+            prefetch_l2(op.w + ((long long)h * op.N + n0 + lane) * (64 * KS) + warp * 16 * KS + 16 * KC * c + o / 2);
+    wait();
+    if (*abort_flag) return;                           // uniform: written before the wait's barrier
+    float (*red)[16][33] = reinterpret_cast<float (*)[16][33]>(smem) + grp * HG_WARPS;
+    head_gemm_tiles<KS, KC, true>(op.x, op.x_stride, a.x_head, (bf16_bits*)op.out, op.out_stride, a.out_head, op.T, h,
+                                  n0, 0, 1, warp, gtid, op.w, op.N, b, red);
+    if (a.pe != nullptr && piece == 0 && grp == 0)
+        head_gemm_rope<true>(a.pe, a.pe_row, a.pe_head, a.pe_out, a.pe_out_row, a.pe_out_head, a.positions, a.inv_freq,
+                             a.amplitude, a.half, op.T, h, 0, 1, gtid);
+}
+
 // Shared memory: the GEMM rings first, at the dynamic base (cp.async into a ring whose base is not 128-byte
 // aligned moves each 16-byte chunk as two sectors: measured 2x slower, docs/history/2026-12-03-persistent.md;
 // so the executor declares no static shared memory), then its own words, then the block's copy of the op
@@ -411,7 +476,7 @@ static_assert(sizeof(PersistMeta) == 576, "kernels/persistent.py META_BYTES; the
 #endif
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
 persistent_layer(const int* __restrict__ items, int stride, const int* __restrict__ waits,
-                 const PersistOp* __restrict__ ops, int n_ops, int* counters, int n_counters,
+                 const PersistOp* __restrict__ ops, int table_words, int* counters, int n_counters,
                  int* launches, int* err, int spin_limit, long long* __restrict__ trace) {
     extern __shared__ uint4 smem[];
     PersistMeta* meta = reinterpret_cast<PersistMeta*>(reinterpret_cast<char*>(smem) + PERSIST_RING_BYTES);
@@ -440,7 +505,7 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     {
         const uint2* src = reinterpret_cast<const uint2*>(ops);
         uint2* dst = reinterpret_cast<uint2*>(ops_s);
-        for (int v = threadIdx.x; v < n_ops * (int)(sizeof(PersistOp) / 8); v += PERSIST_THREADS) dst[v] = src[v];
+        for (int v = threadIdx.x; v < table_words; v += PERSIST_THREADS) dst[v] = src[v];   // ops, then aux
     }
     __syncthreads();
     if (trace && threadIdx.x == 0) {
@@ -488,6 +553,26 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
                                      trace, meta->t0);
             else ok = false;
             if (bad) meta->abort_flag = 1;                   // every thread writes the same value
+        } else if (kind == 4 || kind == 5) {
+            const CounterWait wait{it, waits, counters, err, ii, spin_limit, &meta->abort_flag};
+            const PersistAux& a = *reinterpret_cast<const PersistAux*>(reinterpret_cast<const char*>(ops_s) + op.aux);
+            if (op.aux <= 0) {
+                ok = false;
+            } else if (kind == 4) {
+                if (op.K % 8 || op.K > 8 * FL_QMAXV * FL_THREADS) {
+                    ok = false;
+                } else {
+                    row_post_item(op, a, it[2], wait);
+                }
+            } else if (op.N % 64 || 64 * (it[3] + 1) > op.N) {
+                ok = false;
+            } else if (op.K == 128) {
+                head_gemm_item<2, 2>(op, a, it, wait, &meta->abort_flag);
+            } else if (op.K == 512) {
+                head_gemm_item<8, 2>(op, a, it, wait, &meta->abort_flag);
+            } else {
+                ok = false;
+            }
         } else {
             const CounterWait wait{it, waits, counters, err, ii, spin_limit, &meta->abort_flag};
             wait();

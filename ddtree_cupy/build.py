@@ -78,9 +78,10 @@ _CMEM = re.compile(r"(\d+) bytes cmem\[0\]")
 def parse_ptxas_log(log: str) -> Dict[str, dict]:
     """ptxas -v output -> {entry symbol: {registers, spill_stores, spill_loads, smem_static, stack, cmem0}}.
 
-    Only entry functions are reported; the properties of non-inlined device functions (which ptxas lists
-    too) are not attributed to any entry."""
+    Entry functions are reported; the spills of a non-inlined device function (which ptxas lists on its
+    own) are added to every entry of the same log, so that a call cannot hide a spill from the check."""
     out: Dict[str, dict] = {}
+    callee = [0, 0]                  # spill stores / loads of non-entry functions
     entry: Optional[str] = None      # the entry whose "Used ..." line is pending
     props_for: Optional[str] = None  # whose "Function properties" block the next frame line belongs to
     for line in log.splitlines():
@@ -96,8 +97,12 @@ def parse_ptxas_log(log: str) -> Dict[str, dict]:
             continue
         m = _FRAME.search(line)
         if m and props_for in out:
-            out[props_for].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                                  spill_loads=int(m.group(3)))
+            out[props_for].update(stack=int(m.group(1)), spill_stores=int(out[props_for]["spill_stores"]) +
+                                  int(m.group(2)), spill_loads=int(out[props_for]["spill_loads"]) + int(m.group(3)))
+            continue
+        if m and props_for is not None:
+            callee[0] += int(m.group(2))
+            callee[1] += int(m.group(3))
             continue
         m = _USED.search(line)
         if m and entry is not None:
@@ -108,6 +113,9 @@ def parse_ptxas_log(log: str) -> Dict[str, dict]:
             c = _CMEM.search(line)
             rec["cmem0"] = int(c.group(1)) if c else 0
             entry = None
+    for rec in out.values():
+        rec["spill_stores"] += callee[0]
+        rec["spill_loads"] += callee[1]
     return out
 
 

@@ -31,6 +31,13 @@ def test_parse_ptxas_log():
     assert rep["_Z3fooPf"] == dict(registers=40, spill_stores=16, spill_loads=8, smem_static=1104, stack=24, cmem0=400)
     assert rep["bar"] == dict(registers=12, spill_stores=0, spill_loads=0, smem_static=0, stack=0, cmem0=380)
     assert "helper_noinline" not in rep
+    # a non-inlined function's spills count against every entry of the log (a call cannot hide a spill)
+    spilled = PTXAS_SAMPLE.replace("8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+                                   "8 bytes stack frame, 56 bytes spill stores, 48 bytes spill loads")
+    rep = build.parse_ptxas_log(spilled)
+    assert (rep["_Z3fooPf"]["spill_stores"], rep["_Z3fooPf"]["spill_loads"]) == (72, 56)
+    assert (rep["bar"]["spill_stores"], rep["bar"]["spill_loads"]) == (56, 48)
+    assert rep["bar"]["stack"] == 0
 
 
 def test_cuda_headers_found_without_gpu():

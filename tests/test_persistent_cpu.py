@@ -22,7 +22,7 @@ def test_op_table_layout_matches_the_kernel_struct():
     assert "sizeof(PersistOp) == 104" in src
     struct = src[src.index("struct PersistOp {"):src.index("};", src.index("struct PersistOp {"))]
     pos = [struct.index(n) for n in ("x;", "x2;", " w;", "out;", "out2;", "x_stride", "x2_stride", "out_stride",
-                                     "out2_stride", "int T", "float eps", "pad[3]")]
+                                     "out2_stride", "int T", "long long aux", "float eps", "int pad;")]
     assert pos == sorted(pos), "PersistOp field order differs from OP_DTYPE"
     # the item kinds the kernel switches on are the schedule's numbers
     for name in P.SUPPORTED_KINDS:

@@ -227,7 +227,24 @@ def test_mlp_half(kind, allreduce):
         assert sc.ops[0] == "post_norm" and "attention" not in sc.ops
         assert sc.n_segments == (2 if allreduce == "segment" else 1)
     with pytest.raises(ValueError, match="parts"):
-        S.build_layer(small_shape(kind, 1, 8), 4, parts=("attention",))
+        S.build_layer(small_shape(kind, 1, 8), 4, parts=("mlp", "attention"))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "drafter"])
+def test_attention_as_a_segment(kind):
+    # today's attention kernels between two launches: the attention items in a segment of their own, every
+    # static property and the model's dataflow still hold, the items the same as with attention inside
+    for nb in (1, 5, 64, 200):
+        for parts in (("attention",), ("attention", "mlp")):
+            sc = S.build_layer(small_shape(kind, 2, 4), nb, parts=parts, attention="segment")
+            check_static(sc)
+            S.simulate(sc, seed=nb)
+            att = {it.segment for it in sc.items if it.kind in ("attn_split", "attn_combine")}
+            assert len(att) == 1 and all(it.kind in ("attn_split", "attn_combine")
+                                         for it in sc.items if it.segment in att)
+            inside = S.build_layer(small_shape(kind, 2, 4), nb, parts=parts)
+            assert sorted((it.kind, it.op, it.args) for it in sc.items) == \
+                sorted((it.kind, it.op, it.args) for it in inside.items)
 
 
 def _parts(sc, op):

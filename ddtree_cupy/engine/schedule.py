@@ -172,8 +172,9 @@ def drafter_shape(dcfg, tp: int, S: int, R: int, kv_splits: int = 0, kv_len: int
 # ---- building ---------------------------------------------------------------------------------------------
 
 class _Builder:
-    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str, rate: float):
+    def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str, rate: float, attention: str = "item"):
         self.s, self.n_blocks, self.allreduce, self.rate = shape, n_blocks, allreduce, rate
+        self.attention = attention
         self.items: List[Item] = []
         self.buffers: Dict[str, Tuple[int, int]] = {}     # produced buffers: name -> (rows, cols)
         self.inputs: Dict[str, Tuple[int, int]] = {}      # buffers that exist before the layer
@@ -349,6 +350,10 @@ class _Builder:
         hg = s.head_group or nh
         # automatic: enough splits that the attention items cover the grid (the cache prefix dominates)
         nsp = s.kv_splits or max(1, min(64, self.n_blocks // (s.S * (nh // hg))))
+        if self.attention == "segment":
+            # today's attention kernels run between two persistent launches: the items stand for them in the
+            # model (their own segment), the device runs nothing for them
+            self.segment += 1
         self.buf(out, T, nh * ow)
         if nsp > 1:
             self.buf(out + "_part", s.S * nsp, nh * (ow + 1))
@@ -369,6 +374,8 @@ class _Builder:
                                  [Region(out + "_part", st * nsp, (st + 1) * nsp, hh * (ow + 1), (hh + 1) * (ow + 1))],
                                  [Region(out, r0, r1, hh * ow, (hh + 1) * ow)], nsp * (ow + 1) * 4,
                                  group=f"attn_combine:{st}")
+        if self.attention == "segment":
+            self.segment += 1
 
     def dense_mlp(self, x: str, out: str) -> None:
         s = self.s
@@ -556,12 +563,18 @@ def _finish(b: "_Builder") -> Schedule:
 
 
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
-                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp")) -> Schedule:
+                bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp"),
+                attention: str = "item") -> Schedule:
     """The static schedule of one layer for a persistent grid of ``n_blocks`` co-resident blocks.
 
     ``parts``: ("attention", "mlp") the whole layer; ("mlp",) its second half only (post-attention norm,
     MLP, boundary), whose inputs are ``attn`` (the reduced attention output) and the residual (``h`` for a
-    dense layer, ``h1`` otherwise).
+    dense layer, ``h1`` otherwise); ("attention",) its first half only (input norm .. o_proj, boundary).
+
+    ``attention``: "item" (the attention splits and their combine are work items of the launch) or
+    "segment" (they are a segment of their own, today's attention kernels between two launches: a target
+    layer's attention half is then [input_norm, qkv_a, qkv_a_post, q_b, w_uk_rope], the attention, [w_uv,
+    o_proj], the boundary).
 
     ``bytes_per_us_per_block``: the cost model's streaming rate of one block (default: an H200's ~4 TB/s
     read ceiling over its 132 SMs); the assignment, the stream-K ranges and the predicted times depend on
@@ -571,10 +584,12 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
         raise ValueError(f"build_layer: n_blocks must be a positive integer, got {n_blocks!r}")
     if allreduce not in ("segment", "item"):
         raise ValueError(f"build_layer: allreduce must be 'segment' or 'item', got {allreduce!r}")
+    if attention not in ("segment", "item"):
+        raise ValueError(f"build_layer: attention must be 'segment' or 'item', got {attention!r}")
     parts = tuple(parts)
-    if parts not in (("attention", "mlp"), ("mlp",)):
-        raise ValueError(f"build_layer: parts must be ('attention', 'mlp') or ('mlp',), got {parts!r}")
-    b = _Builder(shape, int(n_blocks), allreduce, float(bytes_per_us_per_block))
+    if parts not in (("attention", "mlp"), ("mlp",), ("attention",)):
+        raise ValueError(f"build_layer: parts must be ('attention', 'mlp'), ('mlp',) or ('attention',), got {parts!r}")
+    b = _Builder(shape, int(n_blocks), allreduce, float(bytes_per_us_per_block), attention)
     T, H = shape.T, shape.H
     b.inp("h", T, H)
     res = "h" if shape.kind == "dense" else "h1"
@@ -590,6 +605,8 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
         else:
             b.attention_target()
         b.boundary("allreduce_attn", "attn_part", "attn")
+        if "mlp" not in parts:
+            return _finish(b)
     else:
         b.inp("attn", T, H)
         if res != "h":

@@ -9,10 +9,12 @@ passes its bound sets the error word instead of hanging; ``check`` raises it nam
 
 Item bodies this build runs: ``norm_row``, ``gemm_part`` (a stream-K part of a 16-row unit, T <= 16; a block's
 consecutive parts of one GEMM run as one step through one ring; the group's last part sums the partials,
-with SwiGLU for a gate|up pair) and
-``boundary`` (TP = 1: the all-reduce stand-in copy); ``supported_segment`` says whether a segment uses only
-those (the dense / drafter MLP half of a layer does; attention and the MoE items are not built yet, see
-docs/PERSISTENT.md). A segment owns the fp32 workspace of its GEMMs' partial slots.
+with SwiGLU for a gate|up pair), ``boundary`` (TP = 1: the all-reduce stand-in copy), ``row_post`` (the MLA
+qkv_a epilogue of one row: the two latent norms, RoPE of k_pe, the cache write) and ``head_gemm`` (64 output
+columns of one head's W_UK (+ RoPE of q_pe) or W_UV product); ``supported_segment`` says whether a segment
+uses only those (the dense / drafter MLP half of a layer does, and a target layer's attention half around
+its attention kernels, built with ``attention="segment"``; the attention and MoE items are not built yet,
+see docs/PERSISTENT.md). A segment owns the fp32 workspace of its GEMMs' partial slots.
 """
 from __future__ import annotations
 
@@ -29,11 +31,14 @@ THREADS = 256
 RING_BYTES = 96 * 1024                 # the decode GEMM body's rings (kernels/gemm.py dec_smem_bytes), at offset 0
 META_BYTES = 576                       # struct PersistMeta after the rings (cuda_src/persistent_layer.cu)
 SMEM_LIMIT = 99 * 1024                 # sm_120's per-block limit: the op table copy must fit beside the rings
-SUPPORTED_KINDS = frozenset({"norm_row", "gemm_part", "boundary"})
+SUPPORTED_KINDS = frozenset({"norm_row", "gemm_part", "boundary", "row_post", "head_gemm"})
 MAX_T = 16                             # the decode GEMM body's token limit (NT <= 2)
+LATENT, ROPE, ROW, PAGE = 512, 64, 576, 64     # the MLA latent cache row (kernels/fused.py)
+QL_MAX = 8 * 2 * 256                   # the row body's q_lora limit (FL_QMAXV vectors of 8 per thread)
 DEFAULT_SPIN_LIMIT = 1 << 21           # polls of one wait before the launch gives up (~2 s: 1 us back-off)
 ERR_REASON = {1: "a dependency wait timed out", 2: "an item kind this build does not run",
-              3: "a GEMM part the body does not serve (T > 16)"}
+              3: "an item whose shape the body does not serve (GEMM T > 16, head product K not 128 / 512, "
+                 "q_lora > 4096, no argument block)"}
 
 # The .cu files the executor #includes besides the .cuh headers (compile.KernelSpec.source covers those):
 # their text goes into the source's digest line so an edit recompiles instead of loading a stale cubin.
@@ -58,21 +63,35 @@ SPEC = register(_PersistentSpec("persistent_layer.cu", ("persistent_layer",), ho
                                 doc="persistent layer executor: a precomputed work-item schedule per block, "
                                     "counter waits in global memory"))
 
-# struct PersistOp (cuda_src/persistent_layer.cu): 5 pointers, 4 int64 strides, T N K flags, eps, 3 pad
+# struct PersistOp (cuda_src/persistent_layer.cu): 5 pointers, 4 int64 strides, T N K flags, the aux offset, eps, pad
 OP_DTYPE = np.dtype([("x", np.uint64), ("x2", np.uint64), ("w", np.uint64), ("out", np.uint64), ("out2", np.uint64),
                      ("x_stride", np.int64), ("x2_stride", np.int64), ("out_stride", np.int64),
                      ("out2_stride", np.int64), ("T", np.int32), ("N", np.int32), ("K", np.int32),
-                     ("flags", np.int32), ("eps", np.float32), ("pad", np.int32, (3,))])
+                     ("flags", np.int32), ("aux", np.int64), ("eps", np.float32), ("pad", np.int32)])
 assert OP_DTYPE.itemsize == 104       # static_asserts in persistent_layer.cu pin the same layout
-MAX_OPS = (SMEM_LIMIT - RING_BYTES - META_BYTES) // OP_DTYPE.itemsize     # 24 stages per schedule
+# struct PersistAux: the row_post / head_gemm stages' extra arguments, after the op records in the same table
+AUX_DTYPE = np.dtype([("w2", np.uint64), ("positions", np.uint64), ("inv_freq", np.uint64), ("stream_ids", np.uint64),
+                      ("kv_pos", np.uint64), ("pool", np.uint64), ("block_table", np.uint64), ("pe", np.uint64),
+                      ("pe_out", np.uint64), ("x_head", np.int64), ("out_head", np.int64), ("pe_row", np.int64),
+                      ("pe_head", np.int64), ("pe_out_row", np.int64), ("pe_out_head", np.int64),
+                      ("max_pages", np.int32), ("half", np.int32), ("amplitude", np.float32), ("pad", np.int32)])
+assert AUX_DTYPE.itemsize == 136
+AUX_KINDS = frozenset({"row_post", "head_gemm"})
+TABLE_BYTES = (SMEM_LIMIT - RING_BYTES - META_BYTES) // 16 * 16     # the op table's room beside the rings
+MAX_OPS = TABLE_BYTES // OP_DTYPE.itemsize     # 24 stages per schedule (fewer with argument blocks)
 
 
-def smem_bytes(n_ops: int) -> int:
+def table_bytes(n_ops: int, n_aux: int = 0) -> int:
+    """The op table of ``n_ops`` stages, ``n_aux`` of them with an argument block (8-byte words)."""
+    return n_ops * OP_DTYPE.itemsize + n_aux * AUX_DTYPE.itemsize
+
+
+def smem_bytes(n_ops: int, n_aux: int = 0) -> int:
     """Dynamic shared memory of a launch: the rings, the executor's words, the block's copy of the op table."""
-    return RING_BYTES + META_BYTES + -(-n_ops * OP_DTYPE.itemsize // 16) * 16
+    return RING_BYTES + META_BYTES + -(-table_bytes(n_ops, n_aux) // 16) * 16
 
 
-SMEM_BYTES = smem_bytes(MAX_OPS)       # the occupancy question's size: the largest launch
+SMEM_BYTES = RING_BYTES + META_BYTES + TABLE_BYTES       # the occupancy question's size: the largest launch
 
 
 def device_rows(enc: Mapping[str, np.ndarray]):
@@ -99,7 +118,12 @@ def device_rows(enc: Mapping[str, np.ndarray]):
 class PersistOpArgs:
     """One stage's buffers. norm_row: x (+ residual x2 -> out2), w = norm weight, out = normed, N = H.
     gemm_part: x [T, K], w [N, K], out [T, N] bf16, or with ``swiglu`` out = act [T, N / 2] = silu(x w_gate^T)
-    * (x w_up^T) for w = [gate; up] (the segment adds the partials' workspace). boundary: out = x, N = width."""
+    * (x w_up^T) for w = [gate; up] (the segment adds the partials' workspace). boundary: out = x, N = width.
+    row_post (kernels/fused.mla_qkv_a_post's contract): x = qkv_a [T, ql + 576], w = the q_a norm [ql], w2 =
+    the kv_a norm [512], out = c_q [T, ql], K = ql, eps; positions / stream_ids / kv_pos int32 [T], inv_freq
+    float32 [32], amplitude, pool [pages, 64, 576], block_table int32 [streams, max_pages].
+    head_gemm (kernels/fused.mla_head_gemm's): x [T, nh, K] and out [T, nh, N] strided views, w [nh, N, K]
+    (N % 64 == 0, K 128 or 512); optionally pe / pe_out [T, nh, 2 half] with positions, inv_freq, amplitude."""
     x: object
     out: object
     w: object = None
@@ -109,6 +133,16 @@ class PersistOpArgs:
     K: int = 0
     eps: float = 0.0
     swiglu: bool = False
+    w2: object = None
+    positions: object = None
+    inv_freq: object = None
+    amplitude: float = 1.0
+    stream_ids: object = None
+    kv_pos: object = None
+    pool: object = None
+    block_table: object = None
+    pe: object = None
+    pe_out: object = None
 
 
 def _rows_stride(name: str, a, T: int) -> int:
@@ -117,6 +151,29 @@ def _rows_stride(name: str, a, T: int) -> int:
     if a.strides[1] != a.itemsize or a.strides[0] % 16 or a.data.ptr % 16:
         raise ValueError(f"{name}: rows must be contiguous and 16-byte aligned (strides {a.strides})")
     return a.strides[0] // a.itemsize
+
+
+def _view3(name: str, a, T: int, dims: Sequence[Optional[int]], align: int):
+    """(row stride, head stride) in elements of a [T, nh, width] uint16 view with a contiguous last dimension,
+    its pointer and strides multiples of ``align`` bytes."""
+    if a is None or a.ndim != 3 or a.shape[0] < T or a.dtype != np.uint16:
+        raise ValueError(f"{name}: expected a uint16 [>= {T}, nh, width] view, got "
+                         f"{None if a is None else (a.shape, a.dtype)}")
+    for i, d in enumerate(dims):
+        if d is not None and a.shape[1 + i] != d:
+            raise ValueError(f"{name}: dimension {1 + i} is {a.shape[1 + i]}, expected {d}")
+    if a.strides[2] != 2 or a.strides[0] % align or a.strides[1] % align or a.data.ptr % align:
+        raise ValueError(f"{name}: the last dimension must be contiguous and the rows / heads {align}-byte aligned "
+                         f"(strides {a.strides})")
+    return a.strides[0] // 2, a.strides[1] // 2
+
+
+def _vec(name: str, a, dtype, n: Optional[int] = None):
+    if a is None or a.ndim != 1 or a.dtype != dtype or (n is not None and a.shape[0] < n):
+        raise ValueError(f"{name}: expected {np.dtype(dtype).name} [{'>= ' + str(n) if n else 'n'}], got "
+                         f"{None if a is None else (a.shape, a.dtype)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be contiguous")
 
 
 def supported_segment(s: sched_mod.Schedule, seg: int) -> bool:
@@ -142,27 +199,37 @@ class PersistentSegment:
         missing = [o for o in need if o not in ops]
         if missing:
             raise ValueError(f"ops: no buffers bound for stages {missing}")
-        if len(s.ops) > MAX_OPS:
-            raise ValueError(f"persistent segment: {len(s.ops)} stages in the op table; the executor's shared-memory "
-                             f"copy holds {MAX_OPS}")
+        kinds = {it.op: it.kind for it in s.items if it.segment == seg}
+        with_aux = [n for n in need if kinds[n] in AUX_KINDS]
+        if table_bytes(len(s.ops), len(with_aux)) > TABLE_BYTES:
+            raise ValueError(f"persistent segment: {len(s.ops)} stages ({len(with_aux)} with argument blocks) take "
+                             f"{table_bytes(len(s.ops), len(with_aux))} bytes of op table; the executor's "
+                             f"shared-memory copy holds {TABLE_BYTES}")
         self.s, self.seg, self.T = s, seg, T
         enc = s.encode(seg)
         table = np.zeros(len(s.ops), OP_DTYPE)
-        kinds = {it.op: it.kind for it in s.items if it.segment == seg}
+        aux = np.zeros(len(with_aux), AUX_DTYPE)
         self.workspaces = {}                 # GEMM stage -> fp32 block sums [part slot][T][16]
         for name in need:
-            table[s.ops.index(name)] = self._op_record(name, kinds[name], ops[name], T)
+            i = s.ops.index(name)
+            table[i] = self._op_record(name, kinds[name], ops[name], T)
+            if kinds[name] in AUX_KINDS:
+                j = with_aux.index(name)
+                aux[j] = self._aux_record(name, kinds[name], ops[name], T)
+                table[i]["aux"] = len(s.ops) * OP_DTYPE.itemsize + j * AUX_DTYPE.itemsize
             if kinds[name] == "gemm_part":
                 rows_ws, cols_ws = s.buffers[f"{name}:ws"]      # [slots * T, 16] in the model
                 self.workspaces[name] = cupy.full((rows_ws, cols_ws), np.nan, np.float32)
-                table[s.ops.index(name)]["out2"] = self.workspaces[name].data.ptr
+                table[i]["out2"] = self.workspaces[name].data.ptr
         self.ops = dict(ops)                                 # keep the bound arrays alive
         rows, self.stride, self._dev_to_enc = device_rows(enc)
         self.items = cupy.asarray(rows)
         self.n_ops = len(s.ops)
-        self.smem = smem_bytes(self.n_ops)
         self.waits = cupy.asarray(enc["waits"] if len(enc["waits"]) else np.zeros((1, 2), np.int32))
-        self.op_table = cupy.asarray(table.view(np.uint8))
+        blob = np.concatenate([table.view(np.uint8), aux.view(np.uint8)])
+        self.op_table = cupy.asarray(blob)
+        self.table_words = blob.size // 8
+        self.smem = smem_bytes(self.n_ops, len(with_aux))
         self.n_counters = int(enc["n_counters"])
         # two counter sets, launches alternating between them by each block's own launch count (the kernel
         # zeroes the set it does not use, so a graph replays the launch with no memset and no reset at its end)
@@ -189,6 +256,8 @@ class PersistentSegment:
             if getattr(a, f) is None:
                 raise ValueError(f"stage {name}: {f} is required")
         rec["x"], rec["x2"], rec["w"], rec["out"], rec["out2"] = ptr(a.x), ptr(a.x2), ptr(a.w), ptr(a.out), ptr(a.out2)
+        if kind == "head_gemm":
+            return PersistentSegment._head_gemm_record(name, a, T, rec)
         rec["x_stride"] = _rows_stride(f"{name}.x", a.x, T)
         rec["out_stride"] = _rows_stride(f"{name}.out", a.out, T)
         if a.x2 is not None:
@@ -213,6 +282,69 @@ class PersistentSegment:
         elif kind == "boundary":
             if a.N % 8 or a.x.shape[1] < a.N or a.out.shape[1] < a.N:
                 raise ValueError(f"stage {name}: N = {a.N} must be a multiple of 8 and fit x and out")
+        elif kind == "row_post":
+            ql = int(a.K)
+            if ql < 8 or ql % 8 or ql > QL_MAX:
+                raise ValueError(f"stage {name}: K = q_lora = {ql} must be a positive multiple of 8, <= {QL_MAX}")
+            if a.x.dtype != np.uint16 or a.x.shape[1] < ql + ROW or a.out.dtype != np.uint16 or a.out.shape[1] < ql:
+                raise ValueError(f"stage {name}: x must be uint16 [T, {ql} + {ROW}] and out uint16 [T, {ql}], got "
+                                 f"{a.x.shape} {a.x.dtype} / {a.out.shape} {a.out.dtype}")
+            _vec(f"{name}.w", a.w, np.uint16, ql)
+            rec["N"] = ql + ROW
+            if not (a.eps > 0):
+                raise ValueError(f"stage {name}: eps must be positive, got {a.eps}")
+        return rec
+
+    @staticmethod
+    def _head_gemm_record(name: str, a: PersistOpArgs, T: int, rec):
+        if a.w is None or a.w.ndim != 3 or a.w.dtype != np.uint16 or not a.w.flags.c_contiguous:
+            raise ValueError(f"stage {name}: w must be a contiguous uint16 [nh, N, K], got "
+                             f"{None if a.w is None else (a.w.shape, a.w.dtype)}")
+        nh, N, K = (int(v) for v in a.w.shape)
+        if K not in (128, 512) or N % 64:
+            raise ValueError(f"stage {name}: w [nh, N, K] needs K in (128, 512) and N % 64 == 0, got {a.w.shape}")
+        rec["x_stride"] = _view3(f"{name}.x", a.x, T, (nh, K), 4)[0]
+        rec["out_stride"] = _view3(f"{name}.out", a.out, T, (nh, N), 2)[0]
+        rec["T"], rec["N"], rec["K"] = T, N, K
+        return rec
+
+    @staticmethod
+    def _aux_record(name: str, kind: str, a: PersistOpArgs, T: int):
+        """The stage's PersistAux (row_post, head_gemm), checked."""
+        rec = np.zeros((), AUX_DTYPE)
+        ptr = lambda v: 0 if v is None else int(v.data.ptr)      # noqa: E731
+        rec["amplitude"] = float(a.amplitude)
+        if kind == "row_post":
+            _vec(f"{name}.w2", a.w2, np.uint16, LATENT)
+            for f in ("positions", "stream_ids", "kv_pos"):
+                _vec(f"{name}.{f}", getattr(a, f), np.int32, T)
+            _vec(f"{name}.inv_freq", a.inv_freq, np.float32, ROPE // 2)
+            if a.pool is None or a.pool.ndim != 3 or tuple(a.pool.shape[1:]) != (PAGE, ROW) or a.pool.dtype != np.uint16:
+                raise ValueError(f"stage {name}: pool must be uint16 [pages, {PAGE}, {ROW}], got "
+                                 f"{None if a.pool is None else (a.pool.shape, a.pool.dtype)}")
+            bt = a.block_table
+            if bt is None or bt.ndim != 2 or bt.dtype != np.int32 or not bt.flags.c_contiguous:
+                raise ValueError(f"stage {name}: block_table must be a contiguous int32 [streams, max_pages]")
+            for f in ("w2", "positions", "inv_freq", "stream_ids", "kv_pos", "pool", "block_table"):
+                rec[f] = ptr(getattr(a, f))
+            rec["max_pages"] = int(bt.shape[1])
+            return rec
+        nh = int(a.w.shape[0])
+        rec["x_head"] = _view3(f"{name}.x", a.x, T, (nh, None), 4)[1]
+        rec["out_head"] = _view3(f"{name}.out", a.out, T, (nh, None), 2)[1]
+        if a.pe is not None:
+            rec["pe_row"], rec["pe_head"] = _view3(f"{name}.pe", a.pe, T, (nh, None), 2)
+            half2 = int(a.pe.shape[2])
+            if half2 % 2 or a.pe_out is None:
+                raise ValueError(f"stage {name}: pe needs an even rotary width and pe_out")
+            rec["pe_out_row"], rec["pe_out_head"] = _view3(f"{name}.pe_out", a.pe_out, T, (nh, half2), 2)
+            _vec(f"{name}.positions", a.positions, np.int32, T)
+            _vec(f"{name}.inv_freq", a.inv_freq, np.float32, half2 // 2)
+            rec["pe"], rec["pe_out"] = ptr(a.pe), ptr(a.pe_out)
+            rec["positions"], rec["inv_freq"] = ptr(a.positions), ptr(a.inv_freq)
+            rec["half"] = half2 // 2
+        elif a.pe_out is not None or a.positions is not None:
+            raise ValueError(f"stage {name}: pe_out / positions given without pe")
         return rec
 
     def launch(self) -> None:
@@ -220,7 +352,7 @@ class PersistentSegment:
         the kernel itself a launch ahead)."""
         i32 = np.int32
         self.kernel((self.s.n_blocks,), (THREADS,),
-                    (self.items, i32(self.stride), self.waits, self.op_table, i32(self.n_ops), self.counters,
+                    (self.items, i32(self.stride), self.waits, self.op_table, i32(self.table_words), self.counters,
                      i32(self.n_counters), self.launches, self.err, np.int32(self.spin_limit),
                      self.trace if self.trace is not None else np.uint64(0)),
                     shared_mem=self.smem)
@@ -275,6 +407,51 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
             if final is None:
                 raise ValueError("bind_dense_mlp: allreduce='item' needs the final output buffer")
             ops["allreduce_mlp"] = PersistOpArgs(x=out, out=final, N=H)
+    return ops
+
+
+def bind_attention_half(s: sched_mod.Schedule, *, h, input_norm_w, eps: float, w_qkv_a, q_a_norm, kv_a_norm,
+                        latent_eps: float, w_q_b, w_uk_t, w_uv, w_o, positions, inv_freq, amplitude: float,
+                        stream_ids, kv_pos, pool, block_table, normed, qkv, c_q, q, q_full, o_lat, o, attn_part,
+                        mlp_prev=None, h1=None, final=None) -> Dict[str, PersistOpArgs]:
+    """The op table of a target layer's attention half around its attention kernels (``build_layer(...,
+    parts=("attention",), attention="segment")``): segment 0 = normed = rms_norm(h) (an MoE layer: h1 = h +
+    mlp_prev first), qkv = normed @ w_qkv_a^T, the qkv_a epilogue (c_q, the latent row into ``pool`` at
+    kv_pos), q = c_q @ w_q_b^T, q_full = (q_nope @ W_UK per head | rope(q_pe)); then the caller's attention
+    (o_lat from q_full and the pool); segment 2 = o = o_lat @ W_UV^T per head, attn_part = o @ w_o^T. The
+    same contracts as GpuTarget's stages (models/target.py): w_uk_t [nh, 512, dn], w_uv [nh, dv, 512];
+    rows [>= T, width] uint16 device arrays (q [T, nh (dn + 64)], q_full [T, nh 576], o_lat [T, nh 512],
+    o [T, nh dv])."""
+    sh = s.shape
+    T, H, nh, dn, dv, ql = sh.T, int(sh.H), int(sh.nh), int(sh.dn), int(sh.dv), int(sh.ql)
+    want = {"w_qkv_a": (w_qkv_a, (ql + ROW, H)), "w_q_b": (w_q_b, (nh * (dn + ROPE), ql)),
+            "w_uk_t": (w_uk_t, (nh, LATENT, dn)), "w_uv": (w_uv, (nh, dv, LATENT)), "w_o": (w_o, (H, nh * dv))}
+    for name, (a, shape) in want.items():
+        if tuple(a.shape) != shape:
+            raise ValueError(f"bind_attention_half: {name} {tuple(a.shape)}, the schedule needs {shape}")
+    q3 = q[:T].reshape(T, nh, dn + ROPE)
+    qf3 = q_full[:T].reshape(T, nh, ROW)
+    rows = dict(positions=positions, inv_freq=inv_freq, amplitude=float(amplitude))
+    if sh.kind == "dense":
+        norm = PersistOpArgs(x=h, out=normed, w=input_norm_w, N=H, eps=float(eps))
+    else:
+        if mlp_prev is None or h1 is None:
+            raise ValueError("bind_attention_half: an MoE layer's input norm adds mlp_prev to h into h1")
+        norm = PersistOpArgs(x=mlp_prev, x2=h, out2=h1, out=normed, w=input_norm_w, N=H, eps=float(eps))
+    ops = {"input_norm": norm,
+           "qkv_a": PersistOpArgs(x=normed, w=w_qkv_a, out=qkv, N=ql + ROW, K=H),
+           "qkv_a_post": PersistOpArgs(x=qkv, w=q_a_norm, w2=kv_a_norm, out=c_q, K=ql, eps=float(latent_eps),
+                                       stream_ids=stream_ids, kv_pos=kv_pos, pool=pool, block_table=block_table,
+                                       **rows),
+           "q_b": PersistOpArgs(x=c_q, w=w_q_b, out=q, N=nh * (dn + ROPE), K=ql),
+           "w_uk_rope": PersistOpArgs(x=q3[:, :, :dn], w=w_uk_t, out=qf3[:, :, :LATENT], pe=q3[:, :, dn:],
+                                      pe_out=qf3[:, :, LATENT:], **rows),
+           "w_uv": PersistOpArgs(x=o_lat[:T].reshape(T, nh, LATENT), w=w_uv, out=o[:T].reshape(T, nh, dv)),
+           "o_proj": PersistOpArgs(x=o, w=w_o, out=attn_part, N=H, K=nh * dv)}
+    if s.allreduce == "item":
+        if final is None:
+            raise ValueError("bind_attention_half: allreduce='item' needs the final output buffer")
+        ops["allreduce_attn"] = PersistOpArgs(x=attn_part, out=final, N=H)
     return ops
 
 
@@ -348,6 +525,30 @@ def dense_mlp_segment(T: int, *, attn, h, post_norm_w, eps: float, w_gate_up, w_
 
 # ---- a numpy twin of the executor's contract --------------------------------------------------------------
 
+def _rope_pairs(x, positions, inv_freq, amplitude: float):
+    """RoPE of adjacent pairs (2i, 2i + 1) of x [..., 2 half] at positions [...] (float64)."""
+    half = x.shape[-1] // 2
+    ang = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq[:half], np.float64)
+    c, sn = np.cos(ang) * amplitude, np.sin(ang) * amplitude
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty(x.shape, np.float64)
+    out[..., 0::2], out[..., 1::2] = a * c - b * sn, b * c + a * sn
+    return out
+
+
+def _emulate_row_post(op: "PersistOpArgs", t: int) -> None:
+    """mla_qkv_a_post's row t in float64: c_q, and the latent row into the paged cache at kv_pos[t]."""
+    ql = int(op.K)
+    x = np.asarray(op.x[t], np.float64)
+    q, kv, pe = x[:ql], x[ql:ql + LATENT], x[ql + LATENT:ql + ROW]
+    op.out[t, :ql] = op.w * q / np.sqrt(np.mean(q * q) + op.eps)
+    p = int(op.kv_pos[t])
+    if p >= 0:
+        page = int(op.block_table[int(op.stream_ids[t]), p // PAGE])
+        op.pool[page, p % PAGE, :LATENT] = op.w2 * kv / np.sqrt(np.mean(kv * kv) + op.eps)
+        op.pool[page, p % PAGE, LATENT:] = _rope_pairs(pe, op.positions[t], op.inv_freq, op.amplitude)
+
+
 def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOpArgs], seed: int = 0) -> int:
     """Run segment ``seg`` from its *encoded* form (the arrays the kernel reads) on numpy arrays: blocks
     interleave at random, an item runs only when its encoded waits are met by the counters, the bodies are
@@ -403,6 +604,13 @@ def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOp
                 counters[sig] += 1
         elif kind == sched_mod.KIND["boundary"]:
             op.out[:T, :op.N] = op.x[:T, :op.N]
+        elif kind == sched_mod.KIND["row_post"]:
+            _emulate_row_post(op, a0)
+        elif kind == sched_mod.KIND["head_gemm"]:
+            cols = slice(64 * a1, 64 * (a1 + 1))
+            op.out[:T, a0, cols] = op.x[:T, a0, :] @ op.w[a0, cols, :].T
+            if op.pe is not None and a1 == 0:
+                op.pe_out[:T, a0] = _rope_pairs(op.pe[:T, a0], op.positions[:T], op.inv_freq, op.amplitude)
         else:
             raise ValueError(f"emulate_segment: kind {sched_mod.KIND_NAME.get(kind, kind)} is not run by this build")
         if not counted:
