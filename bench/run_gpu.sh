@@ -7,10 +7,11 @@
 # Groups, each sized for one run of <= 9 minutes on one H200 (expected durations below):
 #   call1 = build tests engine demo               call2 = step longctx allreduce prefill
 #   call3 = kernels moe tree, call4 = attention   (the kernel-level tables; not needed for the step's figures)
-#   call5 = persistent edges                      (the persistent executor's benchmarks)
+#   call5 = persistent edges pattn                (the persistent executor's benchmarks)
 # Persistent executor parts, not in the default: persistent (bench/persistent.py against today's chain, the
 # timeline, each GEMM alone, lateness over 10 launches), edges (bench/persistent_edges.py: a dependency edge
-# in the executor against a kernel boundary, with and without PDL) and patches (bench.ab --waiting: every patch waiting in
+# in the executor against a kernel boundary, with and without PDL), pattn (the attention half's two launches around
+# today's attention kernels: their GPU tests, then bench/persistent_attention.py) and patches (bench.ab --waiting: every patch waiting in
 # bench/patches against the tree, its GPU tests first; ~8 minutes for one patch: a call of its own; PATCHES="a b"
 # picks some by name).
 # Multi-GPU parts, never in the default: tp (bench/tp_check.py) and allreduce_tp (NCCL across TP_NP GPUs).
@@ -33,7 +34,7 @@ for p in "${parts[@]}"; do
     call2) expanded+=(step longctx allreduce prefill) ;;
     call3) expanded+=(kernels moe tree) ;;
     call4) expanded+=(attention) ;;
-    call5) expanded+=(persistent edges) ;;
+    call5) expanded+=(persistent edges pattn) ;;
     *) expanded+=("$p") ;;
   esac
 done
@@ -54,7 +55,7 @@ esac
 # configurations that would not fit in it.
 declare -A EXPECT=([build]=120 [tests]=240 [engine]=60 [demo]=40 [step]=120 [longctx]=150 [prefill]=120
                    [kernels]=200 [moe]=150 [attention]=150 [tree]=60 [allreduce]=30 [tp]=300 [allreduce_tp]=60
-                   [persistent]=150 [edges]=120 [patches]=480)
+                   [persistent]=150 [edges]=120 [pattn]=150 [patches]=480)
 : > "$LOG/parts.tsv"
 rc=0
 run_part() {  # name, time limit (s), command...
@@ -94,6 +95,8 @@ for p in "${parts[@]}"; do
     persistent) run_part persistent 300 python3 -m bench.persistent --timeline --gemm --repeat 10 \
                  --json "$LOG/persistent_$TAG.json" ;;
     edges)     run_part edges 240 python3 -m bench.persistent_edges --json "$LOG/persistent_edges_$TAG.json" ;;
+    pattn)     run_part pattn 300 bash -c "python3 -m pytest -q -m gpu tests/gpu/test_persistent_attention.py && \
+                 python3 -m bench.persistent_attention --timeline --json $LOG/persistent_attention_$TAG.json" ;;
     patches)   run_part patches 560 python3 -m bench.ab --waiting ${PATCHES:+--only $PATCHES} --rounds 2 --timeout 170 \
                  --out "$LOG/ab" ;;
     allreduce) run_part allreduce 60 python3 bench/allreduce.py --json "$LOG/allreduce_$TAG.json" ;;

@@ -264,7 +264,7 @@ def test_run_gpu_groups_expand(tmp_path):
     every = {"build", "tests", "engine", "demo", "step", "longctx", "prefill", "kernels", "moe", "attention", "tree",
              "allreduce"}
     assert set(sum((v for g, v in groups.items() if g != "call5"), [])) == every
-    assert groups["call5"] == ["persistent", "edges"]          # the executor's parts, not in the default
+    assert groups["call5"] == ["persistent", "edges", "pattn"]          # the executor's parts, not in the default
 
 
 # ---- the benchmarks' main loops, with the GPU parts replaced (control flow, records, refusals) -------------

@@ -99,7 +99,7 @@ def _problem(sh, rng, pages=6):
 
 
 def _reference(sh, p):
-    T, nh, ql, dv = sh.T, sh.nh, sh.ql, sh.dv
+    T, nh, ql = sh.T, sh.nh, sh.ql
     rms = lambda x, w, e: w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + e)   # noqa: E731
     x = p["h"] + p["mlp_prev"] if sh.kind == "moe" else p["h"]
     normed = rms(x, p["input_norm_w"], p["eps"])
