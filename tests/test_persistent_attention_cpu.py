@@ -181,3 +181,20 @@ def test_bind_attention_half_refuses_wrong_shapes():
         P.bind_attention_half(sc_moe, **{k: p[k] for k in keys}, normed=None, qkv=None, c_q=None,
                               q=np.zeros((T, 384)), q_full=np.zeros((T, 1152)), o_lat=np.zeros((T, 1024)),
                               o=np.zeros((T, 256)), attn_part=None)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_emulated_attention_half_from_normed_rows(kind):
+    # the engine's form: the all-reduce before the layer has added and normed, the launch starts at qkv_a
+    sh = _shape(kind, 2, 4)
+    sc = S.build_layer(sh, 37, parts=("attention",), attention="segment", input_norm=False)
+    assert "input_norm" not in sc.ops and sc.segment_ops(0)[0] == "qkv_a"
+    p = _problem(sh, np.random.default_rng(9))
+    ref = _reference(sh, p)
+    ops, bufs, _ = _bound(sh, sc, p)
+    bufs["normed"][...] = ref["normed"]
+    P.emulate_segment(sc, 0, ops, seed=1)
+    for name in ("qkv", "c_q", "q", "q_full"):
+        assert np.linalg.norm(bufs[name] - ref[name]) / np.linalg.norm(ref[name]) < 1e-12, name
+    with pytest.raises(ValueError, match="input_norm=False"):
+        S.build_layer(sh, 37, input_norm=False)

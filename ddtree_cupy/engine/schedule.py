@@ -564,7 +564,7 @@ def _finish(b: "_Builder") -> Schedule:
 
 def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
                 bytes_per_us_per_block: float = 4.0e6 / 132, parts: Sequence[str] = ("attention", "mlp"),
-                attention: str = "item") -> Schedule:
+                attention: str = "item", input_norm: bool = True) -> Schedule:
     """The static schedule of one layer for a persistent grid of ``n_blocks`` co-resident blocks.
 
     ``parts``: ("attention", "mlp") the whole layer; ("mlp",) its second half only (post-attention norm,
@@ -575,6 +575,9 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     "segment" (they are a segment of their own, today's attention kernels between two launches: a target
     layer's attention half is then [input_norm, qkv_a, qkv_a_post, q_b, w_uk_rope], the attention, [w_uv,
     o_proj], the boundary).
+
+    ``input_norm``: False (only with parts=("attention",)) leaves the input norm out: ``normed`` is an input,
+    as in the engine, whose all-reduce before the layer adds and norms (and an MoE layer's residual add).
 
     ``bytes_per_us_per_block``: the cost model's streaming rate of one block (default: an H200's ~4 TB/s
     read ceiling over its 132 SMs); the assignment, the stream-K ranges and the predicted times depend on
@@ -589,13 +592,17 @@ def build_layer(shape: LayerShape, n_blocks: int, allreduce: str = "segment",
     parts = tuple(parts)
     if parts not in (("attention", "mlp"), ("mlp",), ("attention",)):
         raise ValueError(f"build_layer: parts must be ('attention', 'mlp'), ('mlp',) or ('attention',), got {parts!r}")
+    if not input_norm and parts != ("attention",):
+        raise ValueError(f"build_layer: input_norm=False needs parts=('attention',), got {parts!r}")
     b = _Builder(shape, int(n_blocks), allreduce, float(bytes_per_us_per_block), attention)
     T, H = shape.T, shape.H
     b.inp("h", T, H)
     res = "h" if shape.kind == "dense" else "h1"
     if "attention" in parts:
         b.inp("kv_cache", shape.S, 1)
-        if shape.kind == "dense":
+        if not input_norm:
+            b.inp("normed", T, H)
+        elif shape.kind == "dense":
             b.norm_rows("input_norm", "h", "normed", None, None)
         else:
             b.inp("mlp_prev", T, H)

@@ -410,10 +410,10 @@ def bind_dense_mlp(s: sched_mod.Schedule, *, attn, h, post_norm_w, eps: float, w
     return ops
 
 
-def bind_attention_half(s: sched_mod.Schedule, *, h, input_norm_w, eps: float, w_qkv_a, q_a_norm, kv_a_norm,
-                        latent_eps: float, w_q_b, w_uk_t, w_uv, w_o, positions, inv_freq, amplitude: float,
-                        stream_ids, kv_pos, pool, block_table, normed, qkv, c_q, q, q_full, o_lat, o, attn_part,
-                        mlp_prev=None, h1=None, final=None) -> Dict[str, PersistOpArgs]:
+def bind_attention_half(s: sched_mod.Schedule, *, w_qkv_a, q_a_norm, kv_a_norm, latent_eps: float, w_q_b, w_uk_t,
+                        w_uv, w_o, positions, inv_freq, amplitude: float, stream_ids, kv_pos, pool, block_table,
+                        normed, qkv, c_q, q, q_full, o_lat, o, attn_part, h=None, input_norm_w=None,
+                        eps: float = 0.0, mlp_prev=None, h1=None, final=None) -> Dict[str, PersistOpArgs]:
     """The op table of a target layer's attention half around its attention kernels (``build_layer(...,
     parts=("attention",), attention="segment")``): segment 0 = normed = rms_norm(h) (an MoE layer: h1 = h +
     mlp_prev first), qkv = normed @ w_qkv_a^T, the qkv_a epilogue (c_q, the latent row into ``pool`` at
@@ -421,7 +421,8 @@ def bind_attention_half(s: sched_mod.Schedule, *, h, input_norm_w, eps: float, w
     (o_lat from q_full and the pool); segment 2 = o = o_lat @ W_UV^T per head, attn_part = o @ w_o^T. The
     same contracts as GpuTarget's stages (models/target.py): w_uk_t [nh, 512, dn], w_uv [nh, dv, 512];
     rows [>= T, width] uint16 device arrays (q [T, nh (dn + 64)], q_full [T, nh 576], o_lat [T, nh 512],
-    o [T, nh dv])."""
+    o [T, nh dv]). A schedule built with input_norm=False reads ``normed`` as given (h, input_norm_w, eps,
+    mlp_prev, h1 unused)."""
     sh = s.shape
     T, H, nh, dn, dv, ql = sh.T, int(sh.H), int(sh.nh), int(sh.dn), int(sh.dv), int(sh.ql)
     want = {"w_qkv_a": (w_qkv_a, (ql + ROW, H)), "w_q_b": (w_q_b, (nh * (dn + ROPE), ql)),
@@ -432,14 +433,18 @@ def bind_attention_half(s: sched_mod.Schedule, *, h, input_norm_w, eps: float, w
     q3 = q[:T].reshape(T, nh, dn + ROPE)
     qf3 = q_full[:T].reshape(T, nh, ROW)
     rows = dict(positions=positions, inv_freq=inv_freq, amplitude=float(amplitude))
-    if sh.kind == "dense":
-        norm = PersistOpArgs(x=h, out=normed, w=input_norm_w, N=H, eps=float(eps))
-    else:
-        if mlp_prev is None or h1 is None:
-            raise ValueError("bind_attention_half: an MoE layer's input norm adds mlp_prev to h into h1")
-        norm = PersistOpArgs(x=mlp_prev, x2=h, out2=h1, out=normed, w=input_norm_w, N=H, eps=float(eps))
-    ops = {"input_norm": norm,
-           "qkv_a": PersistOpArgs(x=normed, w=w_qkv_a, out=qkv, N=ql + ROW, K=H),
+    ops = {}
+    if "input_norm" in s.ops:
+        if h is None or input_norm_w is None or not eps > 0:
+            raise ValueError("bind_attention_half: the input norm needs h, input_norm_w and eps > 0")
+        if sh.kind == "dense":
+            ops["input_norm"] = PersistOpArgs(x=h, out=normed, w=input_norm_w, N=H, eps=float(eps))
+        else:
+            if mlp_prev is None or h1 is None:
+                raise ValueError("bind_attention_half: an MoE layer's input norm adds mlp_prev to h into h1")
+            ops["input_norm"] = PersistOpArgs(x=mlp_prev, x2=h, out2=h1, out=normed, w=input_norm_w, N=H,
+                                              eps=float(eps))
+    ops |= {"qkv_a": PersistOpArgs(x=normed, w=w_qkv_a, out=qkv, N=ql + ROW, K=H),
            "qkv_a_post": PersistOpArgs(x=qkv, w=q_a_norm, w2=kv_a_norm, out=c_q, K=ql, eps=float(latent_eps),
                                        stream_ids=stream_ids, kv_pos=kv_pos, pool=pool, block_table=block_table,
                                        **rows),
@@ -477,11 +482,14 @@ def bind_chain(s: sched_mod.Schedule, xs: Sequence, weights: Sequence, eps: floa
 
 # ---- the engine's selection -------------------------------------------------------------------------------
 # GpuTarget runs a dense layer's MLP half (post-attention norm .. down projection) as one persistent launch
-# when this is on and the step has <= MAX_T rows; off (the default) keeps today's kernels. Today's path stays
-# the default until a GPU run (bench/persistent.py, bench/step.py) measures the persistent one faster.
+# when set_mlp is on, and every target layer's attention half as two launches around today's attention kernels
+# when set_attn is on, where the step has <= MAX_T rows; off (the defaults) keeps today's kernels. Today's path
+# stays the default until a GPU run (bench/persistent.py, bench/persistent_attention.py, bench/step.py)
+# measures the persistent one faster.
 from .. import knobs as _knobs
 
 _MLP = [_knobs.get().persistent_mlp]
+_ATTN = [_knobs.get().persistent_attn]
 
 
 def mlp_enabled() -> bool:
@@ -494,6 +502,20 @@ def set_mlp(on: bool) -> bool:
     if not isinstance(on, bool):
         raise ValueError(f"set_mlp: expected a bool, got {on!r}")
     old, _MLP[0] = _MLP[0], on
+    return old
+
+
+def attn_enabled() -> bool:
+    return _ATTN[0]
+
+
+def set_attn(on: bool) -> bool:
+    """Select the persistent attention half (two launches around today's attention kernels: qkv_a .. W_UK +
+    RoPE, and W_UV, o_proj) for target layers at <= MAX_T rows (True) or today's kernels (False); returns the
+    old setting. Takes effect for stage lists built afterwards."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_attn: expected a bool, got {on!r}")
+    old, _ATTN[0] = _ATTN[0], on
     return old
 
 
