@@ -564,7 +564,7 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
                 } else {
                     row_post_item(op, a, it[2], wait);
                 }
-            } else if (op.N % 64 || 64 * (it[3] + 1) > op.N) {
+            } else if (op.N % 64 || 64 * (it[3] + 1) > op.N || op.T > 16) {   // one 16-row tile (MAX_T)
                 ok = false;
             } else if (op.K == 128) {
                 head_gemm_item<2, 2>(op, a, it, wait, &meta->abort_flag);
