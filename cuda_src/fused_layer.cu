@@ -43,10 +43,10 @@ mla_head_gemm(const bf16_bits* __restrict__ x, long long x_row, long long x_head
     const int h = blockIdx.x, n0 = blockIdx.y * 32;
     const int tid = threadIdx.x, warp = tid >> 5;
     uint32_t b[KS][4][2];
-    head_gemm_weights<KS, KS>(w, h, N, n0, warp, tid & 31, 0, b);
+    head_gemm_weights<KS, 4>(w, h, N, n0, warp, tid & 31, b);
     PdlTriggerWaitHook()();
-    head_gemm_tiles<KS, KS, false>(x, x_row, x_head, out, out_row, out_head, T, h, n0, blockIdx.z, gridDim.z, warp, tid,
-                                   w, N, b, red);
+    head_gemm_tiles<KS, 4, false>(x, x_row, x_head, out, out_row, out_head, T, h, n0, blockIdx.z, gridDim.z, warp, tid,
+                                  b, red);
     if (pe != nullptr && blockIdx.y == 0)
         head_gemm_rope<false>(pe, pe_row, pe_head, pe_out, pe_out_row, pe_out_head, positions, inv_freq, amplitude, half, T,
                        h, blockIdx.z, gridDim.z, tid);

@@ -100,17 +100,21 @@ __device__ __forceinline__ void mma_16816_bf16(float (&acc)[4], uint32_t a0, uin
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A warp's four C fragments (16 x 32 fp32) into its slot of the block's [warps][16][33] tile: c0, c1 = (row g,
-// cols 2 tig, +1), c2, c3 = row g + 8 (lane = 4 g + tig). Row stride 33 keeps the later column reads
-// conflict-free.
-__device__ __forceinline__ void park_c_tile(float (*red)[33], const float (&acc)[4][4], int g, int tig) {
+// A warp's NJ C fragments (16 x 8 NJ fp32; park_c_tile: four) into its slot of the block's [warps][16][33]
+// tile: c0, c1 = (row g, cols 2 tig, +1), c2, c3 = row g + 8 (lane = 4 g + tig). Row stride 33 keeps the later
+// column reads conflict-free.
+template <int NJ>
+__device__ __forceinline__ void park_c_tiles(float (*red)[33], const float (&acc)[NJ][4], int g, int tig) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NJ; ++j) {
         red[g][j * 8 + 2 * tig] = acc[j][0];
         red[g][j * 8 + 2 * tig + 1] = acc[j][1];
         red[g + 8][j * 8 + 2 * tig] = acc[j][2];
         red[g + 8][j * 8 + 2 * tig + 1] = acc[j][3];
     }
+}
+__device__ __forceinline__ void park_c_tile(float (*red)[33], const float (&acc)[4][4], int g, int tig) {
+    park_c_tiles<4>(red, acc, g, tig);
 }
 
 // The block's sum of element (r, c) over the WARPS parked tiles, in warp order (a fixed summation order: the

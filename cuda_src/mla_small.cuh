@@ -124,92 +124,75 @@ __device__ __forceinline__ void qkv_a_post_row(
     }
 }
 
-// ---- per-head GEMM: 32 output columns of one head by a group of HG_WARPS warps ----------------------------
-// out[t, h, n0 .. n0 + 31] = x[t, h, :] @ W[h][n0 .. n0 + 31, :]^T, W [nh, N, K]. The group's 4 warps split K
+// ---- per-head GEMM: 8 NJ output columns of one head by a group of HG_WARPS warps ----------------------------
+// out[t, h, n0 .. n0 + 8 NJ) = x[t, h, :] @ W[h][n0 .. n0 + 8 NJ, :]^T, W [nh, N, K]. The group's 4 warps split K
 // (warp w: k in [w K/4, (w+1) K/4), KS k16 steps each) and hold their weight fragments in registers for
-// every token tile; the partial sums meet in shared memory and are added in warp order (deterministic).
-// x rows / out rows are strided views (element strides; 32-bit aligned pairs). mla_head_gemm runs one group
-// per block; the executor's head_gemm item runs two (64 columns) in its 8 warps.
+// every token tile; the partial sums meet in shared memory and are added in warp order (deterministic: an
+// element's bits depend on the K split alone, not on NJ). x rows / out rows are strided views (element
+// strides; 32-bit aligned pairs). mla_head_gemm runs one group of NJ = 4 (32 columns) per block; the
+// executor's head_gemm item two groups (W_UK: NJ = 4, 64 columns; W_UV: NJ = 1, 16 columns, whose K = 512
+// holds 16 fragment registers per lane at NJ = 1 against 64 at NJ = 4).
 #define HG_WARPS 4
 
 __device__ __forceinline__ uint32_t ld_pair(const bf16_bits* p) { return *(const uint32_t*)p; }
 
-// This lane's B fragments (W[n][k], k contiguous = the .col operand): b0 = (k 2tig..+1, n g), b1 = k + 8, for
-// the KC k16 steps c * KC .. of the warp's KS.
-template <int KS, int KC>
+// This lane's B fragments (W[n][k], k contiguous = the .col operand): b0 = (k 2tig..+1, n g), b1 = k + 8.
+template <int KS, int NJ>
 __device__ __forceinline__ void head_gemm_weights(const bf16_bits* __restrict__ w, int h, int N, int n0, int warp,
-                                                  int lane, int c, uint32_t (&b)[KC][4][2]) {
+                                                  int lane, uint32_t (&b)[KS][NJ][2]) {
     constexpr int K = 64 * KS;
     const int g = lane >> 2, tig = lane & 3;
-    const int kw = warp * 16 * KS + 16 * KC * c + 2 * tig;
+    const int kw = warp * 16 * KS + 2 * tig;
     const bf16_bits* wh = w + (long long)h * N * K;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NJ; ++j) {
         const bf16_bits* wr = wh + (long long)(n0 + j * 8 + g) * K + kw;
 #pragma unroll
-        for (int s = 0; s < KC; ++s) { b[s][j][0] = ld_pair(wr + s * 16); b[s][j][1] = ld_pair(wr + s * 16 + 8); }
+        for (int s = 0; s < KS; ++s) { b[s][j][0] = ld_pair(wr + s * 16); b[s][j][1] = ld_pair(wr + s * 16 + 8); }
     }
 }
 
 // The group's token tiles tile0, tile0 + tile_step, ... (16 rows each). warp / gtid: the warp (0..3) and the
 // thread (0..127) within the group; red: the group's [HG_WARPS][16][33] floats of shared memory. Every thread
-// of the block runs the same tile loop (its barriers are block-wide). b: the fragments of the warp's first KC
-// k16 steps (head_gemm_weights, chunk 0). KC == KS (the kernel): every tile reuses them. KC < KS (the executor,
-// whose register budget does not hold W_UV's 64 fragment registers beside its own state): one tile only
-// (tile0; T <= 16 there), each further chunk loaded before its mma (KS / KC - 1 more weight round trips); the
-// mma order, hence the bits, are the same.
-template <int KS, int KC, bool CG>
+// of the block runs the same tile loop (its barriers are block-wide). ONE_TILE: tile0 only (the executor).
+template <int KS, int NJ, bool CG, bool ONE_TILE = false>
 __device__ __forceinline__ void head_gemm_tiles(const bf16_bits* __restrict__ x, long long x_row, long long x_head,
                                                 bf16_bits* __restrict__ out, long long out_row, long long out_head,
                                                 int T, int h, int n0, int tile0, int tile_step, int warp, int gtid,
-                                                const bf16_bits* __restrict__ w, int N, const uint32_t (&b)[KC][4][2],
-                                                float (*red)[16][33]) {
-    static_assert(KS % KC == 0, "whole chunks");
+                                                const uint32_t (&b)[KS][NJ][2], float (*red)[16][33]) {
     const int lane = gtid & 31, g = lane >> 2, tig = lane & 3;
     const int kw = warp * 16 * KS + 2 * tig;
     const bf16_bits* xh = x + (long long)h * x_head + kw;
-    auto one_tile = [&](int tile) {
+    for (int tile = tile0; tile * 16 < T && (!ONE_TILE || tile == tile0); tile += tile_step) {
         const int r0 = tile * 16 + g, r1 = r0 + 8;
-        float acc[4][4];
+        const bf16_bits* x0 = xh + r0 * x_row;
+        const bf16_bits* x1 = xh + r1 * x_row;
+        float acc[NJ][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        auto steps = [&](const uint32_t (&bc)[KC][4][2], int c) {
+        for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
-            for (int s = 0; s < KC; ++s) {
-                const int k = (c * KC + s) * 16;
-                // A fragment (tokens x k, row-major): a0 (r0, k), a1 (r1, k), a2 (r0, k + 8), a3 (r1, k + 8)
-                const uint32_t a0 = r0 < T ? ld_act4<CG>(xh + r0 * x_row + k) : 0u;
-                const uint32_t a1 = r1 < T ? ld_act4<CG>(xh + r1 * x_row + k) : 0u;
-                const uint32_t a2 = r0 < T ? ld_act4<CG>(xh + r0 * x_row + k + 8) : 0u;
-                const uint32_t a3 = r1 < T ? ld_act4<CG>(xh + r1 * x_row + k + 8) : 0u;
+        for (int s = 0; s < KS; ++s) {
+            // A fragment (tokens x k, row-major): a0 (r0, k), a1 (r1, k), a2 (r0, k + 8), a3 (r1, k + 8)
+            const uint32_t a0 = r0 < T ? ld_act4<CG>(x0 + s * 16) : 0u;
+            const uint32_t a1 = r1 < T ? ld_act4<CG>(x1 + s * 16) : 0u;
+            const uint32_t a2 = r0 < T ? ld_act4<CG>(x0 + s * 16 + 8) : 0u;
+            const uint32_t a3 = r1 < T ? ld_act4<CG>(x1 + s * 16 + 8) : 0u;
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    mma_16816_bf16(acc[j], a0, a1, a2, a3, bc[s][j][0], bc[s][j][1]);
-            }
-        };
-        steps(b, 0);
-#pragma unroll
-        for (int c = 1; c < KS / KC; ++c) {        // unrolled: b is dead once chunk 0 is done
-            uint32_t bc[KC][4][2];
-            head_gemm_weights<KS, KC>(w, h, N, n0, warp, lane, c, bc);
-            steps(bc, c);
+            for (int j = 0; j < NJ; ++j)
+                mma_16816_bf16(acc[j], a0, a1, a2, a3, b[s][j][0], b[s][j][1]);
         }
-        park_c_tile(red[warp], acc, g, tig);
+        park_c_tiles<NJ>(red[warp], acc, g, tig);
         __syncthreads();
+        constexpr int COLS = 8 * NJ;
 #pragma unroll
-        for (int i = gtid; i < 16 * 32; i += HG_WARPS * 32) {
-            const int r = i >> 5, c = i & 31, t = tile * 16 + r;
+        for (int i = gtid; i < 16 * COLS; i += HG_WARPS * 32) {
+            const int r = i / COLS, c = i % COLS, t = tile * 16 + r;
             if (t < T) {
                 const float sum = sum_parked<HG_WARPS>(red, r, c);
                 out[t * out_row + h * out_head + n0 + c] = f32_to_bf16(sum);
             }
         }
         __syncthreads();   // red is rewritten by the next tile
-    };
-    if (KC == KS) {
-        for (int tile = tile0; tile * 16 < T; tile += tile_step) one_tile(tile);
-    } else if (tile0 * 16 < T) {
-        one_tile(tile0);   // chunked: the first tile only (the executor's T <= 16)
     }
 }
 

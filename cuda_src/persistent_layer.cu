@@ -35,8 +35,9 @@
 //   3 boundary    TP = 1 all-reduce stand-in: out = x (a fused all-reduce replaces this body)
 //   4 row_post    arg0 = row                                     qkv_a_post_row (mla_small.cuh): c_q norm, latent
 //                 norm + RoPE into the paged cache; op.x = qkv_a rows, op.w = q_a norm, op.K = q_lora, aux
-//   5 head_gemm   arg0 = head, arg1 = 64-column piece            head_gemm_* (mla_small.cuh) as two groups of 4
-//                 warps (32 columns each); piece 0 also rotates the head's q_pe when aux.pe is set
+//   5 head_gemm   arg0 = head, arg1 = piece, arg2 = its columns   head_gemm_* (mla_small.cuh) as two groups of 4
+//                 (64 with K = 128, 32 with K = 512)              warps; piece 0 also rotates the head's q_pe
+//                                                                when aux.pe is set
 //  15 gemm_part   arg0 = first weight row of the 16-row unit, arg1 / arg2 = first k tile / k tiles,
 //                 arg3 = workspace slot, arg4 / arg5 / arg6 = the group's first slot / gate parts / parts;
 //                 [12] = the run length from here, [13] / [14] = the run's waits (first, count). A block's
@@ -412,30 +413,27 @@ __device__ __forceinline__ void row_post_item(const PersistOp& op, const Persist
                          red + FL_THREADS / 32, wait);
 }
 
-// Item (head h, 64-column piece): two groups of 4 warps, group g the 32 columns piece * 64 + 32 g, each as one
-// mla_head_gemm block (the same body, mla_small.cuh: identical bits), the fragments of its first KC k16 steps
-// loaded before the wait and the rest of its weight lines prefetched into L2; the partial sums meet in the idle
-// ring memory. Piece 0's first group also rotates the head's q_pe. W_UV (K = 512) holds 2 of its 8 k16 steps
-// at a time (KC = 2: 16 registers; 4 spilled under sm_90's 128-register budget, all 8 did inlined or called,
-// NVRTC 12.9's ptxas).
-template <int KS, int KC>
+// Item (head h, piece c of 16 NJ columns, arg2 = that width): two groups of 4 warps, group g the 8 NJ columns
+// c * 16 NJ + 8 NJ g, each as one mla_head_gemm block would run them (the same body, mla_small.cuh: identical
+// bits), its weight fragments loaded before the wait; the partial sums meet in the idle ring memory. Piece 0's
+// first group also rotates the head's q_pe. One 16-row tile (T <= 16): the body's tile loop, inlined here,
+// spilled under sm_90's 128-register budget at W_UV's K = 512. W_UK: NJ = 4 (64-column pieces, 64 items of 16 KB
+// at Kimi's TP = 8 widths); W_UV: NJ = 1 (16-column pieces: also 64 items of 16 KB; at NJ = 4 its 64 fragment
+// registers per lane spilled).
+template <int KS, int NJ>
 __device__ __forceinline__ void head_gemm_item(const PersistOp& op, const PersistAux& a, const int* it,
                                                const CounterWait& wait, const int* abort_flag) {
     extern __shared__ uint4 smem[];
     const int h = it[2], piece = it[3];
-    const int grp = threadIdx.x >> 7, gtid = threadIdx.x & 127, warp = gtid >> 5, lane = threadIdx.x & 31;
-    const int n0 = piece * 64 + grp * 32;
-    uint32_t b[KC][4][2];
-    head_gemm_weights<KS, KC>(op.w, h, op.N, n0, warp, lane, 0, b);
-    // lane l: row n0 + l of the warp's K slice, the 128-byte lines of chunks 1.. (16 KC bf16 = 32 KC bytes each)
-    for (int c = 1; c < KS / KC; ++c)
-        for (int o = 0; o < 32 * KC; o += 128)
-            prefetch_l2(op.w + ((long long)h * op.N + n0 + lane) * (64 * KS) + warp * 16 * KS + 16 * KC * c + o / 2);
+    const int grp = threadIdx.x >> 7, gtid = threadIdx.x & 127, warp = gtid >> 5;
+    const int n0 = piece * 16 * NJ + grp * 8 * NJ;
+    uint32_t b[KS][NJ][2];
+    head_gemm_weights<KS, NJ>(op.w, h, op.N, n0, warp, threadIdx.x & 31, b);
     wait();
     if (*abort_flag) return;                           // uniform: written before the wait's barrier
     float (*red)[16][33] = reinterpret_cast<float (*)[16][33]>(smem) + grp * HG_WARPS;
-    head_gemm_tiles<KS, KC, true>(op.x, op.x_stride, a.x_head, (bf16_bits*)op.out, op.out_stride, a.out_head, op.T, h,
-                                  n0, 0, 1, warp, gtid, op.w, op.N, b, red);
+    head_gemm_tiles<KS, NJ, true, true>(op.x, op.x_stride, a.x_head, (bf16_bits*)op.out, op.out_stride, a.out_head, op.T, h,
+                                  n0, 0, 1, warp, gtid, b, red);
     if (a.pe != nullptr && piece == 0 && grp == 0)
         head_gemm_rope<true>(a.pe, a.pe_row, a.pe_head, a.pe_out, a.pe_out_row, a.pe_out_head, a.positions, a.inv_freq,
                              a.amplitude, a.half, op.T, h, 0, 1, gtid);
@@ -564,12 +562,12 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
                 } else {
                     row_post_item(op, a, it[2], wait);
                 }
-            } else if (op.N % 64 || 64 * (it[3] + 1) > op.N || op.T > 16) {   // one 16-row tile (MAX_T)
+            } else if (op.N % it[4] || it[4] * (it[3] + 1) > op.N || op.T > 16) {   // one 16-row tile (MAX_T)
                 ok = false;
-            } else if (op.K == 128) {
-                head_gemm_item<2, 2>(op, a, it, wait, &meta->abort_flag);
-            } else if (op.K == 512) {
-                head_gemm_item<8, 2>(op, a, it, wait, &meta->abort_flag);
+            } else if (op.K == 128 && it[4] == 64) {
+                head_gemm_item<2, 4>(op, a, it, wait, &meta->abort_flag);
+            } else if (op.K == 512 && it[4] == 16) {
+                head_gemm_item<8, 1>(op, a, it, wait, &meta->abort_flag);
             } else {
                 ok = false;
             }

@@ -385,15 +385,17 @@ def test_dependency_chain_schedules(kind):
         S.build_chain(kind, 3, 200, 4, 8)
 
 
-def test_head_products_are_cut_per_64_columns():
+def test_head_products_are_cut_per_column_pieces():
     # W_UK (+ RoPE) per (head, 64 of its 512 latent columns), the first piece also rotating the head's q_pe;
-    # W_UV per (head, 64 of its dv columns): every column of q_full and o written by exactly one item
+    # W_UV per (head, 16 of its dv columns): every column of q_full and o written by exactly one item, each
+    # item's record naming its piece width
     cfg, _ = _kimi()
     sh = S.target_shape(cfg, 8, 0, 1, 8)
     sc = S.build_layer(sh, 132)
-    for op, buf, width in (("w_uk_rope", "q_full", 576), ("w_uv", "o", sh.dv)):
+    for op, buf, width, piece in (("w_uk_rope", "q_full", 576, S.HEAD_COLS), ("w_uv", "o", sh.dv, S.HEAD_COLS_UV)):
         items = [it for it in sc.items if it.op == op]
-        assert len(items) == sh.nh * -(-(512 if op == "w_uk_rope" else sh.dv) // S.HEAD_COLS)
+        assert len(items) == sh.nh * -(-(512 if op == "w_uk_rope" else sh.dv) // piece)
+        assert all(it.args[2] == piece for it in items)
         cols = sorted(c for it in items for w in it.writes if w.buf == buf for c in range(w.c0, w.c1))
         assert cols == list(range(sh.nh * width))
-        assert all(w.c1 - w.c0 <= S.HEAD_COLS for it in items for w in it.writes)
+        assert all(w.c1 - w.c0 <= piece for it in items for w in it.writes if w.buf == buf and w.c0 % 576 < 512)

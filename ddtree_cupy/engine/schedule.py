@@ -58,7 +58,9 @@ KIND_NAME = {v: k for k, v in KIND.items()}
 
 MIN_PART_KT = 8            # a stream-K range holds at least this many k tiles (small GEMMs use fewer blocks)
 ALIGN_SLACK = 1.25         # whole-unit ranges when the longest is at most this much over an even split
-HEAD_COLS = 64             # a per-head product item: 64 output columns of one head (W_UK: 8 per head, W_UV: 2)
+HEAD_COLS = 64             # a W_UK (+ RoPE) item: 64 of one head's 512 latent columns (8 items per head)
+HEAD_COLS_UV = 16          # a W_UV item: 16 of one head's dv columns (K = 512: the executor's register budget
+                           # holds that piece's weight fragments; 8 items per head at dv = 128, 16 KB each)
 L2 = 0.25                  # cost model: activation bytes (just written, L2-resident) at a quarter of a weight byte
 MOE_UP_TILE = 64           # rows of the expert's 2I gate|up weight per item (gate and up halves together)
 MOE_DOWN_TILE = 512        # output columns (H) per expert down item
@@ -328,15 +330,16 @@ class _Builder:
                 writes = [Region("q_full", 0, T, c0, c0 + HEAD_COLS)]
                 if c == 0:
                     writes.append(Region("q_full", 0, T, hd * ROW + LAT, (hd + 1) * ROW))
-                self.add("head_gemm", "w_uk_rope", (hd, c), [Region("q", 0, T, hd * (dn + 64), (hd + 1) * (dn + 64))],
+                self.add("head_gemm", "w_uk_rope", (hd, c, HEAD_COLS),
+                         [Region("q", 0, T, hd * (dn + 64), (hd + 1) * (dn + 64))],
                          writes, HEAD_COLS * dn * 2 + T * (dn + 64 + HEAD_COLS + (64 if c == 0 else 0)) * 2,
                          group=f"w_uk_rope:{hd}")
         self._attention("q_full", ROW, "kv_new", ROW, "o_lat", LAT, per_head_groups=True)
         self.buf("o", T, nh * dv)
         for hd in range(nh):
-            for c in range(-(-dv // HEAD_COLS)):
-                c0, c1 = hd * dv + c * HEAD_COLS, hd * dv + min(dv, (c + 1) * HEAD_COLS)
-                self.add("head_gemm", "w_uv", (hd, c), [Region("o_lat", 0, T, hd * LAT, (hd + 1) * LAT)],
+            for c in range(-(-dv // HEAD_COLS_UV)):
+                c0, c1 = hd * dv + c * HEAD_COLS_UV, hd * dv + min(dv, (c + 1) * HEAD_COLS_UV)
+                self.add("head_gemm", "w_uv", (hd, c, HEAD_COLS_UV), [Region("o_lat", 0, T, hd * LAT, (hd + 1) * LAT)],
                          [Region("o", 0, T, c0, c1)], (c1 - c0) * LAT * 2 + T * (LAT + c1 - c0) * 2)
         self.gemm("o_proj", "o", "attn_part", H, nh * dv)
 

@@ -35,6 +35,8 @@ SUPPORTED_KINDS = frozenset({"norm_row", "gemm_part", "boundary", "row_post", "h
 MAX_T = 16                             # the decode GEMM body's token limit (NT <= 2)
 LATENT, ROPE, ROW, PAGE = 512, 64, 576, 64     # the MLA latent cache row (kernels/fused.py)
 QL_MAX = 8 * 2 * 256                   # the row body's q_lora limit (FL_QMAXV vectors of 8 per thread)
+# the head_gemm body's piece width per K (persistent_layer.cu head_gemm_item<KS, NJ>): W_UK, W_UV
+HEAD_PIECE = {128: sched_mod.HEAD_COLS, 512: sched_mod.HEAD_COLS_UV}
 DEFAULT_SPIN_LIMIT = 1 << 21           # polls of one wait before the launch gives up (~2 s: 1 us back-off)
 ERR_REASON = {1: "a dependency wait timed out", 2: "an item kind this build does not run",
               3: "an item whose shape the body does not serve (GEMM T > 16, head product K not 128 / 512, "
@@ -205,6 +207,12 @@ class PersistentSegment:
             raise ValueError(f"persistent segment: {len(s.ops)} stages ({len(with_aux)} with argument blocks) take "
                              f"{table_bytes(len(s.ops), len(with_aux))} bytes of op table; the executor's "
                              f"shared-memory copy holds {TABLE_BYTES}")
+        for it in s.items:
+            if it.segment == seg and it.kind == "head_gemm":
+                K = int(ops[it.op].w.shape[2]) if ops[it.op].w is not None and ops[it.op].w.ndim == 3 else None
+                if HEAD_PIECE.get(K) != it.args[2]:
+                    raise ValueError(f"stage {it.op}: items of {it.args[2]} columns, the head body runs "
+                                     f"{HEAD_PIECE} (columns per K)")
         self.s, self.seg, self.T = s, seg, T
         enc = s.encode(seg)
         table = np.zeros(len(s.ops), OP_DTYPE)
@@ -301,8 +309,9 @@ class PersistentSegment:
             raise ValueError(f"stage {name}: w must be a contiguous uint16 [nh, N, K], got "
                              f"{None if a.w is None else (a.w.shape, a.w.dtype)}")
         nh, N, K = (int(v) for v in a.w.shape)
-        if K not in (128, 512) or N % 64:
-            raise ValueError(f"stage {name}: w [nh, N, K] needs K in (128, 512) and N % 64 == 0, got {a.w.shape}")
+        if K not in HEAD_PIECE or N % HEAD_PIECE[K]:
+            raise ValueError(f"stage {name}: w [nh, N, K] needs K in {sorted(HEAD_PIECE)} and N a multiple of the "
+                             f"piece ({HEAD_PIECE}), got {a.w.shape}")
         rec["x_stride"] = _view3(f"{name}.x", a.x, T, (nh, K), 4)[0]
         rec["out_stride"] = _view3(f"{name}.out", a.out, T, (nh, N), 2)[0]
         rec["T"], rec["N"], rec["K"] = T, N, K
@@ -629,7 +638,7 @@ def emulate_segment(s: sched_mod.Schedule, seg: int, ops: Mapping[str, PersistOp
         elif kind == sched_mod.KIND["row_post"]:
             _emulate_row_post(op, a0)
         elif kind == sched_mod.KIND["head_gemm"]:
-            cols = slice(64 * a1, 64 * (a1 + 1))
+            cols = slice(a2 * a1, a2 * (a1 + 1))
             op.out[:T, a0, cols] = op.x[:T, a0, :] @ op.w[a0, cols, :].T
             if op.pe is not None and a1 == 0:
                 op.pe_out[:T, a0] = _rope_pairs(op.pe[:T, a0], op.positions[:T], op.inv_freq, op.amplitude)
