@@ -290,9 +290,6 @@ def main(argv=None) -> int:
     ap.add_argument("--pdl", type=int, default=1, help="1: also time the step captured with PDL launches")
     ap.add_argument("--persistent", type=int, default=1,
                     help="1: also time the step with the dense MLP halves as persistent launches (<= 16 rows)")
-    ap.add_argument("--persistent-attn", type=int, default=1,
-                    help="1: also time the step with every layer's attention half as two persistent launches around "
-                         "the attention kernels (<= 16 rows)")
     ap.add_argument("--stages", type=int, default=1, help="1: time layer 1 and each of its stages as graphs")
     ap.add_argument("--loo", type=int, default=0,
                     help="1: the verify phase (every layer, PDL launches as the engine's graph) timed with each layer "
@@ -462,45 +459,36 @@ def main(argv=None) -> int:
                 step.capture()
                 step.upload(ctrl)
             step_persist_s, persist_check = None, None
-            step_pattn_s, pattn_check = None, None
-            from ddtree_cupy.kernels import persistent as pk
-            if S * R <= pk.MAX_T and (a.persistent or a.persistent_attn):
-                def logits():
-                    step.graph.launch(st)
-                    st.synchronize()
-                    return step.batch.logits.get()
-                base = logits()
-
-                def persistent_variant(setter):
-                    """The same step with ``setter(True)`` (kernels/persistent.py: the dense layers' MLP halves,
-                    or every layer's attention half, as persistent launches; today's kernels elsewhere), timed
-                    the same way, logits compared with the plain graph's (the GEMM tiles sum in another order:
-                    close, not bitwise)."""
-                    old = setter(True)
-                    t, check = None, None
+            if a.persistent:
+                from ddtree_cupy.kernels import persistent as pk
+                if S * R <= pk.MAX_T:
+                    # the same step with the dense layers' MLP halves as persistent launches (kernels/
+                    # persistent.py; today's kernels elsewhere): timed the same way, logits compared with the
+                    # plain graph's (the GEMM tiles sum in another order: close, not bitwise)
+                    def logits():
+                        step.graph.launch(st)
+                        st.synchronize()
+                        return step.batch.logits.get()
+                    base = logits()
+                    old = pk.set_mlp(True)
                     try:
                         with st:
                             dict(step.phases())["verify"]()      # eager first: uploads the segments' schedules
                         st.synchronize()
                         step.capture()
                         step.upload(ctrl)
-                        t = replay_s()
+                        step_persist_s = replay_s()
                         got = logits()
-                        check = dict(
+                        persist_check = dict(
                             logits_rel_err=float(np.linalg.norm(got - base) / max(float(np.linalg.norm(base)), 1e-30)),
                             argmax_equal=float(np.mean(got.argmax(-1) == base.argmax(-1))))
-                    except Exception as e:          # report and go on: the persistent paths are optional
+                    except Exception as e:          # report and go on: the persistent path is optional
                         print(f"    persistent capture/replay failed: {type(e).__name__}: {e}", flush=True)
                     finally:
-                        setter(old)
+                        pk.set_mlp(old)
                     st.synchronize()
                     step.capture()
                     step.upload(ctrl)
-                    return t, check
-                if a.persistent:
-                    step_persist_s, persist_check = persistent_variant(pk.set_mlp)
-                if a.persistent_attn:
-                    step_pattn_s, pattn_check = persistent_variant(pk.set_attn)
             noop_s = noop_pdl_s = None
             if live:
                 # the same graphs captured with the collectives off: the difference is what they cost here
@@ -552,9 +540,6 @@ def main(argv=None) -> int:
                        step_persistent_ms=None if step_persist_s is None else step_persist_s * 1e3,
                        persistent_ratio_to_floor=None if step_persist_s is None else step_persist_s / floor_s,
                        persistent_check=persist_check,
-                       step_persistent_attn_ms=None if step_pattn_s is None else step_pattn_s * 1e3,
-                       persistent_attn_ratio_to_floor=None if step_pattn_s is None else step_pattn_s / floor_s,
-                       persistent_attn_check=pattn_check,
                        leave_one_out=loo, collectives=coll)
             results.append(rec)
             print(f"S={S:2d} R={R:2d}: step {step_s * 1e3:7.2f} ms (floor {floor_s * 1e3:6.2f} ms, x{step_s / floor_s:4.2f})"
@@ -567,9 +552,6 @@ def main(argv=None) -> int:
             if step_persist_s is not None:
                 print(f"    step with persistent dense MLP {step_persist_s * 1e3:.2f} ms (x{step_persist_s / floor_s:4.2f} "
                       f"floor; plain {step_s * 1e3:.2f}) {persist_check}", flush=True)
-            if step_pattn_s is not None:
-                print(f"    step with persistent attention halves {step_pattn_s * 1e3:.2f} ms (x{step_pattn_s / floor_s:4.2f} "
-                      f"floor; plain {step_s * 1e3:.2f}) {pattn_check}", flush=True)
             if coll:
                 print(f"    collectives on ({coll['ranks']} GPUs) {with_c * 1e3:.2f} ms, off {eng_s * 1e3:.2f} ms: "
                       f"{coll['collectives_ms']:.2f} ms for {n_reduce} all-reduces + {n_gather} all-gathers = "

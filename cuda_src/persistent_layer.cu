@@ -482,12 +482,25 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
     const int* rows = items + PERSIST_REC * (long long)blockIdx.x * stride;
     long long* trace_hdr = trace ? trace + 4 * (long long)blockIdx.x * stride : nullptr;   // the header row's
     if (trace && threadIdx.x == 0) meta->t_block = global_ns();
+    // Launched with PDL (programmatic serialization; otherwise both are no-ops), the set-up overlaps the
+    // kernel before: every block lets the next kernel launch at its start (that kernel's blocks get only
+    // what this grid leaves over: every block of this grid has started by then, so co-residency holds), and
+    // reads only what the host wrote (its list, records and the op table) before the wait. The launch
+    // count, the counters and every activation come after it: the kernel before may be this segment's
+    // previous launch, still counting, and a read before the wait sees no order.
+    DDT_PDL_LAUNCH_DEPENDENTS();
     // the header and the first step's records (PERSIST_RUN_MAX of them) and the op table in one round trip
     if (threadIdx.x < PERSIST_REC * (1 + PERSIST_RUN_MAX)) {
         const int q = threadIdx.x, v = rows[q];
         if (q == 0) meta->count = v;
         else if (q >= PERSIST_REC) (&meta->rec[0][0][0])[q - PERSIST_REC] = v;
     }
+    {
+        const uint2* src = reinterpret_cast<const uint2*>(ops);
+        uint2* dst = reinterpret_cast<uint2*>(ops_s);
+        for (int v = threadIdx.x; v < table_words; v += PERSIST_THREADS) dst[v] = src[v];   // ops, then aux
+    }
+    DDT_PDL_WAIT();
     if (threadIdx.x == 0) {
         meta->abort_flag = 0;
         // The launch's counter set: launches of this segment are stream-ordered and every block counts its
@@ -499,11 +512,6 @@ persistent_layer(const int* __restrict__ items, int stride, const int* __restric
         const int g = launches[blockIdx.x];
         launches[blockIdx.x] = g + 1;
         meta->set = g & 1;
-    }
-    {
-        const uint2* src = reinterpret_cast<const uint2*>(ops);
-        uint2* dst = reinterpret_cast<uint2*>(ops_s);
-        for (int v = threadIdx.x; v < table_words; v += PERSIST_THREADS) dst[v] = src[v];   // ops, then aux
     }
     __syncthreads();
     if (trace && threadIdx.x == 0) {

@@ -117,9 +117,6 @@ KNOBS: tuple = (
     Knob("DDT_PERSISTENT_MLP", "persistent_mlp", _bit, False, "0/1",
          "a dense layer's MLP half (post-attention norm .. down projection) and the drafter's MLP as one persistent "
          "launch at <= 16 rows (opt-in until a GPU run measures it faster)", "docs/PERSISTENT.md"),
-    Knob("DDT_PERSISTENT_ATTN", "persistent_attn", _bit, False, "0/1",
-         "a target layer's attention half as two persistent launches around the attention kernels (qkv_a .. W_UK + "
-         "RoPE; W_UV, o_proj) at <= 16 rows (opt-in until a GPU run measures it faster)", "docs/PERSISTENT.md"),
     Knob("DDT_GPU_MEM_LOG", "gpu_mem_log", _text, "", "FILE",
          "the GPU test suite appends each test's CuPy pool footprint to FILE (bench/ci_gpu.sh sets it)",
          "docs/PROFILING.md", measuring=True),
@@ -145,7 +142,6 @@ class Knobs:
     allreduce_table: str = ""
     ar_timeout_s: Optional[float] = None
     persistent_mlp: bool = False
-    persistent_attn: bool = False
     gpu_mem_log: str = ""
     cache_dir: str = ""
     fault_grace_s: Optional[float] = None

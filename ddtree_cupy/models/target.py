@@ -124,7 +124,6 @@ class GpuTarget:
         self.gemm_ws = cupy.empty(max(need, 1), np.float32)
         self._mla_ws: Dict[Tuple[int, int, int, int], object] = {}
         self._persist: Dict[Tuple[int, int], object] = {}     # (layer, T) -> persistent MLP segment
-        self._persist_attn: Dict[Tuple[int, ...], object] = {}  # (layer, batch, cache) -> its two launches
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def _gemm_shapes(self):
@@ -250,37 +249,6 @@ class GpuTarget:
             stages = stages[1:]          # the input norm stage would do nothing
         return stages
 
-    def _persistent_attention(self, i: int, x, batch: TargetBatch, kv: GpuLatentCache, out):
-        """Layer i's attention half at this batch's rows as two persistent launches (kernels/persistent.py
-        bind_attention_half): qkv_a .. W_UK + RoPE from ``x`` (the normed rows), and W_UV, o_proj into ``out``;
-        today's attention kernels run between them. Built on first use per (layer, batch, cache), like the
-        attention workspaces (not inside a capture)."""
-        from ..engine import schedule
-        from ..kernels import persistent
-        key = (i, batch.T, batch.S) + tuple(int(a.data.ptr) for a in (batch.positions, batch.kv_pos, batch.stream_ids,
-                                                                       kv.pools[i], kv.block_table, x, out))
-        segs = self._persist_attn.get(key)
-        if segs is not None:
-            return segs
-        import cupy
-        if getattr(cupy.cuda.get_current_stream(), "is_capturing", lambda: False)():
-            raise ValueError("GpuTarget.forward: first persistent attention call for this batch inside graph capture; "
-                             "run it once eagerly first (it uploads the schedule)")
-        cfg, L, T = self.cfg, self.w.layers[i], batch.T
-        grid = persistent.default_grid()
-        sh = schedule.target_shape(cfg, self.tp_size, i, batch.S, batch.R)
-        sc = schedule.build_layer(sh, grid, parts=("attention",), attention="segment", input_norm=False,
-                                  bytes_per_us_per_block=4.0e6 / grid)
-        ops = persistent.bind_attention_half(
-            sc, w_qkv_a=L.w_qkv_a, q_a_norm=L.q_a_norm, kv_a_norm=L.kv_a_norm, latent_eps=float(cfg.latent_norm_eps),
-            w_q_b=L.w_q_b, w_uk_t=L.w_uk_t, w_uv=L.w_uv, w_o=L.w_o, positions=batch.positions, inv_freq=self.inv_freq,
-            amplitude=self.amplitude, stream_ids=batch.stream_ids, kv_pos=batch.kv_pos, pool=kv.pools[i],
-            block_table=kv.block_table, normed=x, qkv=self.qkv_a[:T], c_q=self.c_q[:T], q=self.q[:T],
-            q_full=self.q_full[:T], o_lat=self.o_lat[:T], o=self.o[:T], attn_part=out)
-        segs = (persistent.PersistentSegment(sc, 0, ops), persistent.PersistentSegment(sc, 2, ops))
-        self._persist_attn[key] = segs
-        return segs
-
     def _persistent_mlp_stages(self, i: int, T: int):
         """Dense layer i's MLP half at T rows as one persistent launch (kernels/persistent.py), then the
         all-reduce; built on first use for (i, T), like the attention workspaces (not inside a capture)."""
@@ -324,22 +292,6 @@ class GpuTarget:
         max_kv = batch.max_kv_len if batch.max_kv_len is not None else kv.capacity_per_stream
         ws = self._mla_workspace(batch.S, batch.R, T, max_kv)
 
-        def attention():
-            mla_attention(qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
-                          softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
-                          out=self.o_lat[:T], workspace=ws)
-
-        from ..kernels import persistent
-        if persistent.attn_enabled() and T <= persistent.MAX_T:
-            pre, post = self._persistent_attention(i, x, batch, kv, out)
-
-            def post_reduce():
-                post.launch()
-                if reduce:
-                    self._reduce(out, norm)
-            return [("attn_pre_persistent", pre.launch), ("attention", attention),
-                    ("attn_post_persistent", post_reduce)]
-
         def o_proj():
             self._gemm(self.o[:T], L.w_o, out)
             if reduce:
@@ -355,7 +307,10 @@ class GpuTarget:
             ("w_uk_rope", lambda: mla_head_gemm(
                 q3[:, :, :dn], L.w_uk_t, qf[:, :, :LATENT], pe=q3[:, :, dn:], pe_out=qf[:, :, LATENT:],
                 positions=batch.positions, inv_freq=self.inv_freq, amplitude=self.amplitude)),
-            ("attention", attention),
+            ("attention", lambda: mla_attention(
+                qf, kv.pools[i], kv.block_table[:batch.S], batch.prefix_len, batch.n_rows, batch.row_start,
+                softmax_scale=self.softmax_scale, max_rows=batch.R, max_kv_len=max_kv, mask=batch.mask,
+                out=self.o_lat[:T], workspace=ws)),
             ("w_uv", lambda: mla_head_gemm(self.o_lat[:T], L.w_uv, self.o[:T].reshape(T, nh, d["dv"]))),
             ("o_proj", o_proj)]
 

@@ -252,16 +252,13 @@ def tiny_target():
     return cfg, GpuTargetWeights.from_checkpoint(tdir, cfg, 0, 1)
 
 
-def _forward(cfg, w, on, S_, R, seed, graph=False, switch="mlp"):
-    """The tiny target's logits with the persistent switch ``switch`` ("mlp": set_mlp, "attn": set_attn) on or
-    off (and the stage names of layer 0); with ``graph`` also two replays of a captured forward."""
+def _forward(cfg, w, on, S_, R, seed, graph=False):
     import cupy as cp
     from ddtree_cupy.kernels import persistent
     from ddtree_cupy.models.batch import TargetBatch
     from ddtree_cupy.models.kv import GpuLatentCache
     from ddtree_cupy.models.target import GpuTarget
-    setter = persistent.set_mlp if switch == "mlp" else persistent.set_attn
-    old = setter(on)
+    old = persistent.set_mlp(on)
     try:
         tgt = GpuTarget(cfg, w, None, max_tokens=S_ * R)
         kv = GpuLatentCache(cfg.num_hidden_layers, S_ + 1, S_, 1)
@@ -293,7 +290,7 @@ def _forward(cfg, w, on, S_, R, seed, graph=False, switch="mlp"):
                 out.append(b.logits.get())
         return eager, names, out
     finally:
-        setter(old)
+        persistent.set_mlp(old)
 
 
 @pytest.mark.parametrize("S_,R", [(1, 8), (2, 8), (1, 3)])

@@ -202,33 +202,3 @@ def _bind_kwargs(dev, bufs):
                 amplitude=1.25, stream_ids=dev["stream_ids"], kv_pos=dev["kv_pos"], pool=dev["pool"],
                 block_table=dev["block_table"], normed=bufs["normed"], qkv=bufs["qkv"], c_q=bufs["c_q"],
                 q=bufs["q"], q_full=bufs["q_full"], o_lat=dev["o_lat"], o=bufs["o"], attn_part=bufs["attn_part"])
-
-
-# ---- the engine: GpuTarget with the persistent attention half (kernels.persistent.set_attn) ------------------
-from test_persistent import _forward, tiny_target  # noqa: E402,F401
-
-
-@pytest.mark.parametrize("S_,R", [(1, 8), (2, 8), (1, 3)])
-def test_target_with_persistent_attention_equals_today(tiny_target, S_, R):      # noqa: F811
-    cfg, w = tiny_target
-    off, names_off = _forward(cfg, w, False, S_, R, seed=S_ * 10 + R, switch="attn")
-    on, names_on = _forward(cfg, w, True, S_, R, seed=S_ * 10 + R, switch="attn")
-    assert {"attn_pre_persistent", "attn_post_persistent"} <= set(names_on)
-    assert "qkv_a_gemm" not in names_on and "qkv_a_gemm" in names_off
-    assert np.all(np.isfinite(on))
-    # every layer's qkv_a, q_b and o_proj sum K in another order: the same model to bf16 rounding
-    assert rel_err(on, off) < 2e-2
-    assert np.mean(on.argmax(-1) == off.argmax(-1)) >= 0.9
-
-
-def test_target_persistent_attention_graph_replay_equals_eager(tiny_target):      # noqa: F811
-    cfg, w = tiny_target
-    eager, _, replays = _forward(cfg, w, True, 1, 8, seed=4, graph=True, switch="attn")
-    for r in replays:
-        assert np.array_equal(r.view(np.uint32), eager.view(np.uint32))
-
-
-def test_target_persistent_attention_above_16_rows_keeps_today(tiny_target):      # noqa: F811
-    cfg, w = tiny_target
-    _, names = _forward(cfg, w, True, 2, 12, seed=1, switch="attn")        # T = 24 > MAX_T
-    assert "attn_pre_persistent" not in names and "qkv_a_gemm" in names
