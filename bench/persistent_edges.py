@@ -56,6 +56,13 @@ def run_chain(cp, kind, T, width, read_gbs):
     for n in STAGES:
         sc = S.build_chain(kind, T, width, n, grid, bytes_per_us_per_block=4.0e6 / grid)
         segs = [PersistentSegment(sc, 0, bind_chain(sc, xs[:n + 1], ws[:n])) for ws in wsets]
+        t_whole = None
+        if kind == "gemm":     # the part ends' share of an edge: whole units only (no workspace, arrival, fixup)
+            sw = S.build_chain(kind, T, width, n, grid, bytes_per_us_per_block=4.0e6 / grid, whole_units=True)
+            segs_w = [PersistentSegment(sw, 0, bind_chain(sw, xs[:n + 1], ws[:n])) for ws in wsets]
+            segs_w[0].launch()
+            segs_w[0].check()
+            xw = xs[n].copy()
 
         def today(ws, n=n):
             def run():
@@ -69,6 +76,12 @@ def run_chain(cp, kind, T, width, read_gbs):
         segs[0].check()
         today(wsets[0])()
         err = _rel(cp, xs[n], xt[n])
+        err_whole = None
+        if kind == "gemm":
+            err_whole = _rel(cp, xw, xt[n])
+            t_whole = time_graph(_Cycle(sg.launch for sg in segs_w))
+            for sg in segs_w:
+                sg.check()
         t_pers = time_graph(_Cycle(sg.launch for sg in segs))
         for sg in segs:
             sg.check()
@@ -82,7 +95,8 @@ def run_chain(cp, kind, T, width, read_gbs):
             launch.set_pdl(old)
         stage_bytes = sum(w.nbytes for w in w0[:n]) + 2 * n * x0.nbytes
         rows.append({"kind": kind, "T": T, "width": width, "stages": n, "blocks": grid, "items": len(sc.items),
-                     "persistent_us": t_pers, "kernels_us": t_plain, "kernels_pdl_us": t_pdl,
+                     "persistent_us": t_pers, "persistent_whole_units_us": t_whole, "rel_err_whole_units": err_whole,
+                     "kernels_us": t_plain, "kernels_pdl_us": t_pdl,
                      "floor_us": stage_bytes / (read_gbs * 1e3), "rel_err": err})
     return rows
 
@@ -109,10 +123,16 @@ def main(argv=None):
                       f"{r['kernels_us']:10.2f} {r['kernels_pdl_us']:8.2f} {r['floor_us']:8.2f} {r['rel_err']:9.2e}")
             n = [r["stages"] for r in rs]
             per = {m: slope(n, [r[f"{m}_us"] for r in rs]) for m in ("persistent", "kernels", "kernels_pdl")}
+            whole = ""
+            if kind == "gemm":
+                whole = f", persistent whole units {slope(n, [r['persistent_whole_units_us'] for r in rs]):.2f}"
+                for r in rs:
+                    print(f"      whole units: {r['persistent_whole_units_us']:.2f} us (rel err "
+                          f"{r['rel_err_whole_units']:.1e})")
             fl = rs[-1]["floor_us"] / rs[-1]["stages"]
-            lines.append(f"edge {kind:5} T {T:2d}: us per added stage: persistent {per['persistent']:.2f}, kernels "
-                         f"{per['kernels']:.2f}, kernels with PDL {per['kernels_pdl']:.2f} (floor {fl:.2f} per "
-                         f"stage)")
+            lines.append(f"edge {kind:5} T {T:2d}: us per added stage: persistent {per['persistent']:.2f}{whole}, "
+                         f"kernels {per['kernels']:.2f}, kernels with PDL {per['kernels_pdl']:.2f} (floor {fl:.2f} "
+                         f"per stage)")
     print()
     for line in lines:
         print(line)

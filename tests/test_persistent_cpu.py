@@ -244,9 +244,10 @@ def test_dependency_chain_emulates_the_stages_in_order(kind):
     ref = x0
     for w in ws:
         ref = w * ref / np.sqrt(np.mean(ref * ref, axis=1, keepdims=True) + 1e-6) if kind == "norm" else ref @ w.T
-    for seed in range(3):
+    scs = [sc] + ([S.build_chain(kind, T, W, n, 37, whole_units=True)] if kind == "gemm" else [])
+    for sc_, seed in ((c, sd) for c in scs for sd in range(3)):
         xs = [x0.copy()] + [np.full((T, W), np.nan) for _ in range(n)]
-        P.emulate_segment(sc, 0, P.bind_chain(sc, xs, ws), seed=seed)
+        P.emulate_segment(sc_, 0, P.bind_chain(sc_, xs, ws), seed=seed)
         assert np.linalg.norm(xs[-1] - ref) / np.linalg.norm(ref) < 1e-12
     with pytest.raises(ValueError, match="row buffers"):
         P.bind_chain(sc, xs[:-1], ws)

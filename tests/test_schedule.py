@@ -379,6 +379,13 @@ def test_dependency_chain_schedules(kind):
         sc = S.build_chain(kind, 3, 256, 4, nb)
         assert sc.ops == [f"{kind}{j}" for j in range(4)] and sc.n_segments == 1
         S.simulate(sc, seed=nb)
+    if kind == "gemm":      # the whole-unit bound: every group a single part on its own block, width / 16 blocks
+        for nb in (1, 7, 16, 200):
+            sc = S.build_chain(kind, 3, 256, 4, nb, whole_units=True)
+            parts = [it for it in sc.items if it.kind == "gemm_part"]
+            assert all(it.args[6] == 1 and it.args[1] == 0 and it.args[2] == 4 for it in parts)
+            assert len({it.block for it in parts if it.op == "gemm0"}) == min(nb, 16)
+            S.simulate(sc, seed=nb)
     with pytest.raises(ValueError, match="kind must be"):
         S.build_chain("attention", 3, 256, 4, 8)
     with pytest.raises(ValueError, match="multiple of 64"):

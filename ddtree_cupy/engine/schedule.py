@@ -177,6 +177,7 @@ class _Builder:
     def __init__(self, shape: LayerShape, n_blocks: int, allreduce: str, rate: float, attention: str = "item"):
         self.s, self.n_blocks, self.allreduce, self.rate = shape, n_blocks, allreduce, rate
         self.attention = attention
+        self.whole_units = False        # GEMMs as whole 16-row units only (build_chain's bound on the part ends)
         self.items: List[Item] = []
         self.buffers: Dict[str, Tuple[int, int]] = {}     # produced buffers: name -> (rows, cols)
         self.inputs: Dict[str, Tuple[int, int]] = {}      # buffers that exist before the layer
@@ -262,6 +263,9 @@ class _Builder:
         free, ready = _model_free(self.items, self.n_blocks, self.rate, self.segment, x)
         start = [max(f, ready) for f in free]
         n_use = max(1, min(self.n_blocks, total // MIN_PART_KT))
+        forced = self.whole_units and align > 1 and total % align == 0
+        if forced:                                    # one block per unit at most: every group one part
+            n_use = max(1, min(self.n_blocks, total // align))
         use = sorted(range(self.n_blocks), key=lambda b: (start[b], b))[:n_use]
         work = total * unit_cost / self.rate          # us of streaming over all blocks
         # common finish E: sum over used blocks of (E - start_b)+ = work
@@ -277,8 +281,8 @@ class _Builder:
         share = {b: max(0.0, E - start[b]) for b in use}
         tot = sum(share.values()) or 1.0
         n_whole = total // align
-        q = align if (align > 1 and total % align == 0 and n_whole >= len(use)
-                      and -(-n_whole // len(use)) * len(use) <= ALIGN_SLACK * n_whole) else 1
+        q = align if forced or (align > 1 and total % align == 0 and n_whole >= len(use)
+                                and -(-n_whole // len(use)) * len(use) <= ALIGN_SLACK * n_whole) else 1
         out = [(0, 0)] * self.n_blocks
         lo, cum = 0, 0.0
         for b in sorted(use):
@@ -644,12 +648,13 @@ def build_gemm(T: int, N: int, K: int, n_blocks: int, bytes_per_us_per_block: fl
 
 
 def build_chain(kind: str, T: int, width: int, stages: int, n_blocks: int,
-                bytes_per_us_per_block: float = 4.0e6 / 132) -> Schedule:
+                bytes_per_us_per_block: float = 4.0e6 / 132, whole_units: bool = False) -> Schedule:
     """A chain of ``stages`` dependent stages on [T, width] rows, each reading only what the one before it
     wrote (x0 -> x1 -> ... -> x{stages}; x0 exists before the launch): what one dependency edge costs the
     executor against a kernel boundary (bench/persistent_edges.py). ``kind`` "norm": stage j (op
     ``norm{j}``) is an RMSNorm of each row of x{j}, one item per row; "gemm": x{j+1} = x{j} @ w{j}^T
-    (op ``gemm{j}``, width x width, stream-K parts)."""
+    (op ``gemm{j}``, width x width, stream-K parts; ``whole_units``: one whole 16-row unit per block, no
+    cross-block part ends, on width / 16 blocks)."""
     if kind not in ("norm", "gemm"):
         raise ValueError(f"build_chain: kind must be 'norm' or 'gemm', got {kind!r}")
     if T < 1 or stages < 1 or width < 64 or width % 64:
@@ -657,6 +662,7 @@ def build_chain(kind: str, T: int, width: int, stages: int, n_blocks: int,
                          f"T {T}, width {width}, stages {stages}")
     shape = LayerShape("dense", 1, int(T), H=int(width), nh=1, ql=1, F=int(width))
     b = _Builder(shape, int(n_blocks), "segment", float(bytes_per_us_per_block))
+    b.whole_units = bool(whole_units)
     b.inp("x0", T, width)
     for j in range(stages):
         if kind == "norm":
