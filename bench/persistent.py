@@ -66,6 +66,17 @@ def _breakdown(seg):
     return {k: [float(np.percentile(v, q)) / 1e3 for q in (0, 50, 100)] for k, v in per.items()}
 
 
+def stage_spans(seg):
+    """{stage: (first item's start, last item's end)} of a traced launch, us from its first item's start."""
+    tl = seg.timeline()
+    t0 = min(t for _, _, _, t, _ in tl)
+    spans = {}
+    for _, _, op, a, e in tl:
+        lo, hi = spans.get(op, (1 << 62, 0))
+        spans[op] = (min(lo, a - t0), max(hi, e - t0))
+    return {op: (lo / 1e3, hi / 1e3) for op, (lo, hi) in spans.items()}
+
+
 def _print_breakdown(bd, indent="    "):
     print(f"{indent}per block, us from the first block's start (min / median / max over blocks):")
     for k, (lo, md, hi) in bd.items():
@@ -217,11 +228,7 @@ def run_shape(cp, kind, T, read_gbs, timeline=False, repeat=0):
         row["breakdown_us"] = _breakdown(seg)
         tl = seg.timeline()
         t0 = min(t for _, _, _, t, _ in tl)
-        spans = {}
-        for b, _, op, a, e in tl:
-            lo, hi = spans.get(op, (1 << 62, 0))
-            spans[op] = (min(lo, a - t0), max(hi, e - t0))
-        row["stage_spans_us"] = {op: (lo / 1e3, hi / 1e3) for op, (lo, hi) in spans.items()}
+        row["stage_spans_us"] = stage_spans(seg)
         busy = {}
         for b, _, op, a, e in tl:
             busy[b] = busy.get(b, 0) + (e - a)

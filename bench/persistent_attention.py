@@ -20,21 +20,11 @@ import sys
 import numpy as np
 
 from bench.ceilings import measure_read_bandwidth, time_graph
-from bench.persistent import _Cycle, _copies, _rel
+from bench.persistent import _Cycle, _copies, _rel, stage_spans
 from ddtree_cupy.engine import schedule as S
 
 H, NH, QL, DN, DV = 7168, 8, 1536, 128, 128
 ROW, LAT, PAGE = 576, 512, 64
-
-
-def _spans(seg):
-    tl = seg.timeline()
-    t0 = min(t for _, _, _, t, _ in tl)
-    spans = {}
-    for _, _, op, a, e in tl:
-        lo, hi = spans.get(op, (1 << 62, 0))
-        spans[op] = (min(lo, a - t0), max(hi, e - t0))
-    return {op: (lo / 1e3, hi / 1e3) for op, (lo, hi) in spans.items()}
 
 
 def run_shape(cp, T, read_gbs, timeline=False):
@@ -126,7 +116,7 @@ def run_shape(cp, T, read_gbs, timeline=False):
                "weight_copies": n_copies, "rel_err_vs_today": errs}
         if timeline:
             cp.cuda.Stream.null.synchronize()
-            row["stage_spans_us"] = _spans(segs[0][idx])
+            row["stage_spans_us"] = stage_spans(segs[0][idx])
         rows.append(row)
     return rows
 
