@@ -10,8 +10,8 @@ passes its bound sets the error word instead of hanging; ``check`` raises it nam
 Item bodies this build runs: ``norm_row``, ``gemm_part`` (a stream-K part of a 16-row unit, T <= 16; a block's
 consecutive parts of one GEMM run as one step through one ring; the group's last part sums the partials,
 with SwiGLU for a gate|up pair), ``boundary`` (TP = 1: the all-reduce stand-in copy), ``row_post`` (the MLA
-qkv_a epilogue of one row: the two latent norms, RoPE of k_pe, the cache write) and ``head_gemm`` (64 output
-columns of one head's W_UK (+ RoPE of q_pe) or W_UV product); ``supported_segment`` says whether a segment
+qkv_a epilogue of one row: the two latent norms, RoPE of k_pe, the cache write) and ``head_gemm`` (a piece of
+one head's W_UK (+ RoPE of q_pe) or W_UV product: 64 or 16 output columns, ``HEAD_PIECE``); ``supported_segment`` says whether a segment
 uses only those (the dense / drafter MLP half of a layer does, and a target layer's attention half around
 its attention kernels, built with ``attention="segment"``; the attention and MoE items are not built yet,
 see docs/PERSISTENT.md). A segment owns the fp32 workspace of its GEMMs' partial slots.
@@ -125,7 +125,8 @@ class PersistOpArgs:
     the kv_a norm [512], out = c_q [T, ql], K = ql, eps; positions / stream_ids / kv_pos int32 [T], inv_freq
     float32 [32], amplitude, pool [pages, 64, 576], block_table int32 [streams, max_pages].
     head_gemm (kernels/fused.mla_head_gemm's): x [T, nh, K] and out [T, nh, N] strided views, w [nh, N, K]
-    (N % 64 == 0, K 128 or 512); optionally pe / pe_out [T, nh, 2 half] with positions, inv_freq, amplitude."""
+    (K 128 or 512, N a multiple of that K's piece, ``HEAD_PIECE``); optionally pe / pe_out [T, nh, 2 half] with
+    positions, inv_freq, amplitude."""
     x: object
     out: object
     w: object = None
